@@ -1,0 +1,1 @@
+"""Platform adapters: one module per platform plus the common base."""

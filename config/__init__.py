@@ -1,0 +1,38 @@
+"""Typed gateway configuration: the hermes.yaml schema and its loader."""
+
+from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
+from config.schema import (
+    AgentConfig,
+    DiscordConfig,
+    GatewayConfig,
+    HttpConfig,
+    PlatformConfig,
+    PlatformsConfig,
+    QueueConfig,
+    ResetByType,
+    SessionResetPolicy,
+    SlackConfig,
+    StorageConfig,
+    TelegramConfig,
+    resolve_timezone,
+)
+
+__all__ = [
+    "EXIT_CONFIG",
+    "AgentConfig",
+    "ConfigError",
+    "DiscordConfig",
+    "GatewayConfig",
+    "HttpConfig",
+    "PlatformConfig",
+    "PlatformsConfig",
+    "QueueConfig",
+    "ResetByType",
+    "SessionResetPolicy",
+    "SlackConfig",
+    "StorageConfig",
+    "TelegramConfig",
+    "hermes_home",
+    "load_config",
+    "resolve_timezone",
+]

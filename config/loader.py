@@ -1,0 +1,162 @@
+"""Find, read and validate hermes.yaml, turning every failure into one readable ConfigError.
+
+Errors name the file and the dotted key path of each problem but never the offending
+value: the config holds tokens, and error text ends up in logs and terminals.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+from pydantic_core import ErrorDetails
+
+from config.schema import GatewayConfig
+
+EXIT_CONFIG = 78  # EX_CONFIG from sysexits.h; the systemd unit must not restart on it
+
+_ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+
+KeyPath = tuple[str | int, ...]
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used. ``str()`` is the full message for people;
+    ``problems`` holds one ``key.path: what is wrong`` line per problem."""
+
+    def __init__(self, message: str, problems: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.problems = problems if problems is not None else [message]
+
+
+def hermes_home() -> Path:
+    """The state and config directory: $HERMES_HOME, default ~/.hermes."""
+    return Path(os.environ.get("HERMES_HOME") or "~/.hermes").expanduser()
+
+
+def load_config(path: str | os.PathLike[str] | None = None) -> GatewayConfig:
+    """Load the config from ``path``, else $HERMES_CONFIG, else $HERMES_HOME/hermes.yaml.
+
+    With no file at the default location this is the zero-config default; a file that
+    was named explicitly must exist.
+    """
+    explicit = path if path is not None else os.environ.get("HERMES_CONFIG") or None
+    config_path = Path(explicit).expanduser() if explicit else hermes_home() / "hermes.yaml"
+    if not config_path.exists():
+        if explicit:
+            raise ConfigError(f"config file not found: {config_path}")
+        return GatewayConfig()
+
+    data = _read_yaml(config_path)
+    problems: list[str] = []
+    if "source_path" in data:
+        # A real field, but one only the loader sets; in YAML it is just an unknown key.
+        data = {key: value for key, value in data.items() if key != "source_path"}
+        problems.append("source_path: unknown key")
+    from_env: set[KeyPath] = set()
+    env_problems: list[str] = []
+    data = _expand_env(data, (), from_env, env_problems)
+    if env_problems:
+        # Validating half-expanded data would only add confusing follow-on errors.
+        raise _config_error(config_path, problems + env_problems)
+    config, validation_problems = _validate(data, from_env)
+    problems.extend(validation_problems)
+    if config is None or problems:
+        raise _config_error(config_path, problems)
+    return config.model_copy(update={"source_path": config_path})
+
+
+# The errors below are raised outside their ``except`` blocks on purpose: chaining would
+# carry along pydantic's and PyYAML's own messages, which quote input values and source
+# lines, tokens included, to any traceback or log that renders the chain.
+
+
+def _validate(
+    data: dict[Any, Any], from_env: set[KeyPath]
+) -> tuple[GatewayConfig | None, list[str]]:
+    try:
+        return GatewayConfig.model_validate(data), []
+    except ValidationError as exc:
+        return None, [_describe(error, from_env) for error in exc.errors()]
+
+
+def _read_yaml(path: Path) -> dict[Any, Any]:
+    problem = None
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        problem = f"cannot read the file: {exc.strerror}"
+    except UnicodeDecodeError:
+        problem = "cannot read the file: not UTF-8 text"
+    except yaml.MarkedYAMLError as exc:
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = f"YAML syntax error{where}: {exc.problem or exc.context}"
+    except yaml.YAMLError:
+        problem = "not valid YAML"
+    if problem is not None:
+        raise ConfigError(f"{path}: {problem}")
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of keys (like 'agent:'), "
+            f"not a {type(data).__name__}"
+        )
+    return data
+
+
+def _expand_env(node: Any, key_path: KeyPath, from_env: set[KeyPath], problems: list[str]) -> Any:
+    """Replace ``${NAME}`` and ``${NAME:-default}`` in every string value under ``node``.
+
+    Records the key paths whose value came from a reference (for error hints) and one
+    problem per unset variable that has no default.
+    """
+    if isinstance(node, dict):
+        return {k: _expand_env(v, (*key_path, k), from_env, problems) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_expand_env(v, (*key_path, i), from_env, problems) for i, v in enumerate(node)]
+    if not (isinstance(node, str) and _ENV_REFERENCE.search(node)):
+        return node
+    from_env.add(key_path)
+
+    def substitute(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        value = os.environ.get(name)
+        if default is not None and not value:  # like the shell, ":-" also covers empty
+            return default
+        if value is None:
+            problems.append(f"{_dotted(key_path)}: environment variable {name} is not set")
+            return ""
+        return value
+
+    return _ENV_REFERENCE.sub(substitute, node)
+
+
+# Strict types reject text such as "8080"; a value from ${...} is always text.
+_TYPE_ERRORS = {"int_type", "float_type", "bool_type"}
+
+
+def _describe(error: ErrorDetails, from_env: set[KeyPath]) -> str:
+    """``key.path: problem`` for one pydantic error, deliberately without error["input"]."""
+    loc = tuple(error["loc"])
+    if error["type"] == "extra_forbidden":
+        problem = "unknown key"
+    else:
+        problem = error["msg"].removeprefix("Value error, ")
+    if loc in from_env and error["type"] in _TYPE_ERRORS:
+        problem += " (a ${...} reference always gives text, so use it only for text keys)"
+    return f"{_dotted(loc)}: {problem}"
+
+
+def _dotted(key_path: KeyPath) -> str:
+    return ".".join(str(key) for key in key_path) or "(top level)"
+
+
+def _config_error(path: Path, problems: list[str]) -> ConfigError:
+    lines = "\n".join(f"  {problem}" for problem in problems)
+    return ConfigError(f"{path}: invalid configuration\n{lines}", problems)

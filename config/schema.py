@@ -1,0 +1,242 @@
+"""Typed schema of hermes.yaml: pydantic v2 models, their defaults and limits.
+
+Every model is strict (``"yes"`` is not a bool, ``"4"`` is not an int), forbids unknown
+keys (a typo is an error, not a silently ignored setting) and is frozen (config is read
+once at start-up and never mutated). ``hermes.yaml.example`` documents every field here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import os
+import re
+import zoneinfo
+from enum import Enum
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+_MODEL_CONFIG = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+ChatType = Literal["dm", "group", "channel", "thread"]
+
+
+class SessionResetPolicy(BaseModel):
+    """When a session starts over: after ``idle_minutes`` of silence, daily at ``at_hour``
+    (local time in the configured timezone), both (whichever comes first) or never."""
+
+    model_config = _MODEL_CONFIG
+
+    mode: Literal["none", "idle", "daily", "both"] = "both"
+    at_hour: int = Field(default=4, ge=0, le=23)
+    idle_minutes: int = Field(default=1440, ge=1)
+    notify: bool = True  # tell the user when their session was reset
+
+
+class ResetByType(BaseModel):
+    """Per chat type overrides of the global reset policy; ``None`` means "inherit"."""
+
+    model_config = _MODEL_CONFIG
+
+    dm: SessionResetPolicy | None = None
+    group: SessionResetPolicy | None = None
+    channel: SessionResetPolicy | None = None
+    thread: SessionResetPolicy | None = None
+
+
+_FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+class AgentConfig(BaseModel):
+    """The LLM backend and the limits of one agent turn. Times are in seconds."""
+
+    model_config = _MODEL_CONFIG
+
+    backend: str = "echo"
+    gateway_timeout: float = Field(default=1800.0, gt=0)
+    gateway_auto_continue_freshness: int = Field(default=3600, ge=0)
+    restart_drain_timeout: float = Field(default=60.0, ge=0)
+    max_concurrent_turns: int = Field(default=16, ge=1)
+    delay_seconds: float = Field(default=0.0, ge=0)  # echo backend: simulated model latency
+    base_url: str = "https://api.openai.com/v1"
+    model: str = "gpt-4o-mini"
+    # Plain str rather than SecretStr so backends need no unwrapping; repr=False keeps
+    # the key out of logs and tracebacks that print the config.
+    api_key: str | None = Field(default=None, repr=False)
+    system_prompt: str | None = None
+    redact_pii: bool = False
+    # Free-form keyword arguments for a module:factory backend; that backend checks them.
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("backend")
+    @classmethod
+    def _check_backend(cls, value: str) -> str:
+        if value in ("echo", "openai") or _FACTORY_PATTERN.match(value):
+            return value
+        raise ValueError(
+            "must be 'echo', 'openai' or 'module.path:factory' "
+            "(a Python module and the name of a callable in it)"
+        )
+
+
+class QueueConfig(BaseModel):
+    """Per-session FIFO of messages sent with ``/queue`` while a turn runs."""
+
+    model_config = _MODEL_CONFIG
+
+    max_depth: int = Field(default=32, ge=1)
+
+
+class PlatformConfig(BaseModel):
+    """Settings every platform adapter shares."""
+
+    model_config = _MODEL_CONFIG
+
+    enabled: bool = False
+    session_reset: SessionResetPolicy | None = None  # beats reset_by_type and session_reset
+    home_channel: str | None = None  # where notifications go when no chat is implied
+
+
+class TelegramConfig(PlatformConfig):
+    token: str | None = Field(default=None, repr=False)
+
+
+class DiscordConfig(PlatformConfig):
+    token: str | None = Field(default=None, repr=False)
+
+
+class SlackConfig(PlatformConfig):
+    bot_token: str | None = Field(default=None, repr=False)
+    app_token: str | None = Field(default=None, repr=False)
+    signing_secret: str | None = Field(default=None, repr=False)
+
+
+class HttpConfig(PlatformConfig):
+    """The local HTTP API; ``token`` is the bearer token clients must send."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8642, ge=1, le=65535)
+    token: str | None = Field(default=None, repr=False)
+    max_body_bytes: int = Field(default=65536, ge=1024)
+
+
+class PlatformsConfig(BaseModel):
+    model_config = _MODEL_CONFIG
+
+    telegram: TelegramConfig = TelegramConfig()
+    discord: DiscordConfig = DiscordConfig()
+    slack: SlackConfig = SlackConfig()
+    http: HttpConfig = HttpConfig()
+
+
+class StorageConfig(BaseModel):
+    model_config = _MODEL_CONFIG
+
+    # Upper bound on how often sessions.json is rewritten, so a burst of messages
+    # costs one write rather than one per message.
+    mirror_interval_seconds: float = Field(default=5.0, ge=0.05)
+    inbound_dedup_days: int = Field(default=7, ge=1)
+
+
+class GatewayConfig(BaseModel):
+    """The whole of hermes.yaml. ``GatewayConfig()`` is the zero-config default."""
+
+    model_config = _MODEL_CONFIG
+
+    timezone: str | None = None  # IANA name; None means the host's zone
+    group_sessions_per_user: bool = True
+    thread_sessions_per_user: bool = False
+    session_store_max_age_days: int = Field(default=0, ge=0)  # 0 disables pruning
+    session_reset: SessionResetPolicy = SessionResetPolicy()
+    reset_by_type: ResetByType = ResetByType()
+    agent: AgentConfig = AgentConfig()
+    queue: QueueConfig = QueueConfig()
+    platforms: PlatformsConfig = PlatformsConfig()
+    storage: StorageConfig = StorageConfig()
+    # Set by load_config; the loader rejects it as a YAML key.
+    source_path: Path | None = Field(default=None, exclude=True)
+
+    @field_validator("timezone")
+    @classmethod
+    def _check_timezone(cls, value: str | None) -> str | None:
+        if value is not None and _zone_or_none(value) is None:
+            raise ValueError(f"unknown IANA time zone {value!r}")
+        return value
+
+    def get_reset_policy(self, platform: str | Enum, chat_type: str) -> SessionResetPolicy:
+        """The policy for a chat: platform override > chat type override > global.
+
+        Platforms or chat types without a section here (e.g. ``whatsapp``) fall through.
+        """
+        name = platform.value if isinstance(platform, Enum) else platform
+        if name in PlatformsConfig.model_fields:
+            override = getattr(self.platforms, name).session_reset
+            if override is not None:
+                return override
+        if chat_type in ResetByType.model_fields:
+            by_type = getattr(self.reset_by_type, chat_type)
+            if by_type is not None:
+                return by_type
+        return self.session_reset
+
+    def tzinfo(self) -> dt.tzinfo:
+        """The zone daily resets are evaluated in (cached by resolve_timezone)."""
+        return resolve_timezone(self.timezone)
+
+    def connected_platforms(self) -> list[str]:
+        """Names of the enabled platforms, in schema order."""
+        return [name for name, platform in self._platforms() if platform.enabled]
+
+    def home_channels(self) -> dict[str, str]:
+        """Platform name -> home channel, for platforms that set one."""
+        return {
+            name: platform.home_channel
+            for name, platform in self._platforms()
+            if platform.home_channel is not None
+        }
+
+    def _platforms(self) -> list[tuple[str, PlatformConfig]]:
+        return [(name, getattr(self.platforms, name)) for name in PlatformsConfig.model_fields]
+
+
+def _zone_or_none(name: str) -> zoneinfo.ZoneInfo | None:
+    try:
+        return zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):
+        # ValueError: malformed key such as "../x"; OSError: a directory such as "America".
+        return None
+
+
+@functools.lru_cache(maxsize=16)
+def resolve_timezone(name: str | None) -> dt.tzinfo:
+    """``ZoneInfo(name)``, or for ``None`` the host's zone, DST-aware where it can be found.
+
+    The host zone is looked up in TZ, then the /etc/localtime symlink, then /etc/timezone;
+    only if none names a known zone do we fall back to the current fixed UTC offset.
+    """
+    if name is not None:
+        return zoneinfo.ZoneInfo(name)
+    for candidate in _host_zone_candidates():
+        zone = _zone_or_none(candidate)
+        if zone is not None:
+            return zone
+    fallback = dt.datetime.now().astimezone().tzinfo
+    return fallback if fallback is not None else dt.UTC
+
+
+def _host_zone_candidates() -> list[str]:
+    candidates = [os.environ.get("TZ", "").removeprefix(":")]
+    try:
+        candidates.append(os.readlink("/etc/localtime"))
+    except OSError:
+        pass
+    try:
+        with open("/etc/timezone", encoding="utf-8") as fh:
+            candidates.append(fh.read())
+    except OSError:
+        pass
+    # TZ and the symlink may hold a file path; the zone name is what follows zoneinfo/.
+    names = [c.strip().rsplit("/zoneinfo/", 1)[-1] for c in candidates]
+    return [n for n in names if n]

@@ -1,0 +1,1 @@
+"""hermes-gateway core: sessions, store, runner, recovery, commands, agents."""

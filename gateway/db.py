@@ -1,0 +1,238 @@
+"""The SQLite database behind the store: one aiosqlite writer connection, WAL, migrations.
+
+Every write is a small function `fn(conn)` run on aiosqlite's worker thread. Writes that
+arrive while a transaction is being committed are batched into the next one (group
+commit): each caller still gets its own result only after its data is committed, but a
+busy gateway pays one COMMIT per batch instead of one per message. Each function runs
+inside a SAVEPOINT, so one failing write rolls back alone.
+
+Durability: `synchronous=NORMAL` in WAL mode survives a process crash (kill -9) with
+every acknowledged write intact; only a power loss can drop the last few commits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import aiosqlite
+
+T = TypeVar("T")
+
+SCHEMA_VERSION = 1
+
+# Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
+_MIGRATIONS: dict[int, str] = {
+    1: """
+    CREATE TABLE session_entries (
+        session_key      TEXT PRIMARY KEY,
+        session_id       TEXT NOT NULL,
+        updated_at       REAL NOT NULL,
+        suspended        INTEGER NOT NULL DEFAULT 0,
+        resume_pending   INTEGER NOT NULL DEFAULT 0,
+        expiry_finalized INTEGER NOT NULL DEFAULT 0,
+        entry            TEXT NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX session_entries_by_session_id ON session_entries(session_id);
+    CREATE INDEX session_entries_by_updated_at ON session_entries(updated_at);
+
+    CREATE TABLE sessions (
+        session_id          TEXT PRIMARY KEY,
+        session_key         TEXT NOT NULL,
+        origin              TEXT,
+        started_at          REAL NOT NULL,
+        ended_at            REAL,
+        end_reason          TEXT,
+        title               TEXT,
+        input_tokens        INTEGER NOT NULL DEFAULT 0,
+        output_tokens       INTEGER NOT NULL DEFAULT 0,
+        cache_read_tokens   INTEGER NOT NULL DEFAULT 0,
+        cache_write_tokens  INTEGER NOT NULL DEFAULT 0,
+        total_tokens        INTEGER NOT NULL DEFAULT 0,
+        estimated_cost_usd  REAL NOT NULL DEFAULT 0
+    ) WITHOUT ROWID;
+    CREATE INDEX sessions_by_key ON sessions(session_key, started_at);
+
+    CREATE TABLE messages (
+        id          INTEGER PRIMARY KEY,
+        session_id  TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE,
+        role        TEXT NOT NULL,
+        content     TEXT NOT NULL,
+        message     TEXT NOT NULL,
+        active      INTEGER NOT NULL DEFAULT 1,
+        created_at  REAL NOT NULL
+    );
+    CREATE INDEX messages_by_session ON messages(session_id, active, id);
+
+    CREATE VIRTUAL TABLE messages_fts USING fts5(
+        content, content='messages', content_rowid='id'
+    );
+    CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+        INSERT INTO messages_fts(rowid, content) VALUES (new.id, new.content);
+    END;
+    CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+        INSERT INTO messages_fts(messages_fts, rowid, content)
+        VALUES ('delete', old.id, old.content);
+    END;
+    """,
+}
+
+
+class DatabaseError(RuntimeError):
+    """The state database could not be opened or is not ours."""
+
+
+def create_private_file(path: Path) -> None:
+    """Create `path` with mode 0600 if absent (SQLite gives -wal/-shm the same mode)."""
+    fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)
+    os.close(fd)
+    os.chmod(path, 0o600)
+
+
+class Database:
+    """One writer connection to `state.db`; `read()` and group-committed `write()`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._conn: aiosqlite.Connection | None = None
+        self._pending: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
+        self._wakeup = asyncio.Event()
+        self._flusher: asyncio.Task[None] | None = None
+        self._closing = False
+
+    async def open(self) -> None:
+        create_private_file(self.path)
+        try:
+            self._conn = await aiosqlite.connect(self.path, isolation_level=None)
+            await self._conn.execute("PRAGMA journal_mode=WAL")
+            await self._conn.execute("PRAGMA synchronous=NORMAL")
+            await self._conn.execute("PRAGMA foreign_keys=ON")
+            await self._conn.execute("PRAGMA busy_timeout=5000")
+            await self._conn._execute(self._migrate, self._conn._conn)
+        except sqlite3.DatabaseError as exc:
+            if self._conn is not None:
+                await self._conn.close()
+                self._conn = None
+            raise DatabaseError(f"{self.path}: {exc}") from exc
+        self._flusher = asyncio.create_task(self._flush_loop(), name="db-group-commit")
+
+    async def close(self) -> None:
+        if self._conn is None:
+            return
+        self._closing = True
+        self._wakeup.set()
+        if self._flusher is not None:
+            await self._flusher
+        await self._conn.close()
+        self._conn = None
+
+    @property
+    def is_open(self) -> bool:
+        return self._conn is not None and not self._closing
+
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn(conn)` on the connection thread, outside any explicit transaction."""
+        conn = self._require_open()
+        return await conn._execute(fn, conn._conn)
+
+    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """Run `fn(conn)` in a committed transaction; returns once it is durable."""
+        self._require_open()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, future))
+        self._wakeup.set()
+        return await future
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _require_open(self) -> aiosqlite.Connection:
+        if self._conn is None or self._closing:
+            raise DatabaseError("the session store is not open")
+        return self._conn
+
+    async def _flush_loop(self) -> None:
+        assert self._conn is not None
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            while self._pending:
+                batch, self._pending = self._pending, []
+                try:
+                    results = await self._conn._execute(
+                        _run_batch, self._conn._conn, [fn for fn, _ in batch]
+                    )
+                except Exception as exc:  # the connection itself failed: fail the batch
+                    results = [(False, exc)] * len(batch)
+                for (_, future), (ok, value) in zip(batch, results, strict=True):
+                    if future.done():
+                        continue
+                    if ok:
+                        future.set_result(value)
+                    else:
+                        future.set_exception(value)
+            if self._closing:
+                return
+
+    @staticmethod
+    def _migrate(conn: sqlite3.Connection) -> None:
+        current = conn.execute("PRAGMA user_version").fetchone()[0]
+        if current > SCHEMA_VERSION:
+            raise sqlite3.DatabaseError(
+                f"schema version {current} is newer than this gateway ({SCHEMA_VERSION}); "
+                "upgrade hermes-gateway"
+            )
+        for version in range(current + 1, SCHEMA_VERSION + 1):
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for statement in _split_sql(_MIGRATIONS[version]):
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version={version}")
+                conn.execute("COMMIT")
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+
+
+def _split_sql(script: str) -> list[str]:
+    """Split a migration into statements, keeping trigger bodies whole."""
+    statements, buf = [], ""
+    for line in script.splitlines(keepends=True):
+        buf += line
+        if sqlite3.complete_statement(buf):
+            statements.append(buf.strip())
+            buf = ""
+    if buf.strip():
+        statements.append(buf.strip())
+    return statements
+
+
+def _run_batch(
+    conn: sqlite3.Connection, fns: list[Callable[[sqlite3.Connection], Any]]
+) -> list[tuple[bool, Any]]:
+    """Worker-thread side of group commit: one transaction, one savepoint per write."""
+    results: list[tuple[bool, Any]] = []
+    try:
+        conn.execute("BEGIN IMMEDIATE")
+    except sqlite3.Error as exc:
+        return [(False, exc)] * len(fns)
+    for fn in fns:
+        conn.execute("SAVEPOINT op")
+        try:
+            value = fn(conn)
+        except Exception as exc:
+            conn.execute("ROLLBACK TO op")
+            conn.execute("RELEASE op")
+            results.append((False, exc))
+        else:
+            conn.execute("RELEASE op")
+            results.append((True, value))
+    try:
+        conn.execute("COMMIT")
+    except sqlite3.Error as exc:
+        conn.execute("ROLLBACK")
+        return [(False, exc)] * len(fns)
+    return results

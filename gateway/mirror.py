@@ -1,0 +1,145 @@
+"""`sessions.json`: the seed-format mirror of the routing index, kept off the hot path.
+
+SQLite is the source of truth. The mirror is rewritten atomically, at most every
+`min_interval` seconds while something changed (and at shutdown), from a read-only
+connection of its own so the writer is never blocked. Writes back off further when one
+takes long (at least 10x its own duration apart), so a huge index cannot hog the disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sqlite3
+import time
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from gateway.fsutil import atomic_write_bytes, set_aside
+from gateway.session import SessionEntry
+
+log = structlog.get_logger(__name__)
+
+BACKOFF_FACTOR = 10
+
+
+def read_sessions_json(path: Path) -> dict[str, SessionEntry] | None:
+    """Parse a sessions.json; None when it is absent or damaged (a damaged one is set aside).
+
+    Entries that do not parse are skipped with a warning; the rest are kept.
+    """
+    if not path.exists():
+        return None
+    try:
+        raw = json.loads(path.read_bytes())
+        if not isinstance(raw, dict):
+            raise ValueError("top level is not an object")
+    except (ValueError, UnicodeDecodeError) as exc:
+        aside = set_aside(path)
+        log.warning("sessions_json_damaged", path=str(path), moved_to=str(aside), error=str(exc))
+        return None
+    entries: dict[str, SessionEntry] = {}
+    for key, data in raw.items():
+        try:
+            entry = SessionEntry.from_dict(data)
+        except (TypeError, ValueError, KeyError) as exc:
+            log.warning("sessions_json_entry_skipped", session_key=key, error=str(exc))
+            continue
+        entries[key] = entry
+    return entries
+
+
+def check_sessions_json(path: Path) -> bool:
+    """True when the mirror is absent or parses; a damaged one is set aside with a warning."""
+    if not path.exists():
+        return True
+    try:
+        json.loads(path.read_bytes())
+        return True
+    except (ValueError, UnicodeDecodeError) as exc:
+        aside = set_aside(path)
+        log.warning(
+            "sessions_json_damaged",
+            path=str(path),
+            moved_to=str(aside),
+            error=str(exc),
+            action="rewriting it from state.db",
+        )
+        return False
+
+
+def render_sessions_json(db_path: Path) -> bytes:
+    """The whole routing index in the seed's format, built from the stored entry JSON."""
+    conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
+    try:
+        rows = conn.execute("SELECT session_key, entry FROM session_entries ORDER BY session_key")
+        parts = [f"{json.dumps(key)}:{entry}" for key, entry in rows]
+    finally:
+        conn.close()
+    return ("{" + ",\n".join(parts) + "}\n").encode("utf-8")
+
+
+class SessionsMirror:
+    """Coalesces 'something changed' signals into occasional atomic rewrites."""
+
+    def __init__(self, json_path: Path, db_path: Path, min_interval: float) -> None:
+        self.json_path = json_path
+        self.db_path = db_path
+        self.min_interval = min_interval
+        self.writes = 0
+        self._dirty = False
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._lock = asyncio.Lock()
+        self._next_allowed = 0.0
+
+    def mark_dirty(self) -> None:
+        self._dirty = True
+        self._changed.set()
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="sessions-json-mirror")
+
+    async def stop(self) -> None:
+        """Stop the background writer and write a final copy if anything changed."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+        await self.flush()
+
+    async def flush(self) -> None:
+        """Write now if dirty (serialised with the background writer)."""
+        async with self._lock:
+            if not self._dirty:
+                return
+            self._dirty = False  # cleared before the snapshot: later changes re-mark it
+            started = time.monotonic()
+            try:
+                data = await asyncio.to_thread(render_sessions_json, self.db_path)
+                await asyncio.to_thread(atomic_write_bytes, self.json_path, data)
+            except (OSError, sqlite3.Error) as exc:
+                self._dirty = True
+                log.error("sessions_json_write_failed", path=str(self.json_path), error=str(exc))
+                raise
+            took = time.monotonic() - started
+            self.writes += 1
+            self._next_allowed = time.monotonic() + max(self.min_interval, BACKOFF_FACTOR * took)
+
+    async def _run(self) -> None:
+        while True:
+            await self._changed.wait()
+            self._changed.clear()
+            delay = self._next_allowed - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            try:
+                await self.flush()
+            except (OSError, sqlite3.Error):
+                await asyncio.sleep(self.min_interval)  # logged in flush; retry later
+                self._changed.set()
+
+    def stats(self) -> dict[str, Any]:
+        return {"writes": self.writes, "dirty": self._dirty}

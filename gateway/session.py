@@ -1,0 +1,426 @@
+"""The session data model: where a message came from, the session it belongs to, and its key.
+
+Owns `SessionSource`, `SessionEntry`, `SessionContext`, session-key building and the
+session-context prompt block. Nothing here touches disk; `SessionStore` (re-exported
+from `gateway.store`) does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import asdict, dataclass, field, fields, replace
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from config import GatewayConfig
+    from gateway.store import SessionStore
+
+__all__ = [
+    "CHAT_TYPES",
+    "Platform",
+    "SessionContext",
+    "SessionEntry",
+    "SessionSource",
+    "SessionStore",
+    "TokenUsage",
+    "build_session_context",
+    "build_session_context_prompt",
+    "build_session_key",
+    "canonical_whatsapp_identifier",
+    "is_shared_multi_user_session",
+    "validate_id",
+]
+
+CHAT_TYPES = ("dm", "group", "channel", "thread")
+
+
+class Platform(StrEnum):
+    """Messaging platforms a session can come from (the last three only for key building)."""
+
+    TELEGRAM = "telegram"
+    DISCORD = "discord"
+    SLACK = "slack"
+    HTTP = "http"
+    LOCAL = "local"
+    WHATSAPP = "whatsapp"
+    SIGNAL = "signal"
+    MATRIX = "matrix"
+
+
+# --- ids -------------------------------------------------------------------------------------
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def validate_id(field_name: str, value: str | None) -> None:
+    """Reject ids that could escape a path or forge a log line; they end up in both."""
+    if value is None or value == "":
+        return
+    if not isinstance(value, str):
+        raise ValueError(f"{field_name} must be a string, got {type(value).__name__}")
+    if "/" in value or "\\" in value:
+        raise ValueError(f"{field_name} must not contain a path separator")
+    if ".." in value:
+        raise ValueError(f"{field_name} must not contain '..'")
+    if _CONTROL.search(value):
+        raise ValueError(f"{field_name} must not contain control characters")
+
+
+def canonical_whatsapp_identifier(value: str | None) -> str | None:
+    """Fold the alias forms of one WhatsApp identity into one (E.164 digits, no '+').
+
+    The bridge reports the same number as `15551234567@s.whatsapp.net`, `+1 555 123 4567`
+    or with a device suffix `15551234567:12@s.whatsapp.net`; all become `15551234567`.
+    Group JIDs (`...@g.us`) keep their local part.
+    """
+    if not value:
+        return value
+    local = value.split("@", 1)[0].split(":", 1)[0].strip()
+    digits = re.sub(r"[\s\-()+.]", "", local)
+    return digits if digits.isdigit() else local
+
+
+def _key_part(value: str) -> str:
+    # ':' separates key segments; escaping it (and '%') keeps keys injective for ids that
+    # contain colons (Matrix room ids) while leaving every common id unchanged.
+    return value.replace("%", "%25").replace(":", "%3A")
+
+
+# --- SessionSource -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SessionSource:
+    """Where one inbound message came from; attached to every `MessageEvent`."""
+
+    platform: Platform
+    chat_id: str
+    chat_name: str | None = None
+    chat_type: str = "dm"
+    user_id: str | None = None
+    user_name: str | None = None
+    thread_id: str | None = None
+    chat_topic: str | None = None
+    user_id_alt: str | None = None
+    chat_id_alt: str | None = None
+    is_bot: bool = False
+    guild_id: str | None = None
+    parent_chat_id: str | None = None
+    message_id: str | None = None
+    role_authorized: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.platform, Platform):
+            object.__setattr__(self, "platform", Platform(self.platform))
+        if self.chat_type not in CHAT_TYPES:
+            raise ValueError(f"chat_type must be one of {', '.join(CHAT_TYPES)}")
+
+    @property
+    def description(self) -> str:
+        """Human-readable summary, e.g. 'DM with Alice' or 'group: Dev, thread: 17'."""
+        if self.chat_type == "dm":
+            text = f"DM with {self.user_name or self.user_id or 'unknown user'}"
+        else:
+            text = f"{self.chat_type}: {self.chat_name or self.chat_id or 'unknown'}"
+        if self.thread_id:
+            text += f", thread: {self.thread_id}"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["platform"] = self.platform.value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SessionSource:
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+# --- keys ----------------------------------------------------------------------------------
+
+
+def _is_threaded(source: SessionSource) -> bool:
+    return bool(source.thread_id) or source.chat_type == "thread"
+
+
+def build_session_key(
+    source: SessionSource,
+    group_sessions_per_user: bool = True,
+    thread_sessions_per_user: bool = False,
+    agent_id: str = "main",
+) -> str:
+    """The deterministic conversation-lane key (format and rules in DESIGN.md)."""
+    validate_id("agent_id", agent_id)
+    if not agent_id or ":" in agent_id:
+        raise ValueError("agent_id must be non-empty and must not contain ':'")
+    chat_id, user_id, user_id_alt = source.chat_id, source.user_id, source.user_id_alt
+    if source.platform == Platform.WHATSAPP:
+        chat_id = canonical_whatsapp_identifier(chat_id)
+        user_id = canonical_whatsapp_identifier(user_id)
+        user_id_alt = canonical_whatsapp_identifier(user_id_alt)
+    for name, value in (
+        ("chat_id", chat_id),
+        ("thread_id", source.thread_id),
+        ("user_id", user_id),
+        ("user_id_alt", user_id_alt),
+    ):
+        validate_id(name, value)
+
+    parts = ["agent", agent_id, source.platform.value, source.chat_type]
+    participant = user_id_alt or user_id
+    if source.chat_type == "dm":
+        lane = chat_id or participant
+        if lane:
+            parts.append(_key_part(lane))
+        if source.thread_id:
+            parts.append(_key_part(source.thread_id))
+        return ":".join(parts)
+
+    if chat_id:
+        parts.append(_key_part(chat_id))
+    if source.thread_id:
+        parts.append(_key_part(source.thread_id))
+    per_user = group_sessions_per_user and (not _is_threaded(source) or thread_sessions_per_user)
+    if per_user and participant:
+        parts.append(_key_part(participant))
+    return ":".join(parts)
+
+
+def is_shared_multi_user_session(
+    source: SessionSource, *, group_sessions_per_user: bool, thread_sessions_per_user: bool
+) -> bool:
+    """True when several people talk in one session (messages get a [sender] prefix)."""
+    if source.chat_type == "dm":
+        return False
+    if _is_threaded(source):
+        return not thread_sessions_per_user
+    return not group_sessions_per_user
+
+
+# --- SessionEntry --------------------------------------------------------------------------
+
+
+def _dt_to_str(value: datetime | None) -> str | None:
+    return value.astimezone(UTC).isoformat() if value is not None else None
+
+
+def _dt_from_str(value: Any) -> datetime | None:
+    if value is None or isinstance(value, datetime):
+        dt = value
+    else:
+        dt = datetime.fromisoformat(str(value))
+    if dt is not None and dt.tzinfo is None:
+        dt = dt.replace(tzinfo=UTC)  # older files wrote naive times; they were UTC
+    return dt
+
+
+@dataclass(frozen=True, slots=True)
+class TokenUsage:
+    """Token counts of one turn, as the model reported them."""
+
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    estimated_cost_usd: float = 0.0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+_DATETIME_FIELDS = ("created_at", "updated_at", "last_resume_marked_at")
+
+
+@dataclass(slots=True)
+class SessionEntry:
+    """The routing record of one session key: its current session id, counters and flags.
+
+    Entries handed out by `SessionStore` are snapshots; change them through the store.
+    """
+
+    session_key: str
+    session_id: str
+    created_at: datetime
+    updated_at: datetime
+    origin: SessionSource | None = None
+    display_name: str | None = None
+    platform: Platform | None = None
+    chat_type: str = "dm"
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_read_tokens: int = 0
+    cache_write_tokens: int = 0
+    total_tokens: int = 0
+    estimated_cost_usd: float = 0.0
+    cost_status: str = "unknown"
+    last_prompt_tokens: int = 0
+    # One-shot and state-machine flags (seed section 2).
+    was_auto_reset: bool = False
+    auto_reset_reason: str | None = None
+    reset_had_activity: bool = False
+    is_fresh_reset: bool = False
+    expiry_finalized: bool = False
+    suspended: bool = False
+    resume_pending: bool = False
+    resume_reason: str | None = None
+    last_resume_marked_at: datetime | None = None
+
+    def add_usage(self, usage: TokenUsage) -> None:
+        self.input_tokens += usage.input_tokens
+        self.output_tokens += usage.output_tokens
+        self.cache_read_tokens += usage.cache_read_tokens
+        self.cache_write_tokens += usage.cache_write_tokens
+        self.total_tokens += usage.total_tokens
+        self.estimated_cost_usd += usage.estimated_cost_usd
+        if usage.estimated_cost_usd:
+            self.cost_status = "estimated"
+
+    def copy(self) -> SessionEntry:
+        return replace(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        data: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name in _DATETIME_FIELDS:
+                value = _dt_to_str(value)
+            elif f.name == "origin":
+                value = value.to_dict() if value is not None else None
+            elif f.name == "platform":
+                value = value.value if value is not None else None
+            data[f.name] = value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SessionEntry:
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in data.items() if k in known}
+        for name in _DATETIME_FIELDS:
+            if name in kwargs:
+                kwargs[name] = _dt_from_str(kwargs[name])
+        if kwargs.get("origin") is not None:
+            kwargs["origin"] = SessionSource.from_dict(kwargs["origin"])
+        if kwargs.get("platform") is not None:
+            kwargs["platform"] = Platform(kwargs["platform"])
+        return cls(**kwargs)
+
+
+# --- SessionContext ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class SessionContext:
+    """What the agent is told about where it is talking (seed section 9)."""
+
+    source: SessionSource
+    connected_platforms: tuple[str, ...] = ()
+    home_channels: dict[str, str] = field(default_factory=dict)
+    shared_multi_user_session: bool = False
+    session_key: str | None = None
+    session_id: str | None = None
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+
+def build_session_context(
+    source: SessionSource, config: GatewayConfig, session_entry: SessionEntry | None = None
+) -> SessionContext:
+    return SessionContext(
+        source=source,
+        connected_platforms=tuple(config.connected_platforms()),
+        home_channels=dict(config.home_channels()),
+        shared_multi_user_session=is_shared_multi_user_session(
+            source,
+            group_sessions_per_user=config.group_sessions_per_user,
+            thread_sessions_per_user=config.thread_sessions_per_user,
+        ),
+        session_key=session_entry.session_key if session_entry else None,
+        session_id=session_entry.session_id if session_entry else None,
+        created_at=session_entry.created_at if session_entry else None,
+        updated_at=session_entry.updated_at if session_entry else None,
+    )
+
+
+# Discord needs raw ids to write @mentions, so it is never redacted (seed section 9).
+_NEVER_REDACTED = frozenset({Platform.DISCORD.value})
+
+
+def _hash12(value: str) -> str:
+    return hashlib.sha256(value.encode("utf-8")).hexdigest()[:12]
+
+
+def _redact_user(value: str) -> str:
+    return f"user_{_hash12(value)}"
+
+
+def _redact_chat(platform: str, value: str) -> str:
+    return f"{platform}:{_hash12(value)}"
+
+
+def build_session_context_prompt(context: SessionContext, redact_pii: bool = False) -> str:
+    """The `## Current Session Context` system-prompt block.
+
+    With `redact_pii`, user ids become `user_<12hex>` and chat ids `<platform>:<12hex>`
+    (SHA-256 prefixes) except on Discord. Only this text is redacted; routing keeps raw ids.
+    """
+    src = context.source
+    platform = src.platform.value
+    redact = redact_pii and platform not in _NEVER_REDACTED
+
+    def chat(value: str, on_platform: str = platform) -> str:
+        if redact_pii and on_platform not in _NEVER_REDACTED:
+            return _redact_chat(on_platform, value)
+        return value
+
+    def user(value: str) -> str:
+        return _redact_user(value) if redact else value
+
+    lines = ["## Current Session Context", f"- Platform: {platform}"]
+    if src.chat_type == "dm":
+        who = src.user_name or (user(src.user_id) if src.user_id else "unknown user")
+        lines.append(f"- Chat: DM with {who}")
+    else:
+        lines.append(f"- Chat: {src.chat_type}: {src.chat_name or chat(src.chat_id)}")
+    lines.append(f"- Chat type: {src.chat_type}")
+    if src.chat_id:
+        lines.append(f"- Chat ID: {chat(src.chat_id)}")
+    if src.thread_id:
+        lines.append(f"- Thread: {src.thread_id}")
+    if src.chat_topic:
+        lines.append(f"- Channel topic: {src.chat_topic}")
+    if context.shared_multi_user_session:
+        kind = "thread" if _is_threaded(src) else "session"
+        lines.append(
+            f"- Multi-user {kind} — messages are prefixed with [sender name]. "
+            "Multiple users may participate."
+        )
+    else:
+        if src.user_name:
+            lines.append(f"- User: {src.user_name}")
+        if src.user_id:
+            lines.append(f"- User ID: {user(src.user_id)}")
+    if context.connected_platforms:
+        lines.append(f"- Connected platforms: {', '.join(context.connected_platforms)}")
+    if context.home_channels:
+        homes = ", ".join(f"{p} -> {chat(c, p)}" for p, c in sorted(context.home_channels.items()))
+        lines.append(f"- Home channels (scheduled deliveries): {homes}")
+    if context.session_id:
+        lines.append(f"- Session ID: {context.session_id}")
+    if context.created_at:
+        lines.append(f"- Session started: {_dt_to_str(context.created_at)}")
+    return "\n".join(lines)
+
+
+def __getattr__(name: str) -> Any:
+    # SessionStore lives in gateway.store (which imports this module); re-export it lazily
+    # so importing either module first works without an import cycle.
+    if name == "SessionStore":
+        from gateway.store import SessionStore
+
+        return SessionStore
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,599 @@
+"""SessionStore: the durable session routing index and transcripts (seed section 3).
+
+SQLite (`state.db`) is the one source of truth. Each operation is one small transaction
+run on the writer thread; a message touch is a single-row upsert, never a rewrite of
+all entries, so per-message cost does not grow with the number of sessions.
+`sessions.json` is a coalesced mirror for people and tools that read the seed format.
+
+State-machine priority in `get_or_create_session`:
+suspended > resume_pending > reset policy (idle / daily) > plain touch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import sqlite3
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from config import GatewayConfig
+from gateway import transcript
+from gateway.db import Database, T
+from gateway.mirror import SessionsMirror, check_sessions_json, read_sessions_json
+from gateway.policy import reset_reason
+from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
+
+log = structlog.get_logger(__name__)
+
+STATE_DB = "state.db"
+SESSIONS_JSON = "sessions.json"
+END_RESET = "session_reset"
+END_SWITCH = "session_switch"
+END_PRUNED = "pruned"
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_session_id(now: datetime) -> str:
+    """`YYYYMMDD_HHMMSS_<8hex>` in UTC."""
+    return f"{now.astimezone(UTC):%Y%m%d_%H%M%S}_{secrets.token_hex(4)}"
+
+
+# --- row helpers (writer thread) ------------------------------------------------------------
+
+
+def _load_entry(conn: sqlite3.Connection, session_key: str) -> SessionEntry | None:
+    row = conn.execute(
+        "SELECT entry FROM session_entries WHERE session_key = ?", (session_key,)
+    ).fetchone()
+    return SessionEntry.from_dict(json.loads(row[0])) if row else None
+
+
+def _save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
+    conn.execute(
+        "INSERT INTO session_entries"
+        " (session_key, session_id, updated_at, suspended, resume_pending, expiry_finalized, entry)"
+        " VALUES (?, ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT(session_key) DO UPDATE SET session_id = excluded.session_id,"
+        " updated_at = excluded.updated_at, suspended = excluded.suspended,"
+        " resume_pending = excluded.resume_pending,"
+        " expiry_finalized = excluded.expiry_finalized, entry = excluded.entry",
+        (
+            entry.session_key,
+            entry.session_id,
+            entry.updated_at.timestamp(),
+            int(entry.suspended),
+            int(entry.resume_pending),
+            int(entry.expiry_finalized),
+            json.dumps(entry.to_dict(), separators=(",", ":"), ensure_ascii=False),
+        ),
+    )
+
+
+def _start_session_row(conn: sqlite3.Connection, entry: SessionEntry) -> None:
+    origin = json.dumps(entry.origin.to_dict()) if entry.origin else None
+    conn.execute(
+        "INSERT OR IGNORE INTO sessions (session_id, session_key, origin, started_at)"
+        " VALUES (?, ?, ?, ?)",
+        (entry.session_id, entry.session_key, origin, entry.created_at.timestamp()),
+    )
+
+
+def _end_session_row(conn: sqlite3.Connection, session_id: str, now: datetime, reason: str) -> None:
+    conn.execute(
+        "UPDATE sessions SET ended_at = ?, end_reason = ?"
+        " WHERE session_id = ? AND ended_at IS NULL",
+        (now.timestamp(), reason, session_id),
+    )
+
+
+def _fresh_entry(session_key: str, source: SessionSource | None, now: datetime) -> SessionEntry:
+    return SessionEntry(
+        session_key=session_key,
+        session_id=new_session_id(now),
+        created_at=now,
+        updated_at=now,
+        origin=source,
+        display_name=source.chat_name if source else None,
+        platform=source.platform if source else None,
+        chat_type=source.chat_type if source else "dm",
+    )
+
+
+def _replace_session(
+    conn: sqlite3.Connection,
+    old: SessionEntry,
+    source: SessionSource | None,
+    now: datetime,
+    **flags: Any,
+) -> SessionEntry:
+    """End `old`'s session and start a new incarnation of the same key (reset effects 1-4)."""
+    _end_session_row(conn, old.session_id, now, END_RESET)
+    new = _fresh_entry(old.session_key, source or old.origin, now)
+    if source is None:
+        new.display_name = old.display_name
+        new.platform, new.chat_type = old.platform, old.chat_type
+    for name, value in flags.items():
+        setattr(new, name, value)
+    _start_session_row(conn, new)
+    _save_entry(conn, new)
+    return new
+
+
+class SessionStore:
+    """Durable sessions under `sessions_dir` (`state.db` + the `sessions.json` mirror)."""
+
+    def __init__(
+        self,
+        sessions_dir: Path | str,
+        config: GatewayConfig,
+        has_active_processes_fn: Callable[[str], bool] | None = None,
+    ) -> None:
+        self.sessions_dir = Path(sessions_dir)
+        self.config = config
+        self.has_active_processes_fn = has_active_processes_fn
+        self.db_path = self.sessions_dir / STATE_DB
+        self.json_path = self.sessions_dir / SESSIONS_JSON
+        self._db = Database(self.db_path)
+        self._mirror = SessionsMirror(
+            self.json_path, self.db_path, config.storage.mirror_interval_seconds
+        )
+        self._tz = config.tzinfo()
+
+    # --- lifecycle ---------------------------------------------------------------------
+
+    async def open(self) -> SessionStore:
+        self.sessions_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fresh_db = not self.db_path.exists()
+        await self._db.open()
+        if fresh_db:
+            legacy = await asyncio.to_thread(read_sessions_json, self.json_path)
+            if legacy:
+                await self._db.write(lambda conn: self._import_entries(conn, legacy))
+                log.info("sessions_json_imported", entries=len(legacy), path=str(self.json_path))
+        elif not await asyncio.to_thread(check_sessions_json, self.json_path):
+            self._mirror.mark_dirty()
+        if not self.json_path.exists():
+            self._mirror.mark_dirty()
+        self._mirror.start()
+        return self
+
+    async def close(self) -> None:
+        if not self._db.is_open:
+            return
+        await self._mirror.stop()
+        await self._db.close()
+
+    async def __aenter__(self) -> SessionStore:
+        return await self.open()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    async def flush_mirror(self) -> None:
+        """Write sessions.json now if anything changed (also done at close)."""
+        await self._mirror.flush()
+
+    @staticmethod
+    def _import_entries(conn: sqlite3.Connection, entries: dict[str, SessionEntry]) -> int:
+        for key, entry in entries.items():
+            entry.session_key = key
+            _start_session_row(conn, entry)
+            _save_entry(conn, entry)
+        return len(entries)
+
+    # --- helpers -----------------------------------------------------------------------
+
+    def _generate_session_key(self, source: SessionSource) -> str:
+        return build_session_key(
+            source,
+            group_sessions_per_user=self.config.group_sessions_per_user,
+            thread_sessions_per_user=self.config.thread_sessions_per_user,
+        )
+
+    def _has_active_processes(self, session_key: str) -> bool:
+        fn = self.has_active_processes_fn
+        return bool(fn(session_key)) if fn is not None else False
+
+    def _policy_for(self, entry: SessionEntry) -> Any:
+        return self.config.get_reset_policy(entry.platform or Platform.LOCAL, entry.chat_type)
+
+    def _is_session_expired(self, entry: SessionEntry, now: datetime | None = None) -> bool:
+        """Policy check from the entry alone (the expiry watcher has no source)."""
+        if self._has_active_processes(entry.session_key):
+            return False
+        now = now or _utcnow()
+        return reset_reason(entry.updated_at, self._policy_for(entry), now, self._tz) is not None
+
+    async def _write(self, fn: Callable[[sqlite3.Connection], T], *, dirty: bool = True) -> T:
+        result = await self._db.write(fn)
+        if dirty:
+            self._mirror.mark_dirty()
+        return result
+
+    async def _modify(
+        self, session_key: str, change: Callable[[SessionEntry], bool]
+    ) -> SessionEntry | None:
+        """Load, change and save one entry; `change` returns False to leave it untouched."""
+
+        def tx(conn: sqlite3.Connection) -> SessionEntry | None:
+            entry = _load_entry(conn, session_key)
+            if entry is None or not change(entry):
+                return None
+            _save_entry(conn, entry)
+            return entry
+
+        return await self._write(tx)
+
+    # --- the core entry point ----------------------------------------------------------
+
+    async def get_or_create_session(
+        self, source: SessionSource, force_new: bool = False
+    ) -> SessionEntry:
+        """The session this message belongs to, resetting it first if it must be."""
+        key = self._generate_session_key(source)
+        now = _utcnow()
+        policy = self.config.get_reset_policy(source.platform, source.chat_type)
+        active = self._has_active_processes(key)
+        tz = self._tz
+
+        def tx(conn: sqlite3.Connection) -> SessionEntry:
+            entry = _load_entry(conn, key)
+            if entry is None:
+                new = _fresh_entry(key, source, now)
+                _start_session_row(conn, new)
+                _save_entry(conn, new)
+                return new
+            if force_new:
+                return _replace_session(conn, entry, source, now)
+            if entry.suspended:
+                return _replace_session(
+                    conn,
+                    entry,
+                    source,
+                    now,
+                    was_auto_reset=True,
+                    auto_reset_reason="suspended",
+                    reset_had_activity=entry.total_tokens > 0,
+                )
+            if not entry.resume_pending and not active:
+                reason = reset_reason(entry.updated_at, policy, now, tz)
+                if reason is not None:
+                    return _replace_session(
+                        conn,
+                        entry,
+                        source,
+                        now,
+                        was_auto_reset=True,
+                        auto_reset_reason=reason,
+                        reset_had_activity=entry.total_tokens > 0,
+                    )
+            entry.updated_at = now
+            _save_entry(conn, entry)
+            return entry
+
+        return await self._write(tx)
+
+    # --- entry updates -----------------------------------------------------------------
+
+    async def update_session(
+        self,
+        session_key: str,
+        last_prompt_tokens: int | None = None,
+        *,
+        usage: TokenUsage | None = None,
+    ) -> SessionEntry | None:
+        """Bump `updated_at` after an interaction; add the turn's token usage if given."""
+        now = _utcnow()
+
+        def tx(conn: sqlite3.Connection) -> SessionEntry | None:
+            entry = _load_entry(conn, session_key)
+            if entry is None:
+                return None
+            entry.updated_at = now
+            if last_prompt_tokens is not None:
+                entry.last_prompt_tokens = last_prompt_tokens
+            if usage is not None:
+                entry.add_usage(usage)
+                conn.execute(
+                    "UPDATE sessions SET input_tokens = ?, output_tokens = ?,"
+                    " cache_read_tokens = ?, cache_write_tokens = ?, total_tokens = ?,"
+                    " estimated_cost_usd = ? WHERE session_id = ?",
+                    (
+                        entry.input_tokens,
+                        entry.output_tokens,
+                        entry.cache_read_tokens,
+                        entry.cache_write_tokens,
+                        entry.total_tokens,
+                        entry.estimated_cost_usd,
+                        entry.session_id,
+                    ),
+                )
+            _save_entry(conn, entry)
+            return entry
+
+        return await self._write(tx)
+
+    async def acknowledge_reset(self, session_key: str) -> SessionEntry | None:
+        """Consume the one-shot `was_auto_reset` / `is_fresh_reset` flags after the notice."""
+
+        def change(entry: SessionEntry) -> bool:
+            if not (entry.was_auto_reset or entry.is_fresh_reset):
+                return False
+            entry.was_auto_reset = entry.is_fresh_reset = False
+            return True
+
+        return await self._modify(session_key, change)
+
+    async def reset_session(
+        self, session_key: str, display_name: str | None = None
+    ) -> SessionEntry | None:
+        """Explicit /new or /reset: a new session id with `is_fresh_reset`; None if unknown."""
+        now = _utcnow()
+
+        def tx(conn: sqlite3.Connection) -> SessionEntry | None:
+            old = _load_entry(conn, session_key)
+            if old is None:
+                return None
+            return _replace_session(
+                conn,
+                old,
+                None,
+                now,
+                is_fresh_reset=True,
+                display_name=display_name or old.display_name,
+            )
+
+        return await self._write(tx)
+
+    async def switch_session(self, session_key: str, target_session_id: str) -> SessionEntry | None:
+        """Point `session_key` at an earlier session of the same key (/resume).
+
+        Returns None when the key is unknown or the target is not a session of this key.
+        """
+        now = _utcnow()
+
+        def tx(conn: sqlite3.Connection) -> SessionEntry | None:
+            entry = _load_entry(conn, session_key)
+            row = conn.execute(
+                "SELECT input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,"
+                " total_tokens, estimated_cost_usd, started_at FROM sessions"
+                " WHERE session_id = ? AND session_key = ?",
+                (target_session_id, session_key),
+            ).fetchone()
+            if entry is None or row is None:
+                return None
+            if entry.session_id == target_session_id:
+                return entry
+            _end_session_row(conn, entry.session_id, now, END_SWITCH)
+            conn.execute(
+                "UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE session_id = ?",
+                (target_session_id,),
+            )
+            (
+                entry.input_tokens,
+                entry.output_tokens,
+                entry.cache_read_tokens,
+                entry.cache_write_tokens,
+                entry.total_tokens,
+                entry.estimated_cost_usd,
+                started_at,
+            ) = row
+            entry.session_id = target_session_id
+            entry.created_at = datetime.fromtimestamp(started_at, UTC)
+            entry.updated_at = now
+            entry.suspended = entry.resume_pending = entry.expiry_finalized = False
+            entry.was_auto_reset = entry.is_fresh_reset = False
+            entry.resume_reason = None
+            _save_entry(conn, entry)
+            return entry
+
+        return await self._write(tx)
+
+    async def suspend_session(self, session_key: str) -> bool:
+        """Hard wipe on next access (/stop, stuck loop); beats `resume_pending`."""
+
+        def change(entry: SessionEntry) -> bool:
+            entry.suspended = True
+            return True
+
+        return await self._modify(session_key, change) is not None
+
+    async def mark_resume_pending(
+        self, session_key: str, reason: str = "restart_interrupted"
+    ) -> bool:
+        """Keep the session id on next access; refused (False) for suspended/unknown keys."""
+        now = _utcnow()
+
+        def change(entry: SessionEntry) -> bool:
+            if entry.suspended:
+                return False
+            entry.resume_pending = True
+            entry.resume_reason = reason
+            entry.last_resume_marked_at = now
+            return True
+
+        return await self._modify(session_key, change) is not None
+
+    async def clear_resume_pending(self, session_key: str) -> bool:
+        """Called only after a resumed turn succeeded."""
+
+        def change(entry: SessionEntry) -> bool:
+            if not entry.resume_pending:
+                return False
+            entry.resume_pending = False
+            entry.resume_reason = None
+            return True
+
+        return await self._modify(session_key, change) is not None
+
+    async def set_expiry_finalized(self, session_key: str, finalized: bool = True) -> bool:
+        """Record that the expiry watcher finalized this session (hooks ran, agent evicted)."""
+
+        def change(entry: SessionEntry) -> bool:
+            entry.expiry_finalized = finalized
+            return True
+
+        return await self._modify(session_key, change) is not None
+
+    async def suspend_recently_active(self, max_age_seconds: float = 120) -> int:
+        """Crash recovery: mark sessions touched in the last `max_age_seconds` resume_pending.
+
+        Skips entries already pending or suspended. Returns how many were marked.
+        """
+        now = _utcnow()
+        cutoff = (now - timedelta(seconds=max_age_seconds)).timestamp()
+
+        def tx(conn: sqlite3.Connection) -> int:
+            rows = conn.execute(
+                "SELECT entry FROM session_entries WHERE updated_at >= ?"
+                " AND suspended = 0 AND resume_pending = 0",
+                (cutoff,),
+            ).fetchall()
+            for (raw,) in rows:
+                entry = SessionEntry.from_dict(json.loads(raw))
+                entry.resume_pending = True
+                entry.resume_reason = "restart_interrupted"
+                entry.last_resume_marked_at = now
+                _save_entry(conn, entry)
+            return len(rows)
+
+        return await self._write(tx)
+
+    async def prune_old_entries(self, max_age_days: int) -> int:
+        """Drop routing entries idle for `max_age_days` (0 disables); transcripts stay.
+
+        Suspended entries and keys with active processes are kept.
+        """
+        if max_age_days <= 0:
+            return 0
+        now = _utcnow()
+        cutoff = (now - timedelta(days=max_age_days)).timestamp()
+        candidates = await self._db.read(
+            lambda conn: [
+                key
+                for (key,) in conn.execute(
+                    "SELECT session_key FROM session_entries"
+                    " WHERE updated_at < ? AND suspended = 0",
+                    (cutoff,),
+                )
+            ]
+        )
+        doomed = [key for key in candidates if not self._has_active_processes(key)]
+        if not doomed:
+            return 0
+
+        def tx(conn: sqlite3.Connection) -> int:
+            pruned = 0
+            for key in doomed:  # re-check: the entry may have been touched meanwhile
+                row = conn.execute(
+                    "DELETE FROM session_entries WHERE session_key = ? AND updated_at < ?"
+                    " AND suspended = 0 RETURNING session_id",
+                    (key, cutoff),
+                ).fetchone()
+                if row:
+                    _end_session_row(conn, row[0], now, END_PRUNED)
+                    pruned += 1
+            return pruned
+
+        return await self._write(tx)
+
+    # --- queries -----------------------------------------------------------------------
+
+    async def get_entry(self, session_key: str) -> SessionEntry | None:
+        return await self._db.read(lambda conn: _load_entry(conn, session_key))
+
+    async def list_sessions(self, active_minutes: float | None = None) -> list[SessionEntry]:
+        """All entries, most recently active first; optionally only the last N minutes."""
+        sql = "SELECT entry FROM session_entries"
+        params: tuple[Any, ...] = ()
+        if active_minutes is not None:
+            sql += " WHERE updated_at >= ?"
+            params = ((_utcnow() - timedelta(minutes=active_minutes)).timestamp(),)
+        sql += " ORDER BY updated_at DESC, session_key"
+
+        def query(conn: sqlite3.Connection) -> list[SessionEntry]:
+            return [SessionEntry.from_dict(json.loads(raw)) for (raw,) in conn.execute(sql, params)]
+
+        return await self._db.read(query)
+
+    async def lookup_by_session_id(self, session_id: str) -> SessionEntry | None:
+        def query(conn: sqlite3.Connection) -> SessionEntry | None:
+            row = conn.execute(
+                "SELECT entry FROM session_entries WHERE session_id = ?", (session_id,)
+            ).fetchone()
+            return SessionEntry.from_dict(json.loads(row[0])) if row else None
+
+        return await self._db.read(query)
+
+    async def has_any_sessions(self) -> bool:
+        """Whether any session was ever created (history, not just live entries)."""
+        return await self._db.read(
+            lambda conn: conn.execute("SELECT 1 FROM sessions LIMIT 1").fetchone() is not None
+        )
+
+    async def list_session_history(self, session_key: str, limit: int = 10) -> list[dict[str, Any]]:
+        """Earlier and current sessions of one key, newest first (for /resume)."""
+
+        def query(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+            rows = conn.execute(
+                "SELECT s.session_id, s.started_at, s.ended_at, s.end_reason, s.title,"
+                " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id"
+                "  AND m.active = 1) FROM sessions s WHERE s.session_key = ?"
+                " ORDER BY s.started_at DESC, s.session_id DESC LIMIT ?",
+                (session_key, limit),
+            )
+            return [
+                {
+                    "session_id": sid,
+                    "started_at": datetime.fromtimestamp(started, UTC),
+                    "ended_at": datetime.fromtimestamp(ended, UTC) if ended else None,
+                    "end_reason": reason,
+                    "title": title,
+                    "message_count": count,
+                }
+                for sid, started, ended, reason, title, count in rows
+            ]
+
+        return await self._db.read(query)
+
+    # --- transcripts -------------------------------------------------------------------
+
+    async def append_to_transcript(
+        self, session_id: str, message: dict[str, Any], skip_db: bool = False
+    ) -> int | None:
+        """Append one message; `skip_db` when the agent already persisted it. Returns its id."""
+        transcript.validate_message(message)
+        if skip_db:
+            return None
+        message = dict(message)
+        return await self._write(
+            lambda conn: transcript.append(conn, session_id, message), dirty=False
+        )
+
+    async def rewrite_transcript(self, session_id: str, messages: list[dict[str, Any]]) -> int:
+        """Replace the whole active transcript, all or nothing (/retry, /undo, /compress)."""
+        copies = [dict(transcript.validate_message(m)) for m in messages]
+        return await self._write(
+            lambda conn: transcript.rewrite(conn, session_id, copies), dirty=False
+        )
+
+    async def load_transcript(self, session_id: str) -> list[dict[str, Any]]:
+        return await self._db.read(lambda conn: transcript.load(conn, session_id))
+
+    async def count_messages(self, session_id: str) -> int:
+        return await self._db.read(lambda conn: transcript.count_active(conn, session_id))
+
+    async def rewind_session(self, session_id: str, n: int = 1) -> dict[str, Any]:
+        """Soft-delete the last `n` user turns; `{rewound_count, turns_undone, target_text}`."""
+        if n < 1:
+            raise ValueError("n must be at least 1")
+        return await self._write(lambda conn: transcript.rewind(conn, session_id, n), dirty=False)

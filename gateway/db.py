@@ -100,8 +100,10 @@ class Database:
         self.path = path
         self._conn: aiosqlite.Connection | None = None
         self._pending: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
-        self._wakeup = asyncio.Event()
-        self._flusher: asyncio.Task[None] | None = None
+        self._driver: asyncio.Task[Any] | None = None
+        self._handoff: asyncio.Task[None] | None = None
+        self._settling: list[asyncio.Task[None]] = []
+        self._idle = asyncio.Event()
         self._closing = False
 
     async def open(self) -> None:
@@ -112,21 +114,23 @@ class Database:
             await self._conn.execute("PRAGMA synchronous=NORMAL")
             await self._conn.execute("PRAGMA foreign_keys=ON")
             await self._conn.execute("PRAGMA busy_timeout=5000")
+            # 32 MiB page cache: the hot B-tree pages of 100k sessions stay in memory.
+            await self._conn.execute("PRAGMA cache_size=-32768")
             await self._conn._execute(self._migrate, self._conn._conn)
         except sqlite3.DatabaseError as exc:
             if self._conn is not None:
                 await self._conn.close()
                 self._conn = None
             raise DatabaseError(f"{self.path}: {exc}") from exc
-        self._flusher = asyncio.create_task(self._flush_loop(), name="db-group-commit")
 
     async def close(self) -> None:
         if self._conn is None:
             return
         self._closing = True
-        self._wakeup.set()
-        if self._flusher is not None:
-            await self._flusher
+        while self._pending or self._driver is not None:
+            self._idle.clear()
+            await self._idle.wait()
+        await asyncio.gather(*self._settling)
         await self._conn.close()
         self._conn = None
 
@@ -144,7 +148,9 @@ class Database:
         self._require_open()
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         self._pending.append((fn, future))
-        self._wakeup.set()
+        if self._driver is None:
+            # Nobody is committing: this caller drives the batch itself (no extra task hop).
+            await self._drive(future)
         return await future
 
     # --- internals ---------------------------------------------------------------------
@@ -154,28 +160,40 @@ class Database:
             raise DatabaseError("the session store is not open")
         return self._conn
 
-    async def _flush_loop(self) -> None:
+    async def _settle_later(
+        self, batch: list[tuple[Any, asyncio.Future[Any]]], outcome: list[tuple[bool, Any]]
+    ) -> None:
         assert self._conn is not None
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            while self._pending:
+        await self._conn._execute(lambda: None)  # the worker thread is FIFO
+        _settle(batch, outcome)
+
+    async def _drive(self, own: asyncio.Future[Any] | None) -> None:
+        """Commit batches until `own` is done (or the queue is empty), then hand over."""
+        assert self._conn is not None
+        self._driver = asyncio.current_task()
+        try:
+            while self._pending and not (own is not None and own.done()):
                 batch, self._pending = self._pending, []
+                outcome: list[tuple[bool, Any]] = []
                 try:
-                    results = await self._conn._execute(
-                        _run_batch, self._conn._conn, [fn for fn, _ in batch]
+                    await self._conn._execute(
+                        _run_batch, self._conn._conn, [fn for fn, _ in batch], outcome
                     )
-                except Exception as exc:  # the connection itself failed: fail the batch
-                    results = [(False, exc)] * len(batch)
-                for (_, future), (ok, value) in zip(batch, results, strict=True):
-                    if future.done():
-                        continue
-                    if ok:
-                        future.set_result(value)
-                    else:
-                        future.set_exception(value)
-            if self._closing:
-                return
+                except asyncio.CancelledError:
+                    # The driving caller was cancelled (/stop), yet its batch still runs on
+                    # the worker thread; settle it once the thread has moved past it.
+                    self._settling.append(asyncio.create_task(self._settle_later(batch, outcome)))
+                    raise
+                except Exception as exc:  # the connection itself failed
+                    outcome[:] = [(False, exc)] * len(batch)
+                _settle(batch, outcome)
+        finally:
+            self._driver = None
+            if self._pending:
+                # Writes queued behind ours: a task of their own finishes them.
+                self._handoff = asyncio.create_task(self._drive(None), name="db-group-commit")
+            else:
+                self._idle.set()
 
     @staticmethod
     def _migrate(conn: sqlite3.Connection) -> None:
@@ -197,6 +215,17 @@ class Database:
                 raise
 
 
+def _settle(batch: list[tuple[Any, asyncio.Future[Any]]], outcome: list[tuple[bool, Any]]) -> None:
+    """Hand each writer of a committed (or failed) batch its own result."""
+    for (_, future), (ok, value) in zip(batch, outcome, strict=True):
+        if future.done():
+            continue
+        if ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+
 def _split_sql(script: str) -> list[str]:
     """Split a migration into statements, keeping trigger bodies whole."""
     statements, buf = [], ""
@@ -211,9 +240,20 @@ def _split_sql(script: str) -> list[str]:
 
 
 def _run_batch(
+    conn: sqlite3.Connection,
+    fns: list[Callable[[sqlite3.Connection], Any]],
+    outcome: list[tuple[bool, Any]],
+) -> None:
+    """Worker-thread side of group commit: one transaction, one savepoint per write.
+
+    Results go into `outcome` (not a return value) so a cancelled caller can still read them.
+    """
+    outcome[:] = _commit_batch(conn, fns)
+
+
+def _commit_batch(
     conn: sqlite3.Connection, fns: list[Callable[[sqlite3.Connection], Any]]
 ) -> list[tuple[bool, Any]]:
-    """Worker-thread side of group commit: one transaction, one savepoint per write."""
     results: list[tuple[bool, Any]] = []
     try:
         conn.execute("BEGIN IMMEDIATE")

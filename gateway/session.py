@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any
@@ -130,14 +130,17 @@ class SessionSource:
         return text
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
+        data = {name: getattr(self, name) for name in _SOURCE_FIELDS}
         data["platform"] = self.platform.value
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SessionSource:
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        return cls(**{k: v for k, v in data.items() if k in _SOURCE_FIELDS})
+
+
+# Field-name tuples computed once: to_dict/from_dict run on every message touch.
+_SOURCE_FIELDS = tuple(f.name for f in fields(SessionSource))
 
 
 # --- keys ----------------------------------------------------------------------------------
@@ -145,6 +148,14 @@ class SessionSource:
 
 def _is_threaded(source: SessionSource) -> bool:
     return bool(source.thread_id) or source.chat_type == "thread"
+
+
+def _is_per_user(
+    source: SessionSource, group_sessions_per_user: bool, thread_sessions_per_user: bool
+) -> bool:
+    # Whether a non-DM key gets the participant suffix. The key and the "shared session"
+    # flag both derive from this, so they cannot disagree.
+    return group_sessions_per_user and (not _is_threaded(source) or thread_sessions_per_user)
 
 
 def build_session_key(
@@ -158,10 +169,8 @@ def build_session_key(
     if not agent_id or ":" in agent_id:
         raise ValueError("agent_id must be non-empty and must not contain ':'")
     chat_id, user_id, user_id_alt = source.chat_id, source.user_id, source.user_id_alt
-    if source.platform == Platform.WHATSAPP:
-        chat_id = canonical_whatsapp_identifier(chat_id)
-        user_id = canonical_whatsapp_identifier(user_id)
-        user_id_alt = canonical_whatsapp_identifier(user_id_alt)
+    # Validate the ids as received: WhatsApp canonicalisation strips whitespace and dots,
+    # so checking only its result would let e.g. "1..2" or "12\n34" through.
     for name, value in (
         ("chat_id", chat_id),
         ("thread_id", source.thread_id),
@@ -169,6 +178,10 @@ def build_session_key(
         ("user_id_alt", user_id_alt),
     ):
         validate_id(name, value)
+    if source.platform == Platform.WHATSAPP:
+        chat_id = canonical_whatsapp_identifier(chat_id)
+        user_id = canonical_whatsapp_identifier(user_id)
+        user_id_alt = canonical_whatsapp_identifier(user_id_alt)
 
     parts = ["agent", agent_id, source.platform.value, source.chat_type]
     participant = user_id_alt or user_id
@@ -184,7 +197,7 @@ def build_session_key(
         parts.append(_key_part(chat_id))
     if source.thread_id:
         parts.append(_key_part(source.thread_id))
-    per_user = group_sessions_per_user and (not _is_threaded(source) or thread_sessions_per_user)
+    per_user = _is_per_user(source, group_sessions_per_user, thread_sessions_per_user)
     if per_user and participant:
         parts.append(_key_part(participant))
     return ":".join(parts)
@@ -196,9 +209,9 @@ def is_shared_multi_user_session(
     """True when several people talk in one session (messages get a [sender] prefix)."""
     if source.chat_type == "dm":
         return False
-    if _is_threaded(source):
-        return not thread_sessions_per_user
-    return not group_sessions_per_user
+    # Threads are shared unless thread_sessions_per_user; but a per-user thread lane also
+    # needs group_sessions_per_user, exactly as in build_session_key.
+    return not _is_per_user(source, group_sessions_per_user, thread_sessions_per_user)
 
 
 # --- SessionEntry --------------------------------------------------------------------------
@@ -284,22 +297,18 @@ class SessionEntry:
         return replace(self)
 
     def to_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name in _DATETIME_FIELDS:
-                value = _dt_to_str(value)
-            elif f.name == "origin":
-                value = value.to_dict() if value is not None else None
-            elif f.name == "platform":
-                value = value.value if value is not None else None
-            data[f.name] = value
+        data = {name: getattr(self, name) for name in _ENTRY_FIELDS}
+        for name in _DATETIME_FIELDS:
+            data[name] = _dt_to_str(data[name])
+        if self.origin is not None:
+            data["origin"] = self.origin.to_dict()
+        if self.platform is not None:
+            data["platform"] = self.platform.value
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SessionEntry:
-        known = {f.name for f in fields(cls)}
-        kwargs = {k: v for k, v in data.items() if k in known}
+        kwargs = {k: v for k, v in data.items() if k in _ENTRY_FIELD_SET}
         for name in _DATETIME_FIELDS:
             if name in kwargs:
                 kwargs[name] = _dt_from_str(kwargs[name])
@@ -308,6 +317,10 @@ class SessionEntry:
         if kwargs.get("platform") is not None:
             kwargs["platform"] = Platform(kwargs["platform"])
         return cls(**kwargs)
+
+
+_ENTRY_FIELDS = tuple(f.name for f in fields(SessionEntry))
+_ENTRY_FIELD_SET = frozenset(_ENTRY_FIELDS)
 
 
 # --- SessionContext ------------------------------------------------------------------------

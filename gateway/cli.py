@@ -1,0 +1,204 @@
+"""`hermes-gateway`: the command line and the composition root (config -> store -> daemon).
+
+Exit codes: 0 ok, 1 usage or lookup failure, 75 restart requested, 78 configuration error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import signal
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
+from gateway.db import DatabaseError
+from gateway.logs import configure_logging
+from gateway.store import SessionStore
+
+SESSION_ID_RE = re.compile(r"^\d{8}_\d{6}_[0-9a-f]{8}$")
+
+
+def sessions_dir(home: Path) -> Path:
+    return home / "sessions"
+
+
+# --- commands ---------------------------------------------------------------------------
+
+
+def cmd_check_config(args: argparse.Namespace, config: GatewayConfig) -> int:
+    where = config.source_path or "(no file: zero-config defaults)"
+    print(f"config ok: {where}")
+    return 0
+
+
+async def serve(config: GatewayConfig, home: Path) -> int:
+    """Open the store and run until SIGINT/SIGTERM; returns the process exit code."""
+    log = structlog.get_logger("gateway")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    store = SessionStore(sessions_dir(home), config)
+    await store.open()
+    try:
+        log.info("gateway_ready", home=str(home), sessions_dir=str(store.sessions_dir))
+        await stop.wait()
+        log.info("gateway_stopping")
+    finally:
+        await store.close()
+    log.info("gateway_stopped")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace, config: GatewayConfig) -> int:
+    configure_logging(json_output=args.log_json)
+    return asyncio.run(serve(config, hermes_home()))
+
+
+def _entry_row(entry: Any) -> dict[str, Any]:
+    return {
+        "session_key": entry.session_key,
+        "session_id": entry.session_id,
+        "updated_at": entry.updated_at.isoformat(),
+        "total_tokens": entry.total_tokens,
+        "flags": ",".join(
+            name
+            for name in ("suspended", "resume_pending", "was_auto_reset", "expiry_finalized")
+            if getattr(entry, name)
+        ),
+    }
+
+
+async def _sessions_list(store: SessionStore, args: argparse.Namespace) -> int:
+    entries = await store.list_sessions(active_minutes=args.active_minutes)
+    rows = [_entry_row(e) for e in entries]
+    if args.json:
+        print(json.dumps([e.to_dict() for e in entries], indent=2))
+        return 0
+    if not rows:
+        print("no sessions")
+        return 0
+    print(f"{'UPDATED (UTC)':20} {'SESSION ID':25} {'TOKENS':>8}  KEY  [FLAGS]")
+    for row in rows:
+        updated = datetime.fromisoformat(row["updated_at"]).astimezone(UTC)
+        flags = f"  [{row['flags']}]" if row["flags"] else ""
+        print(
+            f"{updated:%Y-%m-%d %H:%M:%S}  {row['session_id']:25} {row['total_tokens']:>8}"
+            f"  {row['session_key']}{flags}"
+        )
+    return 0
+
+
+async def _sessions_show(store: SessionStore, args: argparse.Namespace) -> int:
+    target = args.key_or_id
+    entry = await store.lookup_by_session_id(target) if SESSION_ID_RE.match(target) else None
+    if entry is None:
+        entry = await store.get_entry(target)
+    session_id = entry.session_id if entry else target
+    if entry is None and not SESSION_ID_RE.match(target):
+        print(f"no session with key or id {target!r}", file=sys.stderr)
+        return 1
+    messages = await store.load_transcript(session_id)
+    if entry is None and not messages:
+        print(f"no session with key or id {target!r}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(
+            json.dumps(
+                {"entry": entry.to_dict() if entry else None, "transcript": messages}, indent=2
+            )
+        )
+        return 0
+    if entry is not None:
+        for name, value in entry.to_dict().items():
+            if name != "origin":
+                print(f"{name:24} {value}")
+        if entry.origin is not None:
+            print(f"{'origin':24} {entry.origin.description} ({entry.origin.platform.value})")
+    else:
+        print(f"session {session_id} (no longer the current session of any key)")
+    print(f"\ntranscript ({len(messages)} messages):")
+    for message in messages:
+        content = message.get("content")
+        text = content if isinstance(content, str) else json.dumps(content)
+        print(f"  [{message.get('role')}] {text}")
+    return 0
+
+
+def cmd_sessions(args: argparse.Namespace, config: GatewayConfig) -> int:
+    handler = _sessions_list if args.sessions_command == "list" else _sessions_show
+
+    async def run() -> int:
+        async with SessionStore(sessions_dir(hermes_home()), config) as store:
+            return await handler(store, args)
+
+    return asyncio.run(run())
+
+
+# --- parser -----------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--home", type=Path, help="state directory (default $HERMES_HOME or ~/.hermes)"
+    )
+    common.add_argument(
+        "--config", type=Path, help="config file (default $HERMES_CONFIG or HOME/hermes.yaml)"
+    )
+    parser = argparse.ArgumentParser(
+        prog="hermes-gateway",
+        description="Durable chat gateway for an LLM agent.",
+        parents=[common],
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", parents=[common], help="run the daemon in the foreground")
+    run.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
+    run.set_defaults(handler=cmd_run)
+
+    check = sub.add_parser("check-config", parents=[common], help="validate the config file")
+    check.set_defaults(handler=cmd_check_config)
+
+    sessions = sub.add_parser("sessions", parents=[common], help="inspect stored sessions")
+    sessions_sub = sessions.add_subparsers(dest="sessions_command", required=True)
+    listing = sessions_sub.add_parser("list", parents=[common], help="list session entries")
+    listing.add_argument("--active-minutes", type=float, default=None)
+    listing.add_argument("--json", action="store_true")
+    show = sessions_sub.add_parser("show", parents=[common], help="an entry and its transcript")
+    show.add_argument("key_or_id", metavar="KEY_OR_ID")
+    show.add_argument("--json", action="store_true")
+    sessions.set_defaults(handler=cmd_sessions)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.home is not None:
+        # One place decides where state lives; everything below reads HERMES_HOME.
+        os.environ["HERMES_HOME"] = str(args.home.expanduser().resolve())
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"configuration error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    try:
+        return int(args.handler(args, config))
+    except DatabaseError as exc:
+        print(f"state database error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -52,7 +52,8 @@ class Platform(StrEnum):
 
 # --- ids -------------------------------------------------------------------------------------
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# C0/C1 controls plus Unicode line separators and bidi overrides (both can forge log lines).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
 
 
 def validate_id(field_name: str, value: str | None) -> None:

@@ -831,3 +831,10 @@ def test_unknown_module_attribute_raises_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="NoSuchThing"):
         session_module.NoSuchThing  # noqa: B018
+
+
+@pytest.mark.parametrize("bad", ["a\u2028b", "a\u2029b", "a\u202eb", "a\u2066b"])
+def test_unicode_line_separators_and_bidi_overrides_are_refused(bad: str) -> None:
+    source = SessionSource(platform=Platform.TELEGRAM, chat_id=bad)
+    with pytest.raises(ValueError, match="chat_id"):
+        build_session_key(source)

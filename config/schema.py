@@ -69,6 +69,9 @@ class AgentConfig(BaseModel):
     redact_pii: bool = False
     # Free-form keyword arguments for a module:factory backend; that backend checks them.
     options: dict[str, Any] = Field(default_factory=dict)
+    # Per-session agent instances are cached (LRU) to keep prompt caches warm.
+    cache_max_size: int = Field(default=128, ge=1)
+    cache_idle_ttl_seconds: float = Field(default=3600.0, gt=0)
 
     @field_validator("backend")
     @classmethod
@@ -117,7 +120,7 @@ class HttpConfig(PlatformConfig):
     """The local HTTP API; ``token`` is the bearer token clients must send."""
 
     host: str = "127.0.0.1"
-    port: int = Field(default=8642, ge=1, le=65535)
+    port: int = Field(default=8642, ge=0, le=65535)  # 0: any free port (tests)
     token: str | None = Field(default=None, repr=False)
     max_body_bytes: int = Field(default=65536, ge=1024)
 
@@ -140,6 +143,16 @@ class StorageConfig(BaseModel):
     inbound_dedup_days: int = Field(default=7, ge=1)
 
 
+class HousekeepingConfig(BaseModel):
+    """The background watcher: expiry finalization, idle-agent sweep, pruning."""
+
+    model_config = _MODEL_CONFIG
+
+    expiry_interval_seconds: float = Field(default=300.0, gt=0)
+    prune_interval_seconds: float = Field(default=3600.0, gt=0)
+    finalize_max_attempts: int = Field(default=3, ge=1)
+
+
 class GatewayConfig(BaseModel):
     """The whole of hermes.yaml. ``GatewayConfig()`` is the zero-config default."""
 
@@ -155,6 +168,7 @@ class GatewayConfig(BaseModel):
     queue: QueueConfig = QueueConfig()
     platforms: PlatformsConfig = PlatformsConfig()
     storage: StorageConfig = StorageConfig()
+    housekeeping: HousekeepingConfig = HousekeepingConfig()
     # Set by load_config; the loader rejects it as a YAML key.
     source_path: Path | None = Field(default=None, exclude=True)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import getpass
 import json
 import os
 import re
@@ -19,6 +20,7 @@ from typing import Any
 
 import structlog
 
+from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
 from gateway.db import DatabaseError
 from gateway.logs import configure_logging
@@ -40,22 +42,39 @@ def cmd_check_config(args: argparse.Namespace, config: GatewayConfig) -> int:
     return 0
 
 
+def build_adapters(config: GatewayConfig) -> list[PlatformAdapter]:
+    """The adapters the config enables; the HTTP API when no other platform is enabled."""
+    from adapters.http import HttpAdapter
+
+    adapters: list[PlatformAdapter] = []
+    http = config.platforms.http
+    if http.enabled or not config.connected_platforms():
+        adapters.append(HttpAdapter(http))
+    return adapters
+
+
 async def serve(config: GatewayConfig, home: Path) -> int:
-    """Open the store and run until SIGINT/SIGTERM; returns the process exit code."""
+    """Run the gateway until SIGINT/SIGTERM; returns the process exit code."""
+    from gateway.run import GatewayRunner
+
     log = structlog.get_logger("gateway")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    store = SessionStore(sessions_dir(home), config)
-    await store.open()
+    runner = GatewayRunner(config, build_adapters(config), home=home)
     try:
-        log.info("gateway_ready", home=str(home), sessions_dir=str(store.sessions_dir))
+        await runner.start()
+    except OSError as exc:  # e.g. the HTTP port is taken
+        log.error("gateway_start_failed", error=str(exc))
+        await runner.stop()
+        return 1
+    try:
+        log.info("gateway_ready", home=str(home), health=runner.health())
         await stop.wait()
         log.info("gateway_stopping")
     finally:
-        await store.close()
-    log.info("gateway_stopped")
+        await runner.stop()
     return 0
 
 
@@ -147,6 +166,17 @@ def cmd_sessions(args: argparse.Namespace, config: GatewayConfig) -> int:
 # --- parser -----------------------------------------------------------------------------
 
 
+def cmd_chat(args: argparse.Namespace, config: GatewayConfig) -> int:
+    from gateway.chat import main_chat
+
+    if args.url is None:
+        http = config.platforms.http
+        args.url = f"http://{http.host}:{http.port}"
+    if args.token is None:
+        args.token = os.environ.get("HERMES_HTTP_TOKEN") or config.platforms.http.token
+    return main_chat(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
@@ -165,6 +195,14 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", parents=[common], help="run the daemon in the foreground")
     run.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
     run.set_defaults(handler=cmd_run)
+
+    chat = sub.add_parser("chat", parents=[common], help="talk to the running daemon")
+    user = getpass.getuser()
+    chat.add_argument("--url", default=None, help="gateway HTTP API (default from the config)")
+    chat.add_argument("--chat-id", default=f"local-{user}", help="chat id to talk in")
+    chat.add_argument("--user-id", default=user, help="your user id")
+    chat.add_argument("--token", default=None, help="bearer token (default $HERMES_HTTP_TOKEN)")
+    chat.set_defaults(handler=cmd_chat)
 
     check = sub.add_parser("check-config", parents=[common], help="validate the config file")
     check.set_defaults(handler=cmd_check_config)

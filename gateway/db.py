@@ -23,7 +23,7 @@ import aiosqlite
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 _MIGRATIONS: dict[int, str] = {
@@ -79,6 +79,17 @@ _MIGRATIONS: dict[int, str] = {
         VALUES ('delete', old.id, old.content);
     END;
     """,
+    # Platform message ids already accepted, so a redelivery never starts a second turn.
+    2: """
+    CREATE TABLE inbound_seen (
+        platform    TEXT NOT NULL,
+        chat_id     TEXT NOT NULL,
+        message_id  TEXT NOT NULL,
+        seen_at     REAL NOT NULL,
+        PRIMARY KEY (platform, chat_id, message_id)
+    ) WITHOUT ROWID;
+    CREATE INDEX inbound_seen_by_time ON inbound_seen(seen_at);
+    """,
 }
 
 
@@ -101,7 +112,6 @@ class Database:
         self._conn: aiosqlite.Connection | None = None
         self._pending: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
         self._driver: asyncio.Task[Any] | None = None
-        self._handoff: asyncio.Task[None] | None = None
         self._settling: list[asyncio.Task[None]] = []
         self._idle = asyncio.Event()
         self._closing = False
@@ -188,11 +198,12 @@ class Database:
                     outcome[:] = [(False, exc)] * len(batch)
                 _settle(batch, outcome)
         finally:
-            self._driver = None
             if self._pending:
-                # Writes queued behind ours: a task of their own finishes them.
-                self._handoff = asyncio.create_task(self._drive(None), name="db-group-commit")
+                # Writes queued behind ours: a task of their own finishes them. It is the
+                # driver from this instant, so no second driver can start in between.
+                self._driver = asyncio.create_task(self._drive(None), name="db-group-commit")
             else:
+                self._driver = None
                 self._idle.set()
 
     @staticmethod

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import secrets
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,7 +21,8 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
 
     Temp file in the same directory, fsync, `os.replace`, fsync the directory.
     """
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    # Unique per call: two writers of one path (threads, processes) must not share a temp.
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
         view = memoryview(data)
@@ -33,7 +35,11 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    os.replace(tmp, path)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(path.parent)
 
 

@@ -44,7 +44,7 @@ def read_sessions_json(path: Path) -> dict[str, SessionEntry] | None:
     for key, data in raw.items():
         try:
             entry = SessionEntry.from_dict(data)
-        except (TypeError, ValueError, KeyError) as exc:
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
             log.warning("sessions_json_entry_skipped", session_key=key, error=str(exc))
             continue
         entries[key] = entry
@@ -56,7 +56,8 @@ def check_sessions_json(path: Path) -> bool:
     if not path.exists():
         return True
     try:
-        json.loads(path.read_bytes())
+        if not isinstance(json.loads(path.read_bytes()), dict):
+            raise ValueError("top level is not an object")
         return True
     except (ValueError, UnicodeDecodeError) as exc:
         aside = set_aside(path)
@@ -105,7 +106,10 @@ class SessionsMirror:
     async def stop(self) -> None:
         """Stop the background writer and write a final copy if anything changed."""
         if self._task is not None:
-            self._task.cancel()
+            # Cancel only between writes: a cancelled `asyncio.to_thread` keeps running on its
+            # thread, so cancelling mid-write would let the final flush below race it.
+            async with self._lock:
+                self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
             self._task = None
         await self.flush()
@@ -123,6 +127,9 @@ class SessionsMirror:
             except (OSError, sqlite3.Error) as exc:
                 self._dirty = True
                 log.error("sessions_json_write_failed", path=str(self.json_path), error=str(exc))
+                raise
+            except asyncio.CancelledError:
+                self._dirty = True  # the snapshot may not have landed; write it next time
                 raise
             took = time.monotonic() - started
             self.writes += 1

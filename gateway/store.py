@@ -26,7 +26,7 @@ from config import GatewayConfig
 from gateway import transcript
 from gateway.db import Database, T
 from gateway.mirror import SessionsMirror, check_sessions_json, read_sessions_json
-from gateway.policy import reset_reason
+from gateway.policy import last_daily_boundary, reset_reason
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
 
 log = structlog.get_logger(__name__)
@@ -79,11 +79,25 @@ def _save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
 
 
 def _start_session_row(conn: sqlite3.Connection, entry: SessionEntry) -> None:
+    # The counters matter for entries imported from sessions.json: switch_session restores
+    # a session's counters from this row.
     origin = json.dumps(entry.origin.to_dict()) if entry.origin else None
     conn.execute(
-        "INSERT OR IGNORE INTO sessions (session_id, session_key, origin, started_at)"
-        " VALUES (?, ?, ?, ?)",
-        (entry.session_id, entry.session_key, origin, entry.created_at.timestamp()),
+        "INSERT OR IGNORE INTO sessions (session_id, session_key, origin, started_at,"
+        " input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, total_tokens,"
+        " estimated_cost_usd) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            entry.session_id,
+            entry.session_key,
+            origin,
+            entry.created_at.timestamp(),
+            entry.input_tokens,
+            entry.output_tokens,
+            entry.cache_read_tokens,
+            entry.cache_write_tokens,
+            entry.total_tokens,
+            entry.estimated_cost_usd,
+        ),
     )
 
 
@@ -152,9 +166,11 @@ class SessionStore:
 
     async def open(self) -> SessionStore:
         self.sessions_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fresh_db = not self.db_path.exists()
         await self._db.open()
-        if fresh_db:
+        # Import when the database holds no session at all, not only when the file was
+        # absent: a crash between creating state.db and committing the import leaves an
+        # empty database, and the next mirror write would then erase the legacy index.
+        if not await self.has_any_sessions():
             legacy = await asyncio.to_thread(read_sessions_json, self.json_path)
             if legacy:
                 await self._db.write(lambda conn: self._import_entries(conn, legacy))
@@ -169,8 +185,10 @@ class SessionStore:
     async def close(self) -> None:
         if not self._db.is_open:
             return
-        await self._mirror.stop()
-        await self._db.close()
+        try:
+            await self._mirror.stop()
+        finally:
+            await self._db.close()  # even when the final sessions.json write failed
 
     async def __aenter__(self) -> SessionStore:
         return await self.open()
@@ -191,6 +209,10 @@ class SessionStore:
         return len(entries)
 
     # --- helpers -----------------------------------------------------------------------
+
+    def session_key_for(self, source: SessionSource) -> str:
+        """The key this source routes to (raises ValueError for unsafe ids)."""
+        return self._generate_session_key(source)
 
     def _generate_session_key(self, source: SessionSource) -> str:
         return build_session_key(
@@ -506,10 +528,83 @@ class SessionStore:
 
         return await self._write(tx)
 
+    # --- inbound dedup -------------------------------------------------------------------
+
+    async def accept_inbound(self, platform: str, chat_id: str, message_id: str) -> bool:
+        """Record a platform message id; False if it was accepted before (a redelivery)."""
+        now = _utcnow().timestamp()
+
+        def tx(conn: sqlite3.Connection) -> bool:
+            cursor = conn.execute(
+                "INSERT OR IGNORE INTO inbound_seen (platform, chat_id, message_id, seen_at)"
+                " VALUES (?, ?, ?, ?)",
+                (platform, chat_id, message_id, now),
+            )
+            return cursor.rowcount == 1
+
+        return await self._write(tx, dirty=False)
+
+    async def expire_inbound(self, max_age_days: float) -> int:
+        """Forget message ids older than `max_age_days` (platforms stop redelivering)."""
+        cutoff = (_utcnow() - timedelta(days=max_age_days)).timestamp()
+        return await self._write(
+            lambda conn: conn.execute(
+                "DELETE FROM inbound_seen WHERE seen_at < ?", (cutoff,)
+            ).rowcount,
+            dirty=False,
+        )
+
     # --- queries -----------------------------------------------------------------------
 
     async def get_entry(self, session_key: str) -> SessionEntry | None:
         return await self._db.read(lambda conn: _load_entry(conn, session_key))
+
+    async def expired_entries(self, limit: int = 1000, page: int = 1000) -> list[SessionEntry]:
+        """Up to `limit` entries whose reset policy has expired and that are not finalized.
+
+        Only rows idle past the shortest possible expiry are read (indexed on updated_at),
+        page by page, and each is checked against its own policy, so entries that never
+        expire (mode none on one platform) cannot crowd out the ones that did.
+        """
+        now = _utcnow()
+        cutoff = self._expiry_cutoff(now)
+        if cutoff is None:
+            return []
+
+        def query(after: tuple[float, str]) -> Callable[[sqlite3.Connection], list[Any]]:
+            return lambda conn: conn.execute(
+                "SELECT updated_at, session_key, entry FROM session_entries"
+                " WHERE expiry_finalized = 0 AND updated_at < ?"
+                " AND (updated_at, session_key) > (?, ?)"
+                " ORDER BY updated_at, session_key LIMIT ?",
+                (cutoff.timestamp(), *after, page),
+            ).fetchall()
+
+        expired: list[SessionEntry] = []
+        after: tuple[float, str] = (float("-inf"), "")
+        while len(expired) < limit:
+            rows = await self._db.read(query(after))
+            for _, _, raw in rows:
+                entry = SessionEntry.from_dict(json.loads(raw))
+                if self._is_session_expired(entry, now):
+                    expired.append(entry)
+            if len(rows) < page:
+                break
+            after = (rows[-1][0], rows[-1][1])
+        return expired[:limit]
+
+    def _expiry_cutoff(self, now: datetime) -> datetime | None:
+        """The latest `updated_at` any configured policy could consider expired."""
+        cfg = self.config
+        policies = [cfg.session_reset, *(p for p in vars(cfg.reset_by_type).values() if p)]
+        policies += [p.session_reset for _, p in cfg.platforms if p.session_reset]
+        cutoffs: list[datetime] = []
+        for policy in policies:
+            if policy.mode in ("idle", "both"):
+                cutoffs.append(now - timedelta(minutes=policy.idle_minutes))
+            if policy.mode in ("daily", "both"):
+                cutoffs.append(last_daily_boundary(now, policy.at_hour, self._tz))
+        return max(cutoffs) if cutoffs else None
 
     async def list_sessions(self, active_minutes: float | None = None) -> list[SessionEntry]:
         """All entries, most recently active first; optionally only the last N minutes."""

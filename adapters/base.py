@@ -1,0 +1,183 @@
+"""What every platform adapter shares: the inbound event, the adapter interface, and the
+handle through which an adapter talks to the gateway, plus reply splitting.
+
+The runner knows adapters only through this module, and adapters know the runner only
+through `GatewayHandle`, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Protocol
+
+from gateway.session import Platform, SessionSource
+
+__all__ = [
+    "AcceptStatus",
+    "Accepted",
+    "GatewayHandle",
+    "MessageEvent",
+    "PlatformAdapter",
+    "SendResult",
+    "split_message",
+]
+
+
+@dataclass(slots=True)
+class MessageEvent:
+    """One inbound message, normalised by its adapter."""
+
+    source: SessionSource
+    text: str
+    message_id: str | None = None  # the platform's id, used for redelivery dedup
+    received_at: datetime = field(default_factory=lambda: datetime.now(UTC))
+    synthetic: bool = False  # made by the gateway itself (auto-resume, /retry)
+
+
+class AcceptStatus(StrEnum):
+    """What the gateway did with an inbound message."""
+
+    STARTED = "started"  # a turn started for it now
+    PENDING = "pending"  # a turn is running; it went to (or merged into) the next-up slot
+    QUEUED = "queued"  # /queue: appended to the FIFO overflow
+    REFUSED = "refused"  # the queue is full (or the gateway is stopping)
+    DUPLICATE = "duplicate"  # this message id was already accepted
+    COMMAND = "command"  # a chat command, answered directly
+    IGNORED = "ignored"  # not for us (unauthorized, empty)
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    status: AcceptStatus
+    session_key: str | None = None
+    detail: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    """The platform's acknowledgement of one sent chunk."""
+
+    message_id: str | None = None
+
+
+class GatewayHandle(Protocol):
+    """The gateway as an adapter sees it (implemented by `GatewayRunner`)."""
+
+    async def handle_message(self, event: MessageEvent) -> Accepted: ...
+
+    async def list_sessions(self) -> list[dict[str, Any]]: ...
+
+    def health(self) -> dict[str, Any]: ...
+
+    def metrics_text(self) -> str: ...
+
+
+class PlatformAdapter(ABC):
+    """One chat platform. Subclasses convert platform events into `MessageEvent`s and
+    hand them to `gateway.handle_message`; the runner calls `send` for replies."""
+
+    platform: Platform
+    max_message_length: int = 4096
+    #: how the platform measures length (Telegram counts UTF-16 code units)
+    length_fn: Callable[[str], int] = len
+    #: the bot's own @name, so `/new@otherbot` in a group is left alone
+    bot_username: str | None = None
+
+    def __init__(self) -> None:
+        self.gateway: GatewayHandle | None = None
+
+    def bind(self, gateway: GatewayHandle) -> None:
+        self.gateway = gateway
+
+    @abstractmethod
+    async def start(self) -> None: ...
+
+    @abstractmethod
+    async def stop(self) -> None: ...
+
+    @abstractmethod
+    async def send(
+        self, target: SessionSource, text: str, reply_to: str | None = None
+    ) -> SendResult:
+        """Send one chunk (already within `max_message_length`) to the target's chat/thread."""
+
+    async def authorize(self, event: MessageEvent) -> bool:
+        """May this sender use the bot? Platforms with allowlists override this."""
+        return True
+
+    async def send_typing(self, target: SessionSource) -> None:  # noqa: B027 (optional)
+        """Show a typing indicator; platforms without one ignore it."""
+
+    def health(self) -> dict[str, Any]:
+        return {"state": "running"}
+
+    def split(self, text: str) -> list[str]:
+        return split_message(text, self.max_message_length, self.length_fn)
+
+
+# --- splitting ------------------------------------------------------------------------------
+
+_FENCE = re.compile(r"^\s*(```|~~~)", re.MULTILINE)
+
+
+def utf16_len(text: str) -> int:
+    """Length in UTF-16 code units, as Telegram counts it."""
+    return len(text.encode("utf-16-le")) // 2
+
+
+def _cut_point(text: str, limit: int, length_fn: Callable[[str], int]) -> int:
+    """Largest prefix length (in characters) that fits, preferring paragraph, line, word."""
+    lo, hi = 1, len(text)
+    while lo < hi:  # binary search: length_fn is monotonic in the prefix length
+        mid = (lo + hi + 1) // 2
+        if length_fn(text[:mid]) <= limit:
+            lo = mid
+        else:
+            hi = mid - 1
+    fit = lo
+    if fit < len(text) and "\ud800" <= text[fit - 1] <= "\udbff":
+        fit -= 1  # never separate a surrogate pair
+    window = text[:fit]
+    for sep in ("\n\n", "\n", " "):
+        at = window.rfind(sep)
+        if at > fit // 4:  # not absurdly early: better a hard cut than a tiny chunk
+            return at + len(sep)
+    return fit
+
+
+def split_message(text: str, limit: int, length_fn: Callable[[str], int] = len) -> list[str]:
+    """Split `text` into chunks of at most `limit` (as `length_fn` counts), in order.
+
+    Cuts at a paragraph break, else a line break, else a space, else hard. A code fence
+    open at a cut is closed at the end of the chunk and reopened at the start of the next,
+    so every chunk renders on its own; without fences the chunks concatenate to `text`.
+    """
+    if limit < 16:
+        raise ValueError("limit must be at least 16")
+    chunks: list[str] = []
+    rest = text
+    reopen = ""
+    while rest:
+        candidate = reopen + rest
+        if length_fn(candidate) <= limit:
+            chunks.append(candidate)
+            break
+        # Leave room for a closing fence in case the chunk ends inside a code block.
+        budget = limit - len(reopen) - 4
+        cut = _cut_point(rest, budget, length_fn)
+        piece, rest = rest[:cut], rest[cut:]
+        chunk = reopen + piece
+        fences = _FENCE.findall(chunk)
+        if len(fences) % 2 == 1:
+            marker = fences[-1]
+            chunk = chunk + ("" if chunk.endswith("\n") else "\n") + marker
+            reopen = marker + "\n"
+        else:
+            reopen = ""
+        chunks.append(chunk)
+    return chunks or [""]

@@ -1,0 +1,215 @@
+"""Chat commands: /new /reset /stop /queue /status /resume /retry /undo /help.
+
+Each handler gets the runner and the event and returns the text to send back (or None
+when the command answers through a turn of its own, like /retry). Unknown `/words` are
+not commands: they go to the agent as text.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, replace
+from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
+
+from adapters.base import Accepted, AcceptStatus, MessageEvent
+from gateway.policy import next_reset_at
+
+if TYPE_CHECKING:
+    from gateway.run import GatewayRunner
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    name: str
+    args: str
+
+
+def parse_command(text: str, bot_username: str | None = None) -> Command | None:
+    """`/Name@bot args` -> Command('name', 'args'); None if not a known command for us."""
+    if not text.startswith("/"):
+        return None
+    word, _, args = text[1:].partition(" ")
+    word, _, addressee = word.partition("@")
+    name = word.lower()
+    if name not in HANDLERS:
+        return None
+    if addressee and bot_username and addressee.lower() != bot_username.lower():
+        return None  # addressed to another bot in the same group
+    return Command(name=name, args=args.strip())
+
+
+def _age(delta: timedelta) -> str:
+    seconds = int(delta.total_seconds())
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m"
+    if seconds < 86400:
+        return f"{seconds // 3600}h {seconds % 3600 // 60}m"
+    return f"{seconds // 86400}d {seconds % 86400 // 3600}h"
+
+
+# --- handlers ---------------------------------------------------------------------------
+
+Reply = str | Accepted | None
+
+
+async def cmd_new(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    await runner.cancel_session_work(key)
+    entry = await runner.store.get_entry(key)
+    if entry is None:
+        entry = await runner.store.get_or_create_session(event.source)
+    else:
+        entry = await runner.store.reset_session(key)
+    assert entry is not None
+    await runner.agents.evict(key)
+    return f"Started a new session ({entry.session_id}). /resume lists earlier ones."
+
+
+async def cmd_stop(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    was_running = await runner.cancel_session_work(key)
+    await runner.store.suspend_session(key)
+    if was_running:
+        return "Stopped. Your next message starts a fresh session."
+    return "Nothing was running. Your next message starts a fresh session."
+
+
+async def cmd_queue(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    if not cmd.args:
+        return "Usage: /queue TEXT (runs TEXT as its own turn after the current one)"
+    return await runner.submit(key, replace(event, text=cmd.args), fifo=True)
+
+
+async def cmd_status(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    entry = await runner.store.get_entry(key)
+    if entry is None:
+        return f"No session yet for {key}. Say something to start one."
+    now = datetime.now(UTC)
+    messages = await runner.store.count_messages(entry.session_id)
+    policy = runner.config.get_reset_policy(event.source.platform, event.source.chat_type)
+    reset_at = next_reset_at(entry.updated_at, policy, runner.config.tzinfo())
+    if reset_at is None:
+        reset_text = "never (reset mode none)"
+    else:
+        local = reset_at.astimezone(runner.config.tzinfo())
+        reset_text = f"{local:%Y-%m-%d %H:%M %Z} (in {_age(max(reset_at - now, timedelta()))})"
+    flags = [n for n in ("suspended", "resume_pending") if getattr(entry, n)]
+    lines = [
+        f"Session: {entry.session_id}",
+        f"Key: {key}",
+        f"Age: {_age(now - entry.created_at)} (last active {_age(now - entry.updated_at)} ago)",
+        f"Messages: {messages}",
+        f"Tokens: {entry.total_tokens} (in {entry.input_tokens}, out {entry.output_tokens})",
+        f"Running: {'yes' if runner.is_busy(key) else 'no'}; queued: {runner.queue_depth(key)}",
+        f"Next reset: {reset_text}",
+    ]
+    if flags:
+        lines.append(f"Flags: {', '.join(flags)}")
+    return "\n".join(lines)
+
+
+async def cmd_resume(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    entry = await runner.store.get_entry(key)
+    if entry is None:
+        return "No session yet, nothing to resume."
+    if not cmd.args:
+        history = [
+            h
+            for h in await runner.store.list_session_history(key, limit=10)
+            if h["session_id"] != entry.session_id
+        ]
+        if not history:
+            return "No earlier sessions to resume."
+        lines = ["Earlier sessions (newest first); /resume SESSION_ID to switch:"]
+        for h in history:
+            title = f" — {h['title']}" if h["title"] else ""
+            lines.append(
+                f"{h['session_id']}  {h['started_at']:%Y-%m-%d %H:%M} UTC"
+                f"  {h['message_count']} messages{title}"
+            )
+        return "\n".join(lines)
+    if runner.is_busy(key):
+        return "A turn is running; /stop it first, then /resume."
+    switched = await runner.store.switch_session(key, cmd.args.split()[0])
+    if switched is None:
+        return f"No earlier session {cmd.args.split()[0]} in this chat. /resume lists them."
+    await runner.agents.evict(key)
+    count = await runner.store.count_messages(switched.session_id)
+    return f"Resumed session {switched.session_id} ({count} messages)."
+
+
+async def cmd_retry(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    if runner.is_busy(key):
+        return "A turn is running; wait for it or /stop it first."
+    entry = await runner.store.get_entry(key)
+    if entry is None:
+        return "Nothing to retry."
+    undone = await runner.store.rewind_session(entry.session_id, 1)
+    if not undone["turns_undone"]:
+        return "Nothing to retry."
+    await runner.agents.evict(key)  # the agent's own context still holds the old answer
+    return await runner.submit(key, replace(event, text=undone["target_text"], synthetic=True))
+
+
+async def cmd_undo(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    try:
+        n = int(cmd.args) if cmd.args else 1
+    except ValueError:
+        return "Usage: /undo [N] (N = how many of your last messages to take back)"
+    if n < 1:
+        return "Usage: /undo [N] with N at least 1"
+    if runner.is_busy(key):
+        return "A turn is running; wait for it or /stop it first."
+    entry = await runner.store.get_entry(key)
+    if entry is None:
+        return "Nothing to undo."
+    undone = await runner.store.rewind_session(entry.session_id, n)
+    if not undone["turns_undone"]:
+        return "Nothing to undo."
+    await runner.agents.evict(key)
+    return (
+        f"Undid {undone['turns_undone']} turn(s) ({undone['rewound_count']} messages). "
+        f"Last undone message: {undone['target_text']!r}"
+    )
+
+
+async def cmd_help(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    return HELP_TEXT
+
+
+Handler = Callable[["GatewayRunner", MessageEvent, str, Command], Awaitable[Reply]]
+
+HANDLERS: dict[str, Handler] = {
+    "new": cmd_new,
+    "reset": cmd_new,
+    "stop": cmd_stop,
+    "queue": cmd_queue,
+    "q": cmd_queue,
+    "status": cmd_status,
+    "resume": cmd_resume,
+    "retry": cmd_retry,
+    "undo": cmd_undo,
+    "help": cmd_help,
+}
+
+HELP_TEXT = """Commands:
+/new, /reset — start a new session (the old one stays available to /resume)
+/stop — cancel the running reply, clear the queue; the next message starts fresh
+/queue TEXT (/q) — run TEXT as its own turn after the current one
+/status — session id, age, messages, tokens, queue, next automatic reset
+/resume [SESSION_ID] — list earlier sessions of this chat, or switch back to one
+/retry — ask again: re-run your last message
+/undo [N] — take back your last N messages and their replies
+/help — this list
+Messages sent while a reply is running are combined into the next turn."""
+
+
+async def dispatch(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Accepted:
+    """Run a command and send its text reply; returns what the HTTP API reports."""
+    reply = await HANDLERS[cmd.name](runner, event, key, cmd)
+    if isinstance(reply, Accepted):
+        return reply
+    if reply is not None:
+        await runner.deliver(event.source, reply)
+    return Accepted(AcceptStatus.COMMAND, session_key=key, detail=cmd.name)

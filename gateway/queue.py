@@ -1,0 +1,59 @@
+"""Per-session busy queue: the next-up slot and the /queue FIFO overflow (seed section 8).
+
+One owner: the runner. While a turn runs, plain messages go to the slot and merge there
+(joined with a newline, nothing dropped); each `/queue` entry goes to the overflow and
+later gets a full turn of its own. The slot runs first, then the overflow in order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+
+from adapters.base import MessageEvent
+
+
+class QueueFull(Exception):
+    """The session already holds `max_depth` waiting turns."""
+
+
+class SessionQueue:
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self._slot: MessageEvent | None = None
+        self._overflow: deque[MessageEvent] = deque()
+
+    @property
+    def depth(self) -> int:
+        return (1 if self._slot is not None else 0) + len(self._overflow)
+
+    def __bool__(self) -> bool:
+        return self.depth > 0
+
+    def enqueue_pending(self, event: MessageEvent) -> None:
+        """Put a plain message in the slot, merging into what is already there."""
+        if self._slot is None:
+            if self.depth >= self.max_depth:
+                raise QueueFull
+            self._slot = event
+            return
+        # The merged turn answers the latest message (its id, source, time).
+        self._slot = replace(event, text=f"{self._slot.text}\n{event.text}")
+
+    def enqueue_fifo(self, event: MessageEvent) -> None:
+        """Append a /queue entry; it will get its own turn after the slot."""
+        if self.depth >= self.max_depth:
+            raise QueueFull
+        self._overflow.append(event)
+
+    def pop_next(self) -> MessageEvent | None:
+        if self._slot is not None:
+            event, self._slot = self._slot, None
+            return event
+        return self._overflow.popleft() if self._overflow else None
+
+    def clear(self) -> int:
+        dropped = self.depth
+        self._slot = None
+        self._overflow.clear()
+        return dropped

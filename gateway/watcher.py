@@ -1,0 +1,94 @@
+"""The background housekeeper (seed section 10): finalize expired sessions, close idle
+cached agents, prune old routing entries.
+
+Every `housekeeping.expiry_interval_seconds` (300 s): for each expired, not yet
+finalized session run the `on_session_finalize` hooks, close and evict its cached agent,
+and set `expiry_finalized`. A session whose hooks fail is retried on the next passes;
+after `finalize_max_attempts` failures it is finalized anyway so it cannot loop forever.
+Pruning by `session_store_max_age_days` runs every `prune_interval_seconds` (1 h).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import TYPE_CHECKING
+
+import structlog
+
+if TYPE_CHECKING:
+    from gateway.run import GatewayRunner
+
+log = structlog.get_logger("gateway.watcher")
+
+
+class Housekeeper:
+    def __init__(self, runner: GatewayRunner) -> None:
+        self.runner = runner
+        self.settings = runner.config.housekeeping
+        self.passes = 0
+        self.finalized = 0
+        self.pruned = 0
+        self._failures: dict[str, int] = {}
+        self._last_prune = time.monotonic()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="housekeeper")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.expiry_interval_seconds)
+            try:
+                await self.run_once()
+            except Exception:
+                log.exception("housekeeping_pass_failed")
+
+    async def run_once(self) -> None:
+        """One pass: finalize expired sessions, sweep idle agents, prune when due."""
+        self.passes += 1
+        await self.finalize_expired()
+        swept = await self.runner.agents.sweep_idle()
+        if swept:
+            log.info("idle_agents_closed", count=swept)
+        if time.monotonic() - self._last_prune >= self.settings.prune_interval_seconds:
+            self._last_prune = time.monotonic()
+            pruned = await self.runner.store.prune_old_entries(
+                self.runner.config.session_store_max_age_days
+            )
+            self.pruned += pruned
+            if pruned:
+                log.info("sessions_pruned", count=pruned)
+            await self.runner.store.expire_inbound(self.runner.config.storage.inbound_dedup_days)
+
+    async def finalize_expired(self) -> int:
+        runner = self.runner
+        done = 0
+        for entry in await runner.store.expired_entries():
+            key = entry.session_key
+            if runner.is_busy(key):
+                continue  # a turn is running; it is not idle after all
+            try:
+                for hook in runner.finalize_hooks:
+                    await hook(entry)
+            except Exception as exc:
+                attempts = self._failures.get(key, 0) + 1
+                self._failures[key] = attempts
+                if attempts < self.settings.finalize_max_attempts:
+                    log.warning(
+                        "finalize_hook_failed", session_key=key, attempt=attempts, error=str(exc)
+                    )
+                    continue
+                log.error("finalize_forced", session_key=key, attempts=attempts, error=str(exc))
+            self._failures.pop(key, None)
+            await runner.agents.evict(key)
+            await runner.store.set_expiry_finalized(key)
+            done += 1
+        self.finalized += done
+        return done

@@ -1,0 +1,1 @@
+"""Fakes of external services for the tests; each speaks the real wire protocol."""

@@ -1,0 +1,165 @@
+"""A fake OpenAI-compatible chat-completions server on 127.0.0.1, for agent tests.
+
+Speaks the real wire format (``POST /v1/chat/completions``, ``chat.completion`` JSON,
+OpenAI-style ``{"error": {...}}`` bodies) and records every request. Faults are queued
+and each applies to one request: ``fail_next``, ``delay_next``, ``malformed_next``.
+
+    async with FakeOpenAI(expected_key="sk-test") as fake:
+        agent = OpenAIAgent(base_url=fake.base_url, model="m", api_key="sk-test")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+_RECORDED_HEADERS = ("Authorization", "Content-Type")
+
+
+@dataclass(slots=True)
+class _Fault:
+    status: int = 200
+    message: str = ""
+    retry_after: float | None = None
+    delay: float = 0.0
+    malformed: bool = False
+
+
+def last_user_content(body: dict[str, Any]) -> str:
+    for message in reversed(body.get("messages", [])):
+        if message.get("role") == "user":
+            return str(message.get("content"))
+    return ""
+
+
+class FakeOpenAI:
+    """The server. ``requests`` holds ``{"path", "body", "headers"}`` per request received."""
+
+    def __init__(
+        self,
+        *,
+        expected_key: str | None = None,
+        reply: Callable[[dict[str, Any]], str] | None = None,
+        usage: dict[str, Any] | None = None,
+    ) -> None:
+        self.expected_key = expected_key
+        self.reply: Callable[[dict[str, Any]], str] = reply or (
+            lambda body: "fake: " + last_user_content(body)
+        )
+        self.usage: dict[str, Any] = usage or {"prompt_tokens": 7, "completion_tokens": 3}
+        self.requests: list[dict[str, Any]] = []
+        self.base_url = ""
+        self._faults: deque[_Fault] = deque()
+        self._ids = itertools.count(1)
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> str:
+        """Bind a free port on 127.0.0.1; returns the base URL (``http://127.0.0.1:N/v1``)."""
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat_completions)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        host, port = self._runner.addresses[0][:2]
+        self.base_url = f"http://{host}:{port}/v1"
+        return self.base_url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    async def __aenter__(self) -> FakeOpenAI:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.stop()
+
+    # --- fault injection -----------------------------------------------------------------
+
+    def fail_next(
+        self, status: int, message: str, retry_after: float | None = None, times: int = 1
+    ) -> None:
+        """Answer the next ``times`` requests with an OpenAI-style error."""
+        self._faults.extend(_Fault(status, message, retry_after) for _ in range(times))
+
+    def delay_next(self, seconds: float) -> None:
+        """Sleep before answering the next request (normally)."""
+        self._faults.append(_Fault(delay=seconds))
+
+    def malformed_next(self) -> None:
+        """Answer the next request 200 with a body that is not JSON."""
+        self._faults.append(_Fault(malformed=True))
+
+    # --- handler -------------------------------------------------------------------------
+
+    async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        self.requests.append(
+            {
+                "path": request.path,
+                "body": body,
+                "headers": {h: request.headers.get(h) for h in _RECORDED_HEADERS},
+            }
+        )
+        fault = self._faults.popleft() if self._faults else _Fault()
+        if fault.delay:
+            await asyncio.sleep(fault.delay)
+        if self.expected_key is not None:
+            sent = request.headers.get("Authorization", "").removeprefix("Bearer ")
+            if sent != self.expected_key:
+                # Real servers echo (part of) the key; echoing all of it lets tests prove
+                # the client keeps it out of its errors.
+                return _error(401, f"Incorrect API key provided: {sent}", "invalid_api_key")
+        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+            return _error(400, "'messages' is a required property", None)
+        if fault.status >= 400:
+            headers = {}
+            if fault.retry_after is not None:
+                headers["Retry-After"] = f"{fault.retry_after:g}"
+            return _error(fault.status, fault.message, None, headers)
+        if fault.malformed:
+            return web.Response(text='{"choices": [', content_type="application/json")
+        return web.json_response(self._completion(body))
+
+    def _completion(self, body: dict[str, Any]) -> dict[str, Any]:
+        usage = dict(self.usage)
+        usage.setdefault("total_tokens", usage["prompt_tokens"] + usage["completion_tokens"])
+        return {
+            "id": f"chatcmpl-fake{next(self._ids)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body.get("model", ""),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": self.reply(body)},
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": usage,
+        }
+
+
+def _error(
+    status: int, message: str, code: str | None, headers: dict[str, str] | None = None
+) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 429:
+        kind = "rate_limit_exceeded"
+    payload = {"error": {"message": message, "type": kind, "param": None, "code": code}}
+    return web.json_response(payload, status=status, headers=headers)

@@ -1,0 +1,59 @@
+"""A small test client for the gateway's HTTP API (used by the end-to-end tests)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+
+
+class GatewayClient:
+    """POSTs messages and long-polls replies per chat, remembering each chat's cursor."""
+
+    def __init__(self, url: str, token: str | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.session = aiohttp.ClientSession(headers=self.headers)
+        self.cursors: dict[str, int] = {}
+
+    async def close(self) -> None:
+        await self.session.close()
+
+    async def post(self, chat_id: str, text: str, user_id: str = "u1", **extra: Any) -> dict:
+        body = {"chat_id": chat_id, "user_id": user_id, "text": text, **extra}
+        async with self.session.post(f"{self.url}/v1/messages", json=body) as resp:
+            assert resp.status == 202, await resp.text()
+            return await resp.json()
+
+    async def poll(self, chat_id: str, wait: float = 0) -> list[dict]:
+        after = self.cursors.get(chat_id, 0)
+        async with self.session.get(
+            f"{self.url}/v1/chats/{chat_id}/messages", params={"after": after, "wait": wait}
+        ) as resp:
+            assert resp.status == 200, await resp.text()
+            data = await resp.json()
+        self.cursors[chat_id] = data["next"]
+        return data["messages"]
+
+    async def replies(self, chat_id: str, count: int, timeout: float = 15.0) -> list[str]:
+        """Wait for exactly `count` more replies in this chat (fails on timeout)."""
+        texts: list[str] = []
+        deadline = time.monotonic() + timeout
+        while len(texts) < count:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"expected {count} replies in {chat_id}, got {texts!r}")
+            texts += [m["text"] for m in await self.poll(chat_id, wait=min(remaining, 5))]
+        return texts
+
+    async def no_more_replies(self, chat_id: str, settle: float = 0.3) -> list[str]:
+        """Replies that arrive within `settle` seconds (expected: none)."""
+        await asyncio.sleep(settle)
+        return [m["text"] for m in await self.poll(chat_id)]
+
+    async def get_json(self, path: str) -> dict:
+        async with self.session.get(f"{self.url}{path}") as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()

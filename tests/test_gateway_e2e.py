@@ -1,0 +1,484 @@
+"""End to end through the real HTTP adapter: start the runner, POST, long-poll the replies."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import time_machine
+
+from adapters.http import HttpAdapter
+from config import GatewayConfig
+from gateway.agents import AgentError, TurnRequest, TurnResult
+from gateway.run import GatewayRunner
+from gateway.session import SessionEntry, TokenUsage
+from tests.fakes.openai_server import FakeOpenAI
+from tests.gateway_client import GatewayClient
+
+SESSION_ID = re.compile(r"\d{8}_\d{6}_[0-9a-f]{8}")
+
+
+class ScriptedAgent:
+    """Echoes like the echo backend, but text decides its behaviour:
+    'slow' -> takes `slow_seconds`; 'boom' -> raises; 'crash' -> raises a non-agent error."""
+
+    slow_seconds = 0.8
+
+    def __init__(self, session_key: str) -> None:
+        self.session_key = session_key
+        self.closed = False
+
+    async def run_turn(self, request: TurnRequest) -> TurnResult:
+        if "slow" in request.text:
+            await asyncio.sleep(self.slow_seconds)
+        if "boom" in request.text:
+            raise AgentError("the model is on fire")
+        if "crash" in request.text:
+            raise RuntimeError("bug in agent")
+        return TurnResult(f"echo: {request.text}", TokenUsage(input_tokens=3, output_tokens=2))
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class Gateway:
+    runner: GatewayRunner
+    client: GatewayClient
+
+    async def current_session_id(self, key: str) -> str:
+        entry = await self.runner.store.get_entry(key)
+        assert entry is not None
+        return entry.session_id
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+MakeGateway = Callable[..., Awaitable[Gateway]]
+
+
+@pytest.fixture
+async def make_gateway(tmp_path: Path) -> AsyncIterator[MakeGateway]:
+    made: list[Gateway] = []
+
+    async def make(
+        settings: dict[str, Any] | None = None,
+        agent_factory: Callable[[str], Any] | None = ScriptedAgent,
+        token: str | None = None,
+    ) -> Gateway:
+        data = _merge(
+            {
+                "timezone": "UTC",
+                "platforms": {"http": {"enabled": True, "port": 0}},
+                "storage": {"mirror_interval_seconds": 0.2},
+            },
+            settings or {},
+        )
+        if token:
+            data["platforms"]["http"]["token"] = token
+        config = GatewayConfig.model_validate(data)
+        adapter = HttpAdapter(config.platforms.http)
+        runner = GatewayRunner(
+            config, [adapter], agent_factory=agent_factory, home=tmp_path / f"home{len(made)}"
+        )
+        await runner.start()
+        gateway = Gateway(runner, GatewayClient(adapter.url, token=token))
+        made.append(gateway)
+        return gateway
+
+    yield make
+    for gateway in made:
+        await gateway.client.close()
+        await gateway.runner.stop()
+
+
+KEY = "agent:main:http:dm:c1"
+
+
+async def test_each_message_gets_exactly_one_reply(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    accepted = await gw.client.post("c1", "hello")
+    assert accepted == {"session_key": KEY, "status": "started"}
+    assert await gw.client.replies("c1", 1) == ["echo: hello"]
+    await gw.client.post("c1", "again")
+    assert await gw.client.replies("c1", 1) == ["echo: again"]
+    assert await gw.client.no_more_replies("c1") == []
+    transcript = await gw.runner.store.load_transcript(await gw.current_session_id(KEY))
+    assert [(m["role"], m["content"]) for m in transcript] == [
+        ("user", "hello"),
+        ("assistant", "echo: hello"),
+        ("user", "again"),
+        ("assistant", "echo: again"),
+    ]
+
+
+async def test_zero_config_echo_backend_answers(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway(agent_factory=None)
+    await gw.client.post("c1", "hi there")
+    assert await gw.client.replies("c1", 1) == ["echo: hi there"]
+
+
+async def test_two_chats_run_their_turns_concurrently(make_gateway: MakeGateway) -> None:
+    running: set[str] = set()
+    both_running = asyncio.Event()
+
+    class RendezvousAgent(ScriptedAgent):
+        async def run_turn(self, request: TurnRequest) -> TurnResult:
+            running.add(request.session_key)
+            if len(running) == 2:
+                both_running.set()
+            # Completes only if the other chat's turn is running at the same time.
+            await asyncio.wait_for(both_running.wait(), timeout=5)
+            return TurnResult(f"together: {request.text}")
+
+    gw = await make_gateway(agent_factory=RendezvousAgent)
+    await gw.client.post("a", "one")
+    await gw.client.post("b", "two")
+    assert await gw.client.replies("a", 1) == ["together: one"]
+    assert await gw.client.replies("b", 1) == ["together: two"]
+
+
+async def test_plain_messages_during_a_slow_turn_merge_into_one_turn(
+    make_gateway: MakeGateway,
+) -> None:
+    gw = await make_gateway({"agent": {"backend": "echo", "delay_seconds": 0.6}}, agent_factory=None)
+    assert (await gw.client.post("c1", "first"))["status"] == "started"
+    assert (await gw.client.post("c1", "second"))["status"] == "pending"
+    assert (await gw.client.post("c1", "third"))["status"] == "pending"
+    assert await gw.client.replies("c1", 2) == ["echo: first", "echo: second\nthird"]
+    assert await gw.client.no_more_replies("c1") == []
+
+
+async def test_queued_messages_each_get_their_own_turn_in_order(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    assert (await gw.client.post("c1", "slow start"))["status"] == "started"
+    for text in ("a", "b", "c"):
+        assert (await gw.client.post("c1", f"/queue {text}"))["status"] == "queued"
+    assert await gw.client.replies("c1", 4) == [
+        "echo: slow start",
+        "echo: a",
+        "echo: b",
+        "echo: c",
+    ]
+
+
+async def test_queue_cap_refuses_explicitly(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway({"queue": {"max_depth": 2}})
+    await gw.client.post("c1", "slow start")
+    assert (await gw.client.post("c1", "/q one"))["status"] == "queued"
+    assert (await gw.client.post("c1", "plain"))["status"] == "pending"
+    refused = await gw.client.post("c1", "/queue three")
+    assert refused["status"] == "refused"
+    replies = await gw.client.replies("c1", 4)
+    assert replies[0].startswith("Too many messages are waiting (2)")
+    assert replies[1:] == ["echo: slow start", "echo: plain", "echo: one"]
+    assert "three" not in "".join(await gw.client.no_more_replies("c1"))
+
+
+async def test_stop_cancels_the_turn_and_the_next_message_starts_fresh(
+    make_gateway: MakeGateway,
+) -> None:
+    ScriptedAgent.slow_seconds = 3
+    try:
+        gw = await make_gateway()
+        await gw.client.post("c1", "slow question")
+        await asyncio.sleep(0.1)
+        old_id = await gw.current_session_id(KEY)
+        await gw.client.post("c1", "/queue later")
+        assert (await gw.client.post("c1", "/stop"))["status"] == "command"
+        assert await gw.client.replies("c1", 1) == [
+            "Stopped. Your next message starts a fresh session."
+        ]
+        await gw.client.post("c1", "hello again")
+        (reply,) = await gw.client.replies("c1", 1)
+        assert reply.endswith("echo: hello again")
+        assert "stopped" in reply and "/resume" in reply
+        assert await gw.current_session_id(KEY) != old_id
+        assert await gw.client.no_more_replies("c1") == []  # neither "slow" nor "later"
+    finally:
+        ScriptedAgent.slow_seconds = 0.8
+
+
+async def test_new_status_resume(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    await gw.client.post("c1", "remember me")
+    await gw.client.replies("c1", 1)
+    first_id = await gw.current_session_id(KEY)
+
+    await gw.client.post("c1", "/status")
+    (status,) = await gw.client.replies("c1", 1)
+    assert f"Session: {first_id}" in status
+    assert f"Key: {KEY}" in status
+    assert "Messages: 2" in status
+    assert "Tokens: 5 (in 3, out 2)" in status
+    assert "queued: 0" in status
+    assert "Next reset:" in status and "UTC" in status
+
+    await gw.client.post("c1", "/NEW")
+    (started,) = await gw.client.replies("c1", 1)
+    second_id = await gw.current_session_id(KEY)
+    assert second_id != first_id and second_id in started
+    entry = await gw.runner.store.get_entry(KEY)
+    assert entry is not None and entry.is_fresh_reset
+
+    await gw.client.post("c1", "/resume")
+    (listing,) = await gw.client.replies("c1", 1)
+    assert first_id in listing and second_id not in listing
+
+    await gw.client.post("c1", f"/resume {first_id}")
+    assert await gw.client.replies("c1", 1) == [f"Resumed session {first_id} (2 messages)."]
+    assert await gw.current_session_id(KEY) == first_id
+
+    await gw.client.post("c1", "/resume 20200101_000000_deadbeef")
+    (missing,) = await gw.client.replies("c1", 1)
+    assert missing.startswith("No earlier session 20200101_000000_deadbeef")
+
+
+async def test_retry_reruns_the_last_message_and_undo_takes_turns_back(
+    make_gateway: MakeGateway,
+) -> None:
+    gw = await make_gateway()
+    for text in ("one", "two"):
+        await gw.client.post("c1", text)
+        await gw.client.replies("c1", 1)
+    await gw.client.post("c1", "/retry")
+    assert await gw.client.replies("c1", 1) == ["echo: two"]
+    session_id = await gw.current_session_id(KEY)
+    transcript = await gw.runner.store.load_transcript(session_id)
+    assert [m["content"] for m in transcript] == ["one", "echo: one", "two", "echo: two"]
+
+    await gw.client.post("c1", "/undo")
+    (undo,) = await gw.client.replies("c1", 1)
+    assert undo.startswith("Undid 1 turn(s) (2 messages)")
+    transcript = await gw.runner.store.load_transcript(session_id)
+    assert [m["content"] for m in transcript] == ["one", "echo: one"]
+
+    await gw.client.post("c1", "/undo 5")
+    await gw.client.replies("c1", 1)
+    assert await gw.runner.store.load_transcript(session_id) == []
+    await gw.client.post("c1", "/retry")
+    assert await gw.client.replies("c1", 1) == ["Nothing to retry."]
+
+
+async def test_command_with_bot_suffix_and_unknown_slash_words(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    await gw.client.post("c1", "/help@hermes_bot")
+    (help_text,) = await gw.client.replies("c1", 1)
+    assert "/queue TEXT" in help_text
+    await gw.client.post("c1", "/weather in Paris")
+    assert await gw.client.replies("c1", 1) == ["echo: /weather in Paris"]
+
+
+async def test_duplicate_message_id_is_answered_once(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    first = await gw.client.post("c1", "hello", message_id="m-1")
+    again = await gw.client.post("c1", "hello", message_id="m-1")
+    other_chat = await gw.client.post("c2", "hello", message_id="m-1")
+    assert (first["status"], again["status"], other_chat["status"]) == (
+        "started",
+        "duplicate",
+        "started",
+    )
+    assert await gw.client.replies("c1", 1) == ["echo: hello"]
+    assert await gw.client.no_more_replies("c1") == []
+
+
+async def test_failing_agent_gives_a_short_error_and_the_next_message_works(
+    make_gateway: MakeGateway,
+) -> None:
+    gw = await make_gateway()
+    await gw.client.post("c1", "boom")
+    assert await gw.client.replies("c1", 1) == ["Sorry, the agent failed: the model is on fire"]
+    await gw.client.post("c1", "crash")
+    (crash,) = await gw.client.replies("c1", 1)
+    assert crash.startswith("Sorry, something went wrong") and "bug in agent" not in crash
+    await gw.client.post("c1", "fine")
+    assert await gw.client.replies("c1", 1) == ["echo: fine"]
+    assert gw.runner.metrics.turn_errors_total == 2
+
+
+async def test_turn_timeout_replies_and_frees_the_session(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway({"agent": {"gateway_timeout": 0.2}})
+    await gw.client.post("c1", "slow one")
+    assert await gw.client.replies("c1", 1) == [
+        "The agent did not answer within 0.2 seconds. Try again, or /new."
+    ]
+    await gw.client.post("c1", "quick")
+    assert await gw.client.replies("c1", 1) == ["echo: quick"]
+
+
+async def test_shared_group_session_prefixes_sender_names(make_gateway: MakeGateway) -> None:
+    seen: list[TurnRequest] = []
+
+    class Recorder(ScriptedAgent):
+        async def run_turn(self, request: TurnRequest) -> TurnResult:
+            seen.append(request)
+            return await super().run_turn(request)
+
+    gw = await make_gateway({"group_sessions_per_user": False}, agent_factory=Recorder)
+    await gw.client.post("g1", "hi all", user_id="u1", user_name="Alice", chat_type="group")
+    assert await gw.client.replies("g1", 1) == ["echo: [Alice] hi all"]
+    await gw.client.post("g1", "hey", user_id="u2", user_name="Bob", chat_type="group")
+    assert await gw.client.replies("g1", 1) == ["echo: [Bob] hey"]
+    assert seen[1].history[0]["content"] == "[Alice] hi all"
+    assert "## Current Session Context" in seen[0].system_prompt
+    assert "[sender name]" in seen[0].system_prompt
+
+
+async def test_auto_reset_notice_after_inactivity(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway({"session_reset": {"mode": "idle", "idle_minutes": 5}})
+    await gw.client.post("c1", "before")
+    await gw.client.replies("c1", 1)
+    old_id = await gw.current_session_id(KEY)
+    with time_machine.travel(datetime.now(UTC) + timedelta(minutes=10), tick=True):
+        await gw.client.post("c1", "after")
+        (reply,) = await gw.client.replies("c1", 1)
+        await gw.client.post("c1", "later")
+        (second,) = await gw.client.replies("c1", 1)
+    assert reply.startswith("(Your previous session ended after inactivity")
+    assert "/resume" in reply and reply.endswith("echo: after")
+    assert second == "echo: later"  # the notice comes once
+    assert await gw.current_session_id(KEY) != old_id
+
+
+async def test_no_reset_notice_when_notify_is_off(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway(
+        {"session_reset": {"mode": "idle", "idle_minutes": 5, "notify": False}}
+    )
+    await gw.client.post("c1", "before")
+    await gw.client.replies("c1", 1)
+    with time_machine.travel(datetime.now(UTC) + timedelta(minutes=10), tick=True):
+        await gw.client.post("c1", "after")
+        assert await gw.client.replies("c1", 1) == ["echo: after"]
+
+
+async def test_openai_backend_against_a_local_fake_server(make_gateway: MakeGateway) -> None:
+    async with FakeOpenAI() as fake:
+        gw = await make_gateway(
+            {
+                "agent": {
+                    "backend": "openai",
+                    "base_url": fake.base_url,
+                    "model": "test-model",
+                    "api_key": "sk-test-123",
+                    "system_prompt": "Be brief.",
+                }
+            },
+            agent_factory=None,
+        )
+        await gw.client.post("c1", "hello model")
+        assert await gw.client.replies("c1", 1) == ["fake: hello model"]
+        await gw.client.post("c1", "second")
+        assert await gw.client.replies("c1", 1) == ["fake: second"]
+        body = fake.requests[1]["json"]
+        assert body["model"] == "test-model"
+        roles = [m["role"] for m in body["messages"]]
+        assert roles == ["system", "user", "assistant", "user"]
+        assert body["messages"][0]["content"].startswith("Be brief.")
+        assert "## Current Session Context" in body["messages"][0]["content"]
+        assert body["messages"][2]["content"] == "fake: hello model"
+        entry = await gw.runner.store.get_entry(KEY)
+        assert entry is not None and entry.total_tokens > 0
+
+
+async def test_watcher_finalizes_expired_sessions(make_gateway: MakeGateway) -> None:
+    finalized: list[SessionEntry] = []
+    gw = await make_gateway(
+        {
+            "session_reset": {"mode": "idle", "idle_minutes": 1},
+            "housekeeping": {"expiry_interval_seconds": 0.1},
+        }
+    )
+
+    async def hook(entry: SessionEntry) -> None:
+        finalized.append(entry)
+
+    gw.runner.on_session_finalize(hook)
+    await gw.client.post("c1", "hello")
+    await gw.client.replies("c1", 1)
+    assert KEY in gw.runner.agents
+    with time_machine.travel(datetime.now(UTC) + timedelta(minutes=2), tick=True):
+        for _ in range(100):
+            entry = await gw.runner.store.get_entry(KEY)
+            if entry is not None and entry.expiry_finalized:
+                break
+            await asyncio.sleep(0.05)
+    assert entry is not None and entry.expiry_finalized
+    assert [e.session_key for e in finalized] == [KEY]
+    assert KEY not in gw.runner.agents
+
+
+async def test_watcher_forces_finalization_after_three_failed_hooks(
+    make_gateway: MakeGateway,
+) -> None:
+    calls = 0
+    gw = await make_gateway(
+        {
+            "session_reset": {"mode": "idle", "idle_minutes": 1},
+            "housekeeping": {"expiry_interval_seconds": 0.05},
+        }
+    )
+
+    async def failing_hook(entry: SessionEntry) -> None:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("hook down")
+
+    gw.runner.on_session_finalize(failing_hook)
+    await gw.client.post("c1", "hello")
+    await gw.client.replies("c1", 1)
+    with time_machine.travel(datetime.now(UTC) + timedelta(minutes=2), tick=True):
+        for _ in range(100):
+            entry = await gw.runner.store.get_entry(KEY)
+            if entry is not None and entry.expiry_finalized:
+                break
+            await asyncio.sleep(0.05)
+    assert entry is not None and entry.expiry_finalized
+    assert calls == 3
+
+
+async def test_http_auth_and_bad_input_reach_nothing(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway(token="s3cret-token")
+    async with aiohttp.ClientSession() as anon:
+        async with anon.post(f"{gw.client.url}/v1/messages", json={}) as resp:
+            assert resp.status == 401
+    session = gw.client.session
+    async with session.post(f"{gw.client.url}/v1/messages", data=b"{not json") as resp:
+        assert resp.status == 400
+    async with session.post(f"{gw.client.url}/v1/messages", json={"chat_id": "c1"}) as resp:
+        assert resp.status == 400
+    big = {"chat_id": "c1", "user_id": "u1", "text": "x" * 70_000}
+    async with session.post(f"{gw.client.url}/v1/messages", json=big) as resp:
+        assert resp.status == 413
+    assert await gw.runner.store.list_sessions() == []
+    assert not await gw.runner.store.has_any_sessions()
+    await gw.client.post("c1", "authorised")
+    assert await gw.client.replies("c1", 1) == ["echo: authorised"]
+
+
+async def test_sessions_health_and_metrics_endpoints(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    await gw.client.post("c1", "hello")
+    await gw.client.replies("c1", 1)
+    sessions = (await gw.client.get_json("/v1/sessions"))["sessions"]
+    assert [s["session_key"] for s in sessions] == [KEY]
+    assert SESSION_ID.fullmatch(sessions[0]["session_id"])
+    health = await gw.client.get_json("/healthz")
+    assert health["status"] == "ok" and health["adapters"]["http"]["state"] == "running"
+    async with gw.client.session.get(f"{gw.client.url}/metrics") as resp:
+        text = await resp.text()
+    assert "hermes_turns_total 1" in text
+    assert 'hermes_turn_latency_seconds_bucket{le="+Inf"} 1' in text
+    assert "hermes_agent_cache_size 1" in text

@@ -150,6 +150,16 @@ def _cut_point(text: str, limit: int, length_fn: Callable[[str], int]) -> int:
     return fit
 
 
+def _fenced_chunk(
+    rest: str, reopen: str, budget: int, length_fn: Callable[[str], int]
+) -> tuple[str, int, str | None]:
+    """The next chunk, where it cuts `rest`, and the fence left open in it (if any)."""
+    cut = _cut_point(rest, budget, length_fn)
+    chunk = reopen + rest[:cut]
+    fences = _FENCE.findall(chunk)
+    return chunk, cut, (fences[-1] if len(fences) % 2 == 1 else None)
+
+
 def split_message(text: str, limit: int, length_fn: Callable[[str], int] = len) -> list[str]:
     """Split `text` into chunks of at most `limit` (as `length_fn` counts), in order.
 
@@ -163,21 +173,18 @@ def split_message(text: str, limit: int, length_fn: Callable[[str], int] = len) 
     rest = text
     reopen = ""
     while rest:
-        candidate = reopen + rest
-        if length_fn(candidate) <= limit:
-            chunks.append(candidate)
+        if length_fn(reopen + rest) <= limit:
+            chunks.append(reopen + rest)
             break
-        # Leave room for a closing fence in case the chunk ends inside a code block.
-        budget = limit - len(reopen) - 4
-        cut = _cut_point(rest, budget, length_fn)
-        piece, rest = rest[:cut], rest[cut:]
-        chunk = reopen + piece
-        fences = _FENCE.findall(chunk)
-        if len(fences) % 2 == 1:
-            marker = fences[-1]
-            chunk = chunk + ("" if chunk.endswith("\n") else "\n") + marker
-            reopen = marker + "\n"
-        else:
-            reopen = ""
+        budget = limit - length_fn(reopen)
+        chunk, cut, marker = _fenced_chunk(rest, reopen, budget, length_fn)
+        if marker is not None:
+            closing = ("" if chunk.endswith("\n") else "\n") + marker
+            if length_fn(chunk + closing) > limit:  # make room for the closing fence
+                chunk, cut, marker = _fenced_chunk(rest, reopen, budget - 4, length_fn)
+        if marker is not None:
+            chunk += ("" if chunk.endswith("\n") else "\n") + marker
+        reopen = f"{marker}\n" if marker is not None else ""
         chunks.append(chunk)
+        rest = rest[cut:]
     return chunks or [""]

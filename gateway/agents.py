@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import structlog
@@ -65,7 +65,6 @@ class TurnResult:
     usage: TokenUsage = field(default_factory=TokenUsage)
 
 
-@runtime_checkable
 class Agent(Protocol):
     async def run_turn(self, request: TurnRequest) -> TurnResult: ...
 
@@ -101,7 +100,7 @@ class EchoAgent:
 
     async def run_turn(self, request: TurnRequest) -> TurnResult:
         if self.delay_seconds > 0:
-            time.sleep(0)
+            await asyncio.sleep(self.delay_seconds)
         reply = f"echo: {request.text}"
         input_tokens = _word_count(request.text) + sum(
             _word_count(message.get("content")) for message in request.history

@@ -101,7 +101,8 @@ class OpenAIAgent:
             async with self._session.post(self.url, json=body, headers=headers) as response:
                 return response.status, response.headers.copy(), await response.read()
         except aiohttp.ClientConnectorError as exc:
-            reason = exc.os_error.strerror or type(exc.os_error).__name__
+            refused = isinstance(exc.os_error, ConnectionRefusedError)
+            reason = "connection refused" if refused else exc.os_error.strerror or "unreachable"
             raise AgentError(
                 f"cannot connect to the model server at {self._host}: {reason}"
             ) from exc

@@ -67,9 +67,9 @@ class GatewayRunner:
         self.config = config
         self.home = Path(home) if home is not None else hermes_home()
         self.adapters: dict[Platform, PlatformAdapter] = {a.platform: a for a in adapters or ()}
-        self.store = SessionStore(
-            self.home / "sessions", config, has_active_processes_fn=self.is_busy
-        )
+        # Not `is_busy`: the turn that asks for its session is itself the busy worker, and
+        # that must not block the reset policy. The watcher skips busy keys on its own.
+        self.store = SessionStore(self.home / "sessions", config)
         self.agents = AgentCache(
             agent_factory or build_agent_factory(config.agent),
             max_size=config.agent.cache_max_size,

@@ -548,9 +548,9 @@ class SessionStore:
         """Forget message ids older than `max_age_days` (platforms stop redelivering)."""
         cutoff = (_utcnow() - timedelta(days=max_age_days)).timestamp()
         return await self._write(
-            lambda conn: conn.execute(
-                "DELETE FROM inbound_seen WHERE seen_at < ?", (cutoff,)
-            ).rowcount,
+            lambda conn: (
+                conn.execute("DELETE FROM inbound_seen WHERE seen_at < ?", (cutoff,)).rowcount
+            ),
             dirty=False,
         )
 

@@ -37,10 +37,10 @@ class GatewayClient:
         self.cursors[chat_id] = data["next"]
         return data["messages"]
 
-    async def replies(self, chat_id: str, count: int, timeout: float = 15.0) -> list[str]:
+    async def replies(self, chat_id: str, count: int, within: float = 15.0) -> list[str]:
         """Wait for exactly `count` more replies in this chat (fails on timeout)."""
         texts: list[str] = []
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + within
         while len(texts) < count:
             remaining = deadline - time.monotonic()
             if remaining <= 0:

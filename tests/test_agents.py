@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import textwrap
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,7 +78,33 @@ async def test_echo_usage_counts_words_of_text_history_and_reply():
 # --- openai --------------------------------------------------------------------------------
 
 
-async def test_openai_sends_system_history_then_user_with_model_and_bearer():
+@pytest.fixture
+async def fake() -> AsyncIterator[FakeOpenAI]:
+    async with FakeOpenAI() as server:
+        yield server
+
+
+@pytest.fixture
+async def agents() -> AsyncIterator[list[Any]]:
+    """Agents a test appends here are closed after it."""
+    built: list[Any] = []
+    yield built
+    for agent in built:
+        await agent.close()
+
+
+@pytest.fixture
+def openai_agent(fake: FakeOpenAI, agents: list[Any]) -> Callable[..., OpenAIAgent]:
+    def make(**kwargs: Any) -> OpenAIAgent:
+        kwargs.setdefault("base_url", fake.base_url)
+        kwargs.setdefault("model", "m")
+        agents.append(OpenAIAgent(**kwargs))
+        return agents[-1]
+
+    return make
+
+
+async def test_openai_sends_system_history_then_user_with_model_and_bearer(fake, agents):
     history = (
         {"role": "user", "content": "first", "timestamp": "2024-01-01T00:00:00Z"},
         {"role": "assistant", "content": "reply one"},
@@ -85,17 +112,14 @@ async def test_openai_sends_system_history_then_user_with_model_and_bearer():
         {"role": "tool", "content": "tool said", "tool_call_id": "call_1"},
         {"role": "session_meta", "content": "internal"},
     )
-    async with FakeOpenAI(expected_key=KEY) as fake:
-        config = AgentConfig(backend="openai", base_url=fake.base_url + "/", api_key=KEY)
-        agent = build_agent_factory(config)("k")
-        try:
-            await agent.run_turn(turn("now", history, system="You are terse."))
-        finally:
-            await agent.close()
+    fake.expected_key = KEY
+    config = AgentConfig(backend="openai", base_url=fake.base_url + "/", api_key=KEY)
+    agents.append(build_agent_factory(config)("k"))
+    await agents[0].run_turn(turn("now", history, system="You are terse."))
     [seen] = fake.requests
     assert seen["path"] == "/v1/chat/completions"
     assert seen["headers"]["Authorization"] == f"Bearer {KEY}"
-    assert seen["body"] == {
+    assert seen["json"] == {
         "model": "gpt-4o-mini",
         "messages": [
             {"role": "system", "content": "You are terse."},
@@ -107,127 +131,85 @@ async def test_openai_sends_system_history_then_user_with_model_and_bearer():
     }
 
 
-async def test_openai_omits_empty_system_prompt_and_auth_header_without_key():
-    async with FakeOpenAI() as fake:
-        agent = OpenAIAgent(base_url=fake.base_url, model="llama3")
-        try:
-            await agent.run_turn(turn("hi"))
-        finally:
-            await agent.close()
+async def test_openai_omits_empty_system_prompt_and_auth_header_without_key(fake, openai_agent):
+    await openai_agent(model="llama3").run_turn(turn("hi"))
     [seen] = fake.requests
     assert seen["headers"]["Authorization"] is None
-    assert seen["body"]["messages"] == [{"role": "user", "content": "hi"}]
-    assert seen["body"]["model"] == "llama3"
+    assert seen["json"]["messages"] == [{"role": "user", "content": "hi"}]
+    assert seen["json"]["model"] == "llama3"
 
 
-async def test_openai_parses_reply_and_usage_including_cached_tokens():
-    usage = {
+async def test_openai_parses_reply_and_usage_including_cached_tokens(fake, openai_agent):
+    fake.usage = {
         "prompt_tokens": 120,
         "completion_tokens": 9,
         "prompt_tokens_details": {"cached_tokens": 64},
     }
-    async with FakeOpenAI(usage=usage) as fake:
-        agent = OpenAIAgent(base_url=fake.base_url, model="m")
-        try:
-            result = await agent.run_turn(turn("ping"))
-        finally:
-            await agent.close()
+    result = await openai_agent().run_turn(turn("ping"))
     assert result == TurnResult(
         "fake: ping", TokenUsage(input_tokens=120, output_tokens=9, cache_read_tokens=64)
     )
 
 
-async def test_openai_wrong_key_is_an_error_naming_401_but_not_the_key():
-    async with FakeOpenAI(expected_key="sk-the-right-one") as fake:
-        agent = OpenAIAgent(base_url=fake.base_url, model="m", api_key=KEY)
-        try:
-            with pytest.raises(AgentError) as caught:
-                await agent.run_turn(turn())
-        finally:
-            await agent.close()
+async def test_openai_wrong_key_is_an_error_naming_401_but_not_the_key(fake, openai_agent):
+    fake.expected_key = "sk-the-right-one"
+    with pytest.raises(AgentError) as caught:
+        await openai_agent(api_key=KEY).run_turn(turn())
     assert "401" in str(caught.value)
     assert "Incorrect API key" in str(caught.value)
     assert KEY not in str(caught.value)
     assert len(fake.requests) == 1  # 4xx other than 429 is not retried
 
 
-async def test_openai_retries_429_honouring_retry_after():
-    async with FakeOpenAI() as fake:
-        fake.fail_next(429, "Rate limit reached", retry_after=0)
-        agent = OpenAIAgent(base_url=fake.base_url, model="m", backoff=(10.0, 10.0))
-        try:
-            result = await asyncio.wait_for(agent.run_turn(turn("again")), timeout=5)
-        finally:
-            await agent.close()
+async def test_openai_retries_429_honouring_retry_after(fake, openai_agent):
+    fake.fail_next(429, "Rate limit reached", retry_after=0)
+    agent = openai_agent(backoff=(10.0, 10.0))  # only Retry-After: 0 keeps this fast
+    result = await asyncio.wait_for(agent.run_turn(turn("again")), timeout=5)
     assert result.text == "fake: again"
     assert len(fake.requests) == 2
 
 
-async def test_openai_gives_up_after_three_server_errors():
-    async with FakeOpenAI() as fake:
-        fake.fail_next(500, "The server had an error", times=3)
-        agent = OpenAIAgent(base_url=fake.base_url, model="m", backoff=(0.01, 0.01))
-        try:
-            with pytest.raises(AgentError, match="HTTP 500: The server had an error"):
-                await agent.run_turn(turn())
-        finally:
-            await agent.close()
+async def test_openai_gives_up_after_three_server_errors(fake, openai_agent):
+    fake.fail_next(500, "The server had an error", times=3)
+    with pytest.raises(AgentError, match="HTTP 500: The server had an error"):
+        await openai_agent(backoff=(0.01, 0.01)).run_turn(turn())
     assert len(fake.requests) == 3
 
 
-async def test_openai_error_message_is_truncated_to_200_chars():
-    async with FakeOpenAI() as fake:
-        fake.fail_next(400, "x" * 5000)
-        agent = OpenAIAgent(base_url=fake.base_url, model="m")
-        try:
-            with pytest.raises(AgentError) as caught:
-                await agent.run_turn(turn())
-        finally:
-            await agent.close()
+async def test_openai_error_message_is_truncated_to_200_chars(fake, openai_agent):
+    fake.fail_next(400, "x" * 5000)
+    with pytest.raises(AgentError) as caught:
+        await openai_agent().run_turn(turn())
     assert str(caught.value) == "model server returned HTTP 400: " + "x" * 200
 
 
-async def test_openai_malformed_json_is_an_agent_error():
-    async with FakeOpenAI() as fake:
-        fake.malformed_next()
-        agent = OpenAIAgent(base_url=fake.base_url, model="m")
-        try:
-            with pytest.raises(AgentError, match="malformed"):
-                await agent.run_turn(turn())
-        finally:
-            await agent.close()
+async def test_openai_malformed_json_is_an_agent_error(fake, openai_agent):
+    fake.malformed_next()
+    with pytest.raises(AgentError, match="malformed"):
+        await openai_agent().run_turn(turn())
 
 
-async def test_openai_connection_refused_is_an_agent_error():
-    fake = FakeOpenAI()
-    base_url = await fake.start()
+async def test_openai_connection_refused_is_an_agent_error(fake, openai_agent):
     await fake.stop()
-    agent = OpenAIAgent(base_url=base_url, model="m", api_key=KEY)
-    try:
-        with pytest.raises(AgentError, match="cannot connect") as caught:
-            await agent.run_turn(turn())
-    finally:
-        await agent.close()
+    with pytest.raises(AgentError, match=r"cannot connect.*connection refused") as caught:
+        await openai_agent(api_key=KEY).run_turn(turn())
     assert KEY not in str(caught.value)
 
 
-async def test_openai_turn_is_cancellable_while_waiting_for_the_server():
-    async with FakeOpenAI() as fake:
-        fake.delay_next(30)
-        agent = OpenAIAgent(base_url=fake.base_url, model="m")
-        task = asyncio.create_task(agent.run_turn(turn()))
-        await asyncio.sleep(0.1)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(task, timeout=1.0)
-        await agent.close()
+async def test_openai_turn_is_cancellable_while_waiting_for_the_server(fake, openai_agent):
+    fake.delay_next(30)
+    task = asyncio.create_task(openai_agent().run_turn(turn()))
+    await asyncio.sleep(0.1)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, timeout=1.0)
 
 
 # --- module:factory ------------------------------------------------------------------------
 
 
 @pytest.fixture
-def user_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def user_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     module = tmp_path / "my_backend_mod.py"
     module.write_text(
         textwrap.dedent(
@@ -382,7 +364,7 @@ async def test_cache_never_evicts_an_agent_in_use():
         cache.release(key)
     await use(cache, "d")
     assert [agent.closed for agent in agents] == [True, True, False]
-    assert set(cache._entries) == {"c", "d"}
+    assert "c" in cache and "d" in cache and len(cache) == 2
 
 
 async def test_cache_rebuilds_and_closes_old_agent_when_signature_changes():
@@ -415,7 +397,7 @@ async def test_sweep_idle_evicts_only_idle_agents_past_the_ttl():
     clock.now += 31
     assert await cache.sweep_idle() == 1
     assert stale.closed and not fresh.closed and not busy.closed
-    assert set(cache._entries) == {"busy", "fresh"}
+    assert "stale" not in cache and "busy" in cache and "fresh" in cache
 
 
 async def test_evict_while_in_use_is_deferred_until_release():

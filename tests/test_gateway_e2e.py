@@ -153,7 +153,9 @@ async def test_two_chats_run_their_turns_concurrently(make_gateway: MakeGateway)
 async def test_plain_messages_during_a_slow_turn_merge_into_one_turn(
     make_gateway: MakeGateway,
 ) -> None:
-    gw = await make_gateway({"agent": {"backend": "echo", "delay_seconds": 0.6}}, agent_factory=None)
+    gw = await make_gateway(
+        {"agent": {"backend": "echo", "delay_seconds": 0.6}}, agent_factory=None
+    )
     assert (await gw.client.post("c1", "first"))["status"] == "started"
     assert (await gw.client.post("c1", "second"))["status"] == "pending"
     assert (await gw.client.post("c1", "third"))["status"] == "pending"
@@ -354,9 +356,7 @@ async def test_auto_reset_notice_after_inactivity(make_gateway: MakeGateway) -> 
 
 
 async def test_no_reset_notice_when_notify_is_off(make_gateway: MakeGateway) -> None:
-    gw = await make_gateway(
-        {"session_reset": {"mode": "idle", "idle_minutes": 5, "notify": False}}
-    )
+    gw = await make_gateway({"session_reset": {"mode": "idle", "idle_minutes": 5, "notify": False}})
     await gw.client.post("c1", "before")
     await gw.client.replies("c1", 1)
     with time_machine.travel(datetime.now(UTC) + timedelta(minutes=10), tick=True):

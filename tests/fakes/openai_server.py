@@ -41,7 +41,7 @@ def last_user_content(body: dict[str, Any]) -> str:
 
 
 class FakeOpenAI:
-    """The server. ``requests`` holds ``{"path", "body", "headers"}`` per request received."""
+    """The server. ``requests`` holds ``{"path", "json", "headers"}`` per request received."""
 
     def __init__(
         self,
@@ -112,7 +112,7 @@ class FakeOpenAI:
         self.requests.append(
             {
                 "path": request.path,
-                "body": body,
+                "json": body,
                 "headers": {h: request.headers.get(h) for h in _RECORDED_HEADERS},
             }
         )

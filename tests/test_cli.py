@@ -1,0 +1,149 @@
+"""The `hermes-gateway` command line, run as a real subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from config import GatewayConfig
+from gateway.session import Platform, SessionSource
+from gateway.store import SessionStore
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def cli(home: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "HERMES_HOME": str(home)}
+    env.pop("HERMES_CONFIG", None)
+    return subprocess.run(
+        [sys.executable, "-m", "gateway.cli", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+    )
+
+
+def test_check_config_accepts_the_zero_config_default(tmp_path: Path) -> None:
+    result = cli(tmp_path, "check-config")
+    assert result.returncode == 0, result.stderr
+    assert "zero-config defaults" in result.stdout
+
+
+def test_check_config_names_the_key_path_and_exits_78(tmp_path: Path) -> None:
+    (tmp_path / "hermes.yaml").write_text(
+        "session_reset:\n  at_hour: 25\nplatforms:\n  telegram:\n    token: 123:SECRET\n"
+        "    bogus: 1\n"
+    )
+    result = cli(tmp_path, "check-config")
+    assert result.returncode == 78
+    assert "session_reset.at_hour" in result.stderr
+    assert "platforms.telegram.bogus: unknown key" in result.stderr
+    assert "SECRET" not in result.stderr + result.stdout
+
+
+def test_explicit_config_path_and_home_flag(tmp_path: Path) -> None:
+    config = tmp_path / "custom.yaml"
+    config.write_text("queue:\n  max_depth: 0\n")
+    result = cli(tmp_path / "elsewhere", "check-config", "--config", str(config))
+    assert result.returncode == 78 and "queue.max_depth" in result.stderr
+    missing = cli(tmp_path, "check-config", "--config", str(tmp_path / "nope.yaml"))
+    assert missing.returncode == 78 and "config file not found" in missing.stderr
+
+
+def _seed_sessions(home: Path) -> tuple[str, str]:
+    async def seed() -> tuple[str, str]:
+        config = GatewayConfig.model_validate({"timezone": "UTC"})
+        async with SessionStore(home / "sessions", config) as store:
+            source = SessionSource(platform=Platform.TELEGRAM, chat_id="99", user_name="Ann")
+            entry = await store.get_or_create_session(source)
+            await store.append_to_transcript(entry.session_id, {"role": "user", "content": "hi"})
+            await store.append_to_transcript(
+                entry.session_id, {"role": "assistant", "content": "echo: hi"}
+            )
+            return entry.session_key, entry.session_id
+
+    return asyncio.run(seed())
+
+
+def test_sessions_list_and_show(tmp_path: Path) -> None:
+    key, session_id = _seed_sessions(tmp_path)
+    listing = cli(tmp_path, "sessions", "list")
+    assert listing.returncode == 0, listing.stderr
+    assert key in listing.stdout and session_id in listing.stdout
+
+    as_json = json.loads(cli(tmp_path, "sessions", "list", "--json").stdout)
+    assert [e["session_id"] for e in as_json] == [session_id]
+
+    for target in (key, session_id):
+        shown = cli(tmp_path, "sessions", "show", target)
+        assert shown.returncode == 0, shown.stderr
+        assert "[user] hi" in shown.stdout and "[assistant] echo: hi" in shown.stdout
+        assert "DM with Ann" in shown.stdout
+
+    missing = cli(tmp_path, "sessions", "show", "agent:main:telegram:dm:nobody")
+    assert missing.returncode == 1 and "no session" in missing.stderr
+
+
+def test_sessions_list_active_minutes_filter(tmp_path: Path) -> None:
+    _seed_sessions(tmp_path)
+    recent = cli(tmp_path, "sessions", "list", "--active-minutes", "5")
+    assert "agent:main:telegram:dm:99" in recent.stdout
+
+
+def test_damaged_state_db_is_reported_with_exit_78(tmp_path: Path) -> None:
+    sessions = tmp_path / "sessions"
+    sessions.mkdir(parents=True)
+    (sessions / "state.db").write_bytes(b"this is not a database" * 200)
+    result = cli(tmp_path, "sessions", "list")
+    assert result.returncode == 78
+    assert "state.db" in result.stderr
+
+
+@pytest.mark.timeout(60)
+def test_run_serves_http_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
+    port = free_port()
+    (tmp_path / "hermes.yaml").write_text(f"platforms:\n  http:\n    port: {port}\n")
+    env = {**os.environ, "HERMES_HOME": str(tmp_path)}
+    env.pop("HERMES_CONFIG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gateway.cli", "run", "--log-json"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+                    break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            pytest.fail("the daemon never listened")
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, stderr
+    events = [json.loads(line)["event"] for line in stderr.splitlines() if line.startswith("{")]
+    assert "gateway_started" in events and events[-1] == "gateway_stopped"
+    assert "echo" in stderr  # the zero-config agent is announced
+    assert (tmp_path / "sessions" / "sessions.json").exists()

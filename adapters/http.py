@@ -1,0 +1,398 @@
+"""The local HTTP API: clients POST messages in and long-poll the replies out.
+
+    POST /v1/messages                        one inbound message -> 202 {session_key, status}
+    GET  /v1/chats/{chat_id}/messages        replies after a cursor (?after=SEQ&wait=SECONDS)
+    GET  /v1/sessions                        the gateway's session entries
+    GET  /healthz                            gateway health (never needs the token)
+    GET  /metrics                            Prometheus text format
+
+With `platforms.http.token` set, `/v1/...` and `/metrics` need `Authorization: Bearer`.
+Replies live in an in-memory outbox per chat (bounded, lost on restart); each gets a
+sequence number from one per-adapter counter, which clients use as their cursor (a
+cursor beyond the counter comes from before a restart and reads from the start again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+from collections import OrderedDict, deque
+from typing import Any
+
+import structlog
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from adapters.base import MessageEvent, PlatformAdapter, SendResult
+from config import HttpConfig
+from gateway.session import CHAT_TYPES, Platform, SessionSource, validate_id
+
+__all__ = ["HttpAdapter"]
+
+log = structlog.get_logger("adapters.http")
+
+MAX_WAIT_SECONDS = 60.0
+_MESSAGE_FIELDS = (
+    "chat_id",
+    "user_id",
+    "text",
+    "chat_type",
+    "thread_id",
+    "message_id",
+    "user_name",
+)
+_OPTIONAL_FIELDS = ("thread_id", "message_id", "user_name")
+_PUBLIC_ROUTES = frozenset({"/healthz"})  # probes must work without the token
+_PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class BadRequest(Exception):
+    """Invalid client input; the message names the field and becomes a 400 body."""
+
+
+def _needs_token(request: web.Request) -> bool:
+    # Decide on the matched route, not the raw path, so no spelling of a URL that reaches
+    # a protected handler can skip the check. Unmatched requests get a plain 404/405.
+    resource = request.match_info.route.resource
+    return resource is not None and resource.canonical not in _PUBLIC_ROUTES
+
+
+def _error(status: int, message: str, **headers: str) -> web.Response:
+    return web.json_response({"error": message}, status=status, headers=headers or None)
+
+
+class HttpAdapter(PlatformAdapter):
+    """The HTTP API adapter (aiohttp.web). Bind it to a gateway, then `start()`.
+
+    `port` is the bound port after `start()` (config port 0 picks a free one).
+    """
+
+    platform = Platform.HTTP
+    # Clients get whole replies; split only beyond this generous cap (characters).
+    max_message_length = 65536
+    #: outbox bounds: replies kept per chat, and chats kept (least recently used dropped)
+    max_replies_per_chat = 1000
+    max_chats = 10_000
+
+    def __init__(self, config: HttpConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.host = config.host
+        self.port = config.port
+        self._runner: web.AppRunner | None = None
+        self._stopping = False
+        self._seq = 0
+        self._outboxes: OrderedDict[str, deque[dict[str, Any]]] = OrderedDict()
+        # Long-pollers waiting per chat; present only while someone waits, so GETs for
+        # unknown chats cost no memory beyond the request itself.
+        self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        app = web.Application(
+            middlewares=[self._auth_and_errors],
+            client_max_size=self.config.max_body_bytes,
+        )
+        app.add_routes(
+            [
+                web.post("/v1/messages", self._post_message),
+                web.get("/v1/chats/{chat_id}/messages", self._get_replies),
+                web.get("/v1/sessions", self._get_sessions),
+                web.get("/healthz", self._get_health),
+                web.get("/metrics", self._get_metrics),
+            ]
+        )
+        # No access log: every long-poll would log a line; errors are logged below.
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.host, self.config.port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise OSError(
+                exc.errno,
+                f"HTTP API cannot listen on {self.host}:{self.config.port} ({exc.strerror}); "
+                "is another gateway running? Change platforms.http.port in hermes.yaml",
+            ) from exc
+        self.port = runner.addresses[0][1]
+        self._runner = runner
+        self._stopping = False
+        log.info("http_api_listening", url=self.url, token_required=bool(self.config.token))
+
+    async def stop(self) -> None:
+        # Wake long-pollers first so the server's graceful shutdown does not wait on them.
+        self._stopping = True
+        for chat_id in list(self._waiters):
+            self._wake(chat_id)
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    def health(self) -> dict[str, Any]:
+        state = "running" if self._runner is not None and not self._stopping else "stopped"
+        return {"state": state, "listen": self.url}
+
+    # --- outbound ------------------------------------------------------------------------
+
+    async def send(
+        self, target: SessionSource, text: str, reply_to: str | None = None
+    ) -> SendResult:
+        """Append one reply to the chat's outbox and wake its long-pollers."""
+        self._seq += 1
+        reply = {
+            "seq": self._seq,
+            "text": text,
+            "thread_id": target.thread_id,
+            "in_reply_to": reply_to,
+        }
+        outbox = self._outboxes.get(target.chat_id)
+        if outbox is None:
+            outbox = self._outboxes[target.chat_id] = deque(maxlen=self.max_replies_per_chat)
+            while len(self._outboxes) > self.max_chats:
+                self._outboxes.popitem(last=False)
+        else:
+            self._outboxes.move_to_end(target.chat_id)
+        outbox.append(reply)
+        self._wake(target.chat_id)
+        return SendResult(message_id=str(self._seq))
+
+    def _replies_after(self, chat_id: str, after: int) -> list[dict[str, Any]]:
+        outbox = self._outboxes.get(chat_id)
+        if outbox is None:
+            return []
+        self._outboxes.move_to_end(chat_id)
+        newer: list[dict[str, Any]] = []
+        for reply in reversed(outbox):  # newest first: cost is the replies returned
+            if reply["seq"] <= after:
+                break
+            newer.append(dict(reply))
+        newer.reverse()
+        return newer
+
+    def _wake(self, chat_id: str) -> None:
+        for waiter in self._waiters.get(chat_id, ()):
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait_for_reply(self, chat_id: str, seconds: float) -> None:
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiters = self._waiters.setdefault(chat_id, set())
+        waiters.add(waiter)
+        try:
+            await asyncio.wait([waiter], timeout=seconds)
+        finally:
+            waiters.discard(waiter)
+            if not waiters:
+                self._waiters.pop(chat_id, None)
+
+    # --- middleware ----------------------------------------------------------------------
+
+    def _token_ok(self, request: web.Request) -> bool:
+        scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+        expected = self.config.token or ""
+        # Compare bytes: compare_digest rejects non-ASCII str, and a header may carry any.
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            given.strip().encode("utf-8", "surrogateescape"), expected.encode("utf-8")
+        )
+
+    @web.middleware
+    async def _auth_and_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        if self.config.token and _needs_token(request) and not self._token_ok(request):
+            return _error(401, "missing or wrong bearer token", **{"WWW-Authenticate": "Bearer"})
+        try:
+            return await handler(request)
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
+            return _error(exc.status, exc.reason, **allow)
+        except Exception:
+            log.exception("http_api_error", method=request.method, path=request.path)
+            return _error(500, "internal error; see the gateway log")
+
+    # --- routes --------------------------------------------------------------------------
+
+    async def _post_message(self, request: web.Request) -> web.Response:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return _error(413, f"request body is larger than {limit} bytes")
+        body = await self._read_capped(request, limit)
+        if body is None:
+            return _error(413, f"request body is larger than {limit} bytes")
+        if self.gateway is None:
+            return _error(503, "the gateway is not ready")
+        event = _parse_message(body)
+        accepted = await self.gateway.handle_message(event)
+        reply: dict[str, Any] = {
+            "session_key": accepted.session_key,
+            "status": accepted.status.value,
+        }
+        if accepted.detail is not None:
+            reply["detail"] = accepted.detail
+        return web.json_response(reply, status=202)
+
+    @staticmethod
+    async def _read_capped(request: web.Request, limit: int) -> bytes | None:
+        """The body, or None when it exceeds `limit` (also for chunked bodies)."""
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := await request.content.readany():
+            size += len(chunk)
+            if size > limit:
+                return None
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _get_replies(self, request: web.Request) -> web.Response:
+        chat_id = request.match_info["chat_id"]
+        _check_id("chat_id", chat_id)
+        after = _int_param(request, "after")
+        wait = _wait_param(request)
+        if after > self._seq:
+            # A cursor from before a restart (the counter starts again at 1): read from 0
+            # rather than hide every reply until the counter catches up.
+            after = 0
+        deadline = asyncio.get_running_loop().time() + wait
+        messages = self._replies_after(chat_id, after)
+        while not messages and not self._stopping:
+            remaining = deadline - asyncio.get_running_loop().time()
+            if remaining <= 0:
+                break
+            await self._wait_for_reply(chat_id, remaining)
+            messages = self._replies_after(chat_id, after)
+        next_seq = messages[-1]["seq"] if messages else after
+        return web.json_response({"messages": messages, "next": next_seq})
+
+    async def _get_sessions(self, request: web.Request) -> web.Response:
+        if self.gateway is None:
+            return _error(503, "the gateway is not ready")
+        return web.json_response({"sessions": await self.gateway.list_sessions()})
+
+    async def _get_health(self, request: web.Request) -> web.Response:
+        if self.gateway is None:
+            return web.json_response(self.health())
+        return web.json_response(self.gateway.health())
+
+    async def _get_metrics(self, request: web.Request) -> web.Response:
+        if self.gateway is None:
+            return _error(503, "the gateway is not ready")
+        text = self.gateway.metrics_text()
+        return web.Response(
+            body=text.encode("utf-8"), headers={"Content-Type": _PROMETHEUS_CONTENT_TYPE}
+        )
+
+
+# --- input validation --------------------------------------------------------------------
+
+
+def _parse_message(body: bytes) -> MessageEvent:
+    """Validate a POST /v1/messages body and build its event; BadRequest names the field."""
+    try:
+        data = json.loads(body.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise BadRequest("request body must be UTF-8 encoded JSON") from exc
+    except (ValueError, RecursionError) as exc:
+        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise BadRequest(f"request body must be a JSON object, got {_json_type(data)}")
+    unknown = sorted(set(data) - set(_MESSAGE_FIELDS))
+    if unknown:
+        raise BadRequest(
+            f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(_MESSAGE_FIELDS)}"
+        )
+    for name in ("chat_id", "user_id", "text"):
+        if name not in data:
+            raise BadRequest(f"{name} is required")
+        if not isinstance(data[name], str):
+            raise BadRequest(f"{name} must be a string, got {_json_type(data[name])}")
+    for name in ("chat_id", "user_id"):
+        if not data[name]:
+            raise BadRequest(f"{name} must not be empty")
+    chat_type = data.get("chat_type", "dm")
+    if chat_type not in CHAT_TYPES:
+        raise BadRequest(f"chat_type must be one of {', '.join(CHAT_TYPES)}")
+    message_id = data.get("message_id")
+    if isinstance(message_id, int) and not isinstance(message_id, bool):
+        data["message_id"] = str(message_id)
+    for name in _OPTIONAL_FIELDS:
+        value = data.get(name)
+        if value is not None and not isinstance(value, str):
+            kinds = "a string, an integer or null" if name == "message_id" else "a string or null"
+            raise BadRequest(f"{name} must be {kinds}, got {_json_type(value)}")
+    for name in _MESSAGE_FIELDS:
+        value = data.get(name)
+        if isinstance(value, str) and not _is_encodable(value):
+            raise BadRequest(f"{name} contains an unpaired surrogate (\\ud800-\\udfff escape)")
+    for name in ("chat_id", "user_id", "thread_id", "message_id"):
+        _check_id(name, data.get(name))
+    source = SessionSource(
+        platform=Platform.HTTP,
+        chat_id=data["chat_id"],
+        chat_type=chat_type,
+        user_id=data["user_id"],
+        user_name=data.get("user_name"),
+        thread_id=data.get("thread_id"),
+        message_id=data.get("message_id"),
+    )
+    return MessageEvent(source=source, text=data["text"], message_id=data.get("message_id"))
+
+
+def _check_id(name: str, value: str | None) -> None:
+    try:
+        validate_id(name, value)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from exc
+
+
+def _is_encodable(value: str) -> bool:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return "a string"
+
+
+def _int_param(request: web.Request, name: str) -> int:
+    raw = request.query.get(name, "0")
+    try:
+        value = int(raw)
+    except ValueError:
+        raise BadRequest(f"query parameter {name} must be a whole number, got {raw!r}") from None
+    if value < 0:
+        raise BadRequest(f"query parameter {name} must not be negative")
+    return value
+
+
+def _wait_param(request: web.Request) -> float:
+    raw = request.query.get("wait", "0")
+    try:
+        wait = float(raw)
+    except ValueError:
+        wait = math.nan
+    if not math.isfinite(wait) or wait < 0:
+        raise BadRequest(f"query parameter wait must be a number of seconds >= 0, got {raw!r}")
+    return min(wait, MAX_WAIT_SECONDS)

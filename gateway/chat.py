@@ -1,0 +1,269 @@
+"""`hermes-gateway chat`: a terminal chat with the running daemon over its HTTP API.
+
+Two parts run side by side: a prompt loop that POSTs each line to `/v1/messages`, and a
+reader that long-polls `/v1/chats/{chat_id}/messages` and prints replies as they arrive.
+
+Exit codes: 0 on Ctrl-D or Ctrl-C, 1 when the gateway is unreachable or refuses the token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import sys
+import threading
+import uuid
+from collections.abc import Callable
+from typing import Any, TextIO
+from urllib.parse import quote
+
+import aiohttp
+
+with contextlib.suppress(ImportError):  # line editing and history for input(), where available
+    import readline  # noqa: F401
+
+__all__ = ["chat", "main_chat"]
+
+POLL_WAIT_SECONDS = 25
+RETRY_SECONDS = 2.0
+STATUS_LINES = {
+    "queued": "queued",
+    "pending": "(will be answered after the current reply)",
+}
+
+
+class GatewayUnavailable(Exception):
+    """The gateway cannot be used from here; the message says why and what to do."""
+
+
+def _token_hint(url: str) -> str:
+    return (
+        f"the gateway at {url} refused the bearer token: pass --token "
+        "or set HERMES_HTTP_TOKEN to platforms.http.token"
+    )
+
+
+class _Console:
+    """Writes lines without garbling the prompt the user may be typing at."""
+
+    def __init__(self, output: TextIO, interactive: bool) -> None:
+        self.output = output
+        self.interactive = interactive
+        self.prompt = "you> "
+
+    def say(self, line: str) -> None:
+        if self.interactive:
+            # Clear the prompt line, print, then redraw the prompt and what was typed.
+            typed = readline_buffer()
+            self.output.write(f"\r\x1b[K{line}\n{self.prompt}{typed}")
+        else:
+            self.output.write(f"{line}\n")
+        self.output.flush()
+
+
+def readline_buffer() -> str:
+    module = sys.modules.get("readline")
+    return module.get_line_buffer() if module is not None else ""
+
+
+class ChatClient:
+    """One chat against the HTTP API at `url`, as `user_id` in `chat_id`."""
+
+    def __init__(
+        self, http: aiohttp.ClientSession, url: str, chat_id: str, user_id: str, console: _Console
+    ) -> None:
+        self.http = http
+        self.url = url
+        self.chat_id = chat_id
+        self.user_id = user_id
+        self.console = console
+        self.replies_url = f"{url}/v1/chats/{quote(chat_id, safe='')}/messages"
+
+    async def _get_replies(self, after: int, wait: float) -> dict[str, Any]:
+        params = {"after": after, "wait": wait}
+        timeout = aiohttp.ClientTimeout(total=wait + 15)
+        async with self.http.get(self.replies_url, params=params, timeout=timeout) as resp:
+            if resp.status == 401:
+                raise GatewayUnavailable(_token_hint(self.url))
+            resp.raise_for_status()
+            return await resp.json()
+
+    async def connect(self) -> int:
+        """Check the gateway answers (and takes our token); returns the reply cursor.
+
+        Starts at the newest reply, so replies from earlier sessions are not replayed.
+        """
+        try:
+            data = await self._get_replies(after=0, wait=0)
+        except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+            raise GatewayUnavailable(
+                f"cannot reach the gateway at {self.url}: is `hermes-gateway run` running?"
+            ) from exc
+        except (aiohttp.ClientResponseError, ValueError) as exc:
+            raise GatewayUnavailable(
+                f"{self.url} did not answer like the gateway's HTTP API ({exc}); check --url"
+            ) from exc
+        return int(data["next"])
+
+    async def print_replies(self, after: int) -> None:
+        """Long-poll forever, printing each reply once; survives gateway restarts."""
+        lost = False
+        while True:
+            try:
+                data = await self._get_replies(after, POLL_WAIT_SECONDS)
+            except GatewayUnavailable as exc:
+                self.console.say(f"({exc}; no more replies will be shown)")
+                return
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                if not lost:
+                    self.console.say("(lost the gateway; retrying...)")
+                    lost = True
+                await asyncio.sleep(RETRY_SECONDS)
+                continue
+            if lost:
+                self.console.say("(reconnected)")
+                lost = False
+            for message in data["messages"]:
+                self.console.say(f"bot> {message['text']}")
+            after = int(data["next"])
+
+    async def send(self, text: str) -> None:
+        body = {
+            "chat_id": self.chat_id,
+            "user_id": self.user_id,
+            "text": text,
+            "chat_type": "dm",
+            # One id per typed line: a retried POST of the same line is deduplicated.
+            "message_id": uuid.uuid4().hex,
+        }
+        try:
+            async with self.http.post(f"{self.url}/v1/messages", json=body) as resp:
+                if resp.status == 401:
+                    raise GatewayUnavailable(_token_hint(self.url))
+                if resp.status != 202:
+                    self.console.say(f"(not sent: {resp.status} {await _error(resp)})")
+                    return
+                accepted = await resp.json()
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            self.console.say(f"(not sent: cannot reach the gateway at {self.url}: {exc})")
+            return
+        status, detail = accepted.get("status"), accepted.get("detail")
+        if status == "refused":
+            self.console.say(f"(refused: {detail or 'the gateway is busy'})")
+        elif status == "ignored" and detail:
+            self.console.say(f"(ignored: {detail})")
+        elif status in STATUS_LINES:
+            self.console.say(STATUS_LINES[status])
+
+    async def prompt_loop(self, input_fn: Callable[[str], str]) -> int:
+        while True:
+            line = await read_line(input_fn, self.console.prompt)
+            if line is None:
+                if self.console.interactive:  # the shell prompt gets a line of its own
+                    print(file=self.console.output, flush=True)
+                return 0
+            text = line.strip()
+            if text:  # commands such as /help go to the gateway, which answers them
+                await self.send(text)
+
+
+async def read_line(input_fn: Callable[[str], str], prompt: str) -> str | None:
+    """`input_fn(prompt)` off the event loop; None at EOF (Ctrl-D) or Ctrl-C.
+
+    Runs in a daemon thread rather than `asyncio.to_thread`: a thread blocked in input()
+    cannot be interrupted, and asyncio.run waits for its default executor's threads, so
+    Ctrl-C would not exit until the user also pressed Enter.
+    """
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[str | None] = loop.create_future()
+
+    def settle(result: str | None, error: BaseException | None) -> None:
+        if done.done():
+            return
+        if error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    def read() -> None:
+        result: str | None = None
+        error: BaseException | None = None
+        try:
+            result = input_fn(prompt)
+        except (EOFError, KeyboardInterrupt):
+            pass
+        except Exception as exc:
+            error = exc
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is waiting
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=read, name="chat-input", daemon=True).start()
+    return await done
+
+
+def read_piped_line(prompt: str) -> str:
+    """input() for a stdin that is not a terminal (no prompt: nobody is looking).
+
+    Reads the unbuffered file: the reading thread may still be blocked here at exit, and
+    a daemon thread holding the buffered stdin's lock aborts interpreter shutdown.
+    """
+    line = sys.stdin.buffer.raw.readline()
+    if not line:
+        raise EOFError
+    return line.decode("utf-8", "replace").rstrip("\r\n")
+
+
+async def _error(resp: aiohttp.ClientResponse) -> str:
+    try:
+        return str((await resp.json())["error"])
+    except (ValueError, KeyError, TypeError, aiohttp.ContentTypeError):
+        return resp.reason or "unexpected response"
+
+
+async def chat(
+    url: str,
+    chat_id: str,
+    user_id: str,
+    token: str | None,
+    *,
+    input_fn: Callable[[str], str] = input,
+    output: TextIO = sys.stdout,
+) -> int:
+    """Chat in the terminal until EOF; returns the exit code (0 ok, 1 gateway unusable)."""
+    url = url.rstrip("/")
+    if input_fn is input and not sys.stdin.isatty():
+        input_fn = read_piped_line
+    interactive = input_fn is input and output.isatty()
+    console = _Console(output, interactive)
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    async with aiohttp.ClientSession(headers=headers) as http:
+        client = ChatClient(http, url, chat_id, user_id, console)
+        try:
+            after = await client.connect()
+        except GatewayUnavailable as exc:
+            print(exc, file=output)
+            return 1
+        print(f"connected to {url} as {user_id} in chat {chat_id}", file=output)
+        print("/help for commands, Ctrl-D to quit", file=output)
+        reader = asyncio.create_task(client.print_replies(after))
+        try:
+            return await client.prompt_loop(input_fn)
+        except GatewayUnavailable as exc:
+            console.say(str(exc))
+            return 1
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+
+
+def main_chat(args: argparse.Namespace) -> int:
+    """Entry point of `hermes-gateway chat` (url, chat_id, user_id, token from the CLI)."""
+    token = getattr(args, "token", None) or os.environ.get("HERMES_HTTP_TOKEN")
+    try:
+        return asyncio.run(chat(args.url, args.chat_id, args.user_id, token))
+    except KeyboardInterrupt:
+        print()  # leave the shell prompt on a line of its own
+        return 0

@@ -1,0 +1,212 @@
+"""The terminal chat client against a real HttpAdapter whose fake gateway echoes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import io
+import socket
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from adapters.base import Accepted, AcceptStatus, MessageEvent
+from adapters.http import HttpAdapter
+from config import HttpConfig
+from gateway import chat as chat_module
+from gateway.chat import chat, main_chat
+from gateway.session import Platform, SessionSource
+
+TOKEN = "chat-token"
+
+
+class EchoGateway:
+    """Accepts every message with `status` and, for STARTED, replies "echo: <text>"."""
+
+    def __init__(self, adapter: HttpAdapter) -> None:
+        self.adapter = adapter
+        self.events: list[MessageEvent] = []
+        self.accepted = Accepted(AcceptStatus.STARTED, "agent:main:http:dm:local-ann")
+        self._replies: set[asyncio.Task[None]] = set()
+
+    async def handle_message(self, event: MessageEvent) -> Accepted:
+        self.events.append(event)
+        if self.accepted.status == AcceptStatus.STARTED:
+            task = asyncio.create_task(self._reply(event))
+            self._replies.add(task)
+            task.add_done_callback(self._replies.discard)
+        return self.accepted
+
+    async def _reply(self, event: MessageEvent) -> None:
+        await asyncio.sleep(0.05)  # the reply arrives after the POST was answered
+        await self.adapter.send(event.source, f"echo: {event.text}", reply_to=event.message_id)
+
+    async def list_sessions(self) -> list[dict[str, Any]]:
+        return []
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok"}
+
+    def metrics_text(self) -> str:
+        return ""
+
+
+class ScriptedInput:
+    """An input() that types each line once the transcript shows what the last one awaited.
+
+    Runs in the client's input thread; EOF after the last line, like Ctrl-D.
+    """
+
+    def __init__(self, output: io.StringIO, steps: list[tuple[str, str | None]]) -> None:
+        self.output = output
+        self.steps = list(steps)
+        self.awaiting: str | None = None
+        self.prompts: list[str] = []
+
+    def __call__(self, prompt: str) -> str:
+        self.prompts.append(prompt)
+        if self.awaiting is not None:
+            deadline = time.monotonic() + 5
+            while self.awaiting not in self.output.getvalue():
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"never printed {self.awaiting!r}")
+                time.sleep(0.01)
+        if not self.steps:
+            raise EOFError
+        line, self.awaiting = self.steps.pop(0)
+        return line
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[HttpAdapter, EchoGateway]]:
+    adapter = HttpAdapter(HttpConfig(token=TOKEN).model_copy(update={"port": 0}))
+    gateway = EchoGateway(adapter)
+    adapter.bind(gateway)
+    await adapter.start()
+    yield adapter, gateway
+    await adapter.stop()
+
+
+async def run_chat(
+    adapter: HttpAdapter, steps: list[tuple[str, str | None]], token: str | None = TOKEN
+) -> tuple[int, str]:
+    output = io.StringIO()
+    script = ScriptedInput(output, steps)
+    code = await asyncio.wait_for(
+        chat(adapter.url, "local-ann", "ann", token, input_fn=script, output=output), 10
+    )
+    return code, output.getvalue()
+
+
+async def test_chat_prints_the_bots_replies(served):
+    adapter, gateway = served
+    code, transcript = await run_chat(
+        adapter, [("hello", "bot> echo: hello"), ("again", "bot> echo: again")]
+    )
+    assert code == 0
+    assert adapter.url in transcript
+    assert "local-ann" in transcript
+    assert "/help for commands, Ctrl-D to quit" in transcript
+    assert transcript.index("bot> echo: hello") < transcript.index("bot> echo: again")
+    first, second = gateway.events
+    assert (first.source.chat_id, first.source.user_id, first.source.chat_type) == (
+        "local-ann",
+        "ann",
+        "dm",
+    )
+    # a fresh id per line, so the gateway can deduplicate a retried POST
+    assert len(first.message_id) == 32
+    assert first.message_id != second.message_id
+
+
+async def test_chat_skips_empty_lines(served):
+    adapter, gateway = served
+    code, _ = await run_chat(adapter, [("", None), ("   ", None), ("hi", "bot> echo: hi")])
+    assert code == 0
+    assert [event.text for event in gateway.events] == ["hi"]
+
+
+async def test_chat_does_not_replay_replies_from_before_it_started(served):
+    adapter, _ = served
+    await adapter.send(SessionSource(Platform.HTTP, "local-ann", user_id="ann"), "an old reply")
+    _, transcript = await run_chat(adapter, [("new", "bot> echo: new")])
+    assert "an old reply" not in transcript
+
+
+@pytest.mark.parametrize(
+    ("accepted", "printed"),
+    [
+        (Accepted(AcceptStatus.QUEUED, "k"), "queued"),
+        (Accepted(AcceptStatus.PENDING, "k"), "(will be answered after the current reply)"),
+        (Accepted(AcceptStatus.REFUSED, "k", "the queue is full"), "the queue is full"),
+    ],
+)
+async def test_chat_prints_what_the_gateway_did_with_a_message(served, accepted, printed):
+    adapter, gateway = served
+    gateway.accepted = accepted
+    code, transcript = await run_chat(adapter, [("hi", printed)])
+    assert code == 0
+    assert printed in transcript
+    if accepted.status == AcceptStatus.REFUSED:
+        assert "refused" in transcript
+
+
+async def test_commands_go_to_the_gateway(served):
+    adapter, gateway = served
+    await run_chat(adapter, [("/help", "bot> echo: /help")])
+    assert [event.text for event in gateway.events] == ["/help"]
+
+
+async def test_keyboard_interrupt_at_the_prompt_ends_with_0(served):
+    adapter, _ = served
+
+    def interrupted(prompt: str) -> str:
+        raise KeyboardInterrupt
+
+    code = await chat(
+        adapter.url, "local-ann", "ann", TOKEN, input_fn=interrupted, output=io.StringIO()
+    )
+    assert code == 0
+
+
+async def test_unreachable_gateway_exits_1_with_a_hint():
+    with socket.socket() as probe:  # a port nobody listens on
+        probe.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    output = io.StringIO()
+    code = await chat(url, "local-ann", "ann", None, input_fn=input, output=output)
+    assert code == 1
+    assert output.getvalue().strip() == (
+        f"cannot reach the gateway at {url}: is `hermes-gateway run` running?"
+    )
+
+
+@pytest.mark.parametrize("token", [None, "wrong"])
+async def test_refused_token_exits_1_with_a_hint(served, token):
+    adapter, gateway = served
+    code, transcript = await run_chat(adapter, [("hi", None)], token=token)
+    assert code == 1
+    assert "--token" in transcript
+    assert "HERMES_HTTP_TOKEN" in transcript
+    assert gateway.events == []
+
+
+def test_main_chat_takes_the_token_from_the_environment(monkeypatch):
+    seen: dict[str, Any] = {}
+
+    async def fake_chat(url: str, chat_id: str, user_id: str, token: str | None) -> int:
+        seen.update(url=url, chat_id=chat_id, user_id=user_id, token=token)
+        return 0
+
+    monkeypatch.setattr(chat_module, "chat", fake_chat)
+    monkeypatch.setenv("HERMES_HTTP_TOKEN", "from-env")
+    args = argparse.Namespace(url="http://h:1", chat_id="local-ann", user_id="ann", token=None)
+    assert main_chat(args) == 0
+    assert seen == {
+        "url": "http://h:1",
+        "chat_id": "local-ann",
+        "user_id": "ann",
+        "token": "from-env",
+    }

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import secrets
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import BinaryIO
 
 
 def fsync_dir(directory: Path) -> None:
@@ -16,31 +18,28 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
-    """Write `data` so that `path` holds either the old or the new content, never a mix.
-
-    Temp file in the same directory, fsync, `os.replace`, fsync the directory.
+def atomic_write(path: Path, write: Callable[[BinaryIO], None], mode: int = 0o600) -> None:
+    """Produce `path` through `write(file)` so that it holds either the old or the new
+    content, never a mix: temp file in the same directory, fsync, `os.replace`, fsync the
+    directory. `write` may stream; nothing has to fit in memory at once.
     """
     # Unique per call: two writers of one path (threads, processes) must not share a temp.
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
     try:
-        view = memoryview(data)
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-        os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    try:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as file:
+            write(file)
+            file.flush()
+            os.fsync(file.fileno())
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
+    atomic_write(path, lambda file: file.write(data), mode)
 
 
 def set_aside(path: Path, label: str = "corrupt") -> Path:

@@ -13,11 +13,11 @@ import json
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import structlog
 
-from gateway.fsutil import atomic_write_bytes, set_aside
+from gateway.fsutil import atomic_write, set_aside
 from gateway.session import SessionEntry
 
 log = structlog.get_logger(__name__)
@@ -71,15 +71,29 @@ def check_sessions_json(path: Path) -> bool:
         return False
 
 
-def render_sessions_json(db_path: Path) -> bytes:
-    """The whole routing index in the seed's format, built from the stored entry JSON."""
+def write_sessions_json(db_path: Path, json_path: Path) -> int:
+    """Stream the routing index from a read snapshot of state.db into sessions.json
+    (seed format), atomically. Stored entry JSON is copied as is, never re-encoded, and
+    rows go to disk as they are read, so memory stays flat at any size. Returns the count.
+    """
     conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
-    try:
+    count = 0
+
+    def write(file: BinaryIO) -> None:
+        nonlocal count
+        file.write(b"{")
         rows = conn.execute("SELECT session_key, entry FROM session_entries ORDER BY session_key")
-        parts = [f"{json.dumps(key)}:{entry}" for key, entry in rows]
+        for key, entry in rows:
+            file.write(f"{',' if count else ''}\n{json.dumps(key)}:{entry}".encode())
+            count += 1
+        file.write(b"\n}\n")
+
+    try:
+        conn.execute("BEGIN")  # one snapshot for the whole file
+        atomic_write(json_path, write)
     finally:
         conn.close()
-    return ("{" + ",\n".join(parts) + "}\n").encode("utf-8")
+    return count
 
 
 class SessionsMirror:
@@ -122,8 +136,7 @@ class SessionsMirror:
             self._dirty = False  # cleared before the snapshot: later changes re-mark it
             started = time.monotonic()
             try:
-                data = await asyncio.to_thread(render_sessions_json, self.db_path)
-                await asyncio.to_thread(atomic_write_bytes, self.json_path, data)
+                await asyncio.to_thread(write_sessions_json, self.db_path, self.json_path)
             except (OSError, sqlite3.Error) as exc:
                 self._dirty = True
                 log.error("sessions_json_write_failed", path=str(self.json_path), error=str(exc))

@@ -58,23 +58,33 @@ def _load_entry(conn: sqlite3.Connection, session_key: str) -> SessionEntry | No
 
 
 def _save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
+    """Write one entry. The common case (same session id) is a single UPDATE that leaves
+    the session_id index alone; only a new or re-pointed key needs the full upsert."""
+    params = (
+        entry.updated_at.timestamp(),
+        int(entry.suspended),
+        int(entry.resume_pending),
+        int(entry.expiry_finalized),
+        json.dumps(entry.to_dict(), separators=(",", ":"), ensure_ascii=False),
+        entry.session_key,
+        entry.session_id,
+    )
+    cursor = conn.execute(
+        "UPDATE session_entries SET updated_at = ?, suspended = ?, resume_pending = ?,"
+        " expiry_finalized = ?, entry = ? WHERE session_key = ? AND session_id = ?",
+        params,
+    )
+    if cursor.rowcount:
+        return
     conn.execute(
         "INSERT INTO session_entries"
-        " (session_key, session_id, updated_at, suspended, resume_pending, expiry_finalized, entry)"
-        " VALUES (?, ?, ?, ?, ?, ?, ?)"
+        " (updated_at, suspended, resume_pending, expiry_finalized, entry, session_key,"
+        " session_id) VALUES (?, ?, ?, ?, ?, ?, ?)"
         " ON CONFLICT(session_key) DO UPDATE SET session_id = excluded.session_id,"
         " updated_at = excluded.updated_at, suspended = excluded.suspended,"
         " resume_pending = excluded.resume_pending,"
         " expiry_finalized = excluded.expiry_finalized, entry = excluded.entry",
-        (
-            entry.session_key,
-            entry.session_id,
-            entry.updated_at.timestamp(),
-            int(entry.suspended),
-            int(entry.resume_pending),
-            int(entry.expiry_finalized),
-            json.dumps(entry.to_dict(), separators=(",", ":"), ensure_ascii=False),
-        ),
+        params,
     )
 
 
@@ -101,11 +111,29 @@ def _start_session_row(conn: sqlite3.Connection, entry: SessionEntry) -> None:
     )
 
 
-def _end_session_row(conn: sqlite3.Connection, session_id: str, now: datetime, reason: str) -> None:
+def _end_session_row(
+    conn: sqlite3.Connection, entry: SessionEntry, now: datetime, reason: str
+) -> None:
+    """Close the `sessions` row of `entry`'s current session, with its final counters.
+
+    The live counters are kept only in the entry while a session is current (one row
+    write per turn instead of two); they reach the `sessions` row when the session ends.
+    """
     conn.execute(
-        "UPDATE sessions SET ended_at = ?, end_reason = ?"
-        " WHERE session_id = ? AND ended_at IS NULL",
-        (now.timestamp(), reason, session_id),
+        "UPDATE sessions SET ended_at = ?, end_reason = ?, input_tokens = ?,"
+        " output_tokens = ?, cache_read_tokens = ?, cache_write_tokens = ?, total_tokens = ?,"
+        " estimated_cost_usd = ? WHERE session_id = ? AND ended_at IS NULL",
+        (
+            now.timestamp(),
+            reason,
+            entry.input_tokens,
+            entry.output_tokens,
+            entry.cache_read_tokens,
+            entry.cache_write_tokens,
+            entry.total_tokens,
+            entry.estimated_cost_usd,
+            entry.session_id,
+        ),
     )
 
 
@@ -130,7 +158,7 @@ def _replace_session(
     **flags: Any,
 ) -> SessionEntry:
     """End `old`'s session and start a new incarnation of the same key (reset effects 1-4)."""
-    _end_session_row(conn, old.session_id, now, END_RESET)
+    _end_session_row(conn, old, now, END_RESET)
     new = _fresh_entry(old.session_key, source or old.origin, now)
     if source is None:
         new.display_name = old.display_name
@@ -325,20 +353,6 @@ class SessionStore:
                 entry.last_prompt_tokens = last_prompt_tokens
             if usage is not None:
                 entry.add_usage(usage)
-                conn.execute(
-                    "UPDATE sessions SET input_tokens = ?, output_tokens = ?,"
-                    " cache_read_tokens = ?, cache_write_tokens = ?, total_tokens = ?,"
-                    " estimated_cost_usd = ? WHERE session_id = ?",
-                    (
-                        entry.input_tokens,
-                        entry.output_tokens,
-                        entry.cache_read_tokens,
-                        entry.cache_write_tokens,
-                        entry.total_tokens,
-                        entry.estimated_cost_usd,
-                        entry.session_id,
-                    ),
-                )
             _save_entry(conn, entry)
             return entry
 
@@ -395,7 +409,7 @@ class SessionStore:
                 return None
             if entry.session_id == target_session_id:
                 return entry
-            _end_session_row(conn, entry.session_id, now, END_SWITCH)
+            _end_session_row(conn, entry, now, END_SWITCH)
             conn.execute(
                 "UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE session_id = ?",
                 (target_session_id,),
@@ -518,11 +532,13 @@ class SessionStore:
             for key in doomed:  # re-check: the entry may have been touched meanwhile
                 row = conn.execute(
                     "DELETE FROM session_entries WHERE session_key = ? AND updated_at < ?"
-                    " AND suspended = 0 RETURNING session_id",
+                    " AND suspended = 0 RETURNING entry",
                     (key, cutoff),
                 ).fetchone()
                 if row:
-                    _end_session_row(conn, row[0], now, END_PRUNED)
+                    _end_session_row(
+                        conn, SessionEntry.from_dict(json.loads(row[0])), now, END_PRUNED
+                    )
                     pruned += 1
             return pruned
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 import sqlite3
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -23,7 +22,7 @@ from typing import Any
 import structlog
 
 from config import GatewayConfig
-from gateway import transcript
+from gateway import entries, transcript
 from gateway.db import Database, T
 from gateway.mirror import SessionsMirror, check_sessions_json, read_sessions_json
 from gateway.policy import last_daily_boundary, reset_reason
@@ -33,141 +32,10 @@ log = structlog.get_logger(__name__)
 
 STATE_DB = "state.db"
 SESSIONS_JSON = "sessions.json"
-END_RESET = "session_reset"
-END_SWITCH = "session_switch"
-END_PRUNED = "pruned"
 
 
 def _utcnow() -> datetime:
     return datetime.now(UTC)
-
-
-def new_session_id(now: datetime) -> str:
-    """`YYYYMMDD_HHMMSS_<8hex>` in UTC."""
-    return f"{now.astimezone(UTC):%Y%m%d_%H%M%S}_{secrets.token_hex(4)}"
-
-
-# --- row helpers (writer thread) ------------------------------------------------------------
-
-
-def _load_entry(conn: sqlite3.Connection, session_key: str) -> SessionEntry | None:
-    row = conn.execute(
-        "SELECT entry FROM session_entries WHERE session_key = ?", (session_key,)
-    ).fetchone()
-    return SessionEntry.from_dict(json.loads(row[0])) if row else None
-
-
-def _save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
-    """Write one entry. The common case (same session id) is a single UPDATE that leaves
-    the session_id index alone; only a new or re-pointed key needs the full upsert."""
-    params = (
-        entry.updated_at.timestamp(),
-        int(entry.suspended),
-        int(entry.resume_pending),
-        int(entry.expiry_finalized),
-        json.dumps(entry.to_dict(), separators=(",", ":"), ensure_ascii=False),
-        entry.session_key,
-        entry.session_id,
-    )
-    cursor = conn.execute(
-        "UPDATE session_entries SET updated_at = ?, suspended = ?, resume_pending = ?,"
-        " expiry_finalized = ?, entry = ? WHERE session_key = ? AND session_id = ?",
-        params,
-    )
-    if cursor.rowcount:
-        return
-    conn.execute(
-        "INSERT INTO session_entries"
-        " (updated_at, suspended, resume_pending, expiry_finalized, entry, session_key,"
-        " session_id) VALUES (?, ?, ?, ?, ?, ?, ?)"
-        " ON CONFLICT(session_key) DO UPDATE SET session_id = excluded.session_id,"
-        " updated_at = excluded.updated_at, suspended = excluded.suspended,"
-        " resume_pending = excluded.resume_pending,"
-        " expiry_finalized = excluded.expiry_finalized, entry = excluded.entry",
-        params,
-    )
-
-
-def _start_session_row(conn: sqlite3.Connection, entry: SessionEntry) -> None:
-    # The counters matter for entries imported from sessions.json: switch_session restores
-    # a session's counters from this row.
-    origin = json.dumps(entry.origin.to_dict()) if entry.origin else None
-    conn.execute(
-        "INSERT OR IGNORE INTO sessions (session_id, session_key, origin, started_at,"
-        " input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, total_tokens,"
-        " estimated_cost_usd) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (
-            entry.session_id,
-            entry.session_key,
-            origin,
-            entry.created_at.timestamp(),
-            entry.input_tokens,
-            entry.output_tokens,
-            entry.cache_read_tokens,
-            entry.cache_write_tokens,
-            entry.total_tokens,
-            entry.estimated_cost_usd,
-        ),
-    )
-
-
-def _end_session_row(
-    conn: sqlite3.Connection, entry: SessionEntry, now: datetime, reason: str
-) -> None:
-    """Close the `sessions` row of `entry`'s current session, with its final counters.
-
-    The live counters are kept only in the entry while a session is current (one row
-    write per turn instead of two); they reach the `sessions` row when the session ends.
-    """
-    conn.execute(
-        "UPDATE sessions SET ended_at = ?, end_reason = ?, input_tokens = ?,"
-        " output_tokens = ?, cache_read_tokens = ?, cache_write_tokens = ?, total_tokens = ?,"
-        " estimated_cost_usd = ? WHERE session_id = ? AND ended_at IS NULL",
-        (
-            now.timestamp(),
-            reason,
-            entry.input_tokens,
-            entry.output_tokens,
-            entry.cache_read_tokens,
-            entry.cache_write_tokens,
-            entry.total_tokens,
-            entry.estimated_cost_usd,
-            entry.session_id,
-        ),
-    )
-
-
-def _fresh_entry(session_key: str, source: SessionSource | None, now: datetime) -> SessionEntry:
-    return SessionEntry(
-        session_key=session_key,
-        session_id=new_session_id(now),
-        created_at=now,
-        updated_at=now,
-        origin=source,
-        display_name=source.chat_name if source else None,
-        platform=source.platform if source else None,
-        chat_type=source.chat_type if source else "dm",
-    )
-
-
-def _replace_session(
-    conn: sqlite3.Connection,
-    old: SessionEntry,
-    source: SessionSource | None,
-    now: datetime,
-    **flags: Any,
-) -> SessionEntry:
-    """End `old`'s session and start a new incarnation of the same key (reset effects 1-4)."""
-    _end_session_row(conn, old, now, END_RESET)
-    new = _fresh_entry(old.session_key, source or old.origin, now)
-    if source is None:
-        new.display_name = old.display_name
-        new.platform, new.chat_type = old.platform, old.chat_type
-    for name, value in flags.items():
-        setattr(new, name, value)
-    _start_session_row(conn, new)
-    _save_entry(conn, new)
-    return new
 
 
 class SessionStore:
@@ -229,12 +97,12 @@ class SessionStore:
         await self._mirror.flush()
 
     @staticmethod
-    def _import_entries(conn: sqlite3.Connection, entries: dict[str, SessionEntry]) -> int:
-        for key, entry in entries.items():
+    def _import_entries(conn: sqlite3.Connection, imported: dict[str, SessionEntry]) -> int:
+        for key, entry in imported.items():
             entry.session_key = key
-            _start_session_row(conn, entry)
-            _save_entry(conn, entry)
-        return len(entries)
+            entries.start_session_row(conn, entry)
+            entries.save_entry(conn, entry)
+        return len(imported)
 
     # --- helpers -----------------------------------------------------------------------
 
@@ -275,10 +143,10 @@ class SessionStore:
         """Load, change and save one entry; `change` returns False to leave it untouched."""
 
         def tx(conn: sqlite3.Connection) -> SessionEntry | None:
-            entry = _load_entry(conn, session_key)
+            entry = entries.load_entry(conn, session_key)
             if entry is None or not change(entry):
                 return None
-            _save_entry(conn, entry)
+            entries.save_entry(conn, entry)
             return entry
 
         return await self._write(tx)
@@ -296,16 +164,16 @@ class SessionStore:
         tz = self._tz
 
         def tx(conn: sqlite3.Connection) -> SessionEntry:
-            entry = _load_entry(conn, key)
+            entry = entries.load_entry(conn, key)
             if entry is None:
-                new = _fresh_entry(key, source, now)
-                _start_session_row(conn, new)
-                _save_entry(conn, new)
+                new = entries.fresh_entry(key, source, now)
+                entries.start_session_row(conn, new)
+                entries.save_entry(conn, new)
                 return new
             if force_new:
-                return _replace_session(conn, entry, source, now)
+                return entries.replace_session(conn, entry, source, now)
             if entry.suspended:
-                return _replace_session(
+                return entries.replace_session(
                     conn,
                     entry,
                     source,
@@ -317,7 +185,7 @@ class SessionStore:
             if not entry.resume_pending and not active:
                 reason = reset_reason(entry.updated_at, policy, now, tz)
                 if reason is not None:
-                    return _replace_session(
+                    return entries.replace_session(
                         conn,
                         entry,
                         source,
@@ -327,7 +195,7 @@ class SessionStore:
                         reset_had_activity=entry.total_tokens > 0,
                     )
             entry.updated_at = now
-            _save_entry(conn, entry)
+            entries.save_entry(conn, entry)
             return entry
 
         return await self._write(tx)
@@ -345,7 +213,7 @@ class SessionStore:
         now = _utcnow()
 
         def tx(conn: sqlite3.Connection) -> SessionEntry | None:
-            entry = _load_entry(conn, session_key)
+            entry = entries.load_entry(conn, session_key)
             if entry is None:
                 return None
             entry.updated_at = now
@@ -353,7 +221,7 @@ class SessionStore:
                 entry.last_prompt_tokens = last_prompt_tokens
             if usage is not None:
                 entry.add_usage(usage)
-            _save_entry(conn, entry)
+            entries.save_entry(conn, entry)
             return entry
 
         return await self._write(tx)
@@ -376,10 +244,10 @@ class SessionStore:
         now = _utcnow()
 
         def tx(conn: sqlite3.Connection) -> SessionEntry | None:
-            old = _load_entry(conn, session_key)
+            old = entries.load_entry(conn, session_key)
             if old is None:
                 return None
-            return _replace_session(
+            return entries.replace_session(
                 conn,
                 old,
                 None,
@@ -398,7 +266,7 @@ class SessionStore:
         now = _utcnow()
 
         def tx(conn: sqlite3.Connection) -> SessionEntry | None:
-            entry = _load_entry(conn, session_key)
+            entry = entries.load_entry(conn, session_key)
             row = conn.execute(
                 "SELECT input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,"
                 " total_tokens, estimated_cost_usd, started_at FROM sessions"
@@ -409,7 +277,7 @@ class SessionStore:
                 return None
             if entry.session_id == target_session_id:
                 return entry
-            _end_session_row(conn, entry, now, END_SWITCH)
+            entries.end_session_row(conn, entry, now, entries.END_SWITCH)
             conn.execute(
                 "UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE session_id = ?",
                 (target_session_id,),
@@ -429,7 +297,7 @@ class SessionStore:
             entry.suspended = entry.resume_pending = entry.expiry_finalized = False
             entry.was_auto_reset = entry.is_fresh_reset = False
             entry.resume_reason = None
-            _save_entry(conn, entry)
+            entries.save_entry(conn, entry)
             return entry
 
         return await self._write(tx)
@@ -499,7 +367,7 @@ class SessionStore:
                 entry.resume_pending = True
                 entry.resume_reason = "restart_interrupted"
                 entry.last_resume_marked_at = now
-                _save_entry(conn, entry)
+                entries.save_entry(conn, entry)
             return len(rows)
 
         return await self._write(tx)
@@ -536,8 +404,8 @@ class SessionStore:
                     (key, cutoff),
                 ).fetchone()
                 if row:
-                    _end_session_row(
-                        conn, SessionEntry.from_dict(json.loads(row[0])), now, END_PRUNED
+                    entries.end_session_row(
+                        conn, SessionEntry.from_dict(json.loads(row[0])), now, entries.END_PRUNED
                     )
                     pruned += 1
             return pruned
@@ -573,7 +441,7 @@ class SessionStore:
     # --- queries -----------------------------------------------------------------------
 
     async def get_entry(self, session_key: str) -> SessionEntry | None:
-        return await self._db.read(lambda conn: _load_entry(conn, session_key))
+        return await self._db.read(lambda conn: entries.load_entry(conn, session_key))
 
     async def expired_entries(self, limit: int = 1000, page: int = 1000) -> list[SessionEntry]:
         """Up to `limit` entries whose reset policy has expired and that are not finalized.

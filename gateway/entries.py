@@ -1,0 +1,145 @@
+"""Entry-row SQL: load and save routing entries, open and close `sessions` rows.
+
+Plain functions run on the database writer thread (see `gateway.db`), used by
+`gateway.store`. A reset ends the old session's row and starts a new one (seed section 6,
+effects 1-4).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sqlite3
+from datetime import UTC, datetime
+from typing import Any
+
+from gateway.session import SessionEntry, SessionSource
+
+END_RESET = "session_reset"
+END_SWITCH = "session_switch"
+END_PRUNED = "pruned"
+
+
+def new_session_id(now: datetime) -> str:
+    """`YYYYMMDD_HHMMSS_<8hex>` in UTC."""
+    return f"{now.astimezone(UTC):%Y%m%d_%H%M%S}_{secrets.token_hex(4)}"
+
+
+def load_entry(conn: sqlite3.Connection, session_key: str) -> SessionEntry | None:
+    row = conn.execute(
+        "SELECT entry FROM session_entries WHERE session_key = ?", (session_key,)
+    ).fetchone()
+    return SessionEntry.from_dict(json.loads(row[0])) if row else None
+
+
+def save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
+    """Write one entry. The common case (same session id) is a single UPDATE that leaves
+    the session_id index alone; only a new or re-pointed key needs the full upsert."""
+    params = (
+        entry.updated_at.timestamp(),
+        int(entry.suspended),
+        int(entry.resume_pending),
+        int(entry.expiry_finalized),
+        json.dumps(entry.to_dict(), separators=(",", ":"), ensure_ascii=False),
+        entry.session_key,
+        entry.session_id,
+    )
+    cursor = conn.execute(
+        "UPDATE session_entries SET updated_at = ?, suspended = ?, resume_pending = ?,"
+        " expiry_finalized = ?, entry = ? WHERE session_key = ? AND session_id = ?",
+        params,
+    )
+    if cursor.rowcount:
+        return
+    conn.execute(
+        "INSERT INTO session_entries"
+        " (updated_at, suspended, resume_pending, expiry_finalized, entry, session_key,"
+        " session_id) VALUES (?, ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT(session_key) DO UPDATE SET session_id = excluded.session_id,"
+        " updated_at = excluded.updated_at, suspended = excluded.suspended,"
+        " resume_pending = excluded.resume_pending,"
+        " expiry_finalized = excluded.expiry_finalized, entry = excluded.entry",
+        params,
+    )
+
+
+def start_session_row(conn: sqlite3.Connection, entry: SessionEntry) -> None:
+    # The counters matter for entries imported from sessions.json: switch_session restores
+    # a session's counters from this row.
+    origin = json.dumps(entry.origin.to_dict()) if entry.origin else None
+    conn.execute(
+        "INSERT OR IGNORE INTO sessions (session_id, session_key, origin, started_at,"
+        " input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, total_tokens,"
+        " estimated_cost_usd) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            entry.session_id,
+            entry.session_key,
+            origin,
+            entry.created_at.timestamp(),
+            entry.input_tokens,
+            entry.output_tokens,
+            entry.cache_read_tokens,
+            entry.cache_write_tokens,
+            entry.total_tokens,
+            entry.estimated_cost_usd,
+        ),
+    )
+
+
+def end_session_row(
+    conn: sqlite3.Connection, entry: SessionEntry, now: datetime, reason: str
+) -> None:
+    """Close the `sessions` row of `entry`'s current session, with its final counters.
+
+    The live counters are kept only in the entry while a session is current (one row
+    write per turn instead of two); they reach the `sessions` row when the session ends.
+    """
+    conn.execute(
+        "UPDATE sessions SET ended_at = ?, end_reason = ?, input_tokens = ?,"
+        " output_tokens = ?, cache_read_tokens = ?, cache_write_tokens = ?, total_tokens = ?,"
+        " estimated_cost_usd = ? WHERE session_id = ? AND ended_at IS NULL",
+        (
+            now.timestamp(),
+            reason,
+            entry.input_tokens,
+            entry.output_tokens,
+            entry.cache_read_tokens,
+            entry.cache_write_tokens,
+            entry.total_tokens,
+            entry.estimated_cost_usd,
+            entry.session_id,
+        ),
+    )
+
+
+def fresh_entry(session_key: str, source: SessionSource | None, now: datetime) -> SessionEntry:
+    return SessionEntry(
+        session_key=session_key,
+        session_id=new_session_id(now),
+        created_at=now,
+        updated_at=now,
+        origin=source,
+        display_name=source.chat_name if source else None,
+        platform=source.platform if source else None,
+        chat_type=source.chat_type if source else "dm",
+    )
+
+
+def replace_session(
+    conn: sqlite3.Connection,
+    old: SessionEntry,
+    source: SessionSource | None,
+    now: datetime,
+    **flags: Any,
+) -> SessionEntry:
+    """End `old`'s session and start a new incarnation of the same key (reset effects 1-4)."""
+    end_session_row(conn, old, now, END_RESET)
+    new = fresh_entry(old.session_key, source or old.origin, now)
+    if source is None:
+        new.display_name = old.display_name
+        new.platform, new.chat_type = old.platform, old.chat_type
+    for name, value in flags.items():
+        setattr(new, name, value)
+    start_session_row(conn, new)
+    save_entry(conn, new)
+    return new

@@ -32,13 +32,16 @@ _MIGRATIONS: dict[int, str] = {
         session_key      TEXT PRIMARY KEY,
         session_id       TEXT NOT NULL,
         updated_at       REAL NOT NULL,
+        active_minute    INTEGER NOT NULL,
         suspended        INTEGER NOT NULL DEFAULT 0,
         resume_pending   INTEGER NOT NULL DEFAULT 0,
         expiry_finalized INTEGER NOT NULL DEFAULT 0,
         entry            TEXT NOT NULL
     ) WITHOUT ROWID;
     CREATE INDEX session_entries_by_session_id ON session_entries(session_id);
-    CREATE INDEX session_entries_by_updated_at ON session_entries(updated_at);
+    -- Range scans (recently active, idle, prune) go through a minute-granular copy of
+    -- updated_at: a message touch rewrites this index at most once a minute per session.
+    CREATE INDEX session_entries_by_minute ON session_entries(active_minute);
 
     CREATE TABLE sessions (
         session_id          TEXT PRIMARY KEY,

@@ -32,9 +32,17 @@ def load_entry(conn: sqlite3.Connection, session_key: str) -> SessionEntry | Non
     return SessionEntry.from_dict(json.loads(row[0])) if row else None
 
 
+def minute_of(moment: datetime | float) -> int:
+    """The `active_minute` bucket of a time (UTC epoch minutes)."""
+    epoch = moment.timestamp() if isinstance(moment, datetime) else moment
+    return int(epoch // 60)
+
+
 def save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
     """Write one entry. The common case (same session id) is a single UPDATE that leaves
-    the session_id index alone; only a new or re-pointed key needs the full upsert."""
+    the session_id index alone and rewrites the `active_minute` index only when the
+    minute changed; a new or re-pointed key needs the full upsert."""
+    minute = minute_of(entry.updated_at)
     params = (
         entry.updated_at.timestamp(),
         int(entry.suspended),
@@ -44,22 +52,28 @@ def save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
         entry.session_key,
         entry.session_id,
     )
-    cursor = conn.execute(
+    row = conn.execute(
         "UPDATE session_entries SET updated_at = ?, suspended = ?, resume_pending = ?,"
-        " expiry_finalized = ?, entry = ? WHERE session_key = ? AND session_id = ?",
+        " expiry_finalized = ?, entry = ? WHERE session_key = ? AND session_id = ?"
+        " RETURNING active_minute",
         params,
-    )
-    if cursor.rowcount:
+    ).fetchone()
+    if row is not None:
+        if row[0] != minute:
+            conn.execute(
+                "UPDATE session_entries SET active_minute = ? WHERE session_key = ?",
+                (minute, entry.session_key),
+            )
         return
     conn.execute(
         "INSERT INTO session_entries"
         " (updated_at, suspended, resume_pending, expiry_finalized, entry, session_key,"
-        " session_id) VALUES (?, ?, ?, ?, ?, ?, ?)"
+        " session_id, active_minute) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
         " ON CONFLICT(session_key) DO UPDATE SET session_id = excluded.session_id,"
-        " updated_at = excluded.updated_at, suspended = excluded.suspended,"
-        " resume_pending = excluded.resume_pending,"
+        " updated_at = excluded.updated_at, active_minute = excluded.active_minute,"
+        " suspended = excluded.suspended, resume_pending = excluded.resume_pending,"
         " expiry_finalized = excluded.expiry_finalized, entry = excluded.entry",
-        params,
+        (*params, minute),
     )
 
 

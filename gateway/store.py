@@ -358,9 +358,9 @@ class SessionStore:
 
         def tx(conn: sqlite3.Connection) -> int:
             rows = conn.execute(
-                "SELECT entry FROM session_entries WHERE updated_at >= ?"
-                " AND suspended = 0 AND resume_pending = 0",
-                (cutoff,),
+                "SELECT entry FROM session_entries WHERE active_minute >= ?"
+                " AND updated_at >= ? AND suspended = 0 AND resume_pending = 0",
+                (entries.minute_of(cutoff), cutoff),
             ).fetchall()
             for (raw,) in rows:
                 entry = SessionEntry.from_dict(json.loads(raw))
@@ -386,8 +386,8 @@ class SessionStore:
                 key
                 for (key,) in conn.execute(
                     "SELECT session_key FROM session_entries"
-                    " WHERE updated_at < ? AND suspended = 0",
-                    (cutoff,),
+                    " WHERE active_minute <= ? AND updated_at < ? AND suspended = 0",
+                    (entries.minute_of(cutoff), cutoff),
                 )
             ]
         )
@@ -446,7 +446,7 @@ class SessionStore:
     async def expired_entries(self, limit: int = 1000, page: int = 1000) -> list[SessionEntry]:
         """Up to `limit` entries whose reset policy has expired and that are not finalized.
 
-        Only rows idle past the shortest possible expiry are read (indexed on updated_at),
+        Only rows idle past the shortest possible expiry are read (via active_minute),
         page by page, and each is checked against its own policy, so entries that never
         expire (mode none on one platform) cannot crowd out the ones that did.
         """
@@ -455,17 +455,17 @@ class SessionStore:
         if cutoff is None:
             return []
 
-        def query(after: tuple[float, str]) -> Callable[[sqlite3.Connection], list[Any]]:
+        def query(after: tuple[int, str]) -> Callable[[sqlite3.Connection], list[Any]]:
             return lambda conn: conn.execute(
-                "SELECT updated_at, session_key, entry FROM session_entries"
-                " WHERE expiry_finalized = 0 AND updated_at < ?"
-                " AND (updated_at, session_key) > (?, ?)"
-                " ORDER BY updated_at, session_key LIMIT ?",
-                (cutoff.timestamp(), *after, page),
+                "SELECT active_minute, session_key, entry FROM session_entries"
+                " WHERE active_minute <= ? AND (active_minute, session_key) > (?, ?)"
+                " AND expiry_finalized = 0 AND updated_at < ?"
+                " ORDER BY active_minute, session_key LIMIT ?",
+                (entries.minute_of(cutoff), *after, cutoff.timestamp(), page),
             ).fetchall()
 
         expired: list[SessionEntry] = []
-        after: tuple[float, str] = (float("-inf"), "")
+        after: tuple[int, str] = (-1, "")
         while len(expired) < limit:
             rows = await self._db.read(query(after))
             for _, _, raw in rows:
@@ -495,8 +495,9 @@ class SessionStore:
         sql = "SELECT entry FROM session_entries"
         params: tuple[Any, ...] = ()
         if active_minutes is not None:
-            sql += " WHERE updated_at >= ?"
-            params = ((_utcnow() - timedelta(minutes=active_minutes)).timestamp(),)
+            since = (_utcnow() - timedelta(minutes=active_minutes)).timestamp()
+            sql += " WHERE active_minute >= ? AND updated_at >= ?"
+            params = (entries.minute_of(since), since)
         sql += " ORDER BY updated_at DESC, session_key"
 
         def query(conn: sqlite3.Connection) -> list[SessionEntry]:

@@ -1116,3 +1116,30 @@ async def test_expired_entries_are_not_crowded_out_by_sessions_that_never_expire
         assert [e.session_key for e in expired] == [discord.session_key]
         await store.set_expiry_finalized(discord.session_key)
         assert await store.expired_entries(limit=5, page=2) == []
+
+
+async def test_a_touch_rewrites_the_activity_index_at_most_once_a_minute(
+    make_store: StoreFactory,
+) -> None:
+    store = await make_store()
+    statements: list[str] = []
+    start = datetime(2026, 5, 1, 12, 0, 5, tzinfo=UTC)
+    with time_machine.travel(start, tick=False):
+        await store.get_or_create_session(dm("1"))
+    await store._db.read(lambda conn: conn.set_trace_callback(statements.append))
+    try:
+        for seconds in (10, 30, 50):  # same minute: no index rewrite
+            with time_machine.travel(start + timedelta(seconds=seconds), tick=False):
+                await store.get_or_create_session(dm("1"))
+        same_minute = [s for s in statements if "SET active_minute" in s]
+        with time_machine.travel(start + timedelta(seconds=70), tick=False):
+            await store.get_or_create_session(dm("1"))
+        next_minute = [s for s in statements if "SET active_minute" in s]
+    finally:
+        await store._db.read(lambda conn: conn.set_trace_callback(None))
+    assert same_minute == []
+    assert len(next_minute) == 1
+    with time_machine.travel(start + timedelta(seconds=75), tick=False):
+        recent = await store.list_sessions(active_minutes=0.1)
+        assert [e.session_key for e in recent] == [key_of(dm("1"))]
+        assert await store.suspend_recently_active(10) == 1

@@ -15,6 +15,18 @@ from typing import Any
 
 from gateway.session import SessionEntry, SessionSource
 
+#: token and cost counters, in the column order of the `sessions` table
+COUNTERS = (
+    "input_tokens",
+    "output_tokens",
+    "cache_read_tokens",
+    "cache_write_tokens",
+    "total_tokens",
+    "estimated_cost_usd",
+)
+_COUNTER_COLUMNS = ", ".join(COUNTERS)
+_SET_COUNTERS = ", ".join(f"{name} = ?" for name in COUNTERS)
+
 END_RESET = "session_reset"
 END_SWITCH = "session_switch"
 END_PRUNED = "pruned"
@@ -90,12 +102,7 @@ def start_session_row(conn: sqlite3.Connection, entry: SessionEntry) -> None:
             entry.session_key,
             origin,
             entry.created_at.timestamp(),
-            entry.input_tokens,
-            entry.output_tokens,
-            entry.cache_read_tokens,
-            entry.cache_write_tokens,
-            entry.total_tokens,
-            entry.estimated_cost_usd,
+            *counters_of(entry),
         ),
     )
 
@@ -109,21 +116,23 @@ def end_session_row(
     write per turn instead of two); they reach the `sessions` row when the session ends.
     """
     conn.execute(
-        "UPDATE sessions SET ended_at = ?, end_reason = ?, input_tokens = ?,"
-        " output_tokens = ?, cache_read_tokens = ?, cache_write_tokens = ?, total_tokens = ?,"
-        " estimated_cost_usd = ? WHERE session_id = ? AND ended_at IS NULL",
-        (
-            now.timestamp(),
-            reason,
-            entry.input_tokens,
-            entry.output_tokens,
-            entry.cache_read_tokens,
-            entry.cache_write_tokens,
-            entry.total_tokens,
-            entry.estimated_cost_usd,
-            entry.session_id,
-        ),
+        f"UPDATE sessions SET ended_at = ?, end_reason = ?, {_SET_COUNTERS}"
+        " WHERE session_id = ? AND ended_at IS NULL",
+        (now.timestamp(), reason, *counters_of(entry), entry.session_id),
     )
+
+
+def counters_of(entry: SessionEntry) -> tuple[Any, ...]:
+    return tuple(getattr(entry, name) for name in COUNTERS)
+
+
+def load_counters(conn: sqlite3.Connection, session_id: str, session_key: str) -> Any:
+    """The stored counters and start time of one session of `session_key`, or None."""
+    return conn.execute(
+        f"SELECT {_COUNTER_COLUMNS}, started_at FROM sessions"
+        " WHERE session_id = ? AND session_key = ?",
+        (session_id, session_key),
+    ).fetchone()
 
 
 def fresh_entry(session_key: str, source: SessionSource | None, now: datetime) -> SessionEntry:

@@ -212,19 +212,15 @@ class SessionStore:
         """Bump `updated_at` after an interaction; add the turn's token usage if given."""
         now = _utcnow()
 
-        def tx(conn: sqlite3.Connection) -> SessionEntry | None:
-            entry = entries.load_entry(conn, session_key)
-            if entry is None:
-                return None
+        def change(entry: SessionEntry) -> bool:
             entry.updated_at = now
             if last_prompt_tokens is not None:
                 entry.last_prompt_tokens = last_prompt_tokens
             if usage is not None:
                 entry.add_usage(usage)
-            entries.save_entry(conn, entry)
-            return entry
+            return True
 
-        return await self._write(tx)
+        return await self._modify(session_key, change)
 
     async def acknowledge_reset(self, session_key: str) -> SessionEntry | None:
         """Consume the one-shot `was_auto_reset` / `is_fresh_reset` flags after the notice."""
@@ -267,12 +263,7 @@ class SessionStore:
 
         def tx(conn: sqlite3.Connection) -> SessionEntry | None:
             entry = entries.load_entry(conn, session_key)
-            row = conn.execute(
-                "SELECT input_tokens, output_tokens, cache_read_tokens, cache_write_tokens,"
-                " total_tokens, estimated_cost_usd, started_at FROM sessions"
-                " WHERE session_id = ? AND session_key = ?",
-                (target_session_id, session_key),
-            ).fetchone()
+            row = entries.load_counters(conn, target_session_id, session_key)
             if entry is None or row is None:
                 return None
             if entry.session_id == target_session_id:
@@ -282,15 +273,9 @@ class SessionStore:
                 "UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE session_id = ?",
                 (target_session_id,),
             )
-            (
-                entry.input_tokens,
-                entry.output_tokens,
-                entry.cache_read_tokens,
-                entry.cache_write_tokens,
-                entry.total_tokens,
-                entry.estimated_cost_usd,
-                started_at,
-            ) = row
+            *counters, started_at = row
+            for name, value in zip(entries.COUNTERS, counters, strict=True):
+                setattr(entry, name, value)
             entry.session_id = target_session_id
             entry.created_at = datetime.fromtimestamp(started_at, UTC)
             entry.updated_at = now

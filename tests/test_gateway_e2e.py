@@ -482,3 +482,29 @@ async def test_sessions_health_and_metrics_endpoints(make_gateway: MakeGateway) 
     assert "hermes_turns_total 1" in text
     assert 'hermes_turn_latency_seconds_bucket{le="+Inf"} 1' in text
     assert "hermes_agent_cache_size 1" in text
+
+
+async def test_max_concurrent_turns_bounds_agent_calls_across_sessions(
+    make_gateway: MakeGateway,
+) -> None:
+    running = 0
+    peak = 0
+
+    class CountingAgent(ScriptedAgent):
+        async def run_turn(self, request: TurnRequest) -> TurnResult:
+            nonlocal running, peak
+            running += 1
+            peak = max(peak, running)
+            try:
+                await asyncio.sleep(0.05)
+                return TurnResult(f"done: {request.text}")
+            finally:
+                running -= 1
+
+    gw = await make_gateway({"agent": {"max_concurrent_turns": 2}}, agent_factory=CountingAgent)
+    chats = [f"chat{i}" for i in range(6)]
+    for chat in chats:
+        assert (await gw.client.post(chat, "go"))["status"] == "started"
+    for chat in chats:
+        assert await gw.client.replies(chat, 1) == ["done: go"]
+    assert peak == 2

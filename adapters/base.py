@@ -37,6 +37,32 @@ class MessageEvent:
     message_id: str | None = None  # the platform's id, used for redelivery dedup
     received_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     synthetic: bool = False  # made by the gateway itself (auto-resume, /retry)
+    #: the gateway's durable inbox rows this event answers (several after a merge)
+    inbox_ids: tuple[int, ...] = ()
+    #: re-run of a turn interrupted by a restart (its user message is already stored)
+    resume: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "source": self.source.to_dict(),
+            "text": self.text,
+            "message_id": self.message_id,
+            "received_at": self.received_at.isoformat(),
+            "synthetic": self.synthetic,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], **changes: Any) -> MessageEvent:
+        event = cls(
+            source=SessionSource.from_dict(data["source"]),
+            text=data["text"],
+            message_id=data.get("message_id"),
+            received_at=datetime.fromisoformat(data["received_at"]),
+            synthetic=bool(data.get("synthetic")),
+        )
+        for name, value in changes.items():
+            setattr(event, name, value)
+        return event
 
 
 class AcceptStatus(StrEnum):
@@ -71,6 +97,13 @@ class GatewayHandle(Protocol):
     async def handle_message(self, event: MessageEvent) -> Accepted: ...
 
     async def list_sessions(self) -> list[dict[str, Any]]: ...
+
+    async def replies_after(
+        self, platform: str, chat_id: str, after: int, limit: int
+    ) -> list[dict[str, Any]]:
+        """Recorded replies to one chat with delivery id > `after`, oldest first:
+        `{"seq", "text", "thread_id", "in_reply_to"}` (the HTTP API's outbox)."""
+        ...
 
     def health(self) -> dict[str, Any]: ...
 

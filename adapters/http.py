@@ -7,9 +7,9 @@
     GET  /metrics                            Prometheus text format
 
 With `platforms.http.token` set, `/v1/...` and `/metrics` need `Authorization: Bearer`.
-Replies live in an in-memory outbox per chat (bounded, lost on restart); each gets a
-sequence number from one per-adapter counter, which clients use as their cursor (a
-cursor beyond the counter comes from before a restart and reads from the start again).
+Replies are read from the gateway's delivery ledger (`GatewayHandle.replies_after`), so
+they survive restarts and their `seq` (the ledger id) only grows: a client's cursor
+stays valid across a gateway restart.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import asyncio
 import hmac
 import json
 import math
-from collections import OrderedDict, deque
 from typing import Any
 
 import structlog
@@ -34,6 +33,7 @@ __all__ = ["HttpAdapter"]
 log = structlog.get_logger("adapters.http")
 
 MAX_WAIT_SECONDS = 60.0
+MAX_REPLIES_PER_POLL = 500
 _MESSAGE_FIELDS = (
     "chat_id",
     "user_id",
@@ -72,9 +72,6 @@ class HttpAdapter(PlatformAdapter):
     platform = Platform.HTTP
     # Clients get whole replies; split only beyond this generous cap (characters).
     max_message_length = 65536
-    #: outbox bounds: replies kept per chat, and chats kept (least recently used dropped)
-    max_replies_per_chat = 1000
-    max_chats = 10_000
 
     def __init__(self, config: HttpConfig) -> None:
         super().__init__()
@@ -83,8 +80,6 @@ class HttpAdapter(PlatformAdapter):
         self.port = config.port
         self._runner: web.AppRunner | None = None
         self._stopping = False
-        self._seq = 0
-        self._outboxes: OrderedDict[str, deque[dict[str, Any]]] = OrderedDict()
         # Long-pollers waiting per chat; present only while someone waits, so GETs for
         # unknown chats cost no memory beyond the request itself.
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
@@ -143,55 +138,23 @@ class HttpAdapter(PlatformAdapter):
     # --- outbound ------------------------------------------------------------------------
 
     async def send(
-        self, target: SessionSource, text: str, reply_to: str | None = None
+        self,
+        target: SessionSource,
+        text: str,
+        reply_to: str | None = None,
+        *,
+        delivery_id: int | None = None,
     ) -> SendResult:
-        """Append one reply to the chat's outbox and wake its long-pollers."""
-        self._seq += 1
-        reply = {
-            "seq": self._seq,
-            "text": text,
-            "thread_id": target.thread_id,
-            "in_reply_to": reply_to,
-        }
-        outbox = self._outboxes.get(target.chat_id)
-        if outbox is None:
-            outbox = self._outboxes[target.chat_id] = deque(maxlen=self.max_replies_per_chat)
-            while len(self._outboxes) > self.max_chats:
-                self._outboxes.popitem(last=False)
-        else:
-            self._outboxes.move_to_end(target.chat_id)
-        outbox.append(reply)
+        """The reply is already in the gateway's delivery ledger, which is this API's
+        outbox (durable, numbered across restarts): delivering it means waking the
+        chat's long-pollers."""
         self._wake(target.chat_id)
-        return SendResult(message_id=str(self._seq))
-
-    def _replies_after(self, chat_id: str, after: int) -> list[dict[str, Any]]:
-        outbox = self._outboxes.get(chat_id)
-        if outbox is None:
-            return []
-        self._outboxes.move_to_end(chat_id)
-        newer: list[dict[str, Any]] = []
-        for reply in reversed(outbox):  # newest first: cost is the replies returned
-            if reply["seq"] <= after:
-                break
-            newer.append(dict(reply))
-        newer.reverse()
-        return newer
+        return SendResult(message_id=str(delivery_id) if delivery_id is not None else None)
 
     def _wake(self, chat_id: str) -> None:
         for waiter in self._waiters.get(chat_id, ()):
             if not waiter.done():
                 waiter.set_result(None)
-
-    async def _wait_for_reply(self, chat_id: str, seconds: float) -> None:
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        waiters = self._waiters.setdefault(chat_id, set())
-        waiters.add(waiter)
-        try:
-            await asyncio.wait([waiter], timeout=seconds)
-        finally:
-            waiters.discard(waiter)
-            if not waiters:
-                self._waiters.pop(chat_id, None)
 
     # --- middleware ----------------------------------------------------------------------
 
@@ -258,18 +221,27 @@ class HttpAdapter(PlatformAdapter):
         _check_id("chat_id", chat_id)
         after = _int_param(request, "after")
         wait = _wait_param(request)
-        if after > self._seq:
-            # A cursor from before a restart (the counter starts again at 1): read from 0
-            # rather than hide every reply until the counter catches up.
-            after = 0
-        deadline = asyncio.get_running_loop().time() + wait
-        messages = self._replies_after(chat_id, after)
-        while not messages and not self._stopping:
-            remaining = deadline - asyncio.get_running_loop().time()
-            if remaining <= 0:
-                break
-            await self._wait_for_reply(chat_id, remaining)
-            messages = self._replies_after(chat_id, after)
+        assert self.gateway is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait
+        while True:
+            # Register before reading: a reply recorded while the read is in flight still
+            # wakes this poller instead of leaving it waiting for the whole `wait`.
+            waiter: asyncio.Future[None] = loop.create_future()
+            waiters = self._waiters.setdefault(chat_id, set())
+            waiters.add(waiter)
+            try:
+                messages = await self.gateway.replies_after(
+                    self.platform.value, chat_id, after, MAX_REPLIES_PER_POLL
+                )
+                remaining = deadline - loop.time()
+                if messages or self._stopping or remaining <= 0:
+                    break
+                await asyncio.wait([waiter], timeout=remaining)
+            finally:
+                waiters.discard(waiter)
+                if not waiters:
+                    self._waiters.pop(chat_id, None)
         next_seq = messages[-1]["seq"] if messages else after
         return web.json_response({"messages": messages, "next": next_seq})
 

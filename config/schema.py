@@ -169,6 +169,8 @@ class GatewayConfig(BaseModel):
     platforms: PlatformsConfig = PlatformsConfig()
     storage: StorageConfig = StorageConfig()
     housekeeping: HousekeepingConfig = HousekeepingConfig()
+    # Who may use admin commands (/restart), as "platform:user_id", e.g. "telegram:12345".
+    admins: list[str] = Field(default_factory=list)
     # Set by load_config; the loader rejects it as a YAML key.
     source_path: Path | None = Field(default=None, exclude=True)
 

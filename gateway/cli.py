@@ -24,8 +24,11 @@ from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
 from gateway.db import DatabaseError
 from gateway.logs import configure_logging
+from gateway.sdnotify import SystemdNotifier, run_watchdog
+from gateway.service import add_service_parser
 from gateway.store import SessionStore
 
+EXIT_RESTART = 75  # EX_TEMPFAIL: drained for a restart; the service manager starts us again
 SESSION_ID_RE = re.compile(r"^\d{8}_\d{6}_[0-9a-f]{8}$")
 
 
@@ -54,28 +57,49 @@ def build_adapters(config: GatewayConfig) -> list[PlatformAdapter]:
 
 
 async def serve(config: GatewayConfig, home: Path) -> int:
-    """Run the gateway until SIGINT/SIGTERM; returns the process exit code."""
+    """Run the gateway until a signal; returns the exit code (0 stop, 75 restart).
+
+    SIGINT/SIGTERM drain and stop; SIGUSR1 (or an admin's /restart) drains and exits 75
+    so the service manager starts a fresh process. systemd is told READY once the
+    adapters are up and recovery ran, pinged from the event loop for its watchdog, and
+    told STOPPING when the drain begins.
+    """
     from gateway.run import GatewayRunner
 
     log = structlog.get_logger("gateway")
+    notifier = SystemdNotifier()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    runner = GatewayRunner(config, build_adapters(config), home=home)
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    runner = GatewayRunner(config, build_adapters(config), home=home)
+    loop.add_signal_handler(signal.SIGUSR1, runner.request_restart)
     try:
         await runner.start()
     except OSError as exc:  # e.g. the HTTP port is taken
         log.error("gateway_start_failed", error=str(exc))
         await runner.stop()
         return 1
+    except DatabaseError as exc:
+        log.error("state_database_unusable", error=str(exc))
+        raise
+    notifier.ready(status="serving")
+    interval = notifier.watchdog_interval()
+    watchdog = asyncio.create_task(run_watchdog(notifier, interval)) if interval else None
+    restart = asyncio.create_task(runner.restart_requested.wait())
+    stopped = asyncio.create_task(stop.wait())
     try:
         log.info("gateway_ready", home=str(home), health=runner.health())
-        await stop.wait()
-        log.info("gateway_stopping")
+        await asyncio.wait({restart, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        restarting = runner.restart_requested.is_set()
+        log.info("gateway_stopping", restart=restarting)
+        notifier.stopping()
     finally:
-        await runner.stop()
-    return 0
+        for task in (watchdog, restart, stopped):
+            if task is not None:
+                task.cancel()
+        await runner.stop(restart=runner.restart_requested.is_set())
+    return EXIT_RESTART if restarting else 0
 
 
 def cmd_run(args: argparse.Namespace, config: GatewayConfig) -> int:
@@ -216,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("key_or_id", metavar="KEY_OR_ID")
     show.add_argument("--json", action="store_true")
     sessions.set_defaults(handler=cmd_sessions)
+
+    add_service_parser(sub, [common])
     return parser
 
 

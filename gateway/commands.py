@@ -76,9 +76,15 @@ async def cmd_stop(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Co
 
 
 async def cmd_queue(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
-    if not cmd.args:
-        return "Usage: /queue TEXT (runs TEXT as its own turn after the current one)"
-    return await runner.submit(key, replace(event, text=cmd.args), fifo=True)
+    # With TEXT the runner queues it directly (it is recorded as a queued turn on arrival).
+    return "Usage: /queue TEXT (runs TEXT as its own turn after the current one)"
+
+
+async def cmd_restart(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    if not runner.is_admin(event.source):
+        return "Only an admin can restart the gateway (see `admins` in hermes.yaml)."
+    runner.request_restart()
+    return "Restarting: running replies finish first, then I am back."
 
 
 async def cmd_status(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
@@ -191,7 +197,9 @@ HANDLERS: dict[str, Handler] = {
     "retry": cmd_retry,
     "undo": cmd_undo,
     "help": cmd_help,
+    "restart": cmd_restart,
 }
+QUEUE_COMMANDS = frozenset({"queue", "q"})
 
 HELP_TEXT = """Commands:
 /new, /reset — start a new session (the old one stays available to /resume)
@@ -201,6 +209,7 @@ HELP_TEXT = """Commands:
 /resume [SESSION_ID] — list earlier sessions of this chat, or switch back to one
 /retry — ask again: re-run your last message
 /undo [N] — take back your last N messages and their replies
+/restart — restart the gateway (admins only)
 /help — this list
 Messages sent while a reply is running are combined into the next turn."""
 

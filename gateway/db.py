@@ -82,16 +82,51 @@ _MIGRATIONS: dict[int, str] = {
         VALUES ('delete', old.id, old.content);
     END;
     """,
-    # Platform message ids already accepted, so a redelivery never starts a second turn.
+    # Durability (issue 4): every accepted inbound message, the in-flight turn markers and
+    # the outbound delivery ledger.
     2: """
-    CREATE TABLE inbound_seen (
+    CREATE TABLE inbox (
+        id          INTEGER PRIMARY KEY,
         platform    TEXT NOT NULL,
         chat_id     TEXT NOT NULL,
-        message_id  TEXT NOT NULL,
-        seen_at     REAL NOT NULL,
-        PRIMARY KEY (platform, chat_id, message_id)
-    ) WITHOUT ROWID;
-    CREATE INDEX inbound_seen_by_time ON inbound_seen(seen_at);
+        message_id  TEXT,
+        session_key TEXT NOT NULL,
+        kind        TEXT NOT NULL,
+        event       TEXT NOT NULL,
+        state       TEXT NOT NULL,
+        accepted_at REAL NOT NULL,
+        done_at     REAL
+    );
+    CREATE UNIQUE INDEX inbox_dedup ON inbox(platform, chat_id, message_id)
+        WHERE message_id IS NOT NULL;
+    CREATE INDEX inbox_open ON inbox(id) WHERE state = 'accepted';
+    CREATE INDEX inbox_by_time ON inbox(accepted_at);
+
+    CREATE TABLE turns (
+        turn_id         INTEGER PRIMARY KEY,
+        session_key     TEXT NOT NULL UNIQUE,
+        session_id      TEXT NOT NULL,
+        inbox_ids       TEXT NOT NULL,
+        user_message_id INTEGER,
+        event           TEXT NOT NULL,
+        started_at      REAL NOT NULL
+    );
+
+    CREATE TABLE outbound (
+        id                  INTEGER PRIMARY KEY,
+        platform            TEXT NOT NULL,
+        chat_id             TEXT NOT NULL,
+        target              TEXT NOT NULL,
+        text                TEXT NOT NULL,
+        reply_to            TEXT,
+        session_key         TEXT,
+        state               TEXT NOT NULL,
+        platform_message_id TEXT,
+        created_at          REAL NOT NULL,
+        sent_at             REAL
+    );
+    CREATE INDEX outbound_pending ON outbound(id) WHERE state = 'pending';
+    CREATE INDEX outbound_by_chat ON outbound(platform, chat_id, id);
     """,
 }
 
@@ -129,12 +164,17 @@ class Database:
             await self._conn.execute("PRAGMA busy_timeout=5000")
             # 32 MiB page cache: the hot B-tree pages of 100k sessions stay in memory.
             await self._conn.execute("PRAGMA cache_size=-32768")
+            await self._conn._execute(_check_integrity, self._conn._conn, self.path)
             await self._conn._execute(self._migrate, self._conn._conn)
         except sqlite3.DatabaseError as exc:
             if self._conn is not None:
                 await self._conn.close()
                 self._conn = None
-            raise DatabaseError(f"{self.path}: {exc}") from exc
+            raise DatabaseError(
+                f"{self.path} cannot be used ({exc}). It was left untouched. Stop the "
+                "gateway, copy the file somewhere safe, then run `hermes-gateway doctor "
+                "--repair` to set it aside and rebuild what can be rebuilt."
+            ) from None
 
     async def close(self) -> None:
         if self._conn is None:
@@ -227,6 +267,13 @@ class Database:
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
+
+
+def _check_integrity(conn: sqlite3.Connection, path: Path) -> None:
+    """`PRAGMA quick_check` on open: a damaged database is reported, never papered over."""
+    problems = [row[0] for row in conn.execute("PRAGMA quick_check(5)")]
+    if problems != ["ok"]:
+        raise sqlite3.DatabaseError(f"integrity check failed: {'; '.join(problems)}")
 
 
 def _settle(batch: list[tuple[Any, asyncio.Future[Any]]], outcome: list[tuple[bool, Any]]) -> None:

@@ -37,8 +37,13 @@ class SessionQueue:
                 raise QueueFull
             self._slot = event
             return
-        # The merged turn answers the latest message (its id, source, time).
-        self._slot = replace(event, text=f"{self._slot.text}\n{event.text}")
+        # The merged turn answers the latest message (its id, source, time) and settles
+        # the inbox rows of all of them.
+        self._slot = replace(
+            event,
+            text=f"{self._slot.text}\n{event.text}",
+            inbox_ids=self._slot.inbox_ids + event.inbox_ids,
+        )
 
     def enqueue_fifo(self, event: MessageEvent) -> None:
         """Append a /queue entry; it will get its own turn after the slot."""
@@ -51,6 +56,11 @@ class SessionQueue:
             event, self._slot = self._slot, None
             return event
         return self._overflow.popleft() if self._overflow else None
+
+    def inbox_ids(self) -> list[int]:
+        """The inbox rows of everything waiting (to drop them with the queue)."""
+        waiting = ([self._slot] if self._slot else []) + list(self._overflow)
+        return [i for event in waiting for i in event.inbox_ids]
 
     def clear(self) -> int:
         dropped = self.depth

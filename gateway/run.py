@@ -1,11 +1,14 @@
 """GatewayRunner: the one owner of per-session state, and the flow of every message.
 
-    handle_message: authorize -> command? -> busy? queue : start the session worker
+    handle_message: authorize -> accept (durable, dedup) -> command? -> busy? queue : start
     session worker: turn -> next from the queue -> turn ... until the queue is empty
-    turn:           session (reset policy) -> agent -> transcript -> reply, split and sent
+    turn:           begin (session, user message, marker) -> agent -> finish (reply,
+                    counters, ledger) -> send the recorded chunks
 
 One turn runs per session key at a time; different keys run concurrently, at most
-`agent.max_concurrent_turns` agent calls at once.
+`agent.max_concurrent_turns` agent calls at once. Every step that matters after a crash
+is one transaction in the journal (`gateway.turnlog`); `gateway.recovery` completes
+whatever a crash interrupted.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,14 +37,18 @@ from gateway.agents import (
 )
 from gateway.metrics import Metrics
 from gateway.queue import QueueFull, SessionQueue
+from gateway.recovery import Recovery
 from gateway.session import (
     Platform,
+    SessionContext,
     SessionEntry,
     SessionSource,
+    TokenUsage,
     build_session_context,
     build_session_context_prompt,
 )
 from gateway.store import SessionStore
+from gateway.turnlog import TurnLog
 from gateway.watcher import Housekeeper
 
 log = structlog.get_logger("gateway.run")
@@ -70,6 +78,8 @@ class GatewayRunner:
         # Not `is_busy`: the turn that asks for its session is itself the busy worker, and
         # that must not block the reset policy. The watcher skips busy keys on its own.
         self.store = SessionStore(self.home / "sessions", config)
+        self.turnlog = TurnLog(self.store)
+        self.recovery = Recovery(self)
         self.agents = AgentCache(
             agent_factory or build_agent_factory(config.agent),
             max_size=config.agent.cache_max_size,
@@ -77,47 +87,84 @@ class GatewayRunner:
         )
         self.metrics = Metrics()
         self.finalize_hooks: list[FinalizeHook] = []
+        self.restart_requested = asyncio.Event()
         self._signature = agent_signature(config.agent)
         self._custom_agents = agent_factory is not None
         self._queues: dict[str, SessionQueue] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
+        self._running: dict[str, MessageEvent] = {}
         self._turn_slots = asyncio.Semaphore(config.agent.max_concurrent_turns)
         self._housekeeper = Housekeeper(self)
         self._accepting = False
+        self._draining = False
+        self._held: list[tuple[str, MessageEvent, str, commands.Command | None]] | None = None
         self._started_at = time.monotonic()
 
     # --- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:
+        """Open the store, recover, start the adapters, then resume interrupted work.
+
+        Messages that arrive while recovery re-queues old work are accepted (durably) and
+        held, then run after it, so nothing jumps ahead of an interrupted turn.
+        """
+        self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
         await self.store.open()
+        await self.recovery.prepare()
+        self._held = []
+        self._accepting = True
         for adapter in self.adapters.values():
             adapter.bind(self)
             await adapter.start()
+        await self.recovery.resume()
+        held, self._held = self._held, None
+        for key, event, kind, command in held:
+            await self._dispatch(key, event, kind, command)
         self._housekeeper.start()
-        self._accepting = True
-        backend = "custom agent factory" if self._custom_agents else None
         log.info(
             "gateway_started",
-            agent=backend or describe_backend(self.config.agent),
+            agent="custom agent factory"
+            if self._custom_agents
+            else describe_backend(self.config.agent),
             adapters=[p.value for p in self.adapters],
             home=str(self.home),
+            clean_start=self.recovery.was_clean,
         )
 
-    async def stop(self) -> None:
+    async def stop(self, *, restart: bool = False) -> None:
+        """Drain: refuse new messages, let running turns finish up to
+        `agent.restart_drain_timeout`, then cancel the rest and mark them resume_pending
+        (their markers re-run them on the next start). Writes `.clean_shutdown` last."""
         self._accepting = False
+        self._draining = True
+        workers = dict(self._workers)
+        if workers:
+            log.info("draining", running_turns=len(workers))
+            _, late = await asyncio.wait(
+                workers.values(), timeout=self.config.agent.restart_drain_timeout
+            )
+            reason = "restart_timeout" if restart else "shutdown_timeout"
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+            for key, task in workers.items():
+                if task in late:
+                    await self.store.mark_resume_pending(key, reason)
+                    log.warning("turn_interrupted_by_shutdown", session_key=key, reason=reason)
         for adapter in self.adapters.values():
             try:
                 await adapter.stop()
             except Exception:
                 log.exception("adapter_stop_failed", platform=adapter.platform.value)
         await self._housekeeper.stop()
-        workers = list(self._workers.values())
-        for task in workers:
-            task.cancel()
-        await asyncio.gather(*workers, return_exceptions=True)
         await self.agents.close_all()
         await self.store.close()
-        log.info("gateway_stopped")
+        self.recovery.write_clean_shutdown()
+        log.info("gateway_stopped", restart=restart)
+
+    def request_restart(self) -> None:
+        """Ask the process to drain and exit 75 (the service manager restarts it)."""
+        self.restart_requested.set()
 
     def on_session_finalize(self, hook: FinalizeHook) -> None:
         """Register a coroutine run for each session the expiry watcher finalizes."""
@@ -130,7 +177,7 @@ class GatewayRunner:
         self.metrics.messages_received_total += 1
         if not self._accepting:
             self.metrics.messages_refused_total += 1
-            return Accepted(AcceptStatus.REFUSED, detail="the gateway is not accepting messages")
+            return Accepted(AcceptStatus.REFUSED, detail="the gateway is shutting down")
         adapter = self.adapters.get(event.source.platform)
         if adapter is not None and not await adapter.authorize(event):
             return Accepted(AcceptStatus.IGNORED, detail="not authorized")
@@ -142,18 +189,27 @@ class GatewayRunner:
         except ValueError as exc:
             return Accepted(AcceptStatus.IGNORED, detail=str(exc))
 
-        if event.message_id and not event.synthetic:
-            fresh = await self.store.accept_inbound(
-                event.source.platform.value, event.source.chat_id, event.message_id
-            )
-            if not fresh:
-                return Accepted(AcceptStatus.DUPLICATE, session_key=key)
-
         command = commands.parse_command(text, adapter.bot_username if adapter else None)
-        if command is not None:
+        if command is not None and command.name in commands.QUEUE_COMMANDS and command.args:
+            kind, event = "queue", replace(event, text=command.args)
+        else:
+            kind = "command" if command is not None else "turn"
+        inbox_id = await self.turnlog.accept(event, key, kind, done=kind == "command")
+        if inbox_id is None:
+            return Accepted(AcceptStatus.DUPLICATE, session_key=key)
+        event = replace(event, inbox_ids=(inbox_id,))
+        if self._held is not None:
+            self._held.append((key, event, kind, command))
+            return Accepted(AcceptStatus.PENDING, session_key=key, detail="gateway is starting")
+        return await self._dispatch(key, event, kind, command)
+
+    async def _dispatch(
+        self, key: str, event: MessageEvent, kind: str, command: commands.Command | None
+    ) -> Accepted:
+        if kind == "command" and command is not None:
             self.metrics.commands_total += 1
             return await commands.dispatch(self, event, key, command)
-        return await self.submit(key, event)
+        return await self.submit(key, event, fifo=kind == "queue")
 
     async def submit(self, key: str, event: MessageEvent, *, fifo: bool = False) -> Accepted:
         """Start a turn now, or park the message behind the running one."""
@@ -170,6 +226,7 @@ class GatewayRunner:
                 queue.enqueue_pending(event)
         except QueueFull:
             self.metrics.messages_refused_total += 1
+            await self.turnlog.abandon_inbox(list(event.inbox_ids))
             await self.deliver(
                 event.source,
                 f"Too many messages are waiting ({queue.depth}); this one was not queued. "
@@ -187,28 +244,44 @@ class GatewayRunner:
         queue = self._queues.get(key)
         return queue.depth if queue else 0
 
+    def is_admin(self, source: SessionSource) -> bool:
+        return f"{source.platform.value}:{source.user_id}" in self.config.admins
+
     async def cancel_session_work(self, key: str) -> bool:
-        """Cancel the running turn and drop the queue of one session; True if one ran."""
+        """Cancel the running turn and drop the queue of one session; True if one ran.
+
+        The dropped messages are settled in the journal, so a restart does not revive them.
+        """
+        dropped: list[int] = []
         queue = self._queues.pop(key, None)
         if queue:
+            dropped += queue.inbox_ids()
             queue.clear()
         task = self._workers.get(key)
-        if task is None:
-            return False
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        self.metrics.turns_cancelled_total += 1
-        return True
+        running = self._running.get(key)
+        if running is not None:
+            dropped += list(running.inbox_ids)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self.metrics.turns_cancelled_total += 1
+        if task is not None or dropped:
+            await self.turnlog.abandon(key, dropped)
+        return task is not None
 
     # --- turns ---------------------------------------------------------------------------
 
     async def _session_worker(self, key: str, event: MessageEvent | None) -> None:
         try:
             while event is not None:
+                self._running[key] = event
                 await self._run_turn(key, event)
+                if self._draining:
+                    break  # what is still queued stays accepted in the inbox for next start
                 queue = self._queues.get(key)
                 event = queue.pop_next() if queue else None
         finally:
+            self._running.pop(key, None)
             self._workers.pop(key, None)
             queue = self._queues.get(key)
             if queue is not None and not queue:
@@ -218,35 +291,46 @@ class GatewayRunner:
         structlog.contextvars.bind_contextvars(session_key=key)
         started = time.monotonic()
         source = event.source
-        entry = await self.store.get_or_create_session(source)
-        context = build_session_context(source, self.config, entry)
+        context = build_session_context(source, self.config)
         text = event.text.strip()
-        if context.shared_multi_user_session:
+        if context.shared_multi_user_session and not event.resume:
             text = f"[{source.user_name or source.user_id or 'someone'}] {text}"
-        history = await self.store.load_transcript(entry.session_id)
-        user_message: dict[str, Any] = {"role": "user", "content": text}
-        if event.message_id:
-            user_message["message_id"] = event.message_id
-        await self.store.append_to_transcript(entry.session_id, user_message)
-
+        begun = await self.turnlog.begin(event, key, text)
+        entry = begun.entry
+        if begun.resumed:
+            log.info("turn_resumed", session_id=entry.session_id)
         request = TurnRequest(
             session_key=key,
             session_id=entry.session_id,
             text=text,
-            history=tuple(history),
-            system_prompt=self._system_prompt(context),
+            history=tuple(begun.history),
+            system_prompt=self._system_prompt(build_session_context(source, self.config, entry)),
             source=source,
         )
         typing = asyncio.create_task(self._keep_typing(source))
         try:
-            reply = await self._call_agent(key, entry, request)
+            reply, usage = await self._call_agent(key, request)
         finally:
             typing.cancel()
+        text_out = reply if reply is not None else usage  # usage holds the error text then
+        assert isinstance(text_out, str)
+        chunks = self._split(source, self._with_reset_notice(entry, text_out))
+        ids = await self.turnlog.finish(
+            key,
+            entry,
+            event,
+            reply=reply,
+            usage=usage if isinstance(usage, TokenUsage) else None,
+            chunks=chunks,
+        )
+        if reply is not None:
+            self.metrics.turns_total += 1
+            self.recovery.turn_succeeded(key)
         self.metrics.observe_turn(time.monotonic() - started)
-        await self.deliver(source, self._with_reset_notice(entry, reply))
+        await self._send_recorded(source, list(zip(ids, chunks, strict=True)), event.message_id)
 
-    async def _call_agent(self, key: str, entry: SessionEntry, request: TurnRequest) -> str:
-        """Run the agent; a failure becomes a short reply instead of an exception."""
+    async def _call_agent(self, key: str, request: TurnRequest) -> tuple[str | None, Any]:
+        """(reply, usage) on success; (None, short error text for the user) on failure."""
         timeout = self.config.agent.gateway_timeout
         try:
             async with self._turn_slots, self.agents.lease(key, self._signature) as agent:
@@ -255,30 +339,18 @@ class GatewayRunner:
         except TimeoutError:
             self.metrics.turn_timeouts_total += 1
             log.warning("turn_timeout", timeout_seconds=timeout)
-            return f"The agent did not answer within {timeout:g} seconds. Try again, or /new."
+            return None, f"The agent did not answer within {timeout:g} seconds. Try again, or /new."
         except AgentError as exc:
             self.metrics.turn_errors_total += 1
             log.warning("turn_failed", error=str(exc))
-            return f"Sorry, the agent failed: {exc}"
+            return None, f"Sorry, the agent failed: {exc}"
         except Exception as exc:
             self.metrics.turn_errors_total += 1
             log.exception("turn_crashed", error_type=type(exc).__name__)
-            return "Sorry, something went wrong while answering. The error was logged."
+            return None, "Sorry, something went wrong while answering. The error was logged."
+        return result.text, result.usage
 
-        await self.store.append_to_transcript(
-            entry.session_id, {"role": "assistant", "content": result.text}
-        )
-        await self.store.update_session(
-            key, last_prompt_tokens=result.usage.input_tokens, usage=result.usage
-        )
-        if entry.resume_pending:
-            await self.store.clear_resume_pending(key)
-        if entry.was_auto_reset or entry.is_fresh_reset:
-            await self.store.acknowledge_reset(key)
-        self.metrics.turns_total += 1
-        return result.text
-
-    def _system_prompt(self, context: Any) -> str:
+    def _system_prompt(self, context: SessionContext) -> str:
         block = build_session_context_prompt(context, redact_pii=self.config.agent.redact_pii)
         custom = self.config.agent.system_prompt
         return f"{custom}\n\n{block}" if custom else block
@@ -303,28 +375,61 @@ class GatewayRunner:
 
     # --- outbound ------------------------------------------------------------------------
 
+    def _split(self, target: SessionSource, text: str) -> list[str]:
+        adapter = self.adapters.get(target.platform)
+        return adapter.split(text) if adapter is not None else [text]
+
     async def deliver(self, target: SessionSource, text: str) -> int:
-        """Split `text` to the platform limit and send the chunks in order; returns sent."""
+        """Record a reply that answers no turn (commands, notices) and send it."""
+        chunks = self._split(target, text)
+        ids = await self.turnlog.record_reply(target, chunks, None)
+        return await self._send_recorded(target, list(zip(ids, chunks, strict=True)), None)
+
+    async def _send_recorded(
+        self, target: SessionSource, chunks: list[tuple[int, str]], reply_to: str | None
+    ) -> int:
+        """Send recorded chunks in order, marking each once the platform acknowledged it.
+
+        A chunk that fails stays pending in the ledger (and the rest with it, to keep the
+        order); the next start or housekeeping pass sends it.
+        """
         adapter = self.adapters.get(target.platform)
         if adapter is None:
             log.warning("no_adapter_for_reply", platform=target.platform.value)
             return 0
         sent = 0
-        for chunk in adapter.split(text):
+        for delivery_id, chunk in chunks:
             try:
-                await adapter.send(target, chunk)
+                result = await adapter.send(target, chunk, reply_to, delivery_id=delivery_id)
             except Exception as exc:
                 self.metrics.send_errors_total += 1
                 log.error("send_failed", platform=target.platform.value, error=str(exc))
                 break
+            await self.turnlog.mark_sent(delivery_id, result.message_id)
             sent += 1
             self.metrics.replies_sent_total += 1
+        return sent
+
+    async def resend_pending(self) -> int:
+        """Send recorded chunks that were never acknowledged (after a crash), once each."""
+        sent = 0
+        for row in await self.turnlog.pending_outbound():
+            sent += await self._send_recorded(
+                row["target"], [(row["id"], row["text"])], row["reply_to"]
+            )
+        if sent:
+            log.info("pending_replies_sent", count=sent)
         return sent
 
     # --- GatewayHandle (what adapters may ask) --------------------------------------------
 
     async def list_sessions(self) -> list[dict[str, Any]]:
         return [entry.to_dict() for entry in await self.store.list_sessions()]
+
+    async def replies_after(
+        self, platform: str, chat_id: str, after: int, limit: int
+    ) -> list[dict[str, Any]]:
+        return await self.turnlog.replies_after(platform, chat_id, after, limit)
 
     def health(self) -> dict[str, Any]:
         adapters = {p.value: a.health() for p, a in self.adapters.items()}

@@ -131,6 +131,13 @@ class SessionStore:
         now = now or _utcnow()
         return reset_reason(entry.updated_at, self._policy_for(entry), now, self._tz) is not None
 
+    async def write(self, fn: Callable[[sqlite3.Connection], T], *, dirty: bool = True) -> T:
+        """Run a transaction on the store's database (for the journal's combined writes)."""
+        return await self._write(fn, dirty=dirty)
+
+    async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        return await self._db.read(fn)
+
     async def _write(self, fn: Callable[[sqlite3.Connection], T], *, dirty: bool = True) -> T:
         result = await self._db.write(fn)
         if dirty:
@@ -157,6 +164,13 @@ class SessionStore:
         self, source: SessionSource, force_new: bool = False
     ) -> SessionEntry:
         """The session this message belongs to, resetting it first if it must be."""
+        return await self._write(self.route_tx(source, force_new))
+
+    def route_tx(
+        self, source: SessionSource, force_new: bool = False
+    ) -> Callable[[sqlite3.Connection], SessionEntry]:
+        """The transaction body of `get_or_create_session`, for callers that combine it
+        with more writes in one transaction (the runner's turn start)."""
         key = self._generate_session_key(source)
         now = _utcnow()
         policy = self.config.get_reset_policy(source.platform, source.chat_type)
@@ -198,7 +212,7 @@ class SessionStore:
             entries.save_entry(conn, entry)
             return entry
 
-        return await self._write(tx)
+        return tx
 
     # --- entry updates -----------------------------------------------------------------
 
@@ -396,32 +410,6 @@ class SessionStore:
             return pruned
 
         return await self._write(tx)
-
-    # --- inbound dedup -------------------------------------------------------------------
-
-    async def accept_inbound(self, platform: str, chat_id: str, message_id: str) -> bool:
-        """Record a platform message id; False if it was accepted before (a redelivery)."""
-        now = _utcnow().timestamp()
-
-        def tx(conn: sqlite3.Connection) -> bool:
-            cursor = conn.execute(
-                "INSERT OR IGNORE INTO inbound_seen (platform, chat_id, message_id, seen_at)"
-                " VALUES (?, ?, ?, ?)",
-                (platform, chat_id, message_id, now),
-            )
-            return cursor.rowcount == 1
-
-        return await self._write(tx, dirty=False)
-
-    async def expire_inbound(self, max_age_days: float) -> int:
-        """Forget message ids older than `max_age_days` (platforms stop redelivering)."""
-        cutoff = (_utcnow() - timedelta(days=max_age_days)).timestamp()
-        return await self._write(
-            lambda conn: (
-                conn.execute("DELETE FROM inbound_seen WHERE seen_at < ?", (cutoff,)).rowcount
-            ),
-            dirty=False,
-        )
 
     # --- queries -----------------------------------------------------------------------
 

@@ -68,6 +68,15 @@ def load(conn: sqlite3.Connection, session_id: str) -> list[dict[str, Any]]:
     return [json.loads(message) for (message,) in rows]
 
 
+def load_before(conn: sqlite3.Connection, session_id: str, row_id: int) -> list[dict[str, Any]]:
+    """The active messages stored before transcript row `row_id` (a resumed turn's history)."""
+    rows = conn.execute(
+        "SELECT message FROM messages WHERE session_id = ? AND active = 1 AND id < ? ORDER BY id",
+        (session_id, row_id),
+    )
+    return [json.loads(message) for (message,) in rows]
+
+
 def count_active(conn: sqlite3.Connection, session_id: str) -> int:
     row = conn.execute(
         "SELECT COUNT(*) FROM messages WHERE session_id = ? AND active = 1", (session_id,)

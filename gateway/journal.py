@@ -1,0 +1,231 @@
+"""The durability journal: accepted inbound messages, in-flight turn markers, and the
+outbound delivery ledger (SQL run on the database writer thread, see `gateway.db`).
+
+- `inbox`: every inbound message the gateway accepted, recorded in the same transaction
+  that checks its platform message id for redelivery. A row stays `accepted` until the
+  turn that answers it has recorded its reply (`done`), or /stop or /new dropped it
+  (`dropped`). After a crash the `accepted` rows are exactly what still needs an answer.
+- `turns`: one marker per running turn, written in the transaction that appends the
+  user message and removed in the one that records the reply, so an interrupted turn is
+  known exactly (not guessed from a time window).
+- `outbound`: each reply chunk, recorded `pending` before it is sent and marked `sent`
+  once the platform acknowledged it. After a restart the pending ones are sent once.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from typing import Any
+
+from gateway.session import SessionSource
+
+ACCEPTED, DONE, DROPPED = "accepted", "done", "dropped"
+PENDING, SENT = "pending", "sent"
+
+
+# --- inbox ---------------------------------------------------------------------------------
+
+
+def accept(
+    conn: sqlite3.Connection,
+    *,
+    source: SessionSource,
+    message_id: str | None,
+    session_key: str,
+    kind: str,
+    event: dict[str, Any],
+    now: float,
+    state: str = ACCEPTED,
+) -> int | None:
+    """Record an inbound message; None when its platform id was accepted before."""
+    cursor = conn.execute(
+        "INSERT INTO inbox (platform, chat_id, message_id, session_key, kind, event, state,"
+        " accepted_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT (platform, chat_id, message_id) WHERE message_id IS NOT NULL DO NOTHING",
+        (
+            source.platform.value,
+            source.chat_id,
+            message_id,
+            session_key,
+            kind,
+            json.dumps(event, ensure_ascii=False),
+            state,
+            now,
+        ),
+    )
+    return cursor.lastrowid if cursor.rowcount == 1 else None
+
+
+def close_inbox(conn: sqlite3.Connection, ids: list[int], state: str, now: float) -> None:
+    conn.executemany(
+        "UPDATE inbox SET state = ?, done_at = ? WHERE id = ? AND state = 'accepted'",
+        [(state, now, inbox_id) for inbox_id in ids],
+    )
+
+
+def open_inbox(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    """Accepted messages not answered yet, in acceptance order."""
+    rows = conn.execute(
+        "SELECT id, session_key, kind, event FROM inbox WHERE state = 'accepted' ORDER BY id"
+    )
+    return [
+        {"id": i, "session_key": key, "kind": kind, "event": json.loads(event)}
+        for i, key, kind, event in rows
+    ]
+
+
+def expire_inbox(conn: sqlite3.Connection, before: float) -> int:
+    """Forget finished messages older than `before` (their ids no longer dedup)."""
+    return conn.execute(
+        "DELETE FROM inbox WHERE state != 'accepted' AND accepted_at < ?", (before,)
+    ).rowcount
+
+
+# --- turn markers --------------------------------------------------------------------------
+
+
+def start_turn(
+    conn: sqlite3.Connection,
+    *,
+    session_key: str,
+    session_id: str,
+    inbox_ids: list[int],
+    user_message_id: int | None,
+    event: dict[str, Any],
+    now: float,
+) -> int:
+    cursor = conn.execute(
+        "INSERT INTO turns (session_key, session_id, inbox_ids, user_message_id, event,"
+        " started_at) VALUES (?, ?, ?, ?, ?, ?)"
+        " ON CONFLICT (session_key) DO UPDATE SET session_id = excluded.session_id,"
+        " inbox_ids = excluded.inbox_ids, user_message_id = excluded.user_message_id,"
+        " event = excluded.event, started_at = excluded.started_at",
+        (
+            session_key,
+            session_id,
+            json.dumps(inbox_ids),
+            user_message_id,
+            json.dumps(event, ensure_ascii=False),
+            now,
+        ),
+    )
+    return int(cursor.lastrowid or 0)
+
+
+def end_turn(conn: sqlite3.Connection, session_key: str) -> None:
+    conn.execute("DELETE FROM turns WHERE session_key = ?", (session_key,))
+
+
+def get_turn(conn: sqlite3.Connection, session_key: str) -> dict[str, Any] | None:
+    row = conn.execute(
+        "SELECT turn_id, session_key, session_id, inbox_ids, user_message_id, event, started_at"
+        " FROM turns WHERE session_key = ?",
+        (session_key,),
+    ).fetchone()
+    return _turn(row) if row else None
+
+
+def open_turns(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    rows = conn.execute(
+        "SELECT turn_id, session_key, session_id, inbox_ids, user_message_id, event, started_at"
+        " FROM turns ORDER BY turn_id"
+    )
+    return [_turn(row) for row in rows]
+
+
+def _turn(row: tuple[Any, ...]) -> dict[str, Any]:
+    turn_id, key, session_id, inbox_ids, user_message_id, event, started_at = row
+    return {
+        "turn_id": turn_id,
+        "session_key": key,
+        "session_id": session_id,
+        "inbox_ids": json.loads(inbox_ids),
+        "user_message_id": user_message_id,
+        "event": json.loads(event),
+        "started_at": started_at,
+    }
+
+
+# --- delivery ledger -------------------------------------------------------------------------
+
+
+def record_outbound(
+    conn: sqlite3.Connection,
+    target: SessionSource,
+    chunks: list[str],
+    *,
+    reply_to: str | None,
+    session_key: str | None,
+    now: float,
+) -> list[int]:
+    """Record reply chunks as pending, in order; returns their delivery ids."""
+    target_json = json.dumps(target.to_dict(), ensure_ascii=False)
+    ids = []
+    for chunk in chunks:
+        cursor = conn.execute(
+            "INSERT INTO outbound (platform, chat_id, target, text, reply_to, session_key,"
+            " state, created_at) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
+            (
+                target.platform.value,
+                target.chat_id,
+                target_json,
+                chunk,
+                reply_to,
+                session_key,
+                now,
+            ),
+        )
+        ids.append(int(cursor.lastrowid or 0))
+    return ids
+
+
+def mark_sent(
+    conn: sqlite3.Connection, delivery_id: int, platform_message_id: str | None, now: float
+) -> None:
+    conn.execute(
+        "UPDATE outbound SET state = 'sent', platform_message_id = ?, sent_at = ?"
+        " WHERE id = ? AND state = 'pending'",
+        (platform_message_id, now, delivery_id),
+    )
+
+
+def pending_outbound(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+    rows = conn.execute(
+        "SELECT id, target, text, reply_to FROM outbound WHERE state = 'pending' ORDER BY id"
+    )
+    return [
+        {
+            "id": delivery_id,
+            "target": SessionSource.from_dict(json.loads(target)),
+            "text": text,
+            "reply_to": reply_to,
+        }
+        for delivery_id, target, text, reply_to in rows
+    ]
+
+
+def replies_after(
+    conn: sqlite3.Connection, platform: str, chat_id: str, after: int, limit: int
+) -> list[dict[str, Any]]:
+    """Recorded replies to one chat with delivery id > `after` (the HTTP API's outbox)."""
+    rows = conn.execute(
+        "SELECT id, text, target, reply_to FROM outbound WHERE platform = ? AND chat_id = ?"
+        " AND id > ? ORDER BY id LIMIT ?",
+        (platform, chat_id, after, limit),
+    )
+    return [
+        {
+            "seq": delivery_id,
+            "text": text,
+            "thread_id": json.loads(target).get("thread_id"),
+            "in_reply_to": reply_to,
+        }
+        for delivery_id, text, target, reply_to in rows
+    ]
+
+
+def expire_outbound(conn: sqlite3.Connection, before: float) -> int:
+    return conn.execute(
+        "DELETE FROM outbound WHERE state = 'sent' AND created_at < ?", (before,)
+    ).rowcount

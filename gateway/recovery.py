@@ -1,0 +1,135 @@
+"""Start-up recovery (seed section 7) on top of the exact turn markers of the journal.
+
+    .clean_shutdown present?  yes: delete it, skip suspension
+                              no:  suspend_recently_active(120), then the stuck-loop check
+    interrupted turns (markers) -> resume_pending, re-run once adapters are up
+    accepted, unanswered messages -> re-queued in acceptance order
+    recorded, unsent reply chunks -> sent once
+
+Stuck loop: `restart_counts.json` counts, per session key, the consecutive unclean
+starts that found a turn of that key in flight. At 3 the session is suspended, its
+turn dropped, and the user told; a successful turn clears its count.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from adapters.base import MessageEvent
+from gateway.fsutil import atomic_write_bytes
+
+if TYPE_CHECKING:
+    from gateway.run import GatewayRunner
+
+log = structlog.get_logger("gateway.recovery")
+
+CLEAN_SHUTDOWN = ".clean_shutdown"
+RESTART_COUNTS = "restart_counts.json"
+STUCK_LOOP_THRESHOLD = 3
+RECENTLY_ACTIVE_SECONDS = 120
+STUCK_NOTICE = (
+    "I was restarted several times while answering your last message, so I stopped "
+    "trying and started a fresh session. Please send it again if you still need it."
+)
+
+
+class Recovery:
+    def __init__(self, runner: GatewayRunner) -> None:
+        self.runner = runner
+        self.clean_marker = runner.home / CLEAN_SHUTDOWN
+        self.counts_path = runner.home / RESTART_COUNTS
+        self.counts: dict[str, int] = {}
+        self.was_clean = True
+        self._markers: list[dict[str, Any]] = []
+        self._stuck: list[dict[str, Any]] = []
+
+    async def prepare(self) -> None:
+        """Before the adapters start: decide what was interrupted and mark it."""
+        store, turnlog = self.runner.store, self.runner.turnlog
+        self.was_clean = self.clean_marker.exists()
+        if self.was_clean:
+            self.clean_marker.unlink()
+        self.counts = _read_counts(self.counts_path)
+        markers = await turnlog.open_turns()
+        if not self.was_clean:
+            marked = await store.suspend_recently_active(RECENTLY_ACTIVE_SECONDS)
+            in_flight = {m["session_key"] for m in markers}
+            # Consecutive: a key not in flight at this crash starts counting from zero.
+            self.counts = {key: self.counts.get(key, 0) + 1 for key in in_flight}
+            stuck = {k for k, n in self.counts.items() if n >= STUCK_LOOP_THRESHOLD}
+            for marker in markers:
+                if marker["session_key"] in stuck:
+                    await store.suspend_session(marker["session_key"])
+                    await turnlog.abandon(marker["session_key"], marker["inbox_ids"])
+                    self.counts.pop(marker["session_key"], None)
+                    self._stuck.append(marker)
+            markers = [m for m in markers if m["session_key"] not in stuck]
+            self._write_counts()
+            log.warning(
+                "unclean_start",
+                recently_active_marked=marked,
+                interrupted_turns=len(markers),
+                stuck_sessions_suspended=len(self._stuck),
+            )
+        for marker in markers:
+            entry = await store.get_entry(marker["session_key"])
+            if entry is not None and not entry.resume_pending:
+                await store.mark_resume_pending(marker["session_key"], "restart_interrupted")
+        self._markers = markers
+
+    async def resume(self) -> int:
+        """After the adapters are up: resend, re-run and re-queue. Returns events queued."""
+        runner = self.runner
+        await runner.resend_pending()
+        for marker in self._stuck:
+            source = MessageEvent.from_dict(marker["event"]).source
+            await runner.deliver(source, STUCK_NOTICE)
+        in_turns = {i for marker in self._markers for i in marker["inbox_ids"]}
+        queued = 0
+        for marker in self._markers:
+            event = MessageEvent.from_dict(
+                marker["event"],
+                inbox_ids=tuple(marker["inbox_ids"]),
+                resume=True,
+                synthetic=True,
+            )
+            await runner.submit(marker["session_key"], event)
+            queued += 1
+        for row in await runner.turnlog.open_inbox():
+            if row["id"] in in_turns:
+                continue
+            event = MessageEvent.from_dict(row["event"], inbox_ids=(row["id"],))
+            await runner.submit(row["session_key"], event, fifo=row["kind"] == "queue")
+            queued += 1
+        if queued or self._stuck:
+            log.info("recovery_resumed", turns=len(self._markers), queued=queued)
+        self._markers, self._stuck = [], []
+        return queued
+
+    def turn_succeeded(self, session_key: str) -> None:
+        if self.counts.pop(session_key, None) is not None:
+            self._write_counts()
+
+    def write_clean_shutdown(self) -> None:
+        atomic_write_bytes(self.clean_marker, b"clean shutdown\n")
+
+    def _write_counts(self) -> None:
+        data = json.dumps(self.counts, indent=1, sort_keys=True).encode()
+        atomic_write_bytes(self.counts_path, data)
+
+
+def _read_counts(path: Path) -> dict[str, int]:
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (ValueError, OSError) as exc:
+        log.warning("restart_counts_unreadable", path=str(path), error=str(exc))
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): int(v) for k, v in data.items() if isinstance(v, int)}

@@ -1,0 +1,203 @@
+"""TurnLog: the durable steps of a message's life, each one transaction on the store.
+
+    accept  inbox row (dedup by platform message id)            -> inbox id / duplicate
+    begin   session (reset policy) + user message + turn marker  -> entry, history
+    finish  reply + counters + inbox done + marker gone + ledger -> delivery ids
+    sent    ledger row acknowledged by the platform
+
+A crash between any two steps leaves a state that start-up recovery completes: accepted
+rows are re-queued, a marker re-runs its turn (without storing the user message twice),
+pending ledger rows are sent. Nothing is answered twice and nothing accepted is lost.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from adapters.base import MessageEvent
+from gateway import entries, journal, transcript
+from gateway.session import SessionEntry, SessionSource, TokenUsage
+from gateway.store import SessionStore
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStart:
+    entry: SessionEntry
+    history: list[dict[str, Any]]
+    resumed: bool  # a re-run after a restart: the user message was stored before
+
+
+class TurnLog:
+    def __init__(self, store: SessionStore) -> None:
+        self.store = store
+
+    async def accept(
+        self, event: MessageEvent, session_key: str, kind: str, *, done: bool = False
+    ) -> int | None:
+        """Record an accepted message; None when this platform id was accepted before.
+
+        `kind` is `turn` (plain message), `queue` (its own turn, FIFO) or `command`.
+        Commands are recorded `done` at once: only their message id matters (dedup).
+        """
+        now = time.time()
+        record = event.to_dict()
+        state = journal.DONE if done else journal.ACCEPTED
+        return await self.store.write(
+            lambda conn: journal.accept(
+                conn,
+                source=event.source,
+                message_id=event.message_id,
+                session_key=session_key,
+                kind=kind,
+                event=record,
+                now=now,
+                state=state,
+            ),
+            dirty=False,
+        )
+
+    async def begin(self, event: MessageEvent, session_key: str, text: str) -> TurnStart:
+        """Route to the session, store the user message and the turn marker, all at once."""
+        route = self.store.route_tx(event.source)
+        record = event.to_dict()
+        user_message: dict[str, Any] = {"role": "user", "content": text}
+        if event.message_id:
+            user_message["message_id"] = event.message_id
+        now = time.time()
+
+        def tx(conn: sqlite3.Connection) -> TurnStart:
+            entry = route(conn)
+            marker = journal.get_turn(conn, session_key)
+            if (
+                event.resume
+                and marker is not None
+                and marker["session_id"] == entry.session_id
+                and marker["user_message_id"] is not None
+            ):
+                history = transcript.load_before(conn, entry.session_id, marker["user_message_id"])
+                return TurnStart(entry, history, resumed=True)
+            history = transcript.load(conn, entry.session_id)
+            user_row = transcript.insert_message(conn, entry.session_id, user_message)
+            journal.start_turn(
+                conn,
+                session_key=session_key,
+                session_id=entry.session_id,
+                inbox_ids=list(event.inbox_ids),
+                user_message_id=user_row,
+                event=record,
+                now=now,
+            )
+            return TurnStart(entry, history, resumed=False)
+
+        return await self.store.write(tx)
+
+    async def finish(
+        self,
+        session_key: str,
+        entry: SessionEntry,
+        event: MessageEvent,
+        *,
+        reply: str | None,
+        usage: TokenUsage | None,
+        chunks: list[str],
+    ) -> list[int]:
+        """Record the turn's outcome and its reply chunks; returns their delivery ids.
+
+        `reply` is the assistant message for the transcript, None when the turn failed
+        (the chunks then carry the error text; resume and reset flags stay set).
+        """
+        now = datetime.now(UTC)
+        succeeded = reply is not None
+
+        def tx(conn: sqlite3.Connection) -> list[int]:
+            if succeeded:
+                transcript.insert_message(
+                    conn, entry.session_id, {"role": "assistant", "content": reply}
+                )
+            current = entries.load_entry(conn, session_key)
+            if current is not None and current.session_id == entry.session_id:
+                current.updated_at = now
+                if usage is not None:
+                    current.add_usage(usage)
+                    current.last_prompt_tokens = usage.input_tokens
+                if succeeded:
+                    current.resume_pending = False
+                    current.resume_reason = None
+                    current.was_auto_reset = current.is_fresh_reset = False
+                entries.save_entry(conn, current)
+            journal.close_inbox(conn, list(event.inbox_ids), journal.DONE, now.timestamp())
+            journal.end_turn(conn, session_key)
+            return journal.record_outbound(
+                conn,
+                event.source,
+                chunks,
+                reply_to=event.message_id,
+                session_key=session_key,
+                now=now.timestamp(),
+            )
+
+        return await self.store.write(tx)
+
+    async def abandon(self, session_key: str, inbox_ids: list[int]) -> None:
+        """A turn and its queue were cancelled (/stop, /new): forget the marker and rows."""
+        now = time.time()
+
+        def tx(conn: sqlite3.Connection) -> None:
+            journal.end_turn(conn, session_key)
+            journal.close_inbox(conn, inbox_ids, journal.DROPPED, now)
+
+        await self.store.write(tx, dirty=False)
+
+    async def abandon_inbox(self, inbox_ids: list[int]) -> None:
+        """Messages refused after acceptance (queue full): settled, never replayed."""
+        now = time.time()
+        await self.store.write(
+            lambda conn: journal.close_inbox(conn, inbox_ids, journal.DROPPED, now), dirty=False
+        )
+
+    async def record_reply(
+        self, target: SessionSource, chunks: list[str], session_key: str | None
+    ) -> list[int]:
+        """Record chunks that answer no turn (command replies, notices)."""
+        now = time.time()
+        return await self.store.write(
+            lambda conn: journal.record_outbound(
+                conn, target, chunks, reply_to=None, session_key=session_key, now=now
+            ),
+            dirty=False,
+        )
+
+    async def mark_sent(self, delivery_id: int, platform_message_id: str | None) -> None:
+        now = time.time()
+        await self.store.write(
+            lambda conn: journal.mark_sent(conn, delivery_id, platform_message_id, now),
+            dirty=False,
+        )
+
+    async def open_inbox(self) -> list[dict[str, Any]]:
+        return await self.store.read(journal.open_inbox)
+
+    async def open_turns(self) -> list[dict[str, Any]]:
+        return await self.store.read(journal.open_turns)
+
+    async def pending_outbound(self) -> list[dict[str, Any]]:
+        return await self.store.read(journal.pending_outbound)
+
+    async def replies_after(
+        self, platform: str, chat_id: str, after: int, limit: int
+    ) -> list[dict[str, Any]]:
+        return await self.store.read(
+            lambda conn: journal.replies_after(conn, platform, chat_id, after, limit)
+        )
+
+    async def expire(self, max_age_days: float) -> int:
+        """Forget finished inbox rows (their dedup window) and old sent replies."""
+        before = (datetime.now(UTC) - timedelta(days=max_age_days)).timestamp()
+        return await self.store.write(
+            lambda conn: journal.expire_inbox(conn, before) + journal.expire_outbound(conn, before),
+            dirty=False,
+        )

@@ -1,0 +1,1 @@
+"""Benchmarks, load and crash drivers, and their shared helpers."""

@@ -1,0 +1,174 @@
+"""Run `hermes-gateway run` as a real subprocess and talk to it over its HTTP API.
+
+Shared by the crash tests (tests/test_crash_recovery.py) and the crash-loop driver
+(scripts/crashloop.py). Everything stays on 127.0.0.1; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Daemon:
+    """One gateway home directory; `start()` may be called again after a kill or stop."""
+
+    def __init__(self, home: Path, settings: str = "", *, env: dict[str, str] | None = None):
+        self.home = home
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.extra_env = env or {}
+        self.log_path = home / "daemon.log"
+        home.mkdir(parents=True, exist_ok=True)
+        (home / "hermes.yaml").write_text(
+            f"platforms:\n  http:\n    enabled: true\n    port: {self.port}\n{settings}"
+        )
+
+    # --- process ---------------------------------------------------------------------------
+
+    def start(self, timeout: float = 20.0, wait_ready: bool = True) -> None:
+        env = {**os.environ, "HERMES_HOME": str(self.home), **self.extra_env}
+        env.pop("HERMES_CONFIG", None)
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gateway.cli", "run", "--log-json"],
+            env=env,
+            stdout=log,
+            stderr=log,
+        )
+        log.close()
+        if wait_ready:
+            self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(f"daemon exited with {self.proc.returncode}: {self.log_tail()}")
+            try:
+                health = self.get("/healthz", timeout=1)
+                if health.get("accepting"):
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise TimeoutError(f"daemon not ready after {timeout}s: {self.log_tail()}")
+
+    def kill9(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def signal(self, signum: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signum)
+
+    def wait_exit(self, timeout: float = 30.0) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def ensure_stopped(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return ""
+
+    # --- HTTP ------------------------------------------------------------------------------
+
+    def get(self, path: str, timeout: float = 5) -> Any:
+        with urllib.request.urlopen(f"{self.url}{path}", timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def post(self, chat_id: str, text: str, message_id: str | None = None, **extra: Any) -> dict:
+        body = {"chat_id": chat_id, "user_id": "u1", "text": text, **extra}
+        if message_id is not None:
+            body["message_id"] = message_id
+        request = urllib.request.Request(
+            f"{self.url}/v1/messages",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def replies(self, chat_id: str, after: int = 0, wait: float = 0) -> list[dict]:
+        data = self.get(f"/v1/chats/{chat_id}/messages?after={after}&wait={wait}", wait + 5)
+        return data["messages"]
+
+    def wait_replies(self, chat_id: str, count: int, timeout: float = 20.0) -> list[dict]:
+        """All replies of the chat once there are at least `count` (bounded wait)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            got = self.replies(chat_id)
+            if len(got) >= count or time.monotonic() > deadline:
+                return got
+            time.sleep(0.1)
+
+    # --- state on disk (read while the daemon is stopped, or read-only) --------------------
+
+    def db(self) -> sqlite3.Connection:
+        path = self.home / "sessions" / "state.db"
+        return sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+
+    def integrity_ok(self) -> bool:
+        conn = self.db()
+        try:
+            return conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        finally:
+            conn.close()
+
+    def sessions_json(self) -> dict:
+        return json.loads((self.home / "sessions" / "sessions.json").read_text())
+
+    def transcript(self, session_key: str) -> list[tuple[str, str]]:
+        conn = self.db()
+        try:
+            (entry,) = conn.execute(
+                "SELECT entry FROM session_entries WHERE session_key = ?", (session_key,)
+            ).fetchone()
+            session_id = json.loads(entry)["session_id"]
+            rows = conn.execute(
+                "SELECT role, content FROM messages WHERE session_id = ? AND active = 1"
+                " ORDER BY id",
+                (session_id,),
+            ).fetchall()
+        finally:
+            conn.close()
+        return [(role, content) for role, content in rows]
+
+    def entry(self, session_key: str) -> dict | None:
+        conn = self.db()
+        try:
+            row = conn.execute(
+                "SELECT entry FROM session_entries WHERE session_key = ?", (session_key,)
+            ).fetchone()
+        finally:
+            conn.close()
+        return json.loads(row[0]) if row else None
+
+
+def is_connection_error(exc: BaseException) -> bool:
+    return isinstance(exc, (urllib.error.URLError, ConnectionError, TimeoutError, OSError))

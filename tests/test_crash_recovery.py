@@ -1,0 +1,297 @@
+"""The real daemon as a subprocess: kill -9, drain, clean stop, stuck loops, redelivery,
+damaged files. Each test owns its home directory and port and stops what it starts."""
+
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gateway.recovery import STUCK_NOTICE
+from scripts.harness import Daemon
+
+pytestmark = pytest.mark.timeout(120)
+
+KEY = "agent:main:http:dm:c1"
+
+
+@pytest.fixture
+def daemons(tmp_path: Path) -> Iterator[list[Daemon]]:
+    made: list[Daemon] = []
+    yield made
+    for daemon in made:
+        daemon.ensure_stopped()
+
+
+def make(daemons: list[Daemon], home: Path, settings: str = "", **kwargs) -> Daemon:
+    daemon = Daemon(home, settings, **kwargs)
+    daemons.append(daemon)
+    return daemon
+
+
+def slow_echo(delay: float, drain: float = 60) -> str:
+    return (
+        f"agent:\n  backend: echo\n  delay_seconds: {delay}\n"
+        f"  restart_drain_timeout: {drain}\n"
+        "storage:\n  mirror_interval_seconds: 0.1\n"
+    )
+
+
+def wait_for_turn_marker(daemon: Daemon, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        conn = daemon.db()
+        try:
+            if conn.execute("SELECT COUNT(*) FROM turns").fetchone()[0]:
+                return
+        finally:
+            conn.close()
+        time.sleep(0.02)
+    raise AssertionError("the turn never started")
+
+
+def assert_files_sound(daemon: Daemon) -> None:
+    assert daemon.integrity_ok()
+    assert isinstance(daemon.sessions_json(), dict)
+
+
+def test_kill9_during_a_slow_turn_gives_exactly_one_reply_after_restart(
+    daemons: list[Daemon], tmp_path: Path
+) -> None:
+    daemon = make(daemons, tmp_path / "home", slow_echo(1.5))
+    daemon.start()
+    assert daemon.post("c1", "hello", message_id="m1")["status"] == "started"
+    wait_for_turn_marker(daemon)
+    daemon.kill9()
+
+    daemon.start()
+    replies = daemon.wait_replies("c1", 1)
+    time.sleep(2.0)  # anything duplicated would arrive by now
+    assert [r["text"] for r in daemon.replies("c1")] == ["echo: hello"]
+    assert daemon.transcript(KEY) == [("user", "hello"), ("assistant", "echo: hello")]
+    entry = daemon.entry(KEY)
+    assert entry is not None and not entry["resume_pending"]
+    assert replies[0]["in_reply_to"] == "m1"
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    assert_files_sound(daemon)
+
+
+def test_sigterm_with_a_short_drain_marks_shutdown_timeout_and_resumes(
+    daemons: list[Daemon], tmp_path: Path
+) -> None:
+    daemon = make(daemons, tmp_path / "home", slow_echo(3, drain=0.3))
+    daemon.start()
+    daemon.post("c1", "slow one", message_id="m1")
+    wait_for_turn_marker(daemon)
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    assert (daemon.home / ".clean_shutdown").exists()
+    entry = daemon.entry(KEY)
+    assert entry is not None
+    assert entry["resume_pending"] and entry["resume_reason"] == "shutdown_timeout"
+    conn = daemon.db()
+    try:
+        assert conn.execute("SELECT COUNT(*) FROM outbound").fetchone()[0] == 0  # no reply yet
+    finally:
+        conn.close()
+
+    daemon.start()
+    assert not (daemon.home / ".clean_shutdown").exists()
+    assert [r["text"] for r in daemon.wait_replies("c1", 1)] == ["echo: slow one"]
+    time.sleep(0.5)
+    assert len(daemon.replies("c1")) == 1
+    entry = daemon.entry(KEY)
+    assert entry is not None and not entry["resume_pending"]
+    assert daemon.transcript(KEY) == [("user", "slow one"), ("assistant", "echo: slow one")]
+
+
+def test_clean_stop_leaves_the_marker_and_suspends_nothing(
+    daemons: list[Daemon], tmp_path: Path
+) -> None:
+    daemon = make(daemons, tmp_path / "home", slow_echo(0))
+    daemon.start()
+    daemon.post("c1", "hi", message_id="m1")
+    assert len(daemon.wait_replies("c1", 1)) == 1
+    first = daemon.entry(KEY)
+    daemon.signal(signal.SIGINT)
+    assert daemon.wait_exit() == 0
+    assert (daemon.home / ".clean_shutdown").exists()
+
+    daemon.start()
+    assert not (daemon.home / ".clean_shutdown").exists()
+    entry = daemon.entry(KEY)
+    assert entry is not None and first is not None
+    assert not entry["suspended"] and not entry["resume_pending"]
+    daemon.post("c1", "again", message_id="m2")
+    assert [r["text"] for r in daemon.wait_replies("c1", 2)] == ["echo: hi", "echo: again"]
+    assert daemon.entry(KEY)["session_id"] == first["session_id"]
+
+
+def test_three_unclean_restarts_during_one_turn_suspend_the_session(
+    daemons: list[Daemon], tmp_path: Path
+) -> None:
+    daemon = make(daemons, tmp_path / "home", slow_echo(30))
+    daemon.start()
+    daemon.post("c1", "never finishes", message_id="m1")
+    wait_for_turn_marker(daemon)
+    first_id = daemon.entry(KEY)["session_id"]
+    for _ in range(3):
+        daemon.kill9()
+        daemon.start()
+    replies = [r["text"] for r in daemon.wait_replies("c1", 1)]
+    assert replies == [STUCK_NOTICE]
+    entry = daemon.entry(KEY)
+    assert entry is not None and entry["suspended"]
+    assert json.loads((daemon.home / "restart_counts.json").read_text()) == {}
+    daemon.post("c1", "fresh start", message_id="m2")
+    wait_for_turn_marker(daemon)
+    conn = daemon.db()
+    try:
+        assert conn.execute("SELECT COUNT(*) FROM turns").fetchone()[0] == 1  # only the new one
+    finally:
+        conn.close()
+    assert daemon.entry(KEY)["session_id"] != first_id
+
+
+def test_the_same_message_id_across_a_restart_gets_one_reply(
+    daemons: list[Daemon], tmp_path: Path
+) -> None:
+    daemon = make(daemons, tmp_path / "home", slow_echo(0))
+    daemon.start()
+    assert daemon.post("c1", "once", message_id="dup-1")["status"] == "started"
+    assert len(daemon.wait_replies("c1", 1)) == 1
+    daemon.kill9()
+    daemon.start()
+    assert daemon.post("c1", "once", message_id="dup-1")["status"] == "duplicate"
+    time.sleep(0.5)
+    assert [r["text"] for r in daemon.replies("c1")] == ["echo: once"]
+
+
+def test_queued_messages_survive_a_kill9(daemons: list[Daemon], tmp_path: Path) -> None:
+    daemon = make(daemons, tmp_path / "home", slow_echo(1.0))
+    daemon.start()
+    daemon.post("c1", "first", message_id="m1")
+    wait_for_turn_marker(daemon)
+    assert daemon.post("c1", "/queue second", message_id="m2")["status"] == "queued"
+    assert daemon.post("c1", "third", message_id="m3")["status"] == "pending"
+    daemon.kill9()
+    daemon.start()
+    texts = [r["text"] for r in daemon.wait_replies("c1", 3, timeout=30)]
+    assert texts == ["echo: first", "echo: third", "echo: second"]
+    time.sleep(1.2)
+    assert len(daemon.replies("c1")) == 3
+
+
+def test_reply_cursor_stays_valid_across_a_restart(daemons: list[Daemon], tmp_path: Path) -> None:
+    daemon = make(daemons, tmp_path / "home", slow_echo(0))
+    daemon.start()
+    daemon.post("c1", "one", message_id="m1")
+    (first,) = daemon.wait_replies("c1", 1)
+    daemon.kill9()
+    daemon.start()
+    daemon.post("c1", "two", message_id="m2")
+    deadline = time.monotonic() + 10
+    newer: list[dict] = []
+    while not newer and time.monotonic() < deadline:
+        newer = daemon.replies("c1", after=first["seq"], wait=2)
+    assert [r["text"] for r in newer] == ["echo: two"]
+    assert newer[0]["seq"] > first["seq"]
+
+
+def test_a_damaged_state_db_exits_78_naming_the_file(daemons: list[Daemon], tmp_path: Path) -> None:
+    daemon = make(daemons, tmp_path / "home", slow_echo(0))
+    daemon.start()
+    daemon.post("c1", "hi", message_id="m1")
+    daemon.wait_replies("c1", 1)
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    db = daemon.home / "sessions" / "state.db"
+    size = db.stat().st_size
+    with db.open("r+b") as f:  # keep the header, wreck the pages after it
+        f.seek(4096)
+        f.write(b"\xde\xad\xbe\xef" * ((size - 4096) // 4))
+    daemon.start(wait_ready=False)
+    assert daemon.wait_exit() == 78
+    log = daemon.log_tail()
+    assert "state.db" in log and "doctor --repair" in log
+    assert db.stat().st_size == size  # left untouched, never replaced by empty state
+
+
+def test_a_damaged_sessions_json_is_set_aside_and_rewritten(
+    daemons: list[Daemon], tmp_path: Path
+) -> None:
+    daemon = make(daemons, tmp_path / "home", slow_echo(0))
+    daemon.start()
+    daemon.post("c1", "hi", message_id="m1")
+    daemon.wait_replies("c1", 1)
+    daemon.signal(signal.SIGTERM)
+    daemon.wait_exit()
+    mirror = daemon.home / "sessions" / "sessions.json"
+    mirror.write_text('{"agent:main:http:dm:c1": {"broken"')
+    daemon.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            if KEY in daemon.sessions_json():
+                break
+        except (ValueError, FileNotFoundError):
+            pass
+        time.sleep(0.05)
+    assert KEY in daemon.sessions_json()
+    assert list(mirror.parent.glob("sessions.json.corrupt-*"))
+    assert "sessions_json_damaged" in daemon.log_tail(100)
+
+
+def test_sd_notify_ready_watchdog_and_stopping(daemons: list[Daemon], tmp_path: Path) -> None:
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(10)
+    try:
+        daemon = make(
+            daemons,
+            tmp_path / "home",
+            slow_echo(0),
+            env={"NOTIFY_SOCKET": str(sock_path), "WATCHDOG_USEC": "400000"},
+        )
+        daemon.start()
+        seen: list[str] = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and seen.count("WATCHDOG=1") < 2:
+            seen.append(sock.recv(4096).decode())
+        assert any(m.startswith("READY=1") for m in seen)
+        assert seen.count("WATCHDOG=1") >= 2
+        daemon.signal(signal.SIGTERM)
+        while "STOPPING=1" not in seen and time.monotonic() < deadline + 10:
+            seen.append(sock.recv(4096).decode())
+        assert "STOPPING=1" in seen
+        assert daemon.wait_exit() == 0
+    finally:
+        sock.close()
+
+
+def test_sigusr1_drains_and_exits_75(daemons: list[Daemon], tmp_path: Path) -> None:
+    daemon = make(daemons, tmp_path / "home", slow_echo(0))
+    daemon.start()
+    daemon.signal(signal.SIGUSR1)
+    assert daemon.wait_exit() == 75
+    assert (daemon.home / ".clean_shutdown").exists()
+
+
+def test_admin_restart_command_exits_75_and_others_are_refused(
+    daemons: list[Daemon], tmp_path: Path
+) -> None:
+    daemon = make(daemons, tmp_path / "home", slow_echo(0) + 'admins: ["http:boss"]\n')
+    daemon.start()
+    daemon.post("c1", "/restart", message_id="m1")
+    (refusal,) = daemon.wait_replies("c1", 1)
+    assert refusal["text"].startswith("Only an admin")
+    assert daemon.proc is not None and daemon.proc.poll() is None
+    daemon.post("c2", "/restart", message_id="m2", user_id="boss")
+    assert daemon.wait_exit() == 75

@@ -190,9 +190,11 @@ def mark_sent(
     )
 
 
-def pending_outbound(conn: sqlite3.Connection) -> list[dict[str, Any]]:
+def pending_outbound(conn: sqlite3.Connection, created_before: float) -> list[dict[str, Any]]:
     rows = conn.execute(
-        "SELECT id, target, text, reply_to FROM outbound WHERE state = 'pending' ORDER BY id"
+        "SELECT id, target, text, reply_to FROM outbound WHERE state = 'pending'"
+        " AND created_at < ? ORDER BY id",
+        (created_before,),
     )
     return [
         {

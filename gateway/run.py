@@ -93,6 +93,7 @@ class GatewayRunner:
         self._queues: dict[str, SessionQueue] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._running: dict[str, MessageEvent] = {}
+        self._sending: set[int] = set()  # delivery ids being sent right now
         self._turn_slots = asyncio.Semaphore(config.agent.max_concurrent_turns)
         self._housekeeper = Housekeeper(self)
         self._accepting = False
@@ -397,23 +398,31 @@ class GatewayRunner:
         if adapter is None:
             log.warning("no_adapter_for_reply", platform=target.platform.value)
             return 0
+        # Claimed before the first await, so a housekeeping re-send never doubles them.
+        chunks = [(i, text) for i, text in chunks if i not in self._sending]
+        self._sending.update(i for i, _ in chunks)
         sent = 0
-        for delivery_id, chunk in chunks:
-            try:
-                result = await adapter.send(target, chunk, reply_to, delivery_id=delivery_id)
-            except Exception as exc:
-                self.metrics.send_errors_total += 1
-                log.error("send_failed", platform=target.platform.value, error=str(exc))
-                break
-            await self.turnlog.mark_sent(delivery_id, result.message_id)
-            sent += 1
-            self.metrics.replies_sent_total += 1
+        try:
+            for delivery_id, chunk in chunks:
+                try:
+                    result = await adapter.send(target, chunk, reply_to, delivery_id=delivery_id)
+                except Exception as exc:
+                    self.metrics.send_errors_total += 1
+                    log.error("send_failed", platform=target.platform.value, error=str(exc))
+                    break
+                await self.turnlog.mark_sent(delivery_id, result.message_id)
+                sent += 1
+                self.metrics.replies_sent_total += 1
+        finally:
+            self._sending.difference_update(i for i, _ in chunks)
         return sent
 
-    async def resend_pending(self) -> int:
-        """Send recorded chunks that were never acknowledged (after a crash), once each."""
+    async def resend_pending(self, min_age_seconds: float = 0) -> int:
+        """Send recorded chunks that were never acknowledged (after a crash, or refused by
+        the platform), once each. Periodic passes only take chunks older than
+        `min_age_seconds`, leaving fresh ones to the turn that is sending them."""
         sent = 0
-        for row in await self.turnlog.pending_outbound():
+        for row in await self.turnlog.pending_outbound(min_age_seconds):
             sent += await self._send_recorded(
                 row["target"], [(row["id"], row["text"])], row["reply_to"]
             )

@@ -184,8 +184,9 @@ class TurnLog:
     async def open_turns(self) -> list[dict[str, Any]]:
         return await self.store.read(journal.open_turns)
 
-    async def pending_outbound(self) -> list[dict[str, Any]]:
-        return await self.store.read(journal.pending_outbound)
+    async def pending_outbound(self, min_age_seconds: float = 0) -> list[dict[str, Any]]:
+        before = time.time() - min_age_seconds
+        return await self.store.read(lambda conn: journal.pending_outbound(conn, before))
 
     async def replies_after(
         self, platform: str, chat_id: str, after: int, limit: int

@@ -5,7 +5,9 @@ Every `housekeeping.expiry_interval_seconds` (300 s): for each expired, not yet
 finalized session run the `on_session_finalize` hooks, close and evict its cached agent,
 and set `expiry_finalized`. A session whose hooks fail is retried on the next passes;
 after `finalize_max_attempts` failures it is finalized anyway so it cannot loop forever.
-Pruning by `session_store_max_age_days` runs every `prune_interval_seconds` (1 h).
+Pruning by `session_store_max_age_days` runs every `prune_interval_seconds` (1 h), with
+the journal expiry (inbox ids older than `storage.inbound_dedup_days`). Each pass also
+re-sends reply chunks that a platform failed to take earlier.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ if TYPE_CHECKING:
     from gateway.run import GatewayRunner
 
 log = structlog.get_logger("gateway.watcher")
+
+RESEND_AFTER_SECONDS = 30.0
 
 
 class Housekeeper:
@@ -53,6 +57,7 @@ class Housekeeper:
     async def run_once(self) -> None:
         """One pass: finalize expired sessions, sweep idle agents, prune when due."""
         self.passes += 1
+        await self.runner.resend_pending(RESEND_AFTER_SECONDS)  # replies a platform refused
         await self.finalize_expired()
         swept = await self.runner.agents.sweep_idle()
         if swept:
@@ -65,7 +70,7 @@ class Housekeeper:
             self.pruned += pruned
             if pruned:
                 log.info("sessions_pruned", count=pruned)
-            await self.runner.store.expire_inbound(self.runner.config.storage.inbound_dedup_days)
+            await self.runner.turnlog.expire(self.runner.config.storage.inbound_dedup_days)
 
     async def finalize_expired(self) -> int:
         runner = self.runner

@@ -105,7 +105,12 @@ class ChatClient:
             raise GatewayUnavailable(
                 f"{self.url} did not answer like the gateway's HTTP API ({exc}); check --url"
             ) from exc
-        return int(data["next"])
+        cursor = int(data["next"])
+        # Replies come in pages; skip to the newest so an old chat is not replayed.
+        while data["messages"]:
+            data = await self._get_replies(after=cursor, wait=0)
+            cursor = int(data["next"])
+        return cursor
 
     async def print_replies(self, after: int) -> None:
         """Long-poll forever, printing each reply once; survives gateway restarts."""

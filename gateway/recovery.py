@@ -7,7 +7,8 @@
     recorded, unsent reply chunks -> sent once
 
 Stuck loop: `restart_counts.json` counts, per session key, the consecutive unclean
-starts that found a turn of that key in flight. At 3 the session is suspended, its
+starts that found the same turn of that key in flight (a busy chat whose different
+turns happen to be running at crashes is not a loop). At 3 the session is suspended, its
 turn dropped, and the user told; a successful turn clears its count.
 """
 
@@ -42,7 +43,7 @@ class Recovery:
         self.runner = runner
         self.clean_marker = runner.home / CLEAN_SHUTDOWN
         self.counts_path = runner.home / RESTART_COUNTS
-        self.counts: dict[str, int] = {}
+        self.counts: dict[str, dict[str, int]] = {}  # key -> {"turn": id, "count": n}
         self.was_clean = True
         self._markers: list[dict[str, Any]] = []
         self._stuck: list[dict[str, Any]] = []
@@ -57,10 +58,19 @@ class Recovery:
         markers = await turnlog.open_turns()
         if not self.was_clean:
             marked = await store.suspend_recently_active(RECENTLY_ACTIVE_SECONDS)
-            in_flight = {m["session_key"] for m in markers}
-            # Consecutive: a key not in flight at this crash starts counting from zero.
-            self.counts = {key: self.counts.get(key, 0) + 1 for key in in_flight}
-            stuck = {k for k, n in self.counts.items() if n >= STUCK_LOOP_THRESHOLD}
+            # Consecutive: a key not in flight at this crash, or in flight with another
+            # turn, starts counting again.
+            counts = {}
+            for marker in markers:
+                turn = marker["user_message_id"] or 0
+                before = self.counts.get(marker["session_key"], {})
+                same = before.get("turn") == turn
+                counts[marker["session_key"]] = {
+                    "turn": turn,
+                    "count": before.get("count", 0) + 1 if same else 1,
+                }
+            self.counts = counts
+            stuck = {k for k, c in counts.items() if c["count"] >= STUCK_LOOP_THRESHOLD}
             for marker in markers:
                 if marker["session_key"] in stuck:
                     await store.suspend_session(marker["session_key"])
@@ -122,7 +132,7 @@ class Recovery:
         atomic_write_bytes(self.counts_path, data)
 
 
-def _read_counts(path: Path) -> dict[str, int]:
+def _read_counts(path: Path) -> dict[str, dict[str, int]]:
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError:
@@ -132,4 +142,8 @@ def _read_counts(path: Path) -> dict[str, int]:
         return {}
     if not isinstance(data, dict):
         return {}
-    return {str(k): int(v) for k, v in data.items() if isinstance(v, int)}
+    return {
+        str(key): {"turn": int(value.get("turn", 0)), "count": int(value.get("count", 0))}
+        for key, value in data.items()
+        if isinstance(value, dict)
+    }

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from adapters.base import Accepted, AcceptStatus, MessageEvent
-from adapters.http import HttpAdapter
+from adapters.http import MAX_REPLIES_PER_POLL, HttpAdapter
 from config import HttpConfig
 from gateway import chat as chat_module
 from gateway.chat import chat, main_chat
@@ -23,12 +23,14 @@ TOKEN = "chat-token"
 
 
 class EchoGateway:
-    """Accepts every message with `status` and, for STARTED, replies "echo: <text>"."""
+    """Accepts every message with `status` and, for STARTED, replies "echo: <text>": it
+    records the reply in its delivery ledger and then delivers it, as the runner does."""
 
     def __init__(self, adapter: HttpAdapter) -> None:
         self.adapter = adapter
         self.events: list[MessageEvent] = []
         self.accepted = Accepted(AcceptStatus.STARTED, "agent:main:http:dm:local-ann")
+        self.ledger: list[dict[str, Any]] = []
         self._replies: set[asyncio.Task[None]] = set()
 
     async def handle_message(self, event: MessageEvent) -> Accepted:
@@ -41,7 +43,33 @@ class EchoGateway:
 
     async def _reply(self, event: MessageEvent) -> None:
         await asyncio.sleep(0.05)  # the reply arrives after the POST was answered
-        await self.adapter.send(event.source, f"echo: {event.text}", reply_to=event.message_id)
+        await self.reply(self.adapter, event.source, f"echo: {event.text}", event.message_id)
+
+    async def reply(
+        self, adapter: HttpAdapter, target: SessionSource, text: str, reply_to: str | None = None
+    ) -> int:
+        seq = len(self.ledger) + 1  # ledger ids start at 1 and only grow
+        self.ledger.append(
+            {
+                "seq": seq,
+                "platform": target.platform.value,
+                "chat_id": target.chat_id,
+                "text": text,
+                "thread_id": target.thread_id,
+                "in_reply_to": reply_to,
+            }
+        )
+        await adapter.send(target, text, reply_to, delivery_id=seq)
+        return seq
+
+    async def replies_after(
+        self, platform: str, chat_id: str, after: int, limit: int
+    ) -> list[dict[str, Any]]:
+        return [
+            {key: row[key] for key in ("seq", "text", "thread_id", "in_reply_to")}
+            for row in self.ledger
+            if row["platform"] == platform and row["chat_id"] == chat_id and row["seq"] > after
+        ][:limit]
 
     async def list_sessions(self) -> list[dict[str, Any]]:
         return []
@@ -129,10 +157,20 @@ async def test_chat_skips_empty_lines(served):
 
 
 async def test_chat_does_not_replay_replies_from_before_it_started(served):
-    adapter, _ = served
-    await adapter.send(SessionSource(Platform.HTTP, "local-ann", user_id="ann"), "an old reply")
+    adapter, gateway = served
+    old = SessionSource(Platform.HTTP, "local-ann", user_id="ann")
+    await gateway.reply(adapter, old, "an old reply")
     _, transcript = await run_chat(adapter, [("new", "bot> echo: new")])
     assert "an old reply" not in transcript
+
+
+async def test_chat_skips_more_than_one_page_of_old_replies(served):
+    adapter, gateway = served
+    old = SessionSource(Platform.HTTP, "local-ann", user_id="ann")
+    for i in range(MAX_REPLIES_PER_POLL + 7):
+        await gateway.reply(adapter, old, f"old reply {i}")
+    _, transcript = await run_chat(adapter, [("new", "bot> echo: new")])
+    assert "old reply" not in transcript
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,5 @@
-"""The HTTP API adapter against a fake gateway: validation, limits, auth, the reply outbox."""
+"""The HTTP API adapter against a fake gateway: validation, limits, auth, reading replies
+from the gateway's delivery ledger and long polling."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import aiohttp
 import pytest
 
 from adapters.base import Accepted, AcceptStatus, MessageEvent, SendResult
-from adapters.http import HttpAdapter
+from adapters.http import MAX_REPLIES_PER_POLL, HttpAdapter
 from config import HttpConfig
 from gateway.session import Platform, SessionSource
 
@@ -20,11 +21,18 @@ TOKEN = "s3cret-token"
 
 
 class FakeGateway:
-    """Records every event and answers with `accepted`, as `GatewayRunner` would."""
+    """Records every event and answers with `accepted`, as `GatewayRunner` would, and keeps
+    a delivery ledger that `replies_after` reads like the real one."""
 
     def __init__(self) -> None:
         self.events: list[MessageEvent] = []
         self.accepted = Accepted(AcceptStatus.STARTED, session_key="agent:main:http:dm:c1")
+        self.ledger: list[dict[str, Any]] = []
+        self.reads: list[tuple[str, str, int, int]] = []  # replies_after's arguments
+        # When set, the next read takes its snapshot, sets `reading` and then waits for
+        # this event before answering: a test can record a reply while a read is in flight.
+        self.read_gate: asyncio.Event | None = None
+        self.reading = asyncio.Event()
 
     async def handle_message(self, event: MessageEvent) -> Accepted:
         self.events.append(event)
@@ -32,6 +40,39 @@ class FakeGateway:
 
     async def list_sessions(self) -> list[dict[str, Any]]:
         return [{"session_key": "agent:main:http:dm:c1", "session_id": "s1"}]
+
+    async def replies_after(
+        self, platform: str, chat_id: str, after: int, limit: int
+    ) -> list[dict[str, Any]]:
+        self.reads.append((platform, chat_id, after, limit))
+        rows = [
+            {key: row[key] for key in ("seq", "text", "thread_id", "in_reply_to")}
+            for row in self.ledger
+            if row["platform"] == platform and row["chat_id"] == chat_id and row["seq"] > after
+        ][:limit]
+        gate, self.read_gate = self.read_gate, None
+        if gate is not None:
+            self.reading.set()
+            await gate.wait()
+        return rows
+
+    async def reply(
+        self, adapter: HttpAdapter, target: SessionSource, text: str, reply_to: str | None = None
+    ) -> int:
+        """Record a reply in the ledger, then deliver it, as the runner does."""
+        seq = len(self.ledger) + 1  # ledger ids start at 1 and only grow
+        self.ledger.append(
+            {
+                "seq": seq,
+                "platform": target.platform.value,
+                "chat_id": target.chat_id,
+                "text": text,
+                "thread_id": target.thread_id,
+                "in_reply_to": reply_to,
+            }
+        )
+        assert await adapter.send(target, text, reply_to, delivery_id=seq) == SendResult(str(seq))
+        return seq
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "accepting": True}
@@ -52,9 +93,11 @@ AdapterFactory = Callable[..., Awaitable[tuple[HttpAdapter, FakeGateway]]]
 async def make_adapter() -> AsyncIterator[AdapterFactory]:
     started: list[HttpAdapter] = []
 
-    async def make(**settings: Any) -> tuple[HttpAdapter, FakeGateway]:
+    async def make(
+        gateway: FakeGateway | None = None, **settings: Any
+    ) -> tuple[HttpAdapter, FakeGateway]:
         adapter = HttpAdapter(http_config(**settings))
-        gateway = FakeGateway()
+        gateway = gateway or FakeGateway()
         adapter.bind(gateway)
         await adapter.start()
         started.append(adapter)
@@ -286,13 +329,13 @@ async def test_port_url_and_health_follow_the_lifecycle(make_adapter):
     assert adapter.health()["state"] == "stopped"
 
 
-# --- replies: the outbox and long polling --------------------------------------------------
+# --- replies: the delivery ledger and long polling ----------------------------------------
 
 
-async def test_send_numbers_replies_and_keeps_thread_and_reply_to(api, client):
-    adapter, _ = api
-    assert await adapter.send(source(thread_id="t1"), "one", reply_to="m9") == SendResult("1")
-    assert await adapter.send(source(), "two") == SendResult("2")
+async def test_replies_come_from_the_ledger_with_thread_and_reply_to(api, client):
+    adapter, gateway = api
+    assert await gateway.reply(adapter, source(thread_id="t1"), "one", reply_to="m9") == 1
+    assert await gateway.reply(adapter, source(), "two") == 2
     assert await get_replies(client, adapter) == {
         "messages": [
             {"seq": 1, "text": "one", "thread_id": "t1", "in_reply_to": "m9"},
@@ -300,12 +343,21 @@ async def test_send_numbers_replies_and_keeps_thread_and_reply_to(api, client):
         ],
         "next": 2,
     }
+    assert gateway.reads[-1][:3] == ("http", "c1", 0)
+
+
+async def test_send_acknowledges_with_the_delivery_id_and_stores_nothing_itself(api, client):
+    adapter, _ = api
+    assert await adapter.send(source(), "not in the ledger", delivery_id=41) == SendResult("41")
+    assert await adapter.send(source(), "no id") == SendResult(None)
+    # The ledger is the outbox: a chunk never recorded there is never served.
+    assert await get_replies(client, adapter) == {"messages": [], "next": 0}
 
 
 async def test_after_returns_only_newer_replies_and_next_stays_put_when_none(api, client):
-    adapter, _ = api
+    adapter, gateway = api
     for text in ("a", "b", "c"):
-        await adapter.send(source(), text)
+        await gateway.reply(adapter, source(), text)
     data = await get_replies(client, adapter, after=1)
     assert [m["text"] for m in data["messages"]] == ["b", "c"]
     assert data["next"] == 3
@@ -313,10 +365,48 @@ async def test_after_returns_only_newer_replies_and_next_stays_put_when_none(api
 
 
 async def test_replies_to_other_chats_are_not_returned(api, client):
-    adapter, _ = api
-    await adapter.send(source("c2"), "for c2")
-    await adapter.send(source("c1"), "for c1")
-    assert [m["text"] for m in (await get_replies(client, adapter))["messages"]] == ["for c1"]
+    adapter, gateway = api
+    await gateway.reply(adapter, source("c2"), "for c2")
+    await gateway.reply(adapter, source("c1"), "for c1")
+    data = await get_replies(client, adapter)
+    assert [m["text"] for m in data["messages"]] == ["for c1"]
+    assert data["next"] == 2  # ledger ids are global, so a chat's seqs can skip
+
+
+async def test_a_poll_asks_the_ledger_for_a_bounded_page(api, client):
+    adapter, gateway = api
+    assert 0 < MAX_REPLIES_PER_POLL <= 1000
+    for n in range(MAX_REPLIES_PER_POLL + 3):
+        await gateway.reply(adapter, source(), f"reply {n}")
+    first = await get_replies(client, adapter, after=0)
+    assert gateway.reads[-1] == ("http", "c1", 0, MAX_REPLIES_PER_POLL)
+    assert len(first["messages"]) == MAX_REPLIES_PER_POLL
+    assert first["next"] == MAX_REPLIES_PER_POLL
+    rest = await get_replies(client, adapter, after=first["next"])
+    assert gateway.reads[-1] == ("http", "c1", MAX_REPLIES_PER_POLL, MAX_REPLIES_PER_POLL)
+    assert [m["seq"] for m in rest["messages"]] == [MAX_REPLIES_PER_POLL + n for n in (1, 2, 3)]
+
+
+async def test_replies_and_cursors_survive_an_adapter_restart(make_adapter, client):
+    adapter, gateway = await make_adapter()
+    await gateway.reply(adapter, source(), "before", reply_to="m1")
+    await gateway.reply(adapter, source(thread_id="t2"), "also before")
+    await adapter.stop()
+
+    restarted, _ = await make_adapter(gateway=gateway)
+    assert await get_replies(client, restarted, after=0) == {
+        "messages": [
+            {"seq": 1, "text": "before", "thread_id": None, "in_reply_to": "m1"},
+            {"seq": 2, "text": "also before", "thread_id": "t2", "in_reply_to": None},
+        ],
+        "next": 2,
+    }
+    # A client's cursor from before the restart still means "after reply 2".
+    await gateway.reply(restarted, source(), "after")
+    assert await get_replies(client, restarted, after=2) == {
+        "messages": [{"seq": 3, "text": "after", "thread_id": None, "in_reply_to": None}],
+        "next": 3,
+    }
 
 
 async def test_wait_zero_returns_at_once_with_nothing(api, client):
@@ -326,13 +416,13 @@ async def test_wait_zero_returns_at_once_with_nothing(api, client):
     assert time.monotonic() - started < 0.5
 
 
-async def test_long_poll_returns_as_soon_as_a_reply_is_sent(api, client):
-    adapter, _ = api
+async def test_long_poll_returns_as_soon_as_a_reply_is_recorded_and_sent(api, client):
+    adapter, gateway = api
 
     async def reply_later() -> None:
         await asyncio.sleep(0.2)
-        await adapter.send(source("c2"), "not for c1")  # must not end c1's poll empty
-        await adapter.send(source(), "here you are")
+        await gateway.reply(adapter, source("c2"), "not for c1")  # must not end c1's poll
+        await gateway.reply(adapter, source(), "here you are")
 
     started = time.monotonic()
     sender = asyncio.create_task(reply_later())
@@ -341,6 +431,20 @@ async def test_long_poll_returns_as_soon_as_a_reply_is_sent(api, client):
     assert time.monotonic() - started < 2
     assert [m["text"] for m in data["messages"]] == ["here you are"]
     assert data["next"] == 2
+
+
+async def test_a_reply_recorded_during_the_ledger_read_still_wakes_the_poll(api, client):
+    adapter, gateway = api
+    gate = gateway.read_gate = asyncio.Event()
+    started = time.monotonic()
+    poll = asyncio.create_task(get_replies(client, adapter, after=0, wait=10))
+    await asyncio.wait_for(gateway.reading.wait(), 2)  # the read has its (empty) snapshot
+    await gateway.reply(adapter, source(), "raced the read")
+    gate.set()  # the read now answers "nothing yet"
+    data = await asyncio.wait_for(poll, 2)
+    assert time.monotonic() - started < 2
+    assert [m["text"] for m in data["messages"]] == ["raced the read"]
+    assert data["next"] == 1
 
 
 async def test_long_poll_times_out_empty(api, client):
@@ -364,35 +468,8 @@ async def test_stop_wakes_a_pending_long_poll(api, client):
     "params", [{"wait": "soon"}, {"wait": "-1"}, {"wait": "nan"}, {"after": "x"}, {"after": "-3"}]
 )
 async def test_bad_poll_parameters_are_400(api, client, params):
-    adapter, _ = api
+    adapter, gateway = api
     async with client.get(f"{adapter.url}/v1/chats/c1/messages", params=params) as resp:
         assert resp.status == 400
         assert next(iter(params)) in (await resp.json())["error"]
-
-
-async def test_a_cursor_from_before_a_restart_reads_from_the_start(api, client):
-    adapter, _ = api  # a fresh adapter numbers from 1 again
-    await adapter.send(source(), "after the restart")
-    data = await get_replies(client, adapter, after=500)
-    assert [m["text"] for m in data["messages"]] == ["after the restart"]
-    assert data["next"] == 1
-
-
-async def test_outbox_keeps_the_last_replies_of_each_chat(api, client):
-    adapter, _ = api
-    for n in range(adapter.max_replies_per_chat + 5):
-        await adapter.send(source(), f"reply {n}")
-    messages = (await get_replies(client, adapter))["messages"]
-    assert len(messages) == adapter.max_replies_per_chat == 1000
-    assert messages[0]["seq"] == 6
-
-
-async def test_outbox_drops_the_least_recently_used_chat(api, client):
-    adapter, _ = api
-    adapter.max_chats = 3
-    for chat_id in ("c1", "c2", "c3"):
-        await adapter.send(source(chat_id), f"for {chat_id}")
-    await get_replies(client, adapter, "c1")  # reading is a use: c2 is now the oldest
-    await adapter.send(source("c4"), "for c4")
-    for chat_id, expected in (("c1", 1), ("c2", 0), ("c3", 1), ("c4", 1)):
-        assert len((await get_replies(client, adapter, chat_id))["messages"]) == expected
+    assert gateway.reads == []

@@ -23,6 +23,7 @@ import structlog
 from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
 from gateway.db import DatabaseError
+from gateway.doctor import add_doctor_parser
 from gateway.logs import configure_logging
 from gateway.sdnotify import SystemdNotifier, run_watchdog
 from gateway.service import add_service_parser
@@ -241,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--json", action="store_true")
     sessions.set_defaults(handler=cmd_sessions)
 
+    add_doctor_parser(sub, [common])
     add_service_parser(sub, [common])
     return parser
 

@@ -1,0 +1,587 @@
+"""`hermes-gateway doctor [--repair] [--json]`: check the state directory, fix what is safe.
+
+Each check yields one `Finding`. `--repair` (only while the gateway is stopped) fixes the
+repairable ones, most fundamental first, then checks again. A damaged `state.db` is never
+deleted: it is set aside as `state.db.corrupt-<time>`, a fresh database is built next to
+it from every row that can still be read, and the routing index is rebuilt from the
+transcripts and the `sessions.json` mirror.
+
+Exit codes: 0 no errors, 1 errors (remaining after --repair), or --repair refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import secrets
+import sqlite3
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from config import GatewayConfig, hermes_home
+from gateway import entries
+from gateway.db import SCHEMA_VERSION, Database
+from gateway.fsutil import fsync_dir, set_aside
+from gateway.mirror import write_sessions_json
+from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
+from gateway.session import SessionEntry, SessionSource
+from gateway.store import SESSIONS_JSON, STATE_DB
+
+OK, WARN, ERROR = "ok", "warn", "error"
+STALE_TEMP_SECONDS = 60
+#: tables copied out of a damaged database, parents first; `turns` (in-flight markers of
+#: a damaged run) is not trusted and `messages_fts` is rebuilt by the insert trigger
+SALVAGED_TABLES = ("sessions", "session_entries", "messages", "inbox", "outbound")
+_SCAN_ORDER = {"sessions": "session_id", "session_entries": "session_key"}  # WITHOUT ROWID
+_ORPHAN_TURNS = (  # no table alias: DELETE does not take one
+    "FROM turns WHERE NOT EXISTS (SELECT 1 FROM session_entries e"
+    " WHERE e.session_key = turns.session_key)"
+    " OR NOT EXISTS (SELECT 1 FROM sessions s WHERE s.session_id = turns.session_id)"
+)
+
+
+@dataclass
+class Finding:
+    name: str
+    status: str  # ok | warn | error
+    detail: str = ""
+    repairable: bool = False
+    fix: str = ""  # what --repair does about it
+    repaired: str | None = None  # what --repair did about it in this run
+
+    def line(self) -> str:
+        text = f"[{self.status}] {self.name}" + (f": {self.detail}" if self.detail else "")
+        if self.repaired:
+            text += f" (--repair: {self.repaired})"
+        elif self.repairable and self.status != OK:
+            text += f" (repairable: --repair {self.fix})"
+        return text
+
+
+@dataclass(frozen=True)
+class Paths:
+    home: Path
+    sessions: Path
+    db: Path
+    sessions_json: Path
+    restart_counts: Path
+
+    @classmethod
+    def of(cls, home: Path) -> Paths:
+        sessions = home / "sessions"
+        return cls(
+            home, sessions, sessions / STATE_DB, sessions / SESSIONS_JSON, home / RESTART_COUNTS
+        )
+
+    def db_files(self) -> list[Path]:
+        return [self.db, *(self.db.with_name(self.db.name + s) for s in ("-wal", "-shm"))]
+
+    def state_files(self) -> list[Path]:
+        return [*self.db_files(), self.sessions_json, self.restart_counts]
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _rel(paths: Paths, path: Path) -> str:
+    return str(path.relative_to(paths.home))
+
+
+def _connect_ro(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, isolation_level=None)
+    conn.execute("PRAGMA busy_timeout=2000")
+    return conn
+
+
+def _load_json_object(path: Path) -> dict[str, Any]:
+    data = json.loads(path.read_bytes())
+    if not isinstance(data, dict):
+        raise ValueError("top level is not an object")
+    return data
+
+
+def _db_usable(paths: Paths) -> bool:
+    return paths.db.exists() and check_state_db(paths).status == OK
+
+
+def gateway_running(db: Path) -> bool:
+    """Best effort: does another process (or connection) hold state.db open?
+
+    In exclusive locking mode a WAL database needs an exclusive lock on the file, which
+    any open connection of a running gateway prevents, even an idle one.
+    """
+    if not db.exists():
+        return False
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=rw", uri=True, isolation_level=None, timeout=0.2)
+    except sqlite3.Error:
+        return False
+    try:
+        conn.execute("PRAGMA locking_mode=EXCLUSIVE")
+        conn.execute("BEGIN EXCLUSIVE")
+        conn.execute("ROLLBACK")
+    except sqlite3.OperationalError as exc:
+        code = getattr(exc, "sqlite_errorcode", None)
+        return code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED) or "locked" in str(exc)
+    except sqlite3.Error:
+        return False  # damaged or not a database: nobody can be using it usefully
+    finally:
+        conn.close()
+    return False
+
+
+def _read_mirror(path: Path) -> dict[str, SessionEntry]:
+    """The entries of sessions.json that parse, without touching the file."""
+    try:
+        raw = _load_json_object(path)
+    except (OSError, ValueError):
+        return {}
+    found: dict[str, SessionEntry] = {}
+    for key, data in raw.items():
+        try:
+            entry = SessionEntry.from_dict(data)
+        except (TypeError, ValueError, KeyError, AttributeError):
+            continue
+        entry.session_key = key
+        found[key] = entry
+    return found
+
+
+# --- checks -------------------------------------------------------------------------------
+
+
+def _check_directory(name: str, path: Path) -> Finding:
+    if not path.is_dir():
+        return Finding(name, ERROR, f"{path} does not exist or is not a directory")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o022:
+        return Finding(
+            name, WARN, f"{path} is group/world writable ({mode:04o})", True, "sets it to 0700"
+        )
+    return Finding(name, OK, f"{path} ({mode:04o})")
+
+
+def check_home(paths: Paths) -> Finding:
+    return _check_directory("home directory", paths.home)
+
+
+def check_sessions_dir(paths: Paths) -> Finding | None:
+    return (
+        _check_directory("sessions directory", paths.sessions) if paths.sessions.exists() else None
+    )
+
+
+def check_permissions(paths: Paths) -> Finding:
+    loose = [
+        f"{_rel(paths, p)} is {p.stat().st_mode & 0o777:04o}"
+        for p in paths.state_files()
+        if p.exists() and p.stat().st_mode & 0o077
+    ]
+    if loose:
+        return Finding("file permissions", WARN, ", ".join(loose), True, "sets them to 0600")
+    return Finding("file permissions", OK, "state files are private")
+
+
+def check_state_db(paths: Paths) -> Finding:
+    name, fix = "state.db", "sets it aside and rebuilds"
+    if not paths.db.exists():
+        return Finding(name, OK, "not created yet (the first start creates it)")
+    try:
+        conn = _connect_ro(paths.db)
+        try:
+            version = conn.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                return Finding(
+                    name,
+                    ERROR,
+                    f"schema version {version} is newer than this gateway ({SCHEMA_VERSION}):"
+                    " upgrade hermes-gateway",
+                )
+            problems = [row[0] for row in conn.execute("PRAGMA integrity_check(10)")]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        return Finding(name, ERROR, f"integrity check failed: {exc}", True, fix)
+    if problems != ["ok"]:
+        return Finding(name, ERROR, f"integrity check failed: {'; '.join(problems)}", True, fix)
+    return Finding(name, OK, f"integrity ok, schema version {version}")
+
+
+def check_sessions_json(paths: Paths) -> Finding:
+    name = "sessions.json"
+    if not paths.sessions_json.exists():
+        return Finding(name, OK, "absent (written from state.db by the gateway)")
+    try:
+        data = _load_json_object(paths.sessions_json)
+    except ValueError as exc:  # UnicodeDecodeError included
+        fix = "sets it aside and rewrites it from state.db"
+        return Finding(name, WARN, f"damaged: {exc}", True, fix)
+    return Finding(name, OK, f"{len(data)} entries")
+
+
+def _stale_temp_files(paths: Paths) -> list[Path]:
+    cutoff = time.time() - STALE_TEMP_SECONDS
+    found = []
+    for directory in (paths.home, paths.sessions):
+        if directory.is_dir():
+            found += [p for p in directory.glob(".*.tmp-*") if p.stat().st_mtime < cutoff]
+    return sorted(found)
+
+
+def check_temp_files(paths: Paths) -> Finding:
+    stale = _stale_temp_files(paths)
+    if stale:
+        names = ", ".join(_rel(paths, p) for p in stale)
+        return Finding("temp files", WARN, f"{len(stale)} stale: {names}", True, "deletes them")
+    return Finding("temp files", OK, "none stale")
+
+
+def check_restart_counts(paths: Paths) -> Finding:
+    name = RESTART_COUNTS
+    try:
+        data = _load_json_object(paths.restart_counts)
+    except FileNotFoundError:
+        return Finding(name, OK, "absent (no unclean restarts counted)")
+    except (OSError, ValueError) as exc:
+        return Finding(name, WARN, f"damaged: {exc}", True, "deletes it")
+    return Finding(name, OK, f"{len(data)} keys counted")
+
+
+def check_journal(paths: Paths) -> list[Finding]:
+    """Turn markers (first), the inbox and the outbound ledger of a sound state.db."""
+    try:
+        conn = _connect_ro(paths.db)
+        try:
+            if not 2 <= conn.execute("PRAGMA user_version").fetchone()[0] <= SCHEMA_VERSION:
+                return []  # no journal tables yet (the next start migrates), or newer
+            orphans = conn.execute(f"SELECT COUNT(*) {_ORPHAN_TURNS}").fetchone()[0]
+            (turns,) = conn.execute("SELECT COUNT(*) FROM turns").fetchone()
+            # Accepted messages of keys with no entry and no turn are queued, not orphans.
+            accepted, queued_new = conn.execute(
+                "SELECT COUNT(*), COALESCE(SUM(NOT EXISTS (SELECT 1 FROM session_entries e"
+                " WHERE e.session_key = i.session_key) AND NOT EXISTS (SELECT 1 FROM turns t"
+                " WHERE t.session_key = i.session_key)), 0)"
+                " FROM inbox i WHERE state = 'accepted'"
+            ).fetchone()
+            sql = "SELECT COUNT(*) FROM outbound WHERE state = 'pending'"
+            (pending,) = conn.execute(sql).fetchone()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError:
+        return []
+    if orphans:
+        detail = f"{orphans} of {turns} point at an unknown session key or session id"
+        marker = Finding("turn markers", WARN, detail, True, "deletes them")
+    else:
+        marker = Finding("turn markers", OK, f"{turns} in flight (resumed at the next start)")
+    inbox = f"{accepted} accepted messages waiting for an answer"
+    if queued_new:
+        inbox += f" ({queued_new} for keys without a session yet: queued, not orphans)"
+    outbound = f"{pending} reply chunks pending (sent at the next start)"
+    return [marker, Finding("inbox", OK, inbox), Finding("outbound", OK, outbound)]
+
+
+def check_turns(paths: Paths) -> Finding | None:
+    """The turn-marker finding, only when state.db is sound (repairs write to it)."""
+    found = check_journal(paths) if _db_usable(paths) else []
+    return found[0] if found else None
+
+
+def check_clean_shutdown(paths: Paths) -> Finding:
+    if (paths.home / CLEAN_SHUTDOWN).exists():
+        return Finding("clean shutdown", OK, "marker present: the last stop was clean")
+    if not paths.db.exists():
+        return Finding("clean shutdown", OK, "no marker (nothing stored yet)")
+    detail = "no marker: the gateway is running or did not stop cleanly (recovery on start)"
+    return Finding("clean shutdown", OK, detail)
+
+
+def run_checks(paths: Paths) -> list[Finding]:
+    home = check_home(paths)
+    if home.status == ERROR:
+        return [home]
+    db = check_state_db(paths)
+    found = [
+        home,
+        check_sessions_dir(paths),
+        check_permissions(paths),
+        db,
+        check_sessions_json(paths),
+        check_temp_files(paths),
+        check_restart_counts(paths),
+    ]
+    if db.status == OK:  # the journal tables are only worth reading in a sound database
+        found += check_journal(paths)
+    found.append(check_clean_shutdown(paths))
+    return [finding for finding in found if finding is not None]
+
+
+# --- repairs ------------------------------------------------------------------------------
+
+
+def repair_directory(path: Path) -> str:
+    path.chmod(0o700)
+    return "mode set to 0700"
+
+
+def repair_permissions(paths: Paths) -> str:
+    fixed = [p for p in paths.state_files() if p.exists() and p.stat().st_mode & 0o077]
+    for path in fixed:
+        path.chmod(0o600)
+    return "set to 0600: " + ", ".join(_rel(paths, p) for p in fixed)
+
+
+def repair_sessions_json(paths: Paths) -> str:
+    aside = set_aside(paths.sessions_json)
+    if not _db_usable(paths):
+        return f"set aside as {aside.name} (no usable state.db to rewrite it from)"
+    count = write_sessions_json(paths.db, paths.sessions_json)
+    return f"set aside as {aside.name}, rewrote {count} entries from state.db"
+
+
+def repair_temp_files(paths: Paths) -> str:
+    stale = _stale_temp_files(paths)
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return f"deleted {len(stale)}"
+
+
+def repair_restart_counts(paths: Paths) -> str:
+    paths.restart_counts.unlink(missing_ok=True)
+    return "deleted"
+
+
+def repair_turns(paths: Paths) -> str:
+    conn = sqlite3.connect(paths.db, isolation_level=None, timeout=5)
+    try:
+        deleted = conn.execute(f"DELETE {_ORPHAN_TURNS}").rowcount
+    finally:
+        conn.close()
+    return f"deleted {deleted}"
+
+
+# Most fundamental first: a rebuilt state.db also rewrites sessions.json, and each repair
+# runs only if its check still fails at that point.
+REPAIRS: list[tuple[Callable[[Paths], Finding | None], Callable[[Paths], str]]] = [
+    (check_home, lambda paths: repair_directory(paths.home)),
+    (check_sessions_dir, lambda paths: repair_directory(paths.sessions)),
+    (check_state_db, lambda paths: rebuild_state_db(paths)),
+    (check_sessions_json, repair_sessions_json),
+    (check_turns, repair_turns),
+    (check_temp_files, repair_temp_files),
+    (check_restart_counts, repair_restart_counts),
+    (check_permissions, repair_permissions),
+]
+
+
+def run_repairs(paths: Paths) -> dict[str, str]:
+    done: dict[str, str] = {}
+    for check, repair in REPAIRS:
+        finding = check(paths)
+        if finding is None or finding.status == OK or not finding.repairable:
+            continue
+        try:
+            done[finding.name] = repair(paths)
+        except (OSError, sqlite3.Error) as exc:
+            done[finding.name] = f"failed: {exc}"
+    return done
+
+
+# --- rebuilding a damaged state.db --------------------------------------------------------
+
+
+def _copy_table(src: sqlite3.Connection, dst: sqlite3.Connection, table: str) -> str:
+    """Copy rows in storage order until the first unreadable one; returns a summary."""
+    names = [row[1] for row in dst.execute(f"PRAGMA table_info({table})")]
+    columns = ", ".join(names)  # explicit, so the messages FTS trigger indexes each row
+    insert = f"INSERT OR IGNORE INTO {table} ({columns}) VALUES ({', '.join('?' * len(names))})"
+    copied = skipped = 0
+    stopped = ""
+    try:
+        rows = src.execute(
+            f"SELECT {columns} FROM {table} ORDER BY {_SCAN_ORDER.get(table, 'rowid')}"
+        )
+        while (row := rows.fetchone()) is not None:
+            try:
+                if dst.execute(insert, row).rowcount:
+                    copied += 1
+                else:
+                    skipped += 1
+            except sqlite3.IntegrityError:  # e.g. a message whose session row was lost
+                skipped += 1
+    except sqlite3.DatabaseError as exc:
+        stopped = f", then stopped: {exc}"
+    return f"{table} {copied}" + (f" ({skipped} skipped)" if skipped else "") + stopped
+
+
+def _restore_session_rows(conn: sqlite3.Connection, mirror: dict[str, SessionEntry]) -> int:
+    """Before messages are copied, every routing entry needs its `sessions` row: recreate
+    it for salvaged entries whose row was lost, and import mirror entries of keys nothing
+    was salvaged for (what the store does with a legacy sessions.json). Returns imports."""
+    for (raw,) in conn.execute("SELECT entry FROM session_entries").fetchall():
+        try:
+            entries.start_session_row(conn, SessionEntry.from_dict(json.loads(raw)))
+        except (TypeError, ValueError, KeyError, AttributeError):
+            continue
+    known = {key for (key,) in conn.execute("SELECT DISTINCT session_key FROM sessions")}
+    imported = 0
+    taken = "SELECT 1 FROM sessions WHERE session_id = ?"
+    for key, entry in mirror.items():
+        if key not in known and not conn.execute(taken, (entry.session_id,)).fetchone():
+            entries.start_session_row(conn, entry)
+            entries.save_entry(conn, entry)
+            imported += 1
+    return imported
+
+
+def _rebuild_entries(conn: sqlite3.Connection, mirror: dict[str, SessionEntry]) -> tuple[int, int]:
+    """An entry for each key whose entry was lost, pointing at its latest open session.
+
+    Keys whose sessions all ended were pruned (or lost their current row) and get none:
+    their next message starts a fresh session. Returns (rebuilt, of which from mirror).
+    """
+    rows = conn.execute(
+        f"SELECT session_key, session_id, origin, started_at, {', '.join(entries.COUNTERS)},"
+        " (SELECT MAX(created_at) FROM messages m WHERE m.session_id = s.session_id)"
+        " FROM sessions s WHERE ended_at IS NULL AND NOT EXISTS (SELECT 1 FROM"
+        " session_entries e WHERE e.session_key = s.session_key)"
+        " ORDER BY session_key, started_at DESC, session_id DESC"
+    ).fetchall()
+    done: set[str] = set()
+    from_mirror = 0
+    for key, session_id, origin, started_at, *counters, last_message in rows:
+        if key in done:
+            continue
+        entry = mirror.get(key)
+        if entry is not None and entry.session_id == session_id:
+            from_mirror += 1
+        else:
+            try:
+                entry = _entry_from_row(key, session_id, origin, started_at, last_message)
+            except (TypeError, ValueError, OverflowError, OSError):
+                continue  # a garbled row: that key starts afresh
+            for name, value in zip(entries.COUNTERS, counters, strict=True):
+                setattr(entry, name, value)
+        entries.save_entry(conn, entry)
+        done.add(key)
+    return len(done), from_mirror
+
+
+def _entry_from_row(
+    key: str, session_id: str, origin: str | None, started_at: float, last: float | None
+) -> SessionEntry:
+    """What `entries.fresh_entry` would have made for this session, touched at `last`."""
+    try:
+        source = SessionSource.from_dict(json.loads(origin)) if origin else None
+    except (TypeError, ValueError):
+        source = None
+    entry = entries.fresh_entry(key, source, datetime.fromtimestamp(started_at, UTC))
+    entry.session_id = session_id
+    entry.updated_at = datetime.fromtimestamp(last or started_at, UTC)
+    return entry
+
+
+async def _create_database(path: Path) -> None:
+    db = Database(path)  # the real schema and file modes
+    await db.open()
+    await db.close()
+
+
+def _salvage(source: Path, target: Path, mirror: dict[str, SessionEntry]) -> str:
+    src = _connect_ro(source)
+    dst = sqlite3.connect(target, isolation_level=None)
+    try:
+        dst.execute("PRAGMA foreign_keys=ON")
+        dst.execute("BEGIN")
+        copied = [_copy_table(src, dst, table) for table in SALVAGED_TABLES[:2]]
+        imported = _restore_session_rows(dst, mirror)
+        copied += [_copy_table(src, dst, table) for table in SALVAGED_TABLES[2:]]
+        rebuilt, from_mirror = _rebuild_entries(dst, mirror)
+        dst.execute("COMMIT")
+    finally:
+        src.close()
+        dst.close()
+    return (
+        f"rows salvaged: {'; '.join(copied)}. Routing entries rebuilt: {rebuilt}"
+        f" ({from_mirror} from sessions.json), imported from sessions.json: {imported}"
+    )
+
+
+def rebuild_state_db(paths: Paths) -> str:
+    """Build a fresh database from what the damaged one still yields, then swap it in.
+
+    The fresh file is built beside the old one first, so a failure leaves state.db as it
+    was; the damaged files are only ever renamed.
+    """
+    mirror = _read_mirror(paths.sessions_json)
+    fresh = paths.sessions / f".{STATE_DB}.tmp-rebuild-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        asyncio.run(_create_database(fresh))
+        summary = _salvage(paths.db, fresh, mirror)
+    except BaseException:
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{fresh}{suffix}").unlink(missing_ok=True)
+        raise
+    aside = [set_aside(path) for path in paths.db_files() if path.exists()]
+    for suffix in ("", "-wal", "-shm"):
+        if Path(f"{fresh}{suffix}").exists():
+            os.replace(f"{fresh}{suffix}", f"{paths.db}{suffix}")
+    fsync_dir(paths.sessions)
+    if paths.sessions_json.exists() and check_sessions_json(paths).status != OK:
+        set_aside(paths.sessions_json)
+    count = write_sessions_json(paths.db, paths.sessions_json)
+    return (
+        f"set aside as {', '.join(p.name for p in aside)}; {summary};"
+        f" sessions.json rewritten with {count} entries"
+    )
+
+
+# --- the command --------------------------------------------------------------------------
+
+
+def cmd_doctor(args: argparse.Namespace, config: GatewayConfig) -> int:
+    paths = Paths.of(hermes_home())
+    running = gateway_running(paths.db)
+    repaired: dict[str, str] = {}
+    if args.repair:
+        if running:
+            print("the gateway seems to be running; stop it first", file=sys.stderr)
+            return 1
+        if paths.home.is_dir():
+            repaired = run_repairs(paths)
+    findings = run_checks(paths)
+    if findings[0].status != ERROR:
+        state = "seems to be running (checked live files)" if running else "not running"
+        findings.insert(1, Finding("gateway", OK, state))
+    for finding in findings:
+        finding.repaired = repaired.get(finding.name)
+    if args.json:
+        print(json.dumps([asdict(f) for f in findings], indent=2))
+    else:
+        for finding in findings:
+            print(finding.line())
+    return 1 if any(f.status == ERROR for f in findings) else 0
+
+
+def add_doctor_parser(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+    parents: list[argparse.ArgumentParser],
+) -> None:
+    """Add ``doctor``; ``parents`` carry the common options."""
+    doctor = subparsers.add_parser(
+        "doctor", parents=parents, help="check the state directory (and --repair it)"
+    )
+    doctor.add_argument(
+        "--repair",
+        action="store_true",
+        help="fix what can be fixed (the gateway must be stopped); damaged files are set aside",
+    )
+    doctor.add_argument("--json", action="store_true", help="print the findings as JSON")
+    doctor.set_defaults(handler=cmd_doctor)

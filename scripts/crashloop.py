@@ -1,0 +1,184 @@
+"""Kill -9 the real daemon over and over under a steady message load, then check that
+nothing was lost, nothing answered twice, and nothing corrupted.
+
+    .venv/bin/python scripts/crashloop.py --iterations 50
+
+Each iteration starts `hermes-gateway run` (HTTP API, echo agent with a small delay),
+posts messages from several chats (plain ones, which merge while a turn runs, and
+`/queue` ones, which get their own turn) and kills the process at a random moment.
+A POST cut off by the kill is retried after the restart with the same message id, as a
+platform would redeliver it. After every restart: `PRAGMA integrity_check` is ok and
+sessions.json parses. At the end every accepted message must appear in exactly one
+reply. Prints the counts; exits 1 if any is not zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import signal
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a file: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from scripts.harness import Daemon, is_connection_error
+
+ACCEPTED = {"started", "pending", "queued", "duplicate"}
+ECHO_PREFIX = "echo: "
+
+
+@dataclass
+class Ledger:
+    """What the driver sent and what the gateway said about it."""
+
+    accepted: dict[str, str] = field(default_factory=dict)  # text -> chat
+    uncertain: dict[str, tuple[str, str, bool]] = field(default_factory=dict)  # id -> call
+    refused: int = 0
+    posts: int = 0
+    corrupted: int = 0
+    kills: int = 0
+
+
+def post(daemon: Daemon, ledger: Ledger, chat: str, text: str, queued: bool) -> bool:
+    """Post one message; False when the connection died (the daemon was killed)."""
+    body = f"/queue {text}" if queued else text
+    try:
+        status = daemon.post(chat, body, message_id=text)["status"]
+    except Exception as exc:
+        if not is_connection_error(exc):
+            raise
+        ledger.uncertain[text] = (chat, text, queued)
+        return False
+    ledger.posts += 1
+    ledger.uncertain.pop(text, None)
+    if status in ACCEPTED:
+        ledger.accepted[text] = chat
+    elif status == "refused":
+        ledger.refused += 1
+    return True
+
+
+def check_files(daemon: Daemon, ledger: Ledger) -> None:
+    if not daemon.integrity_ok():
+        ledger.corrupted += 1
+        print("  integrity_check failed", file=sys.stderr)
+    try:
+        json.loads((daemon.home / "sessions" / "sessions.json").read_text())
+    except FileNotFoundError:
+        pass  # written within a mirror interval of the first session
+    except ValueError:
+        ledger.corrupted += 1
+        print("  sessions.json does not parse", file=sys.stderr)
+
+
+def answered_texts(daemon: Daemon, chats: list[str]) -> dict[str, int]:
+    """How many replies mention each sent text (merged replies mention several)."""
+    counts: dict[str, int] = {}
+    for chat in chats:
+        after = 0
+        while True:
+            page = daemon.replies(chat, after=after)
+            if not page:
+                break
+            after = page[-1]["seq"]
+            for reply in page:
+                body = reply["text"].split("\n\n")[-1]  # drop a reset notice, if any
+                if not body.startswith(ECHO_PREFIX):
+                    continue
+                for text in body[len(ECHO_PREFIX) :].split("\n"):
+                    counts[text] = counts.get(text, 0) + 1
+    return counts
+
+
+def run(args: argparse.Namespace) -> int:
+    rng = random.Random(args.seed)
+    chats = [f"chat{i}" for i in range(args.chats)]
+    settings = (
+        f"agent:\n  backend: echo\n  delay_seconds: {args.delay}\n"
+        "storage:\n  mirror_interval_seconds: 0.05\n"
+        f"queue:\n  max_depth: {args.max_depth}\n"
+    )
+    with tempfile.TemporaryDirectory(prefix="crashloop-") as tmp:
+        daemon = Daemon(Path(args.home or tmp) / "home", settings)
+        ledger = Ledger()
+        counter = 0
+        started = time.monotonic()
+        try:
+            for iteration in range(args.iterations):
+                daemon.start()
+                check_files(daemon, ledger)
+                for text, (chat, _, queued) in list(ledger.uncertain.items()):
+                    post(daemon, ledger, chat, text, queued)  # redelivery of a cut-off POST
+                kill_at = time.monotonic() + rng.uniform(args.min_run, args.max_run)
+                while time.monotonic() < kill_at:
+                    counter += 1
+                    post(daemon, ledger, rng.choice(chats), f"m{counter}", rng.random() < 0.3)
+                    time.sleep(rng.uniform(0, args.gap))
+                daemon.kill9()
+                ledger.kills += 1
+                if (iteration + 1) % 10 == 0:
+                    print(f"  {iteration + 1} kills, {len(ledger.accepted)} accepted", flush=True)
+            daemon.start()
+            check_files(daemon, ledger)
+            for text, (chat, _, queued) in list(ledger.uncertain.items()):
+                post(daemon, ledger, chat, text, queued)
+            deadline = time.monotonic() + args.settle
+            counts = answered_texts(daemon, chats)
+            while time.monotonic() < deadline and any(
+                counts.get(t, 0) == 0 for t in ledger.accepted
+            ):
+                time.sleep(0.5)
+                counts = answered_texts(daemon, chats)
+            time.sleep(args.delay * 4 + 0.5)  # a duplicate would show up by now
+            counts = answered_texts(daemon, chats)
+            daemon.signal(signal.SIGTERM)
+            exit_code = daemon.wait_exit()
+            check_files(daemon, ledger)
+        finally:
+            daemon.ensure_stopped()
+        lost = sorted((t for t in ledger.accepted if counts.get(t, 0) == 0), key=_order)
+        duplicated = sorted((t for t in ledger.accepted if counts.get(t, 0) > 1), key=_order)
+        unknown = sorted((t for t in counts if t not in ledger.accepted), key=_order)
+    elapsed = time.monotonic() - started
+    print(
+        f"iterations={args.iterations} kills={ledger.kills} posts={ledger.posts} "
+        f"accepted={len(ledger.accepted)} refused={ledger.refused} "
+        f"lost={len(lost)} duplicated={len(duplicated)} corrupted={ledger.corrupted} "
+        f"unexpected_replies={len(unknown)} final_exit={exit_code} seconds={elapsed:.0f}"
+    )
+    for name, items in (("lost", lost), ("duplicated", duplicated), ("unexpected", unknown)):
+        if items:
+            print(f"{name}: {items[:20]}", file=sys.stderr)
+    bad = lost or duplicated or unknown or ledger.corrupted or exit_code != 0
+    return 1 if bad else 0
+
+
+def _order(text: str) -> int:
+    match = re.search(r"\d+", text)
+    return int(match.group()) if match else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--chats", type=int, default=4)
+    parser.add_argument("--delay", type=float, default=0.05, help="echo agent delay (s)")
+    parser.add_argument("--min-run", type=float, default=0.2, help="shortest life (s)")
+    parser.add_argument("--max-run", type=float, default=1.2, help="longest life (s)")
+    parser.add_argument("--gap", type=float, default=0.03, help="max pause between posts (s)")
+    parser.add_argument("--max-depth", type=int, default=1000)
+    parser.add_argument("--settle", type=float, default=60, help="max wait for answers (s)")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--home", help="keep the state here instead of a temp directory")
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

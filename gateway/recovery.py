@@ -47,6 +47,7 @@ class Recovery:
         self.was_clean = True
         self._markers: list[dict[str, Any]] = []
         self._stuck: list[dict[str, Any]] = []
+        self._backlog: list[dict[str, Any]] = []
 
     async def prepare(self) -> None:
         """Before the adapters start: decide what was interrupted and mark it."""
@@ -90,6 +91,10 @@ class Recovery:
             if entry is not None and not entry.resume_pending:
                 await store.mark_resume_pending(marker["session_key"], "restart_interrupted")
         self._markers = markers
+        # Snapshot the backlog now, before any adapter can accept a new message: those
+        # are held by the runner and must not be queued a second time from here.
+        in_turns = {i for marker in markers for i in marker["inbox_ids"]}
+        self._backlog = [r for r in await turnlog.open_inbox() if r["id"] not in in_turns]
 
     async def resume(self) -> int:
         """After the adapters are up: resend, re-run and re-queue. Returns events queued."""
@@ -98,7 +103,6 @@ class Recovery:
         for marker in self._stuck:
             source = MessageEvent.from_dict(marker["event"]).source
             await runner.deliver(source, STUCK_NOTICE)
-        in_turns = {i for marker in self._markers for i in marker["inbox_ids"]}
         queued = 0
         for marker in self._markers:
             event = MessageEvent.from_dict(
@@ -109,15 +113,13 @@ class Recovery:
             )
             await runner.submit(marker["session_key"], event)
             queued += 1
-        for row in await runner.turnlog.open_inbox():
-            if row["id"] in in_turns:
-                continue
+        for row in self._backlog:
             event = MessageEvent.from_dict(row["event"], inbox_ids=(row["id"],))
             await runner.submit(row["session_key"], event, fifo=row["kind"] == "queue")
             queued += 1
         if queued or self._stuck:
             log.info("recovery_resumed", turns=len(self._markers), queued=queued)
-        self._markers, self._stuck = [], []
+        self._markers, self._stuck, self._backlog = [], [], []
         return queued
 
     def turn_succeeded(self, session_key: str) -> None:

@@ -1,0 +1,144 @@
+"""Start-up recovery in-process: held messages, re-queued inbox, resent ledger rows."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
+from config import GatewayConfig
+from gateway.agents import TurnRequest, TurnResult
+from gateway.run import GatewayRunner
+from gateway.session import Platform, SessionSource
+
+SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")
+CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})
+
+
+class ProbeAdapter(PlatformAdapter):
+    """Delivers `arriving` the moment it starts, i.e. while recovery is still running."""
+
+    platform = Platform.LOCAL
+
+    def __init__(self, arriving: list[MessageEvent] | None = None, fail_sends: int = 0):
+        super().__init__()
+        self.arriving = arriving or []
+        self.statuses: list[AcceptStatus] = []
+        self.sent: list[str] = []
+        self.fail_sends = fail_sends
+
+    async def start(self) -> None:
+        assert self.gateway is not None
+        for event in self.arriving:
+            self.statuses.append((await self.gateway.handle_message(event)).status)
+
+    async def stop(self) -> None:
+        pass
+
+    async def send(self, target, text, reply_to=None, *, delivery_id=None) -> SendResult:
+        if self.fail_sends:
+            self.fail_sends -= 1
+            raise ConnectionError("platform down")
+        self.sent.append(text)
+        return SendResult(str(delivery_id))
+
+
+class Echo:
+    def __init__(self, session_key: str) -> None:
+        pass
+
+    async def run_turn(self, request: TurnRequest) -> TurnResult:
+        if "block" in request.text:
+            await asyncio.Event().wait()
+        return TurnResult(f"echo: {request.text}")
+
+    async def close(self) -> None:
+        pass
+
+
+def event(text: str, message_id: str) -> MessageEvent:
+    return MessageEvent(source=SOURCE, text=text, message_id=message_id)
+
+
+async def crash(runner: GatewayRunner) -> None:
+    """Stop a runner the way kill -9 would leave its files: no drain, no clean marker."""
+    for task in list(runner._workers.values()):
+        task.cancel()
+    await asyncio.gather(*runner._workers.values(), return_exceptions=True)
+    await runner._housekeeper.stop()
+    await runner.store.close()
+
+
+async def wait_for(predicate, within: float = 5.0) -> None:
+    for _ in range(int(within / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+async def test_messages_arriving_during_recovery_wait_for_the_resumed_turn(
+    tmp_path: Path,
+) -> None:
+    first = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
+    await first.start()
+    await first.handle_message(event("block me", "m1"))
+    await wait_for(lambda: bool(first._running))
+    await asyncio.sleep(0.1)  # the turn marker is committed before the agent runs
+    await crash(first)
+
+    class Resumed(Echo):
+        async def run_turn(self, request: TurnRequest) -> TurnResult:
+            return TurnResult(f"echo: {request.text}")
+
+    probe = ProbeAdapter([event("arrived during recovery", "m2")])
+    second = GatewayRunner(CONFIG, [probe], agent_factory=Resumed, home=tmp_path)
+    await second.start()
+    try:
+        assert probe.statuses == [AcceptStatus.PENDING]  # held, not run early
+        await wait_for(lambda: len(probe.sent) == 2)
+        assert probe.sent == ["echo: block me", "echo: arrived during recovery"]
+    finally:
+        await second.stop()
+
+
+async def test_unsent_chunks_are_sent_once_after_a_restart(tmp_path: Path) -> None:
+    failing = ProbeAdapter(fail_sends=10)
+    first = GatewayRunner(CONFIG, [failing], agent_factory=Echo, home=tmp_path)
+    await first.start()
+    await first.handle_message(event("hello", "m1"))
+    await wait_for(lambda: failing.fail_sends < 10)  # the send was tried and failed
+    await asyncio.sleep(0.05)
+    await crash(first)
+
+    probe = ProbeAdapter()
+    second = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
+    await second.start()
+    try:
+        assert probe.sent == ["echo: hello"]
+        assert await second.resend_pending() == 0  # acknowledged now: never again
+        assert probe.sent == ["echo: hello"]
+    finally:
+        await second.stop()
+
+
+async def test_stop_drops_queued_messages_for_good(tmp_path: Path) -> None:
+    probe = ProbeAdapter()
+    first = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
+    await first.start()
+    await first.handle_message(event("block", "m1"))
+    await wait_for(lambda: bool(first._running))
+    assert (await first.handle_message(event("/queue later", "m2"))).status == AcceptStatus.QUEUED
+    await first.handle_message(event("/stop", "m3"))
+    await crash(first)
+
+    probe = ProbeAdapter()
+    second = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
+    await second.start()
+    try:
+        await asyncio.sleep(0.3)
+        assert probe.sent == []  # neither the stopped turn nor its queue come back
+        assert await second.turnlog.open_inbox() == []
+        assert await second.turnlog.open_turns() == []
+    finally:
+        await second.stop()

@@ -7,6 +7,8 @@ through `GatewayHandle`, so neither imports the other.
 
 from __future__ import annotations
 
+import asyncio
+import random
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -15,6 +17,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
+from config import ChatPlatformConfig, PlatformConfig
 from gateway.session import Platform, SessionSource
 
 __all__ = [
@@ -25,6 +28,7 @@ __all__ = [
     "PlatformAdapter",
     "SendResult",
     "split_message",
+    "utf16_len",
 ]
 
 
@@ -109,23 +113,121 @@ class GatewayHandle(Protocol):
 
     def metrics_text(self) -> str: ...
 
+    async def is_paired(self, platform: str, user_id: str) -> bool:
+        """Did the operator approve this user (`hermes-gateway pairing approve`)?"""
+        ...
+
+    async def request_pairing(
+        self, platform: str, user_id: str, user_name: str | None
+    ) -> str | None:
+        """This user's pairing code, or None when too many are pending on the platform."""
+        ...
+
+    async def notify(self, target: SessionSource, text: str) -> None:
+        """Send a gateway notice (recorded in the delivery ledger like any reply)."""
+        ...
+
 
 class PlatformAdapter(ABC):
     """One chat platform. Subclasses convert platform events into `MessageEvent`s and
-    hand them to `gateway.handle_message`; the runner calls `send` for replies."""
+    hand them to `gateway.handle_message`; the runner calls `send` for replies.
+
+    Shared here: access control (allowlists, DM pairing), the mention rule for groups,
+    reply splitting, reconnect backoff and the health state. Platform quirks stay in the
+    subclass."""
 
     platform: Platform
     max_message_length: int = 4096
-    #: how the platform measures length (Telegram counts UTF-16 code units)
+    #: how the platform measures length; a plain function must be wrapped in
+    #: staticmethod() (Telegram counts UTF-16 code units: `staticmethod(utf16_len)`)
     length_fn: Callable[[str], int] = len
     #: the bot's own @name, so `/new@otherbot` in a group is left alone
     bot_username: str | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, config: PlatformConfig | None = None) -> None:
+        self.config = config
         self.gateway: GatewayHandle | None = None
+        self.state = "stopped"
+        self.state_since = datetime.now(UTC)
+        self.last_error: str | None = None
+        self.reconnects = 0
 
     def bind(self, gateway: GatewayHandle) -> None:
         self.gateway = gateway
+
+    # --- health ----------------------------------------------------------------------------
+
+    def set_state(self, state: str, error: str | None = None) -> None:
+        """Record the adapter's real connection state: starting, running, reconnecting,
+        stopped or failed (shown by /healthz and `hermes-gateway status`)."""
+        if state == "reconnecting" and self.state != "reconnecting":
+            self.reconnects += 1
+        if state != self.state:
+            self.state, self.state_since = state, datetime.now(UTC)
+        if error is not None:
+            self.last_error = error
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "since": self.state_since.isoformat(),
+            "last_error": self.last_error,
+            "reconnects": self.reconnects,
+        }
+
+    # --- access ------------------------------------------------------------------------------
+
+    async def authorize(self, event: MessageEvent) -> bool:
+        """Deny by default: allowed user, allowed chat, paired user or allow_all_users.
+
+        An unknown user in a DM gets a pairing code (unless `unauthorized_dm_behavior`
+        is `ignore`). Platforms without these settings (the HTTP API: bearer token) allow.
+        """
+        access = self.config if isinstance(self.config, ChatPlatformConfig) else None
+        if access is None or access.allow_all_users:
+            return True
+        src = event.source
+        if src.user_id and src.user_id in access.allowed_users:
+            return True
+        if src.chat_id in access.allowed_chats or (
+            src.parent_chat_id is not None and src.parent_chat_id in access.allowed_chats
+        ):
+            return True
+        assert self.gateway is not None
+        if src.user_id and await self.gateway.is_paired(self.platform.value, src.user_id):
+            return True
+        if src.chat_type == "dm" and src.user_id and access.unauthorized_dm_behavior == "pair":
+            code = await self.gateway.request_pairing(
+                self.platform.value, src.user_id, src.user_name
+            )
+            if code is None:
+                text = (
+                    "Hi! I only talk to people my operator approved, and too many pairing "
+                    "requests are waiting right now. Please try again later."
+                )
+            else:
+                text = (
+                    f"Hi! I only talk to people my operator approved. Your pairing code is "
+                    f"{code} (valid for 1 hour). Ask the operator to run:\n"
+                    f"hermes-gateway pairing approve {self.platform.value} {code}"
+                )
+            await self.gateway.notify(src, text)
+        return False
+
+    def addressed_to_bot(
+        self, source: SessionSource, *, mentioned: bool, replied_to_bot: bool
+    ) -> bool:
+        """In groups and channels the bot answers only when mentioned or replied to,
+        unless `require_mention` is off or the chat is a free-response channel."""
+        if source.chat_type == "dm":
+            return True
+        access = self.config if isinstance(self.config, ChatPlatformConfig) else None
+        if access is None or not access.require_mention:
+            return True
+        free = access.free_response_channels
+        if source.chat_id in free or (source.parent_chat_id and source.parent_chat_id in free):
+            return True
+        return mentioned or replied_to_bot
 
     @abstractmethod
     async def start(self) -> None: ...
@@ -139,18 +241,45 @@ class PlatformAdapter(ABC):
     ) -> SendResult:
         """Send one chunk (already within `max_message_length`) to the target's chat/thread."""
 
-    async def authorize(self, event: MessageEvent) -> bool:
-        """May this sender use the bot? Platforms with allowlists override this."""
-        return True
-
     async def send_typing(self, target: SessionSource) -> None:  # noqa: B027 (optional)
         """Show a typing indicator; platforms without one ignore it."""
 
-    def health(self) -> dict[str, Any]:
-        return {"state": "running"}
-
     def split(self, text: str) -> list[str]:
         return split_message(text, self.max_message_length, self.length_fn)
+
+
+# --- reconnecting ------------------------------------------------------------------------------
+
+
+class Backoff:
+    """Exponential backoff with jitter and a cap, for reconnect loops.
+
+    `delay()` gives the next wait (initial, x factor each time, at most `maximum`);
+    `reset()` after a connection that worked.
+    """
+
+    def __init__(
+        self, initial: float = 1.0, maximum: float = 60.0, factor: float = 2.0, jitter: float = 0.1
+    ) -> None:
+        self.initial, self.maximum, self.factor, self.jitter = initial, maximum, factor, jitter
+        self.attempt = 0
+
+    def delay(self) -> float:
+        base = min(self.maximum, self.initial * self.factor**self.attempt)
+        self.attempt += 1
+        return base * (1 + random.uniform(-self.jitter, self.jitter))
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+    async def sleep(self) -> float:
+        seconds = self.delay()
+        await asyncio.sleep(seconds)
+        return seconds
+
+
+#: longest a platform's 429 `retry_after` is honoured before the send is given up
+MAX_RETRY_AFTER_SECONDS = 300.0
 
 
 # --- splitting ------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ class HttpAdapter(PlatformAdapter):
     max_message_length = 65536
 
     def __init__(self, config: HttpConfig) -> None:
-        super().__init__()
+        super().__init__(config)
         self.config = config
         self.host = config.host
         self.port = config.port

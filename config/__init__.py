@@ -3,6 +3,7 @@
 from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
 from config.schema import (
     AgentConfig,
+    ChatPlatformConfig,
     DiscordConfig,
     GatewayConfig,
     HousekeepingConfig,
@@ -21,6 +22,7 @@ from config.schema import (
 __all__ = [
     "EXIT_CONFIG",
     "AgentConfig",
+    "ChatPlatformConfig",
     "ConfigError",
     "DiscordConfig",
     "GatewayConfig",

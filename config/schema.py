@@ -93,27 +93,61 @@ class QueueConfig(BaseModel):
 
 
 class PlatformConfig(BaseModel):
-    """Settings every platform adapter shares."""
+    """Settings every platform adapter shares, the HTTP API included."""
 
     model_config = _MODEL_CONFIG
 
     enabled: bool = False
     session_reset: SessionResetPolicy | None = None  # beats reset_by_type and session_reset
-    home_channel: str | None = None  # where notifications go when no chat is implied
+    home_channel: str | None = None  # where scheduled deliveries go when no chat is implied
 
 
-class TelegramConfig(PlatformConfig):
+class ChatPlatformConfig(PlatformConfig):
+    """Access and addressing rules of a chat platform (Telegram, Discord, Slack).
+
+    Access is denied by default: a sender must be in `allowed_users`, write in a chat of
+    `allowed_chats`, be paired, or the platform must set `allow_all_users`."""
+
+    allowed_users: list[str] = Field(default_factory=list)  # platform user ids, as strings
+    allowed_chats: list[str] = Field(default_factory=list)  # chat/channel ids, as strings
+    allow_all_users: bool = False
+    # An unknown user writing a DM: "pair" sends them a code to hand to the operator
+    # (`hermes-gateway pairing approve`), "ignore" stays silent.
+    unauthorized_dm_behavior: Literal["pair", "ignore"] = "pair"
+    # In groups and channels, answer only when mentioned or replied to ...
+    require_mention: bool = True
+    # ... except in these chats/channels (ids as strings), where every message counts.
+    free_response_channels: list[str] = Field(default_factory=list)
+
+
+class TelegramConfig(ChatPlatformConfig):
     token: str | None = Field(default=None, repr=False)
+    # The token is appended to this, as python-telegram-bot does (a Bot API proxy works).
+    base_url: str = "https://api.telegram.org/bot"
+    mode: Literal["polling", "webhook"] = "polling"
+    poll_timeout: int = Field(default=30, ge=0, le=50)  # getUpdates long-poll seconds
+    webhook_url: str | None = None  # public https URL Telegram posts updates to
+    webhook_secret: str | None = Field(default=None, repr=False)
+    listen: str = "127.0.0.1"  # webhook server address (put a TLS proxy in front)
+    port: int = Field(default=8443, ge=0, le=65535)
 
 
-class DiscordConfig(PlatformConfig):
+class DiscordConfig(ChatPlatformConfig):
     token: str | None = Field(default=None, repr=False)
+    api_base_url: str = "https://discord.com/api/v10"
+    gateway_url: str | None = None  # None: the gateway Discord announces
+    auto_thread: bool = False  # answer a channel mention in a new thread
 
 
-class SlackConfig(PlatformConfig):
-    bot_token: str | None = Field(default=None, repr=False)
-    app_token: str | None = Field(default=None, repr=False)
-    signing_secret: str | None = Field(default=None, repr=False)
+class SlackConfig(ChatPlatformConfig):
+    bot_token: str | None = Field(default=None, repr=False)  # xoxb-...
+    app_token: str | None = Field(default=None, repr=False)  # xapp-..., Socket Mode
+    signing_secret: str | None = Field(default=None, repr=False)  # HTTP mode
+    mode: Literal["socket", "http"] = "socket"
+    listen: str = "127.0.0.1"  # HTTP mode server address
+    port: int = Field(default=3000, ge=0, le=65535)
+    path: str = "/slack/events"
+    api_base_url: str = "https://slack.com/api/"
 
 
 class HttpConfig(PlatformConfig):

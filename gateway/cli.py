@@ -25,6 +25,7 @@ from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_co
 from gateway.db import DatabaseError
 from gateway.doctor import add_doctor_parser
 from gateway.logs import configure_logging
+from gateway.pairing import add_pairing_parser
 from gateway.sdnotify import SystemdNotifier, run_watchdog
 from gateway.service import add_service_parser
 from gateway.store import SessionStore
@@ -243,6 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     sessions.set_defaults(handler=cmd_sessions)
 
     add_doctor_parser(sub, [common])
+    add_pairing_parser(sub, [common])
     add_service_parser(sub, [common])
     return parser
 

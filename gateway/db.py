@@ -23,7 +23,7 @@ import aiosqlite
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 _MIGRATIONS: dict[int, str] = {
@@ -127,6 +127,24 @@ _MIGRATIONS: dict[int, str] = {
     );
     CREATE INDEX outbound_pending ON outbound(id) WHERE state = 'pending';
     CREATE INDEX outbound_by_chat ON outbound(platform, chat_id, id);
+    """,
+    # DM pairing: codes handed to unknown users, and the users the operator approved.
+    3: """
+    CREATE TABLE pairing_codes (
+        platform    TEXT NOT NULL,
+        code        TEXT NOT NULL,
+        user_id     TEXT NOT NULL,
+        user_name   TEXT,
+        created_at  REAL NOT NULL,
+        PRIMARY KEY (platform, code)
+    ) WITHOUT ROWID;
+    CREATE TABLE paired_users (
+        platform    TEXT NOT NULL,
+        user_id     TEXT NOT NULL,
+        user_name   TEXT,
+        approved_at REAL NOT NULL,
+        PRIMARY KEY (platform, user_id)
+    ) WITHOUT ROWID;
     """,
 }
 

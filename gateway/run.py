@@ -36,6 +36,7 @@ from gateway.agents import (
     describe_backend,
 )
 from gateway.metrics import Metrics
+from gateway.pairing import Pairing
 from gateway.queue import QueueFull, SessionQueue
 from gateway.recovery import Recovery
 from gateway.session import (
@@ -80,6 +81,7 @@ class GatewayRunner:
         self.store = SessionStore(self.home / "sessions", config)
         self.turnlog = TurnLog(self.store)
         self.recovery = Recovery(self)
+        self.pairing = Pairing(self.store)
         self.agents = AgentCache(
             agent_factory or build_agent_factory(config.agent),
             max_size=config.agent.cache_max_size,
@@ -439,6 +441,17 @@ class GatewayRunner:
         self, platform: str, chat_id: str, after: int, limit: int
     ) -> list[dict[str, Any]]:
         return await self.turnlog.replies_after(platform, chat_id, after, limit)
+
+    async def is_paired(self, platform: str, user_id: str) -> bool:
+        return await self.pairing.is_paired(platform, user_id)
+
+    async def request_pairing(
+        self, platform: str, user_id: str, user_name: str | None
+    ) -> str | None:
+        return await self.pairing.request(platform, user_id, user_name)
+
+    async def notify(self, target: SessionSource, text: str) -> None:
+        await self.deliver(target, text)
 
     def health(self) -> dict[str, Any]:
         adapters = {p.value: a.health() for p, a in self.adapters.items()}

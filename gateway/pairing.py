@@ -1,0 +1,203 @@
+"""DM pairing: an unknown user gets a short code; the operator approves it.
+
+    unknown user DMs the bot  -> code (8 characters, no look-alikes, valid 1 hour;
+                                 at most 3 pending per platform; the same user keeps
+                                 the same code while it is valid)
+    hermes-gateway pairing approve telegram K7MQ2XPA  -> the user may talk to the bot
+    hermes-gateway pairing revoke telegram 12345      -> and no longer
+
+Both the daemon and the CLI use the store's database, so an approval from another
+process counts for the very next message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import sqlite3
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from config import GatewayConfig, hermes_home
+from gateway.store import SessionStore
+
+# A-Z and 2-9 without I, O (and without 0, 1): nothing to confuse when read aloud.
+ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
+CODE_LENGTH = 8
+CODE_TTL_SECONDS = 3600
+MAX_PENDING_PER_PLATFORM = 3
+
+
+@dataclass(frozen=True, slots=True)
+class PairingRequest:
+    platform: str
+    code: str
+    user_id: str
+    user_name: str | None
+    created_at: float
+
+
+def new_code() -> str:
+    return "".join(secrets.choice(ALPHABET) for _ in range(CODE_LENGTH))
+
+
+class Pairing:
+    """Pairing state in the store's database (tables `pairing_codes`, `paired_users`)."""
+
+    def __init__(self, store: SessionStore) -> None:
+        self.store = store
+
+    async def is_paired(self, platform: str, user_id: str) -> bool:
+        return await self.store.read(
+            lambda conn: (
+                conn.execute(
+                    "SELECT 1 FROM paired_users WHERE platform = ? AND user_id = ?",
+                    (platform, user_id),
+                ).fetchone()
+                is not None
+            )
+        )
+
+    async def request(self, platform: str, user_id: str, user_name: str | None) -> str | None:
+        """The user's pairing code; None when the platform has too many pending already."""
+        now = time.time()
+
+        def tx(conn: sqlite3.Connection) -> str | None:
+            conn.execute(
+                "DELETE FROM pairing_codes WHERE created_at < ?", (now - CODE_TTL_SECONDS,)
+            )
+            row = conn.execute(
+                "SELECT code FROM pairing_codes WHERE platform = ? AND user_id = ?",
+                (platform, user_id),
+            ).fetchone()
+            if row:
+                return str(row[0])
+            (pending,) = conn.execute(
+                "SELECT COUNT(*) FROM pairing_codes WHERE platform = ?", (platform,)
+            ).fetchone()
+            if pending >= MAX_PENDING_PER_PLATFORM:
+                return None
+            code = new_code()
+            conn.execute(
+                "INSERT INTO pairing_codes (platform, code, user_id, user_name, created_at)"
+                " VALUES (?, ?, ?, ?, ?)",
+                (platform, code, user_id, user_name, now),
+            )
+            return code
+
+        return await self.store.write(tx, dirty=False)
+
+    async def pending(self) -> list[PairingRequest]:
+        cutoff = time.time() - CODE_TTL_SECONDS
+        rows = await self.store.read(
+            lambda conn: conn.execute(
+                "SELECT platform, code, user_id, user_name, created_at FROM pairing_codes"
+                " WHERE created_at >= ? ORDER BY created_at",
+                (cutoff,),
+            ).fetchall()
+        )
+        return [PairingRequest(*row) for row in rows]
+
+    async def paired(self) -> list[dict[str, Any]]:
+        rows = await self.store.read(
+            lambda conn: conn.execute(
+                "SELECT platform, user_id, user_name, approved_at FROM paired_users"
+                " ORDER BY platform, approved_at"
+            ).fetchall()
+        )
+        names = ("platform", "user_id", "user_name", "approved_at")
+        return [dict(zip(names, row, strict=True)) for row in rows]
+
+    async def approve(self, platform: str, code: str) -> PairingRequest | None:
+        """Approve a valid code (case-insensitive); None when unknown or expired."""
+        now = time.time()
+        code = code.strip().upper()
+
+        def tx(conn: sqlite3.Connection) -> PairingRequest | None:
+            row = conn.execute(
+                "DELETE FROM pairing_codes WHERE platform = ? AND code = ? AND created_at >= ?"
+                " RETURNING platform, code, user_id, user_name, created_at",
+                (platform, code, now - CODE_TTL_SECONDS),
+            ).fetchone()
+            if row is None:
+                return None
+            request = PairingRequest(*row)
+            conn.execute(
+                "INSERT OR REPLACE INTO paired_users (platform, user_id, user_name, approved_at)"
+                " VALUES (?, ?, ?, ?)",
+                (platform, request.user_id, request.user_name, now),
+            )
+            return request
+
+        return await self.store.write(tx, dirty=False)
+
+    async def revoke(self, platform: str, user_id: str) -> bool:
+        return await self.store.write(
+            lambda conn: (
+                conn.execute(
+                    "DELETE FROM paired_users WHERE platform = ? AND user_id = ?",
+                    (platform, user_id),
+                ).rowcount
+                == 1
+            ),
+            dirty=False,
+        )
+
+
+# --- CLI: hermes-gateway pairing list | approve PLATFORM CODE | revoke PLATFORM USER_ID -----
+
+
+def add_pairing_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
+    pairing = subparsers.add_parser(
+        "pairing", parents=parents, help="approve users who asked to talk to the bot"
+    )
+    verbs = pairing.add_subparsers(dest="pairing_command", required=True)
+    verbs.add_parser("list", parents=parents, help="pending codes and paired users")
+    approve = verbs.add_parser("approve", parents=parents, help="approve a pairing code")
+    approve.add_argument("platform")
+    approve.add_argument("code")
+    revoke = verbs.add_parser("revoke", parents=parents, help="remove a paired user")
+    revoke.add_argument("platform")
+    revoke.add_argument("user_id")
+    pairing.set_defaults(handler=cmd_pairing)
+
+
+def cmd_pairing(args: argparse.Namespace, config: GatewayConfig) -> int:
+    async def run() -> int:
+        async with SessionStore(hermes_home() / "sessions", config) as store:
+            pairing = Pairing(store)
+            if args.pairing_command == "approve":
+                request = await pairing.approve(args.platform, args.code)
+                if request is None:
+                    print(f"no valid code {args.code!r} for {args.platform}", file=sys.stderr)
+                    return 1
+                who = (
+                    f"{request.user_name} ({request.user_id})"
+                    if request.user_name
+                    else (request.user_id)
+                )
+                print(f"approved {who} on {args.platform}")
+                return 0
+            if args.pairing_command == "revoke":
+                if await pairing.revoke(args.platform, args.user_id):
+                    print(f"revoked {args.user_id} on {args.platform}")
+                    return 0
+                print(f"{args.user_id} is not paired on {args.platform}", file=sys.stderr)
+                return 1
+            pending = await pairing.pending()
+            print("pending codes:" if pending else "no pending codes")
+            for r in pending:
+                age = int((time.time() - r.created_at) // 60)
+                print(
+                    f"  {r.platform:9} {r.code}  {r.user_name or '-'} ({r.user_id}), {age} min ago"
+                )
+            paired = await pairing.paired()
+            print("paired users:" if paired else "no paired users")
+            for p in paired:
+                print(f"  {p['platform']:9} {p['user_id']}  {p['user_name'] or '-'}")
+            return 0
+
+    return asyncio.run(run())

@@ -17,18 +17,34 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
-from config import ChatPlatformConfig, PlatformConfig
-from gateway.session import Platform, SessionSource
+# Re-exported so a platform module needs nothing but this module and its library.
+from config import (
+    ChatPlatformConfig,
+    DiscordConfig,
+    PlatformConfig,
+    SlackConfig,
+    TelegramConfig,
+)
+from gateway.session import Platform, SessionSource, validate_id
 
 __all__ = [
+    "MAX_RETRY_AFTER_SECONDS",
     "AcceptStatus",
     "Accepted",
+    "Backoff",
+    "ChatPlatformConfig",
+    "DiscordConfig",
     "GatewayHandle",
     "MessageEvent",
+    "Platform",
     "PlatformAdapter",
     "SendResult",
+    "SessionSource",
+    "SlackConfig",
+    "TelegramConfig",
     "split_message",
     "utf16_len",
+    "validate_id",
 ]
 
 
@@ -38,7 +54,9 @@ class MessageEvent:
 
     source: SessionSource
     text: str
-    message_id: str | None = None  # the platform's id, used for redelivery dedup
+    #: the platform's delivery id, used for redelivery dedup (Telegram update_id, Slack
+    #: event_id, Discord message id); replies thread onto `source.message_id`
+    message_id: str | None = None
     received_at: datetime = field(default_factory=lambda: datetime.now(UTC))
     synthetic: bool = False  # made by the gateway itself (auto-resume, /retry)
     #: the gateway's durable inbox rows this event answers (several after a merge)

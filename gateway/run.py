@@ -330,7 +330,8 @@ class GatewayRunner:
             self.metrics.turns_total += 1
             self.recovery.turn_succeeded(key)
         self.metrics.observe_turn(time.monotonic() - started)
-        await self._send_recorded(source, list(zip(ids, chunks, strict=True)), event.message_id)
+        reply_to = source.message_id or event.message_id
+        await self._send_recorded(source, list(zip(ids, chunks, strict=True)), reply_to)
 
     async def _call_agent(self, key: str, request: TurnRequest) -> tuple[str | None, Any]:
         """(reply, usage) on success; (None, short error text for the user) on failure."""

@@ -135,7 +135,7 @@ class TurnLog:
                 conn,
                 event.source,
                 chunks,
-                reply_to=event.message_id,
+                reply_to=event.source.message_id or event.message_id,
                 session_key=session_key,
                 now=now.timestamp(),
             )

@@ -28,6 +28,7 @@ from gateway.logs import configure_logging
 from gateway.pairing import add_pairing_parser
 from gateway.sdnotify import SystemdNotifier, run_watchdog
 from gateway.service import add_service_parser
+from gateway.status import add_status_parser
 from gateway.store import SessionStore
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: drained for a restart; the service manager starts us again
@@ -245,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_doctor_parser(sub, [common])
     add_pairing_parser(sub, [common])
+    add_status_parser(sub, [common])
     add_service_parser(sub, [common])
     return parser
 

@@ -48,6 +48,7 @@ from gateway.session import (
     build_session_context,
     build_session_context_prompt,
 )
+from gateway.status import keep_status, write_status
 from gateway.store import SessionStore
 from gateway.turnlog import TurnLog
 from gateway.watcher import Housekeeper
@@ -102,6 +103,7 @@ class GatewayRunner:
         self._draining = False
         self._held: list[tuple[str, MessageEvent, str, commands.Command | None]] | None = None
         self._started_at = time.monotonic()
+        self._status_task: asyncio.Task[None] | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -124,6 +126,7 @@ class GatewayRunner:
         for key, event, kind, command in held:
             await self._dispatch(key, event, kind, command)
         self._housekeeper.start()
+        self._status_task = asyncio.create_task(keep_status(self.home, self.status_snapshot))
         log.info(
             "gateway_started",
             agent="custom agent factory"
@@ -160,8 +163,12 @@ class GatewayRunner:
             except Exception:
                 log.exception("adapter_stop_failed", platform=adapter.platform.value)
         await self._housekeeper.stop()
+        if self._status_task is not None:
+            self._status_task.cancel()
+            await asyncio.gather(self._status_task, return_exceptions=True)
         await self.agents.close_all()
         await self.store.close()
+        write_status(self.home, {**self.status_snapshot(), "state": "stopped"})
         self.recovery.write_clean_shutdown()
         log.info("gateway_stopped", restart=restart)
 
@@ -462,6 +469,19 @@ class GatewayRunner:
             "accepting": self._accepting,
             "uptime_seconds": round(time.monotonic() - self._started_at, 1),
             "adapters": adapters,
+        }
+
+    def status_snapshot(self) -> dict[str, Any]:
+        """What `hermes-gateway status` shows (written to status.json every few seconds)."""
+        state = "running" if self._accepting else "stopping" if self._draining else "starting"
+        return {
+            "state": state,
+            "health": self.health(),
+            "agent": "custom agent factory"
+            if self._custom_agents
+            else describe_backend(self.config.agent),
+            "active_turns": len(self._workers),
+            "queue_depth": sum(q.depth for q in self._queues.values()),
         }
 
     def metrics_text(self) -> str:

@@ -295,3 +295,30 @@ def test_admin_restart_command_exits_75_and_others_are_refused(
     assert daemon.proc is not None and daemon.proc.poll() is None
     daemon.post("c2", "/restart", message_id="m2", user_id="boss")
     assert daemon.wait_exit() == 75
+
+
+def test_status_command_tells_running_from_dead(daemons: list[Daemon], tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    daemon = make(daemons, tmp_path / "home", slow_echo(0))
+    env = {**os.environ, "HERMES_HOME": str(daemon.home)}
+
+    def status() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "status"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+
+    assert status().returncode == 3
+    daemon.start()
+    running = status()
+    assert running.returncode == 0, running.stdout + running.stderr
+    assert "is running" in running.stdout and "http: running" in running.stdout
+    daemon.kill9()
+    dead = status()
+    assert dead.returncode == 3 and "not running" in dead.stdout

@@ -17,6 +17,7 @@ from typing import Any, BinaryIO
 
 import structlog
 
+from gateway.faults import crash_point
 from gateway.fsutil import atomic_write, set_aside
 from gateway.session import SessionEntry
 
@@ -86,6 +87,7 @@ def write_sessions_json(db_path: Path, json_path: Path) -> int:
         for key, entry in rows:
             file.write(f"{',' if count else ''}\n{json.dumps(key)}:{entry}".encode())
             count += 1
+        crash_point("mid_sessions_json_write")  # the temp file is not closed yet
         file.write(b"\n}\n")
 
     try:

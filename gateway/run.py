@@ -35,6 +35,7 @@ from gateway.agents import (
     build_agent_factory,
     describe_backend,
 )
+from gateway.faults import crash_point
 from gateway.metrics import Metrics
 from gateway.pairing import Pairing
 from gateway.queue import QueueFull, SessionQueue
@@ -420,6 +421,7 @@ class GatewayRunner:
                     self.metrics.send_errors_total += 1
                     log.error("send_failed", platform=target.platform.value, error=str(exc))
                     break
+                crash_point("before_ledger_mark")
                 await self.turnlog.mark_sent(delivery_id, result.message_id)
                 sent += 1
                 self.metrics.replies_sent_total += 1

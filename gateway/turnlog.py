@@ -20,6 +20,7 @@ from typing import Any
 
 from adapters.base import MessageEvent
 from gateway import entries, journal, transcript
+from gateway.faults import crash_point
 from gateway.session import SessionEntry, SessionSource, TokenUsage
 from gateway.store import SessionStore
 
@@ -93,7 +94,9 @@ class TurnLog:
             )
             return TurnStart(entry, history, resumed=False)
 
-        return await self.store.write(tx)
+        start = await self.store.write(tx)
+        crash_point("after_turn_begin")
+        return start
 
     async def finish(
         self,
@@ -140,7 +143,9 @@ class TurnLog:
                 now=now.timestamp(),
             )
 
-        return await self.store.write(tx)
+        ids = await self.store.write(tx)
+        crash_point("after_transcript_write")
+        return ids
 
     async def abandon(self, session_key: str, inbox_ids: list[int]) -> None:
         """A turn and its queue were cancelled (/stop, /new): forget the marker and rows."""

@@ -5,7 +5,11 @@ nothing was lost, nothing answered twice, and nothing corrupted.
 
 Each iteration starts `hermes-gateway run` (HTTP API, echo agent with a small delay),
 posts messages from several chats (plain ones, which merge while a turn runs, and
-`/queue` ones, which get their own turn) and kills the process at a random moment.
+`/queue` ones, which get their own turn) and kills the process: at a random moment, or
+(`--points`, the default) in some iterations at a chosen point inside persistence, where
+the daemon kills itself with SIGKILL (see gateway/faults.py): right after a turn's start
+was committed, right after its reply was written, between a platform's acknowledgement
+and the ledger mark, and in the middle of writing sessions.json.
 A POST cut off by the kill is retried after the restart with the same message id, as a
 platform would redeliver it. After every restart: `PRAGMA integrity_check` is ok and
 sessions.json parses. At the end every accepted message must appear in exactly one
@@ -28,9 +32,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from gateway.faults import POINTS
+from gateway.recovery import STUCK_NOTICE
 from scripts.harness import Daemon, is_connection_error
 
 ACCEPTED = {"started", "pending", "queued", "duplicate"}
+MODES = ("random", *sorted(POINTS))
 ECHO_PREFIX = "echo: "
 
 
@@ -44,6 +51,7 @@ class Ledger:
     posts: int = 0
     corrupted: int = 0
     kills: int = 0
+    by_mode: dict[str, int] = field(default_factory=dict)
 
 
 def post(daemon: Daemon, ledger: Ledger, chat: str, text: str, queued: bool) -> bool:
@@ -78,8 +86,19 @@ def check_files(daemon: Daemon, ledger: Ledger) -> None:
         print("  sessions.json does not parse", file=sys.stderr)
 
 
+def dropped_by_guard(daemon: Daemon) -> set[str]:
+    """Messages the stuck-loop guard dropped (their turn was in flight at 3 crashes)."""
+    conn = daemon.db()
+    try:
+        rows = conn.execute("SELECT message_id FROM inbox WHERE state = 'dropped'").fetchall()
+    finally:
+        conn.close()
+    return {message_id for (message_id,) in rows}
+
+
 def answered_texts(daemon: Daemon, chats: list[str]) -> dict[str, int]:
-    """How many replies mention each sent text (merged replies mention several)."""
+    """How many replies mention each sent text (merged replies mention several); the
+    stuck-loop notices are counted per chat under the key `notice:<chat>`."""
     counts: dict[str, int] = {}
     for chat in chats:
         after = 0
@@ -89,6 +108,9 @@ def answered_texts(daemon: Daemon, chats: list[str]) -> dict[str, int]:
                 break
             after = page[-1]["seq"]
             for reply in page:
+                if reply["text"] == STUCK_NOTICE:
+                    counts[f"notice:{chat}"] = counts.get(f"notice:{chat}", 0) + 1
+                    continue
                 body = reply["text"].split("\n\n")[-1]  # drop a reset notice, if any
                 if not body.startswith(ECHO_PREFIX):
                     continue
@@ -112,17 +134,29 @@ def run(args: argparse.Namespace) -> int:
         started = time.monotonic()
         try:
             for iteration in range(args.iterations):
-                daemon.start()
-                check_files(daemon, ledger)
-                for text, (chat, _, queued) in list(ledger.uncertain.items()):
-                    post(daemon, ledger, chat, text, queued)  # redelivery of a cut-off POST
-                kill_at = time.monotonic() + rng.uniform(args.min_run, args.max_run)
-                while time.monotonic() < kill_at:
-                    counter += 1
-                    post(daemon, ledger, rng.choice(chats), f"m{counter}", rng.random() < 0.3)
-                    time.sleep(rng.uniform(0, args.gap))
+                mode = rng.choice(MODES) if args.points else "random"
+                env = {}
+                if mode != "random":
+                    env["HERMES_CRASH_AT"] = f"{mode}:{rng.randint(1, 6)}"
+                try:
+                    daemon.start(env=env)
+                except RuntimeError:  # the crash point fired during start-up recovery
+                    pass
+                if daemon.alive():
+                    check_files(daemon, ledger)
+                    for text, (chat, _, queued) in list(ledger.uncertain.items()):
+                        post(daemon, ledger, chat, text, queued)  # redelivery of a cut-off POST
+                    kill_at = time.monotonic() + rng.uniform(args.min_run, args.max_run)
+                    while time.monotonic() < kill_at and daemon.alive():
+                        counter += 1
+                        chat = rng.choice(chats)
+                        post(daemon, ledger, chat, f"m{counter}", rng.random() < 0.3)
+                        time.sleep(rng.uniform(0, args.gap))
+                fired = not daemon.alive()
                 daemon.kill9()
                 ledger.kills += 1
+                label = mode if mode == "random" or fired else f"{mode} (not reached: kill -9)"
+                ledger.by_mode[label] = ledger.by_mode.get(label, 0) + 1
                 if (iteration + 1) % 10 == 0:
                     print(f"  {iteration + 1} kills, {len(ledger.accepted)} accepted", flush=True)
             daemon.start()
@@ -131,11 +165,13 @@ def run(args: argparse.Namespace) -> int:
                 post(daemon, ledger, chat, text, queued)
             deadline = time.monotonic() + args.settle
             counts = answered_texts(daemon, chats)
+            dropped = dropped_by_guard(daemon)
             while time.monotonic() < deadline and any(
-                counts.get(t, 0) == 0 for t in ledger.accepted
+                counts.get(t, 0) == 0 and t not in dropped for t in ledger.accepted
             ):
                 time.sleep(0.5)
                 counts = answered_texts(daemon, chats)
+                dropped = dropped_by_guard(daemon)
             time.sleep(args.delay * 4 + 0.5)  # a duplicate would show up by now
             counts = answered_texts(daemon, chats)
             daemon.signal(signal.SIGTERM)
@@ -143,16 +179,32 @@ def run(args: argparse.Namespace) -> int:
             check_files(daemon, ledger)
         finally:
             daemon.ensure_stopped()
-        lost = sorted((t for t in ledger.accepted if counts.get(t, 0) == 0), key=_order)
+        # A message the stuck-loop guard dropped is answered by its notice (the designed
+        # outcome of a turn that crashed the gateway three times); without one, it is lost.
+        notified = {
+            t
+            for t in dropped & ledger.accepted.keys()
+            if counts.get(f"notice:{ledger.accepted[t]}")
+        }
+        lost = sorted(
+            (t for t in ledger.accepted if counts.get(t, 0) == 0 and t not in notified),
+            key=_order,
+        )
         duplicated = sorted((t for t in ledger.accepted if counts.get(t, 0) > 1), key=_order)
-        unknown = sorted((t for t in counts if t not in ledger.accepted), key=_order)
+        unknown = sorted(
+            (t for t in counts if t not in ledger.accepted and not t.startswith("notice:")),
+            key=_order,
+        )
     elapsed = time.monotonic() - started
     print(
         f"iterations={args.iterations} kills={ledger.kills} posts={ledger.posts} "
         f"accepted={len(ledger.accepted)} refused={ledger.refused} "
         f"lost={len(lost)} duplicated={len(duplicated)} corrupted={ledger.corrupted} "
+        f"dropped_by_stuck_loop_guard_with_notice={len(notified)} "
         f"unexpected_replies={len(unknown)} final_exit={exit_code} seconds={elapsed:.0f}"
     )
+    for mode, count in sorted(ledger.by_mode.items()):
+        print(f"  kills by {mode}: {count}")
     for name, items in (("lost", lost), ("duplicated", duplicated), ("unexpected", unknown)):
         if items:
             print(f"{name}: {items[:20]}", file=sys.stderr)
@@ -177,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--settle", type=float, default=60, help="max wait for answers (s)")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--home", help="keep the state here instead of a temp directory")
+    parser.add_argument(
+        "--no-points", dest="points", action="store_false", help="random kills only"
+    )
     return run(parser.parse_args(argv))
 
 

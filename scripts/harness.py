@@ -43,8 +43,10 @@ class Daemon:
 
     # --- process ---------------------------------------------------------------------------
 
-    def start(self, timeout: float = 20.0, wait_ready: bool = True) -> None:
-        env = {**os.environ, "HERMES_HOME": str(self.home), **self.extra_env}
+    def start(
+        self, timeout: float = 20.0, wait_ready: bool = True, env: dict[str, str] | None = None
+    ) -> None:
+        env = {**os.environ, "HERMES_HOME": str(self.home), **self.extra_env, **(env or {})}
         env.pop("HERMES_CONFIG", None)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
@@ -73,8 +75,12 @@ class Daemon:
 
     def kill9(self) -> None:
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=10)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def signal(self, signum: int) -> None:
         assert self.proc is not None

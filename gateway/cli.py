@@ -49,10 +49,20 @@ def cmd_check_config(args: argparse.Namespace, config: GatewayConfig) -> int:
 
 
 def build_adapters(config: GatewayConfig) -> list[PlatformAdapter]:
-    """The adapters the config enables; the HTTP API when no other platform is enabled."""
+    """The adapters the config enables; the HTTP API when no other platform is enabled.
+
+    A platform enabled without the settings it needs raises ConfigError (exit 78)."""
     from adapters.http import HttpAdapter
 
     adapters: list[PlatformAdapter] = []
+    platforms = config.platforms
+    try:
+        if platforms.slack.enabled:
+            from adapters.slack import SlackAdapter
+
+            adapters.append(SlackAdapter(platforms.slack))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
     http = config.platforms.http
     if http.enabled or not config.connected_platforms():
         adapters.append(HttpAdapter(http))
@@ -73,7 +83,12 @@ async def serve(config: GatewayConfig, home: Path) -> int:
     notifier = SystemdNotifier()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    runner = GatewayRunner(config, build_adapters(config), home=home)
+    try:
+        adapters = build_adapters(config)
+    except ConfigError as exc:
+        log.error("configuration_error", error=str(exc))
+        return EXIT_CONFIG
+    runner = GatewayRunner(config, adapters, home=home)
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, runner.request_restart)

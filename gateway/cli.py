@@ -57,6 +57,10 @@ def build_adapters(config: GatewayConfig) -> list[PlatformAdapter]:
     adapters: list[PlatformAdapter] = []
     platforms = config.platforms
     try:
+        if platforms.telegram.enabled:
+            from adapters.telegram import TelegramAdapter
+
+            adapters.append(TelegramAdapter(platforms.telegram))
         if platforms.slack.enabled:
             from adapters.slack import SlackAdapter
 
@@ -94,10 +98,14 @@ async def serve(config: GatewayConfig, home: Path) -> int:
     loop.add_signal_handler(signal.SIGUSR1, runner.request_restart)
     try:
         await runner.start()
-    except OSError as exc:  # e.g. the HTTP port is taken
+    except OSError as exc:  # e.g. the HTTP port is taken, a platform unreachable
         log.error("gateway_start_failed", error=str(exc))
         await runner.stop()
         return 1
+    except (ValueError, RuntimeError) as exc:  # a platform refused its settings (token ...)
+        log.error("configuration_error", error=str(exc))
+        await runner.stop()
+        return EXIT_CONFIG
     except DatabaseError as exc:
         log.error("state_database_unusable", error=str(exc))
         raise

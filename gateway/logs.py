@@ -1,4 +1,8 @@
-"""Logging setup: structlog, JSON lines for services, a readable console for people."""
+"""Logging setup: structlog, JSON lines for services, a readable console for people.
+
+Records from the standard `logging` module (adapters, platform libraries) go through the
+same renderer, so a service's log is one JSON object per line whoever wrote it.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,19 @@ import logging
 import sys
 
 import structlog
+
+# Chatty or risky at INFO: httpx logs every request URL, and Telegram's URLs carry the
+# bot token. Their warnings and errors still come through.
+QUIET_LIBRARIES = (
+    "httpx",
+    "httpcore",
+    "telegram",
+    "discord",
+    "slack_sdk",
+    "slack_bolt",
+    "aiohttp.access",
+    "apscheduler",
+)
 
 
 def configure_logging(json_output: bool | None = None, level: str = "INFO") -> None:
@@ -17,17 +34,33 @@ def configure_logging(json_output: bool | None = None, level: str = "INFO") -> N
         if json_output
         else structlog.dev.ConsoleRenderer(colors=sys.stderr.isatty())
     )
-    numeric_level = logging.getLevelName(level.upper())
-    logging.basicConfig(level=numeric_level, stream=sys.stderr, format="%(message)s")
+    shared: list[structlog.typing.Processor] = [
+        structlog.contextvars.merge_contextvars,
+        structlog.stdlib.add_log_level,
+        structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
     structlog.configure(
         processors=[
-            structlog.contextvars.merge_contextvars,
-            structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.stdlib.filter_by_level,
+            *shared,
+            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
+        ],
+        logger_factory=structlog.stdlib.LoggerFactory(),
+        wrapper_class=structlog.stdlib.BoundLogger,
+        cache_logger_on_first_use=False,
+    )
+    formatter = structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[*shared, structlog.stdlib.add_logger_name],
+        processors=[
+            structlog.stdlib.ProcessorFormatter.remove_processors_meta,
             structlog.processors.format_exc_info,
             renderer,
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(numeric_level),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
-        cache_logger_on_first_use=False,
     )
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(formatter)
+    root = logging.getLogger()
+    root.handlers = [handler]
+    root.setLevel(level.upper())
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(logging.WARNING)

@@ -1,0 +1,640 @@
+"""Telegram: python-telegram-bot's `Bot` for the Bot API, with our own update loop.
+
+    polling:  getUpdates(offset) -> for each update, in order: convert -> gateway.handle_message
+              (durable, dedup by update_id) -> only then offset = update_id + 1
+    webhook:  POST from Telegram -> secret header checked -> same conversion and handoff ->
+              200 only after the gateway accepted it (else Telegram retries)
+    replies:  sendMessage in MarkdownV2 (text escaped, `code` and ``` blocks kept), plain
+              text when that cannot work; 429 retry_after honoured; into the forum topic
+
+A crash between accepting an update and moving the offset makes Telegram deliver the
+update again; the gateway's inbound dedup drops the copy, so nothing is lost or doubled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import re
+import warnings
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+import telegram
+from aiohttp import web
+from telegram.constants import ChatAction, MessageEntityType, ParseMode
+from telegram.error import (
+    BadRequest,
+    ChatMigrated,
+    InvalidToken,
+    NetworkError,
+    RetryAfter,
+    TelegramError,
+)
+from telegram.request import HTTPXRequest
+from telegram.warnings import PTBDeprecationWarning, PTBUserWarning
+
+from adapters.base import (
+    MAX_RETRY_AFTER_SECONDS,
+    AcceptStatus,
+    Backoff,
+    MessageEvent,
+    Platform,
+    PlatformAdapter,
+    SendResult,
+    SessionSource,
+    TelegramConfig,
+    split_message,
+    utf16_len,
+)
+
+__all__ = ["COMMANDS", "TelegramAdapter", "to_markdown_v2"]
+
+log = logging.getLogger("adapters.telegram")
+
+#: the gateway's chat commands, as shown in Telegram's command menu
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("new", "Start a new session"),
+    ("reset", "Start a new session (same as /new)"),
+    ("stop", "Cancel the running reply and clear the queue"),
+    ("queue", "Run a message as its own turn after the current one"),
+    ("status", "Session id, age, messages, tokens, next reset"),
+    ("resume", "List earlier sessions or switch back to one"),
+    ("retry", "Re-run your last message"),
+    ("undo", "Take back your last message and its reply"),
+    ("help", "List the commands"),
+)
+# Commands the gateway understands without being in the menu (a bare one counts as
+# addressed to us in a group: Telegram's privacy mode delivers commands to every bot).
+_COMMAND_WORDS = frozenset(name for name, _ in COMMANDS) | {"q", "restart"}
+
+_CHAT_TYPES = {"private": "dm", "group": "group", "supergroup": "group", "channel": "channel"}
+_ALLOWED_UPDATES = ("message",)
+SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
+_SECRET_CHARS = re.compile(r"[A-Za-z0-9_-]{1,256}")  # what setWebhook accepts
+
+#: sendMessage tries per chunk (429 waits included); of them, at most this many network errors
+MAX_SEND_ATTEMPTS = 5
+MAX_NETWORK_ATTEMPTS = 3
+#: extra read time for getUpdates beyond the long-poll itself (PTB adds poll_timeout to it)
+POLL_READ_GRACE_SECONDS = 10.0
+WEBHOOK_MAX_BODY_BYTES = 1 << 20
+# Loggers that print URLs with the bot token in them (filtered: see _RedactToken).
+_TOKEN_LOGGERS = ("httpx", "telegram.Bot")
+_COMMAND = re.compile(r"^/([A-Za-z0-9_]+)(?:@(\w+))?")
+
+
+class TelegramAdapter(PlatformAdapter):
+    """A Telegram bot over the Bot API (python-telegram-bot 22), polling or webhook.
+
+    After `start()`: `bot_username` is the bot's @name (without the @) and, in webhook
+    mode, `webhook_port` is the bound port (config port 0 picks a free one).
+    """
+
+    platform = Platform.TELEGRAM
+    max_message_length = 4096
+    length_fn = staticmethod(utf16_len)  # Telegram counts UTF-16 code units
+
+    def __init__(self, config: TelegramConfig) -> None:
+        super().__init__(config)
+        self.config: TelegramConfig = config
+        self.webhook_port: int | None = None
+        self._bot: telegram.Bot | None = None
+        self._bot_id: int | None = None
+        self._offset: int | None = None  # next getUpdates offset: all below are accepted
+        self._connected = False
+        self._task: asyncio.Task[None] | None = None
+        self._webhook_runner: web.AppRunner | None = None
+        self._log_filter: _RedactToken | None = None
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Check the token (getMe), register the command menu, then poll or serve.
+
+        A wrong token or webhook setting raises; Telegram being unreachable does not
+        (the adapter keeps trying in the background and reports `reconnecting`)."""
+        token = self._check_config()
+        self._install_log_filter(token)
+        self.set_state("starting")
+        self._bot = telegram.Bot(
+            token,
+            base_url=self.config.base_url,
+            request=HTTPXRequest(
+                connection_pool_size=8,
+                connect_timeout=10.0,
+                read_timeout=20.0,
+                write_timeout=20.0,
+                pool_timeout=5.0,
+            ),
+            # Its own single connection, so a long poll never holds up a reply.
+            get_updates_request=HTTPXRequest(
+                connection_pool_size=1,
+                connect_timeout=10.0,
+                read_timeout=POLL_READ_GRACE_SECONDS,
+                write_timeout=10.0,
+                pool_timeout=5.0,
+            ),
+        )
+        try:
+            if self.config.mode == "webhook":
+                await self._start_webhook_server()
+            await self._connect()
+        except TelegramError as exc:
+            if not _is_transient(exc):
+                await self._close()
+                raise RuntimeError(self._refusal(exc)) from None
+            self._connection_lost(exc)
+        except BaseException:
+            await self._close()
+            raise
+        if self.config.mode == "polling" or not self._connected:
+            self._task = asyncio.create_task(self._run(), name="telegram-updates")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        await self._close()
+        self.set_state("stopped")
+
+    def health(self) -> dict[str, Any]:
+        return {**super().health(), "mode": self.config.mode, "bot": self.bot_username}
+
+    def _refusal(self, exc: TelegramError) -> str:
+        if isinstance(exc, InvalidToken):
+            return (
+                "Telegram rejected the bot token (platforms.telegram.token); "
+                "check it with @BotFather (/token)"
+            )
+        return f"Telegram refused to set the bot up: {self._redact(str(exc))}"
+
+    def _check_config(self) -> str:
+        if not self.config.token:
+            raise ValueError("platforms.telegram.token is not set; get one from @BotFather")
+        if self.config.mode == "webhook":
+            if not self.config.webhook_url:
+                raise ValueError("platforms.telegram.webhook_url is required in webhook mode")
+            secret = self.config.webhook_secret
+            if not secret or not _SECRET_CHARS.fullmatch(secret):
+                # Without it anyone who finds the URL could post updates as any user.
+                raise ValueError(
+                    "platforms.telegram.webhook_secret is required in webhook mode: "
+                    "1-256 characters of A-Z, a-z, 0-9, _ and -"
+                )
+        return self.config.token
+
+    async def _connect(self) -> None:
+        """getMe, the command menu, and the delivery mode (one call each)."""
+        bot = self._require_bot()
+        await bot.initialize()  # getMe; raises InvalidToken for a wrong token
+        self.bot_username, self._bot_id = bot.username, bot.id
+        try:
+            await bot.set_my_commands([telegram.BotCommand(n, d) for n, d in COMMANDS])
+        except TelegramError as exc:  # the menu is a convenience; never fail on it
+            log.warning("telegram: could not set the command menu: %s", self._redact(str(exc)))
+        if self.config.mode == "polling":
+            await bot.delete_webhook(drop_pending_updates=False)
+        else:
+            await bot.set_webhook(
+                url=str(self.config.webhook_url),
+                secret_token=self.config.webhook_secret,
+                allowed_updates=list(_ALLOWED_UPDATES),
+                max_connections=1,  # one at a time: updates reach the gateway in order
+            )
+        self._connected = True
+        self.set_state("running")
+        log.info("telegram: connected as @%s (%s)", self.bot_username, self.config.mode)
+
+    async def _run(self) -> None:
+        backoff = Backoff(initial=1.0, maximum=60.0)
+        while not self._connected:
+            await backoff.sleep()
+            try:
+                await self._connect()
+            except Exception as exc:
+                if isinstance(exc, TelegramError) and not _is_transient(exc):
+                    self._failed(exc)
+                    return
+                self._connection_lost(exc)
+        if self.config.mode == "polling":
+            await self._poll_forever()
+
+    async def _close(self) -> None:
+        runner, self._webhook_runner = self._webhook_runner, None
+        if runner is not None:
+            await runner.cleanup()
+        bot, self._bot = self._bot, None
+        if bot is not None:
+            if self.config.mode == "polling" and self._connected and self._offset is not None:
+                # Tell Telegram what we accepted, so a restart is not sent it again.
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(3):
+                        await bot.get_updates(offset=self._offset, limit=1, timeout=0)
+            await bot.shutdown()
+        self._connected = False
+        self._remove_log_filter()
+
+    # --- polling -------------------------------------------------------------------------
+
+    async def _poll_forever(self) -> None:
+        backoff = Backoff(initial=1.0, maximum=60.0)
+        while True:
+            try:
+                batch = await self._fetch_updates()
+            except RetryAfter as exc:
+                self._connection_lost(exc)
+                await asyncio.sleep(min(_retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS))
+                continue
+            except InvalidToken as exc:  # revoked while running: retrying cannot help
+                self._failed(exc)
+                return
+            except Exception as exc:  # network, timeout, 409 Conflict
+                self._connection_lost(exc)
+                await backoff.sleep()
+                continue
+            if self.state != "running":
+                self.set_state("running")
+                log.info("telegram: polling again after %d reconnect(s)", self.reconnects)
+            backoff.reset()
+            try:
+                accepted_all = await self._accept_updates(batch)
+            except Exception:
+                # The gateway could not take an update; the offset did not move, so the
+                # next getUpdates brings it again.
+                log.exception("telegram: the gateway failed to accept an update; retrying")
+                await backoff.sleep()
+                continue
+            if not accepted_all:
+                await asyncio.sleep(1.0)  # the gateway is shutting down; leave them queued
+            elif not batch and self.config.poll_timeout == 0:
+                await asyncio.sleep(1.0)  # short polling: do not spin on an empty queue
+
+    async def _fetch_updates(self) -> list[tuple[int, telegram.Update | None]]:
+        """The next batch as (update_id, update); None for an update python-telegram-bot
+        cannot read, so that one is skipped instead of blocking every later one."""
+        bot = self._require_bot()
+        try:
+            updates = await bot.get_updates(
+                offset=self._offset,
+                timeout=self.config.poll_timeout,
+                allowed_updates=list(_ALLOWED_UPDATES),
+            )
+            return [(update.update_id, update) for update in updates]
+        except TelegramError:
+            raise
+        except Exception:
+            log.warning("telegram: python-telegram-bot could not read an update batch")
+        # Fetch the same batch as raw JSON (no long poll) and read the updates one by one.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PTBUserWarning)  # "use Bot.get_updates"
+            raw = await bot.do_api_request(
+                "getUpdates",
+                api_kwargs={"offset": self._offset, "allowed_updates": list(_ALLOWED_UPDATES)},
+            )
+        batch: list[tuple[int, telegram.Update | None]] = []
+        for data in raw:
+            try:
+                batch.append((data["update_id"], telegram.Update.de_json(data, bot)))
+            except Exception:
+                log.exception("telegram: skipping unreadable update %s", data.get("update_id"))
+                batch.append((data["update_id"], None))
+        return batch
+
+    async def _accept_updates(self, batch: list[tuple[int, telegram.Update | None]]) -> bool:
+        """Hand updates to the gateway in order, moving the offset past each accepted one.
+
+        False when the gateway refused one because it is stopping (it stays unconfirmed)."""
+        for update_id, update in batch:
+            if update is not None and not await self._accept_update(update):
+                return False
+            # max(): a redelivered old update must not move the offset back.
+            self._offset = max(self._offset or 0, update_id + 1)
+        return True
+
+    async def _accept_update(self, update: telegram.Update) -> bool:
+        try:
+            event = self._to_event(update)
+        except Exception:
+            # The same update would fail the same way on every redelivery: skip it.
+            log.exception("telegram: skipping update %s that could not be read", update.update_id)
+            return True
+        if event is None:
+            return True
+        assert self.gateway is not None, "bind() the adapter to the gateway before start()"
+        accepted = await self.gateway.handle_message(event)
+        stopping = accepted.status is AcceptStatus.REFUSED and accepted.session_key is None
+        return not stopping
+
+    def _connection_lost(self, exc: BaseException) -> None:
+        error = self._redact(f"{type(exc).__name__}: {exc}")
+        if self.state != "reconnecting":
+            log.warning("telegram: connection problem, retrying with backoff: %s", error)
+        self.set_state("reconnecting", error)
+
+    def _failed(self, exc: BaseException) -> None:
+        error = self._redact(f"{type(exc).__name__}: {exc}")
+        log.error("telegram: giving up (fix the config and restart): %s", error)
+        self.set_state("failed", error)
+
+    # --- webhook -------------------------------------------------------------------------
+
+    async def _start_webhook_server(self) -> None:
+        path = urlsplit(str(self.config.webhook_url)).path or "/"
+        app = web.Application(client_max_size=WEBHOOK_MAX_BODY_BYTES)
+        app.router.add_post(path, self._on_webhook)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, self.config.listen, self.config.port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise OSError(
+                exc.errno,
+                f"Telegram webhook cannot listen on {self.config.listen}:{self.config.port} "
+                f"({exc.strerror}); change platforms.telegram.port in hermes.yaml",
+            ) from exc
+        self._webhook_runner = runner
+        self.webhook_port = runner.addresses[0][1]
+        log.info(
+            "telegram: webhook listening on %s:%s%s", self.config.listen, self.webhook_port, path
+        )
+
+    async def _on_webhook(self, request: web.Request) -> web.Response:
+        expected = str(self.config.webhook_secret).encode()
+        given = request.headers.get(SECRET_HEADER, "").encode("utf-8", "surrogateescape")
+        if not hmac.compare_digest(given, expected):
+            return web.Response(status=403, text="wrong or missing secret token")
+        try:
+            data = json.loads(await request.read())
+            if not isinstance(data, dict) or not isinstance(data.get("update_id"), int):
+                raise ValueError("not an Update object")
+        except ValueError as exc:  # includes bad UTF-8
+            return web.Response(status=400, text=f"malformed update: {exc}")
+        try:
+            update = telegram.Update.de_json(data, self._require_bot())
+        except Exception:
+            # Refusing would make Telegram resend it forever, holding up later updates.
+            log.exception("telegram: skipping unreadable update %s", data["update_id"])
+            return web.Response(text="skipped")
+        try:
+            accepted = await self._accept_update(update)
+        except Exception:
+            log.exception("telegram: the gateway failed to accept a webhook update")
+            return web.Response(status=500, text="not accepted; retry")
+        if not accepted:
+            return web.Response(status=503, text="shutting down; retry")
+        return web.Response(text="ok")
+
+    # --- inbound -------------------------------------------------------------------------
+
+    def _to_event(self, update: telegram.Update) -> MessageEvent | None:
+        """The gateway's event for a new text message, or None when it is not for us:
+        edits, service messages and media without caption, bots, unaddressed group chat."""
+        message = update.message
+        if message is None or message.from_user is None or message.from_user.is_bot:
+            return None
+        text = message.text if message.text is not None else message.caption
+        chat_type = _CHAT_TYPES.get(message.chat.type)
+        if not text or chat_type is None:
+            return None
+        user = message.from_user
+        # message_thread_id is also set on replies in ordinary supergroups; only a forum
+        # topic is a thread of its own (its General topic has no id and is the chat).
+        topic = message.message_thread_id if message.is_topic_message else None
+        source = SessionSource(
+            platform=Platform.TELEGRAM,
+            chat_id=str(message.chat.id),
+            chat_name=message.chat.effective_name,
+            chat_type=chat_type,
+            user_id=str(user.id),
+            user_name=user.full_name or user.username,
+            thread_id=str(topic) if topic else None,
+            message_id=str(message.message_id),
+            is_bot=user.is_bot,
+        )
+        if not self.addressed_to_bot(
+            source,
+            mentioned=self._mentions_bot(message, text),
+            replied_to_bot=self._is_reply_to_bot(message),
+        ):
+            return None
+        return MessageEvent(
+            source=source, text=self._strip_mention(text), message_id=str(update.update_id)
+        )
+
+    def _mentions_bot(self, message: telegram.Message, text: str) -> bool:
+        name = self.bot_username
+        if name is None:
+            return False
+        if re.search(rf"(?<![\w@])@{re.escape(name)}(?!\w)", text, re.IGNORECASE):
+            return True
+        command = _COMMAND.match(text)
+        if command is not None:
+            addressee = command.group(2)
+            if addressee is None:
+                return command.group(1).lower() in _COMMAND_WORDS
+            return addressee.lower() == name.lower()
+        kinds = [MessageEntityType.TEXT_MENTION]
+        entities = (
+            message.parse_entities(kinds)
+            if message.text is not None
+            else message.parse_caption_entities(kinds)
+        )
+        return any(e.user is not None and e.user.id == self._bot_id for e in entities)
+
+    def _is_reply_to_bot(self, message: telegram.Message) -> bool:
+        replied = message.reply_to_message
+        # In a forum every topic message "replies" to the topic's creation notice.
+        return (
+            replied is not None
+            and replied.forum_topic_created is None
+            and replied.from_user is not None
+            and replied.from_user.id == self._bot_id
+        )
+
+    def _strip_mention(self, text: str) -> str:
+        if self.bot_username is None:
+            return text
+        pattern = rf"^\s*@{re.escape(self.bot_username)}(?!\w)[\s,:]*"
+        return re.sub(pattern, "", text, count=1, flags=re.IGNORECASE)
+
+    # --- outbound ------------------------------------------------------------------------
+
+    def split(self, text: str) -> list[str]:
+        """Split by UTF-16 length, then split again any chunk whose MarkdownV2 escaping
+        would not fit, so chunks keep their formatting instead of going out plain."""
+        limit = self.max_message_length
+        chunks: list[str] = []
+        for chunk in super().split(text):
+            if _rendered_len(chunk) <= limit:
+                chunks.append(chunk)
+            else:
+                chunks.extend(split_message(chunk, limit, _rendered_len))
+        return chunks
+
+    async def send(
+        self,
+        target: SessionSource,
+        text: str,
+        reply_to: str | None = None,
+        *,
+        delivery_id: int | None = None,
+    ) -> SendResult:
+        """Send one chunk; raises when Telegram refuses it or stays unreachable (the
+        runner keeps the chunk in its ledger and sends it later)."""
+        bot = self._require_bot()
+        chat_id: int | str = target.chat_id
+        formatted = to_markdown_v2(text)
+        markdown = utf16_len(formatted) <= self.max_message_length
+        options: dict[str, Any] = {}
+        if target.thread_id:
+            options["message_thread_id"] = int(target.thread_id)
+        if reply_to is not None and reply_to.isdigit():
+            options["reply_parameters"] = telegram.ReplyParameters(
+                message_id=int(reply_to), allow_sending_without_reply=True
+            )
+        backoff = Backoff(initial=0.5, maximum=5.0)
+        attempts = network_errors = 0
+        while True:
+            attempts += 1
+            try:
+                message = await bot.send_message(
+                    chat_id=chat_id,
+                    text=formatted if markdown else text,
+                    parse_mode=ParseMode.MARKDOWN_V2 if markdown else None,
+                    **options,
+                )
+                return SendResult(message_id=str(message.message_id))
+            except BadRequest as exc:
+                if not markdown:
+                    raise
+                # Most likely our escaping and Telegram's parser disagree: plain text works.
+                log.info("telegram: MarkdownV2 refused (%s); sending as plain text", exc)
+                markdown = False
+            except RetryAfter as exc:
+                if attempts >= MAX_SEND_ATTEMPTS:
+                    raise
+                await asyncio.sleep(min(_retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS))
+            except ChatMigrated as exc:  # a group became a supergroup: same chat, new id
+                if attempts >= MAX_SEND_ATTEMPTS:
+                    raise
+                chat_id = exc.new_chat_id
+            except NetworkError:
+                network_errors += 1
+                if network_errors >= MAX_NETWORK_ATTEMPTS or attempts >= MAX_SEND_ATTEMPTS:
+                    raise
+                await backoff.sleep()
+
+    async def send_typing(self, target: SessionSource) -> None:
+        if self._bot is None:
+            return
+        thread = int(target.thread_id) if target.thread_id else None
+        with contextlib.suppress(TelegramError):  # cosmetic: never worth a failure
+            await self._bot.send_chat_action(
+                chat_id=target.chat_id, action=ChatAction.TYPING, message_thread_id=thread
+            )
+
+    # --- helpers -------------------------------------------------------------------------
+
+    def _require_bot(self) -> telegram.Bot:
+        if self._bot is None:
+            raise RuntimeError("the Telegram adapter is not started")
+        return self._bot
+
+    def _redact(self, text: str) -> str:
+        token = self.config.token
+        return text.replace(token, "<token>") if token else text
+
+    def _install_log_filter(self, token: str) -> None:
+        # httpx logs every request URL at INFO and PTB its base URL at DEBUG; the Bot API
+        # puts the token in both.
+        httpx_log = logging.getLogger("httpx")
+        if httpx_log.level == logging.NOTSET:
+            httpx_log.setLevel(logging.WARNING)  # one line per long poll is noise anyway
+        self._log_filter = _RedactToken(token)
+        for name in _TOKEN_LOGGERS:
+            logging.getLogger(name).addFilter(self._log_filter)
+
+    def _remove_log_filter(self) -> None:
+        if self._log_filter is not None:
+            for name in _TOKEN_LOGGERS:
+                logging.getLogger(name).removeFilter(self._log_filter)
+            self._log_filter = None
+
+
+class _RedactToken(logging.Filter):
+    """Replaces the bot token in a log record's message, whatever level it is logged at."""
+
+    def __init__(self, token: str) -> None:
+        super().__init__()
+        self.token = token
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.token in message:
+            record.msg, record.args = message.replace(self.token, "<token>"), None
+        return True
+
+
+def _is_transient(exc: TelegramError) -> bool:
+    """Worth retrying later: the network, a timeout, flood control (not a refusal)."""
+    if isinstance(exc, RetryAfter):
+        return True
+    return isinstance(exc, NetworkError) and not isinstance(exc, BadRequest)
+
+
+def _retry_after_seconds(exc: RetryAfter) -> float:
+    with warnings.catch_warnings():
+        # PTB 22.2+ warns that retry_after becomes a timedelta; accept either form.
+        warnings.simplefilter("ignore", PTBDeprecationWarning)
+        value: int | float | timedelta = exc.retry_after
+    return value.total_seconds() if isinstance(value, timedelta) else float(value)
+
+
+# --- MarkdownV2 ---------------------------------------------------------------------------
+
+# A fenced block (optional language on the opening line) or an inline code span.
+_CODE = re.compile(r"```([^\n`]*)\n(.*?)```|```(.*?)```|`([^`\n]+)`", re.DOTALL)
+_LANGUAGE = re.compile(r"[\w+#.-]+")
+_TEXT_SPECIAL = re.compile(r"([_*\[\]()~`>#+\-=|{}.!\\])")
+_CODE_SPECIAL = re.compile(r"([`\\])")
+
+
+def to_markdown_v2(text: str) -> str:
+    """`text` as MarkdownV2 that renders as the same text: every reserved character is
+    escaped, except that `inline code` and ``` fenced blocks ``` stay code.
+
+    Other markup (*bold*, links) is shown literally: agents' Markdown dialects differ and
+    a wrong guess would be a parse error."""
+    out: list[str] = []
+    at = 0
+    for match in _CODE.finditer(text):
+        out.append(_TEXT_SPECIAL.sub(r"\\\1", text[at : match.start()]))
+        info, body, bare, inline = match.groups()
+        if inline is not None:
+            out.append(f"`{_escape_code(inline)}`")
+        else:
+            if bare is not None:
+                info, body = "", bare
+            info = info.strip()
+            if info and not _LANGUAGE.fullmatch(info):
+                body, info = f"{info}\n{body}", ""  # not a language: keep it as code
+            # Always a newline after the opening fence, so no code line reads as a language.
+            out.append(f"```{info}\n{_escape_code(body)}```")
+        at = match.end()
+    out.append(_TEXT_SPECIAL.sub(r"\\\1", text[at:]))
+    return "".join(out)
+
+
+def _escape_code(code: str) -> str:
+    return _CODE_SPECIAL.sub(r"\\\1", code)
+
+
+def _rendered_len(text: str) -> int:
+    return utf16_len(to_markdown_v2(text))

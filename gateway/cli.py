@@ -61,6 +61,10 @@ def build_adapters(config: GatewayConfig) -> list[PlatformAdapter]:
             from adapters.telegram import TelegramAdapter
 
             adapters.append(TelegramAdapter(platforms.telegram))
+        if platforms.discord.enabled:
+            from adapters.discord import DiscordAdapter
+
+            adapters.append(DiscordAdapter(platforms.discord))
         if platforms.slack.enabled:
             from adapters.slack import SlackAdapter
 

@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +64,20 @@ RESET_NOTICES = {
     "daily": "Your previous session ended at the daily reset, so this is a fresh start.",
     "suspended": "Your previous session was stopped, so this is a fresh start.",
 }
+
+
+@dataclass(frozen=True, slots=True)
+class TurnOutcome:
+    """What a turn produced: the agent's reply (None when it failed), the text the user
+    gets (the reply, or a short error), and the token usage."""
+
+    reply: str | None
+    text: str
+    usage: TokenUsage | None = None
+
+    @classmethod
+    def failed(cls, text: str) -> TurnOutcome:
+        return cls(reply=None, text=text)
 
 
 class GatewayRunner:
@@ -286,7 +300,13 @@ class GatewayRunner:
         try:
             while event is not None:
                 self._running[key] = event
-                await self._run_turn(key, event)
+                try:
+                    await self._run_turn(key, event)
+                except Exception:
+                    # An internal failure (the store, a bug): keep the session usable. The
+                    # turn's marker stays, so the next start re-runs it.
+                    self.metrics.turn_errors_total += 1
+                    log.exception("turn_internal_error", session_key=key)
                 if self._draining:
                     break  # what is still queued stays accepted in the inbox for next start
                 queue = self._queues.get(key)
@@ -304,7 +324,7 @@ class GatewayRunner:
         source = event.source
         context = build_session_context(source, self.config)
         text = event.text.strip()
-        if context.shared_multi_user_session and not event.resume:
+        if context.shared_multi_user_session:
             text = f"[{source.user_name or source.user_id or 'someone'}] {text}"
         begun = await self.turnlog.begin(event, key, text)
         entry = begun.entry
@@ -313,36 +333,29 @@ class GatewayRunner:
         request = TurnRequest(
             session_key=key,
             session_id=entry.session_id,
-            text=text,
+            text=begun.text,
             history=tuple(begun.history),
             system_prompt=self._system_prompt(build_session_context(source, self.config, entry)),
             source=source,
         )
         typing = asyncio.create_task(self._keep_typing(source))
         try:
-            reply, usage = await self._call_agent(key, request)
+            outcome = await self._call_agent(key, request)
         finally:
             typing.cancel()
-        text_out = reply if reply is not None else usage  # usage holds the error text then
-        assert isinstance(text_out, str)
-        chunks = self._split(source, self._with_reset_notice(entry, text_out))
+        chunks = self._split(source, self._with_reset_notice(entry, outcome.text))
         ids = await self.turnlog.finish(
-            key,
-            entry,
-            event,
-            reply=reply,
-            usage=usage if isinstance(usage, TokenUsage) else None,
-            chunks=chunks,
+            key, entry, event, reply=outcome.reply, usage=outcome.usage, chunks=chunks
         )
-        if reply is not None:
+        if outcome.reply is not None:
             self.metrics.turns_total += 1
             self.recovery.turn_succeeded(key)
         self.metrics.observe_turn(time.monotonic() - started)
         reply_to = source.message_id or event.message_id
         await self._send_recorded(source, list(zip(ids, chunks, strict=True)), reply_to)
 
-    async def _call_agent(self, key: str, request: TurnRequest) -> tuple[str | None, Any]:
-        """(reply, usage) on success; (None, short error text for the user) on failure."""
+    async def _call_agent(self, key: str, request: TurnRequest) -> TurnOutcome:
+        """Run the agent; a failure becomes a short text for the user, never an exception."""
         timeout = self.config.agent.gateway_timeout
         try:
             async with self._turn_slots, self.agents.lease(key, self._signature) as agent:
@@ -351,16 +364,20 @@ class GatewayRunner:
         except TimeoutError:
             self.metrics.turn_timeouts_total += 1
             log.warning("turn_timeout", timeout_seconds=timeout)
-            return None, f"The agent did not answer within {timeout:g} seconds. Try again, or /new."
+            return TurnOutcome.failed(
+                f"The agent did not answer within {timeout:g} seconds. Try again, or /new."
+            )
         except AgentError as exc:
             self.metrics.turn_errors_total += 1
             log.warning("turn_failed", error=str(exc))
-            return None, f"Sorry, the agent failed: {exc}"
+            return TurnOutcome.failed(f"Sorry, the agent failed: {exc}")
         except Exception as exc:
             self.metrics.turn_errors_total += 1
             log.exception("turn_crashed", error_type=type(exc).__name__)
-            return None, "Sorry, something went wrong while answering. The error was logged."
-        return result.text, result.usage
+            return TurnOutcome.failed(
+                "Sorry, something went wrong while answering. The error was logged."
+            )
+        return TurnOutcome(reply=result.text, text=result.text, usage=result.usage)
 
     def _system_prompt(self, context: SessionContext) -> str:
         block = build_session_context_prompt(context, redact_pii=self.config.agent.redact_pii)

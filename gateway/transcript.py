@@ -77,6 +77,11 @@ def load_before(conn: sqlite3.Connection, session_id: str, row_id: int) -> list[
     return [json.loads(message) for (message,) in rows]
 
 
+def load_row(conn: sqlite3.Connection, row_id: int) -> dict[str, Any] | None:
+    row = conn.execute("SELECT message FROM messages WHERE id = ?", (row_id,)).fetchone()
+    return json.loads(row[0]) if row else None
+
+
 def count_active(conn: sqlite3.Connection, session_id: str) -> int:
     row = conn.execute(
         "SELECT COUNT(*) FROM messages WHERE session_id = ? AND active = 1", (session_id,)

@@ -30,6 +30,7 @@ class TurnStart:
     entry: SessionEntry
     history: list[dict[str, Any]]
     resumed: bool  # a re-run after a restart: the user message was stored before
+    text: str  # the user message as stored (what the agent is asked)
 
 
 class TurnLog:
@@ -80,7 +81,10 @@ class TurnLog:
                 and marker["user_message_id"] is not None
             ):
                 history = transcript.load_before(conn, entry.session_id, marker["user_message_id"])
-                return TurnStart(entry, history, resumed=True)
+                stored = transcript.load_row(conn, marker["user_message_id"])
+                content = stored.get("content") if stored else None
+                resumed_text = content if isinstance(content, str) else text
+                return TurnStart(entry, history, resumed=True, text=resumed_text)
             history = transcript.load(conn, entry.session_id)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
             journal.start_turn(
@@ -92,7 +96,7 @@ class TurnLog:
                 event=record,
                 now=now,
             )
-            return TurnStart(entry, history, resumed=False)
+            return TurnStart(entry, history, resumed=False, text=text)
 
         start = await self.store.write(tx)
         crash_point("after_turn_begin")

@@ -142,3 +142,36 @@ async def test_stop_drops_queued_messages_for_good(tmp_path: Path) -> None:
         assert await second.turnlog.open_turns() == []
     finally:
         await second.stop()
+
+
+async def test_a_resumed_shared_group_turn_asks_the_stored_message(tmp_path: Path) -> None:
+    config = GatewayConfig.model_validate({"timezone": "UTC", "group_sessions_per_user": False})
+    source = SessionSource(
+        platform=Platform.LOCAL, chat_id="g1", chat_type="group", user_id="u1", user_name="Ann"
+    )
+    first = GatewayRunner(config, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
+    await first.start()
+    await first.handle_message(MessageEvent(source=source, text="block me", message_id="m1"))
+    await wait_for(lambda: bool(first._running))
+    await asyncio.sleep(0.1)
+    await crash(first)
+
+    asked: list[str] = []
+
+    class Recorder(Echo):
+        async def run_turn(self, request: TurnRequest) -> TurnResult:
+            asked.append(request.text)
+            return TurnResult(f"echo: {request.text}")
+
+    probe = ProbeAdapter()
+    second = GatewayRunner(config, [probe], agent_factory=Recorder, home=tmp_path)
+    await second.start()
+    try:
+        await wait_for(lambda: len(probe.sent) == 1)
+        assert asked == ["[Ann] block me"]
+        key = "agent:main:local:group:g1"
+        entry = await second.store.get_entry(key)
+        transcript = await second.store.load_transcript(entry.session_id)
+        assert [m["content"] for m in transcript] == ["[Ann] block me", "echo: [Ann] block me"]
+    finally:
+        await second.stop()

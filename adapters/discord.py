@@ -39,6 +39,7 @@ from discord.http import Route
 
 from adapters.base import (
     MAX_RETRY_AFTER_SECONDS,
+    Backoff,
     DiscordConfig,
     MessageEvent,
     Platform,
@@ -48,6 +49,29 @@ from adapters.base import (
 )
 
 __all__ = ["DiscordAdapter"]
+
+
+def _guard_parsers(client: discord.Client) -> None:
+    """Make one unreadable gateway event cost only itself.
+
+    discord.py calls its event parsers (`ConnectionState.parsers`, the dict its websocket
+    dispatches through) without a guard, so a payload it cannot read ends the whole
+    connection loop. Each parser is wrapped to log and skip such an event instead.
+    """
+    parsers = client._connection.parsers
+
+    def guarded(name: str, parse: Any) -> Any:
+        def parse_or_skip(data: Any) -> None:
+            try:
+                parse(data)
+            except Exception as exc:
+                log.warning("discord: skipped a %s event discord.py could not read: %r", name, exc)
+
+        return parse_or_skip
+
+    for name, parse in list(parsers.items()):
+        parsers[name] = guarded(name, parse)
+
 
 log = logging.getLogger("adapters.discord")
 
@@ -122,6 +146,8 @@ class DiscordAdapter(PlatformAdapter):
         self.ready_timeout = ready_timeout
         self.client: _Client | None = None
         self._connection: asyncio.Task[None] | None = None
+        self._supervisor: asyncio.Task[None] | None = None
+        self._backoff = Backoff(initial=1.0, maximum=60.0)
         self._ready = asyncio.Event()
         self._stopping = False
 
@@ -147,6 +173,7 @@ class DiscordAdapter(PlatformAdapter):
             max_ratelimit_timeout=MAX_RETRY_AFTER_SECONDS,
             guild_ready_timeout=self.guild_ready_timeout,
         )
+        _guard_parsers(self.client)
         try:
             await self._connect()
         except BaseException as exc:
@@ -197,6 +224,9 @@ class DiscordAdapter(PlatformAdapter):
         self.set_state("stopped")
 
     async def _close_client(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            await asyncio.gather(self._supervisor, return_exceptions=True)
         client, task = self.client, self._connection
         if client is not None:
             await client.close()
@@ -220,6 +250,7 @@ class DiscordAdapter(PlatformAdapter):
         assert self.client is not None and self.client.user is not None
         self.bot_username = self.client.user.name
         self._ready.set()
+        self._backoff.reset()
         self.set_state("running")
 
     def _disconnected(self) -> None:
@@ -232,8 +263,26 @@ class DiscordAdapter(PlatformAdapter):
         if self._stopping or task.cancelled():
             return
         error = _describe(task)
-        log.error("discord: gateway connection ended for good (fix and restart): %s", error)
-        self.set_state("failed", error=error)
+        exc = task.exception()
+        if _refusal(exc) is not None:  # a bad token or missing intent: retrying cannot help
+            log.error("discord: gateway connection ended for good (fix and restart): %s", error)
+            self.set_state("failed", error=error)
+            return
+        # Anything else (a payload discord.py could not parse ends its connect() loop) is
+        # retried: a fresh connect() after a capped backoff.
+        log.warning("discord: gateway connection ended (%s); reconnecting", error)
+        self.set_state("reconnecting", error=error)
+        self._supervisor = asyncio.create_task(self._reconnect(), name="discord-reconnect")
+
+    async def _reconnect(self) -> None:
+        assert self.client is not None
+        await self._backoff.sleep()
+        if self._stopping:
+            return
+        self._connection = asyncio.create_task(
+            self.client.connect(reconnect=True), name="discord-gateway"
+        )
+        self._connection.add_done_callback(self._connection_ended)
 
     # --- inbound -------------------------------------------------------------------------
 

@@ -23,6 +23,7 @@ from typing import Any
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
+from aiohttp.web_protocol import RequestPayloadError
 
 from adapters.base import MessageEvent, PlatformAdapter, SendResult
 from config import HttpConfig
@@ -209,11 +210,14 @@ class HttpAdapter(PlatformAdapter):
         """The body, or None when it exceeds `limit` (also for chunked bodies)."""
         chunks: list[bytes] = []
         size = 0
-        while chunk := await request.content.readany():
-            size += len(chunk)
-            if size > limit:
-                return None
-            chunks.append(chunk)
+        try:
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > limit:
+                    return None
+                chunks.append(chunk)
+        except RequestPayloadError as exc:  # e.g. a Content-Encoding that does not decode
+            raise BadRequest(f"the request body could not be read: {exc}") from None
         return b"".join(chunks)
 
     async def _get_replies(self, request: web.Request) -> web.Response:

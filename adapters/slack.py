@@ -20,13 +20,19 @@ event_ids: the first one seen is handled, the other is dropped by its (channel, 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
+import json
 import logging
 import re
+import time
+import urllib.parse
 from collections import OrderedDict
 from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from slack_bolt.adapter.aiohttp import to_aiohttp_response, to_bolt_request
 from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
 from slack_bolt.app.async_app import AsyncApp
@@ -234,9 +240,22 @@ class SlackAdapter(PlatformAdapter):
         log.info("slack_socket_mode_connected bot_user_id=%s", self.bot_user_id)
 
     async def _start_http_server(self, app: AsyncApp) -> None:
+        secret = str(self.config.signing_secret).encode()
+
         async def events(request: web.Request) -> web.Response:
-            # Bolt verifies the signature, answers url_verification, acks events and
-            # runs our listener in a task of its own, so this returns at once.
+            # The signature is checked before anything parses the body, and bodies bolt
+            # cannot handle get a 400: nobody can provoke a 500 (or a Slack retry loop).
+            try:
+                body = await request.read()
+            except RequestPayloadError:
+                return web.Response(status=400, text="unreadable body")
+            if not _signed_by_slack(secret, body, request.headers):
+                return web.Response(status=401, text="invalid signature")
+            problem = _malformed_events_body(body, request.content_type)
+            if problem is not None:
+                return web.Response(status=400, text=problem)
+            # Bolt answers url_verification, acks events and runs our listener in a task
+            # of its own, so this returns at once.
             return await to_aiohttp_response(
                 await app.async_dispatch(await to_bolt_request(request))
             )
@@ -405,6 +424,49 @@ def _user_name(event: dict[str, Any]) -> str | None:
     # would cost a rate-limited call each time, so without it the id stands in.
     profile = event.get("user_profile") or {}
     return profile.get("display_name") or profile.get("real_name") or profile.get("name")
+
+
+SIGNATURE_MAX_AGE_SECONDS = 300
+
+
+def _signed_by_slack(secret: bytes, body: bytes, headers: Any) -> bool:
+    """Slack's v0 request signature over the raw bytes, with a fresh timestamp."""
+    timestamp = headers.get("X-Slack-Request-Timestamp", "")
+    signature = headers.get("X-Slack-Signature", "")
+    try:
+        if abs(time.time() - int(timestamp)) > SIGNATURE_MAX_AGE_SECONDS:
+            return False
+    except ValueError:
+        return False
+    base = b"v0:" + timestamp.encode() + b":" + body
+    expected = "v0=" + hmac.new(secret, base, hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected.encode(), signature.encode("utf-8", "surrogateescape"))
+
+
+def _malformed_events_body(body: bytes, content_type: str) -> str | None:
+    """Why bolt could not handle this (signed) Events API body, or None when it can."""
+    try:
+        text = body.decode("utf-8")
+        if content_type == "application/x-www-form-urlencoded":
+            payload = urllib.parse.parse_qs(text).get("payload", ["{}"])[0]
+            data = json.loads(payload)
+        else:
+            data = json.loads(text)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return "body is not UTF-8 JSON"
+    if not isinstance(data, dict):
+        return "body is not a JSON object"
+    if data.get("type") == "event_callback":
+        event = data.get("event")
+        if not isinstance(event, dict):
+            return "event_callback without an event object"
+        for key in ("user", "channel", "ts", "text", "channel_type", "thread_ts"):
+            if key in event and event[key] is not None and not isinstance(event[key], str):
+                return f"event.{key} is not a string"
+    authorizations = data.get("authorizations")
+    if authorizations is not None and not isinstance(authorizations, list):
+        return "authorizations is not a list"
+    return None
 
 
 def _check_config(config: SlackConfig) -> None:

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 
 import telegram
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from telegram.constants import ChatAction, MessageEntityType, ParseMode
 from telegram.error import (
     BadRequest,
@@ -374,8 +375,8 @@ class TelegramAdapter(PlatformAdapter):
             data = json.loads(await request.read())
             if not isinstance(data, dict) or not isinstance(data.get("update_id"), int):
                 raise ValueError("not an Update object")
-        except ValueError as exc:  # includes bad UTF-8
-            return web.Response(status=400, text=f"malformed update: {exc}")
+        except (ValueError, RecursionError, RequestPayloadError) as exc:  # bad UTF-8 too
+            return web.Response(status=400, text=f"malformed update: {type(exc).__name__}")
         try:
             update = telegram.Update.de_json(data, self._require_bot())
         except Exception:

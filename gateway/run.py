@@ -48,6 +48,8 @@ from gateway.session import (
     TokenUsage,
     build_session_context,
     build_session_context_prompt,
+    scrub_text,
+    validate_id,
 )
 from gateway.status import keep_status, write_status
 from gateway.store import SessionStore
@@ -64,6 +66,17 @@ RESET_NOTICES = {
     "daily": "Your previous session ended at the daily reset, so this is a fresh start.",
     "suspended": "Your previous session was stopped, so this is a fresh start.",
 }
+
+
+def _scrubbed(event: MessageEvent) -> MessageEvent:
+    """The event with lone surrogates replaced in its free-text fields (ids are validated)."""
+    src = event.source
+    names = {
+        name: scrub_text(value)
+        for name in ("chat_name", "user_name", "chat_topic")
+        if isinstance(value := getattr(src, name), str)
+    }
+    return replace(event, text=scrub_text(event.text), source=replace(src, **names))
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,16 +216,19 @@ class GatewayRunner:
         if not self._accepting:
             self.metrics.messages_refused_total += 1
             return Accepted(AcceptStatus.REFUSED, detail="the gateway is shutting down")
+        # Ids first: they reach SQL, file paths and logs, so a bad one stops here.
+        try:
+            key = self.store.session_key_for(event.source)
+            validate_id("message_id", event.message_id)
+        except ValueError as exc:
+            return Accepted(AcceptStatus.IGNORED, detail=str(exc))
+        event = _scrubbed(event)
         adapter = self.adapters.get(event.source.platform)
         if adapter is not None and not await adapter.authorize(event):
             return Accepted(AcceptStatus.IGNORED, detail="not authorized")
         text = event.text.strip()
         if not text:
             return Accepted(AcceptStatus.IGNORED, detail="empty message")
-        try:
-            key = self.store.session_key_for(event.source)
-        except ValueError as exc:
-            return Accepted(AcceptStatus.IGNORED, detail=str(exc))
 
         command = commands.parse_command(text, adapter.bot_username if adapter else None)
         if command is not None and command.name in commands.QUEUE_COMMANDS and command.args:

@@ -31,6 +31,7 @@ __all__ = [
     "build_session_key",
     "canonical_whatsapp_identifier",
     "is_shared_multi_user_session",
+    "scrub_text",
     "validate_id",
 ]
 
@@ -52,8 +53,15 @@ class Platform(StrEnum):
 
 # --- ids -------------------------------------------------------------------------------------
 
-# C0/C1 controls plus Unicode line separators and bidi overrides (both can forge log lines).
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069]")
+# C0/C1 controls plus Unicode line separators and bidi overrides (both can forge log lines),
+# and lone surrogates (JSON can carry them; they cannot be stored as UTF-8).
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
+
+
+def scrub_text(value: str) -> str:
+    """Replace lone surrogates (valid in JSON escapes, not in UTF-8) with U+FFFD."""
+    return _SURROGATE.sub("\ufffd", value)
 
 
 def validate_id(field_name: str, value: str | None) -> None:

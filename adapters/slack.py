@@ -256,9 +256,15 @@ class SlackAdapter(PlatformAdapter):
                 return web.Response(status=400, text=problem)
             # Bolt answers url_verification, acks events and runs our listener in a task
             # of its own, so this returns at once.
-            return await to_aiohttp_response(
-                await app.async_dispatch(await to_bolt_request(request))
-            )
+            try:
+                response = await app.async_dispatch(await to_bolt_request(request))
+            except Exception as exc:  # a signed body of a shape bolt cannot read
+                log.warning("slack: could not handle a signed event body: %r", exc)
+                return web.Response(status=400, text="unprocessable event body")
+            if response.status >= 500:  # bolt's own "could not process": a retry cannot help
+                log.warning("slack: bolt could not process a signed event body")
+                return web.Response(status=400, text="unprocessable event body")
+            return await to_aiohttp_response(response)
 
         server = web.Application()
         server.router.add_post(self.config.path, events)
@@ -456,16 +462,18 @@ def _malformed_events_body(body: bytes, content_type: str) -> str | None:
         return "body is not UTF-8 JSON"
     if not isinstance(data, dict):
         return "body is not a JSON object"
-    if data.get("type") == "event_callback":
+    if data.get("type") == "event_callback" or "event" in data:
         event = data.get("event")
         if not isinstance(event, dict):
-            return "event_callback without an event object"
+            return "an event that is not an object"
         for key in ("user", "channel", "ts", "text", "channel_type", "thread_ts"):
             if key in event and event[key] is not None and not isinstance(event[key], str):
                 return f"event.{key} is not a string"
     authorizations = data.get("authorizations")
-    if authorizations is not None and not isinstance(authorizations, list):
-        return "authorizations is not a list"
+    if authorizations is not None and (
+        not isinstance(authorizations, list) or not all(isinstance(a, dict) for a in authorizations)
+    ):
+        return "authorizations is not a list of objects"
     return None
 
 

@@ -69,6 +69,9 @@ class AgentConfig(BaseModel):
     redact_pii: bool = False
     # Free-form keyword arguments for a module:factory backend; that backend checks them.
     options: dict[str, Any] = Field(default_factory=dict)
+    # How many of the latest transcript messages a turn hands the agent as history; the
+    # whole transcript stays stored. Bounds the per-turn cost of long conversations.
+    history_limit: int = Field(default=100, ge=0)
     # Per-session agent instances are cached (LRU) to keep prompt caches warm.
     cache_max_size: int = Field(default=128, ge=1)
     cache_idle_ttl_seconds: float = Field(default=3600.0, gt=0)

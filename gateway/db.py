@@ -168,7 +168,7 @@ class Database:
         self._conn: aiosqlite.Connection | None = None
         self._pending: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
         self._driver: asyncio.Task[Any] | None = None
-        self._settling: list[asyncio.Task[None]] = []
+        self._settling: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._closing = False
 
@@ -253,7 +253,9 @@ class Database:
                 except asyncio.CancelledError:
                     # The driving caller was cancelled (/stop), yet its batch still runs on
                     # the worker thread; settle it once the thread has moved past it.
-                    self._settling.append(asyncio.create_task(self._settle_later(batch, outcome)))
+                    settling = asyncio.create_task(self._settle_later(batch, outcome))
+                    self._settling.add(settling)
+                    settling.add_done_callback(self._settling.discard)
                     raise
                 except Exception as exc:  # the connection itself failed
                     outcome[:] = [(False, exc)] * len(batch)

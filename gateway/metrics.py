@@ -62,7 +62,10 @@ class Metrics:
         ]
         for name, help_text, value in counters:
             metric(name, "counter", help_text, value())
-        lines.append("# HELP hermes_turn_latency_seconds Inbound-to-reply time of a turn")
+        lines.append(
+            "# HELP hermes_turn_latency_seconds Time from a turn's start to its reply being"
+            " recorded (queueing behind an earlier turn of the session not included)"
+        )
         lines.append("# TYPE hermes_turn_latency_seconds histogram")
         cumulative = 0
         for bound, count in zip(LATENCY_BUCKETS, self.latency_counts, strict=False):

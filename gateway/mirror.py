@@ -52,24 +52,46 @@ def read_sessions_json(path: Path) -> dict[str, SessionEntry] | None:
     return entries
 
 
+#: up to this size the mirror is parsed in full at start; above it only its ends are read
+FULL_CHECK_MAX_BYTES = 1 << 20
+
+
+def _looks_damaged(path: Path) -> str | None:
+    """Why the mirror is unusable, or None. Small files are parsed; a large one is judged
+    by its ends: our writer replaces it atomically, so a torn, truncated or foreign file
+    shows there, while parsing 100 MB at every start would cost a second and 300 MB."""
+    size = path.stat().st_size
+    if size <= FULL_CHECK_MAX_BYTES:
+        try:
+            data = json.loads(path.read_bytes())
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            return str(exc)
+        return None if isinstance(data, dict) else "top level is not an object"
+    with path.open("rb") as file:
+        head = file.read(1)
+        file.seek(-2, 2)
+        tail = file.read(2)
+    if head != b"{" or tail.rstrip(b"\n")[-1:] != b"}":
+        return "not a complete JSON object (truncated or not written by the gateway)"
+    return None
+
+
 def check_sessions_json(path: Path) -> bool:
-    """True when the mirror is absent or parses; a damaged one is set aside with a warning."""
+    """True when the mirror is absent or sound; a damaged one is set aside with a warning."""
     if not path.exists():
         return True
-    try:
-        if not isinstance(json.loads(path.read_bytes()), dict):
-            raise ValueError("top level is not an object")
+    problem = _looks_damaged(path)
+    if problem is None:
         return True
-    except (ValueError, UnicodeDecodeError) as exc:
-        aside = set_aside(path)
-        log.warning(
-            "sessions_json_damaged",
-            path=str(path),
-            moved_to=str(aside),
-            error=str(exc),
-            action="rewriting it from state.db",
-        )
-        return False
+    aside = set_aside(path)
+    log.warning(
+        "sessions_json_damaged",
+        path=str(path),
+        moved_to=str(aside),
+        error=problem,
+        action="rewriting it from state.db",
+    )
+    return False
 
 
 def write_sessions_json(db_path: Path, json_path: Path) -> int:

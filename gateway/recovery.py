@@ -52,8 +52,9 @@ class Recovery:
     async def prepare(self) -> None:
         """Before the adapters start: decide what was interrupted and mark it."""
         store, turnlog = self.runner.store, self.runner.turnlog
-        self.was_clean = self.clean_marker.exists()
-        if self.was_clean:
+        # A home that had no state yet is a first start, not a crash.
+        self.was_clean = self.clean_marker.exists() or store.created
+        if self.clean_marker.exists():
             self.clean_marker.unlink()
         self.counts = _read_counts(self.counts_path)
         markers = await turnlog.open_turns()

@@ -108,7 +108,7 @@ class GatewayRunner:
         # Not `is_busy`: the turn that asks for its session is itself the busy worker, and
         # that must not block the reset policy. The watcher skips busy keys on its own.
         self.store = SessionStore(self.home / "sessions", config)
-        self.turnlog = TurnLog(self.store)
+        self.turnlog = TurnLog(self.store, history_limit=config.agent.history_limit)
         self.recovery = Recovery(self)
         self.pairing = Pairing(self.store)
         self.agents = AgentCache(

@@ -57,6 +57,7 @@ class SessionStore:
             self.json_path, self.db_path, config.storage.mirror_interval_seconds
         )
         self._tz = config.tzinfo()
+        self.created = False  # set by open(): True when this open created the state
 
     # --- lifecycle ---------------------------------------------------------------------
 

@@ -68,13 +68,21 @@ def load(conn: sqlite3.Connection, session_id: str) -> list[dict[str, Any]]:
     return [json.loads(message) for (message,) in rows]
 
 
-def load_before(conn: sqlite3.Connection, session_id: str, row_id: int) -> list[dict[str, Any]]:
-    """The active messages stored before transcript row `row_id` (a resumed turn's history)."""
+def load_recent(
+    conn: sqlite3.Connection, session_id: str, limit: int, before: int | None = None
+) -> list[dict[str, Any]]:
+    """The last `limit` active messages (before transcript row `before`), oldest first.
+
+    Read newest-first through the (session_id, active, id) index, so the cost is the
+    window, not the length of the conversation."""
+    if limit <= 0:
+        return []
     rows = conn.execute(
-        "SELECT message FROM messages WHERE session_id = ? AND active = 1 AND id < ? ORDER BY id",
-        (session_id, row_id),
-    )
-    return [json.loads(message) for (message,) in rows]
+        "SELECT message FROM messages WHERE session_id = ? AND active = 1 AND id < ?"
+        " ORDER BY id DESC LIMIT ?",
+        (session_id, before if before is not None else 2**62, limit),
+    ).fetchall()
+    return [json.loads(message) for (message,) in reversed(rows)]
 
 
 def load_row(conn: sqlite3.Connection, row_id: int) -> dict[str, Any] | None:

@@ -34,8 +34,9 @@ class TurnStart:
 
 
 class TurnLog:
-    def __init__(self, store: SessionStore) -> None:
+    def __init__(self, store: SessionStore, history_limit: int = 100) -> None:
         self.store = store
+        self.history_limit = history_limit
 
     async def accept(
         self, event: MessageEvent, session_key: str, kind: str, *, done: bool = False
@@ -70,6 +71,7 @@ class TurnLog:
         if event.message_id:
             user_message["message_id"] = event.message_id
         now = time.time()
+        limit = self.history_limit
 
         def tx(conn: sqlite3.Connection) -> TurnStart:
             entry = route(conn)
@@ -80,12 +82,14 @@ class TurnLog:
                 and marker["session_id"] == entry.session_id
                 and marker["user_message_id"] is not None
             ):
-                history = transcript.load_before(conn, entry.session_id, marker["user_message_id"])
+                history = transcript.load_recent(
+                    conn, entry.session_id, limit, before=marker["user_message_id"]
+                )
                 stored = transcript.load_row(conn, marker["user_message_id"])
                 content = stored.get("content") if stored else None
                 resumed_text = content if isinstance(content, str) else text
                 return TurnStart(entry, history, resumed=True, text=resumed_text)
-            history = transcript.load(conn, entry.session_id)
+            history = transcript.load_recent(conn, entry.session_id, limit)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
             journal.start_turn(
                 conn,

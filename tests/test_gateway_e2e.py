@@ -508,3 +508,22 @@ async def test_max_concurrent_turns_bounds_agent_calls_across_sessions(
     for chat in chats:
         assert await gw.client.replies(chat, 1) == ["done: go"]
     assert peak == 2
+
+
+async def test_agent_history_is_the_latest_window_and_the_transcript_keeps_all(
+    make_gateway: MakeGateway,
+) -> None:
+    seen: list[list[str]] = []
+
+    class Recorder(ScriptedAgent):
+        async def run_turn(self, request: TurnRequest) -> TurnResult:
+            seen.append([m["content"] for m in request.history])
+            return await super().run_turn(request)
+
+    gw = await make_gateway({"agent": {"history_limit": 3}}, agent_factory=Recorder)
+    for text in ("one", "two", "three"):
+        await gw.client.post("c1", text)
+        await gw.client.replies("c1", 1)
+    assert seen == [[], ["one", "echo: one"], ["echo: one", "two", "echo: two"]]
+    transcript = await gw.runner.store.load_transcript(await gw.current_session_id(KEY))
+    assert len(transcript) == 6

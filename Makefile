@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint bench clean
+.PHONY: run test lint bench soak clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,15 @@ lint: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
 
+# Benchmarks (minutes, not part of `make test`); figures go to BENCHMARKS.md.
 bench: $(STAMP)
-	$(BIN)/python scripts/bench_store.py
+	$(BIN)/python scripts/bench_store.py --concurrency 32
+	$(BIN)/python scripts/bench_gateway.py
+	$(BIN)/python scripts/load_http.py --saturate
+	$(BIN)/python scripts/crashloop.py --iterations 50
+
+soak: $(STAMP)
+	$(BIN)/python scripts/soak.py --minutes 30 --rate 50
 
 clean:
 	rm -rf $(VENV) build *.egg-info

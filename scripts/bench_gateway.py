@@ -1,0 +1,726 @@
+"""Benchmark the whole gateway (not just the store) at 1,000 / 10,000 / 100,000 sessions.
+
+Per size N, on a fresh HERMES home:
+
+1. fill: N sessions written to disk through the store's own helpers (what the gateway
+   writes for a new key), then the store is closed (which writes sessions.json) and the
+   clean-shutdown marker is left, as a gateway stopped with SIGTERM leaves them;
+2. start-up: `python -m gateway.cli run` (HTTP adapter on a free 127.0.0.1 port) from
+   process start until /healthz says accepting, median of a few runs, each stopped with
+   SIGTERM;
+3. in-process: the real GatewayRunner (real store, echo agent, production settings) with
+   an in-process adapter (no network) in a fresh Python process, so its peak RSS is its
+   own. Closed loop: C chats, each sending its next message when its previous reply
+   arrived. Open loop: messages offered at a fixed rate. Latency is from the
+   `handle_message` call to the adapter's `send` of the reply's last chunk;
+4. naive baseline: the same closed loop against a store that rewrites all of
+   sessions.json on every message (capped by time).
+
+    .venv/bin/python scripts/bench_gateway.py                  # 1k, 10k, 100k
+    taskset -c 0 .venv/bin/python scripts/bench_gateway.py     # pinned to one CPU
+    .venv/bin/python scripts/bench_gateway.py --quick          # 1k, seconds (the tests)
+
+Keys are random among the N sessions; a key with a message in flight is not picked again
+until its reply arrived, so every message gets its own turn and its own reply (two
+messages to a busy session would merge into one turn). Every turn loads its session's
+history, so at 1,000 sessions (about 40 messages each by the end of a default run) a
+turn costs more than at 100,000 (about none). `cpu_us` (process CPU per closed-loop turn,
+all threads) is the figure to compare on a busy machine. Everything stays on 127.0.0.1;
+every loop is bounded in count and time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import platform
+import random
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+if __package__ in (None, ""):  # run as a file: make the repo root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
+from config import GatewayConfig
+from gateway import entries
+from gateway.fsutil import atomic_write_bytes
+from gateway.recovery import CLEAN_SHUTDOWN
+from gateway.run import GatewayRunner
+from gateway.session import Platform, SessionSource
+from gateway.store import SESSIONS_JSON, SessionStore
+from scripts.harness import Daemon
+
+USER_TEXT = "hello there, how are you today?"
+REPLY_TIMEOUT_SECONDS = 30.0
+FILL_BATCH = 10_000
+HEADER = (
+    f"{'sessions':>9} {'fill_s':>7} {'start_s':>7} {'turns/s':>8} {'cpu_us':>6} {'p50_ms':>7}"
+    f" {'p99_ms':>7} {'max_ms':>7} {'rate/s':>7} {'o_p50':>6} {'o_p99':>6} {'o_max':>7}"
+    f" {'rss_MiB':>7} {'naive/s':>8} {'ratio':>6}"
+)
+TARGET_TURNS = 5_000
+TARGET_RATIO = 0.8
+TARGET_P99_MS = 5.0
+TARGET_RSS_BYTES = 200 * 1000 * 1000
+TARGET_STARTUP_S = 1.0
+BIG = 100_000
+SMALL = 1_000
+
+
+def source_for(i: int) -> SessionSource:
+    return SessionSource(
+        platform=Platform.LOCAL,
+        chat_id=f"bench-{i}",
+        chat_type="dm",
+        user_id=f"user-{i}",
+        user_name="bench",
+    )
+
+
+def gateway_config() -> GatewayConfig:
+    """Production defaults, the zero-config echo agent without delay."""
+    return GatewayConfig.model_validate({"agent": {"backend": "echo", "delay_seconds": 0}})
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list (0 when empty)."""
+    if not sorted_values:
+        return 0.0
+    rank = max(1, math.ceil(q * len(sorted_values)))
+    return sorted_values[rank - 1]
+
+
+def latency_stats(latencies: list[float]) -> dict[str, float]:
+    values = sorted(latencies)
+    return {
+        "p50_ms": percentile(values, 0.50) * 1000,
+        "p99_ms": percentile(values, 0.99) * 1000,
+        "max_ms": (values[-1] if values else 0.0) * 1000,
+    }
+
+
+def pick_key(rng: random.Random, n: int, busy: set[int]) -> int:
+    """A random session index with no message in flight, marked busy at once (so a
+    message not yet sent cannot share its key); bounded: n > len(busy)."""
+    for _ in range(64):
+        i = rng.randrange(n)
+        if i not in busy:
+            break
+    else:
+        i = next(i for i in range(n) if i not in busy)
+    busy.add(i)
+    return i
+
+
+# --- 1. fill ------------------------------------------------------------------------------
+
+
+async def fill_home(home: Path, n: int) -> float:
+    """N sessions on disk as the gateway writes them for new keys; returns seconds taken.
+
+    One `store.write` per FILL_BATCH keys (same rows, entries and sessions.json as
+    `get_or_create_session` for each key, without a group-commit round trip per key).
+    """
+    started = time.perf_counter()
+    store = SessionStore(home / "sessions", gateway_config())
+    await store.open()
+    try:
+        for first in range(0, n, FILL_BATCH):
+            last = min(n, first + FILL_BATCH)
+
+            def fill(conn: Any, first: int = first, last: int = last) -> None:
+                for i in range(first, last):
+                    source = source_for(i)
+                    entry = entries.fresh_entry(
+                        store.session_key_for(source), source, datetime.now(UTC)
+                    )
+                    entries.start_session_row(conn, entry)
+                    entries.save_entry(conn, entry)
+
+            await store.write(fill)
+    finally:
+        await store.close()  # writes sessions.json, as at a gateway's shutdown
+    # What GatewayRunner.stop leaves last: the next start is a clean one.
+    atomic_write_bytes(home / CLEAN_SHUTDOWN, b"clean shutdown\n")
+    return time.perf_counter() - started
+
+
+# --- 2. start-up --------------------------------------------------------------------------
+
+
+def measure_startup(home: Path, timeout: float = 60.0) -> float:
+    """Seconds from process start until /healthz says accepting; stopped with SIGTERM."""
+    daemon = Daemon(home)
+    started = time.perf_counter()
+    daemon.start(wait_ready=False)
+    deadline = started + timeout
+    try:
+        while True:
+            if daemon.proc is not None and daemon.proc.poll() is not None:
+                raise RuntimeError(f"gateway exited early: {daemon.log_tail()}")
+            try:
+                if daemon.get("/healthz", timeout=1).get("accepting"):
+                    elapsed = time.perf_counter() - started
+                    break
+            except (OSError, urllib.error.URLError, ValueError):
+                pass
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"gateway not ready after {timeout}s: {daemon.log_tail()}")
+            time.sleep(0.005)
+        daemon.signal(signal.SIGTERM)
+        code = daemon.wait_exit(timeout=60)
+        if code != 0:
+            raise RuntimeError(f"gateway exited {code} after SIGTERM: {daemon.log_tail()}")
+    finally:
+        daemon.ensure_stopped()
+    return elapsed
+
+
+# --- 3. in-process gateway ----------------------------------------------------------------
+
+
+@dataclass
+class Waiter:
+    future: asyncio.Future[float]
+    chunks_left: int
+
+
+class InProcessAdapter(PlatformAdapter):
+    """A platform inside the process: `send` records when a reply's last chunk arrived."""
+
+    platform = Platform.LOCAL
+
+    def __init__(self) -> None:
+        super().__init__(None)  # no access settings: every message is authorized
+        self.waiting: dict[str, Waiter] = {}
+        self.unexpected = 0
+
+    async def start(self) -> None:
+        self.set_state("running")
+
+    async def stop(self) -> None:
+        self.set_state("stopped")
+
+    def expect(self, message_id: str, text: str) -> asyncio.Future[float]:
+        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
+        self.waiting[message_id] = Waiter(future, len(self.split(f"echo: {text}")))
+        return future
+
+    def forget(self, message_id: str) -> None:
+        self.waiting.pop(message_id, None)
+
+    async def send(
+        self,
+        target: SessionSource,
+        text: str,
+        reply_to: str | None = None,
+        *,
+        delivery_id: int | None = None,
+    ) -> SendResult:
+        now = time.perf_counter()
+        waiter = self.waiting.get(reply_to) if reply_to is not None else None
+        if waiter is None:
+            self.unexpected += 1
+        else:
+            waiter.chunks_left -= 1
+            if waiter.chunks_left <= 0:
+                del self.waiting[reply_to]  # type: ignore[arg-type]
+                if not waiter.future.done():
+                    waiter.future.set_result(now)
+        return SendResult(message_id=f"local-{delivery_id}")
+
+
+class Driver:
+    """Sends bench messages through a runner and times their replies."""
+
+    def __init__(self, runner: Any, adapter: InProcessAdapter, n: int) -> None:
+        self.runner = runner
+        self.adapter = adapter
+        self.n = n
+        self.busy: set[int] = set()
+        self.freed = asyncio.Event()
+        self.seq = 0
+        self.run = f"{os.getpid()}.{time.time_ns()}"  # message ids never repeat on a home
+        self.errors: list[str] = []
+
+    async def one(self, phase: str, i: int) -> float | None:
+        """Send one message to session i (picked by `pick_key`, so marked busy until this
+        returns); its latency in seconds, None on failure."""
+        self.seq += 1
+        message_id = f"{self.run}-{phase}-{self.seq}"
+        event = MessageEvent(source=source_for(i), text=USER_TEXT, message_id=message_id)
+        future = self.adapter.expect(message_id, USER_TEXT)
+        try:
+            started = time.perf_counter()
+            accepted = await self.runner.handle_message(event)
+            # PENDING: the key's previous turn is still marking its reply sent; this
+            # message then gets the next turn of its own (nothing else waits on the key).
+            if accepted.status not in (AcceptStatus.STARTED, AcceptStatus.PENDING):
+                self.errors.append(f"{message_id}: {accepted.status} {accepted.detail or ''}")
+                return None
+            try:
+                replied = await asyncio.wait_for(future, REPLY_TIMEOUT_SECONDS)
+            except TimeoutError:
+                self.errors.append(f"{message_id}: no reply in {REPLY_TIMEOUT_SECONDS:g}s")
+                return None
+            return replied - started
+        finally:
+            self.busy.discard(i)
+            self.freed.set()
+            self.adapter.forget(message_id)
+
+    async def closed_loop(
+        self, phase: str, count: int, concurrency: int, seed: int, max_seconds: float
+    ) -> dict[str, Any]:
+        rng = random.Random(seed)
+        latencies: list[float] = []
+        issued = 0
+        deadline = time.perf_counter() + max_seconds
+
+        async def chat() -> None:
+            nonlocal issued
+            while issued < count and time.perf_counter() < deadline:
+                issued += 1
+                latency = await self.one(phase, pick_key(rng, self.n, self.busy))
+                if latency is not None:
+                    latencies.append(latency)
+
+        started, cpu_started = time.perf_counter(), time.process_time()
+        await asyncio.gather(*(chat() for _ in range(concurrency)))
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        return {
+            "messages": issued,
+            "replies": len(latencies),
+            "seconds": elapsed,
+            "turns_per_s": len(latencies) / elapsed if elapsed > 0 else 0.0,
+            # CPU of all threads (event loop, SQLite, mirror) per turn: steadier than
+            # turns/s on a busy machine; 1e6 / cpu_us is the one-CPU ceiling.
+            "cpu_us_per_turn": cpu / len(latencies) * 1e6 if latencies else 0.0,
+            "timed_out": issued < count,
+            **latency_stats(latencies),
+        }
+
+    async def open_loop(
+        self, phase: str, count: int, rate: float, seed: int, max_seconds: float
+    ) -> dict[str, Any]:
+        """Offer `count` messages at `rate`/s regardless of replies (late ones catch up)."""
+        rng = random.Random(seed)
+        latencies: list[float] = []
+        tasks: set[asyncio.Task[None]] = set()
+        max_lag = 0.0
+        saturated = 0
+
+        async def send(i: int) -> None:
+            latency = await self.one(phase, i)
+            if latency is not None:
+                latencies.append(latency)
+
+        started = time.perf_counter()
+        deadline = started + max_seconds
+        issued = 0
+        for k in range(count):
+            due = started + k / rate
+            delay = due - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            # Saturated (half the keys wait for a reply): hold back until one is free,
+            # so the keys stay distinct; the delay shows as schedule lag.
+            while len(self.busy) >= self.n // 2 and time.perf_counter() < deadline:
+                saturated += 1
+                self.freed.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.freed.wait(), 1.0)
+            now = time.perf_counter()
+            if now > deadline:
+                break
+            max_lag = max(max_lag, now - due)
+            task = asyncio.create_task(send(pick_key(rng, self.n, self.busy)))
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+            issued += 1
+        await asyncio.gather(*list(tasks))
+        elapsed = time.perf_counter() - started
+        return {
+            "messages": issued,
+            "replies": len(latencies),
+            "seconds": elapsed,
+            "offered_per_s": rate,
+            "achieved_per_s": len(latencies) / elapsed if elapsed > 0 else 0.0,
+            "max_schedule_lag_ms": max_lag * 1000,
+            "saturated_waits": saturated,
+            "timed_out": issued < count,
+            **latency_stats(latencies),
+        }
+
+
+async def run_gateway(home: Path, args: argparse.Namespace) -> dict[str, Any]:
+    adapter = InProcessAdapter()
+    runner = GatewayRunner(gateway_config(), [adapter], agent_factory=None, home=home)
+    driver = Driver(runner, adapter, args.worker_sessions)
+    result: dict[str, Any] = {}
+    try:
+        await runner.start()
+        if args.warmup:
+            await driver.closed_loop(
+                "warmup", args.warmup, args.concurrency, args.seed, args.max_seconds
+            )
+        result["closed"] = await driver.closed_loop(
+            "closed", args.messages, args.concurrency, args.seed + 1, args.max_seconds
+        )
+        result["open"] = await driver.open_loop(
+            "open", args.open_messages, args.rate, args.seed + 2, args.max_seconds
+        )
+    finally:
+        await runner.stop()
+    result["errors"] = driver.errors[:20]
+    result["error_count"] = len(driver.errors)
+    result["unexpected_sends"] = adapter.unexpected
+    result["rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return result
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    """The in-process run, in a Python process of its own (its ru_maxrss is its own)."""
+    from gateway.logs import configure_logging
+
+    configure_logging(json_output=True)  # as `hermes-gateway run` does; to the worker log
+    result = asyncio.run(run_gateway(Path(args.worker_home), args))
+    Path(args.worker_result).write_text(json.dumps(result))
+    return 0
+
+
+def run_worker(home: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    result_path = home / "bench-result.json"
+    log_path = home / "bench-worker.log"
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker-home",
+        str(home),
+        "--worker-result",
+        str(result_path),
+        "--worker-sessions",
+        str(n),
+        "--messages",
+        str(args.messages),
+        "--warmup",
+        str(args.warmup),
+        "--concurrency",
+        str(args.concurrency),
+        "--rate",
+        str(args.rate),
+        "--open-messages",
+        str(args.open_messages),
+        "--seed",
+        str(args.seed),
+        "--max-seconds",
+        str(args.max_seconds),
+    ]
+    env = {**os.environ, "HERMES_HOME": str(home)}
+    env.pop("HERMES_CONFIG", None)
+    with log_path.open("wb") as log:
+        code = subprocess.run(
+            command, env=env, stdout=log, stderr=log, timeout=3 * args.max_seconds + 120
+        ).returncode
+    if code != 0 or not result_path.exists():
+        tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])
+        raise RuntimeError(f"in-process run failed (exit {code}):\n{tail}")
+    return json.loads(result_path.read_text())
+
+
+# --- 4. naive baseline --------------------------------------------------------------------
+
+
+class NaiveStore:
+    """The design the store replaced: all entries in one dict, and every message
+    rewrites the whole sessions.json (temp file + os.replace) and appends its transcript
+    lines to a per-session JSONL file. The cheap end of that design: no fsync, and the
+    file is encoded in one go by the C encoder (`json.dump` to a file streams through the
+    pure-Python encoder, about 5x slower).
+    """
+
+    def __init__(self, directory: Path, index: dict[str, dict[str, Any]]) -> None:
+        self.directory = directory
+        self.path = directory / SESSIONS_JSON
+        self.transcripts = directory / "transcripts"
+        self.transcripts.mkdir(parents=True, exist_ok=True)
+        self.entries = index
+
+    def _save(self) -> None:
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        with tmp.open("w", encoding="utf-8") as file:
+            file.write(json.dumps(self.entries, ensure_ascii=False))
+        os.replace(tmp, self.path)
+
+    def turn(self, key: str, source: SessionSource, text: str, reply: str) -> None:
+        now = datetime.now(UTC)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = entries.fresh_entry(key, source, now).to_dict()
+        entry["updated_at"] = now.isoformat()
+        words_in, words_out = len(text.split()), len(reply.split())
+        entry["input_tokens"] += words_in
+        entry["output_tokens"] += words_out
+        entry["total_tokens"] += words_in + words_out
+        entry["last_prompt_tokens"] = words_in
+        self.entries[key] = entry
+        self._save()
+        lines = [
+            {"role": "user", "content": text, "timestamp": now.isoformat()},
+            {"role": "assistant", "content": reply, "timestamp": now.isoformat()},
+        ]
+        with (self.transcripts / f"{entry['session_id']}.jsonl").open("a") as file:
+            file.write("".join(json.dumps(line, ensure_ascii=False) + "\n" for line in lines))
+
+
+async def naive_closed_loop(
+    naive: NaiveStore, n: int, count: int, concurrency: int, seed: int, max_seconds: float
+) -> dict[str, Any]:
+    rng = random.Random(seed)
+    busy: set[int] = set()
+    config = gateway_config()
+    store_key = SessionStore(naive.directory, config).session_key_for
+    done = 0
+    issued = 0
+    deadline = time.perf_counter() + max_seconds
+
+    async def chat() -> None:
+        nonlocal done, issued
+        while issued < count and time.perf_counter() < deadline:
+            issued += 1
+            i = pick_key(rng, n, busy)
+            try:
+                source = source_for(i)
+                naive.turn(store_key(source), source, USER_TEXT, f"echo: {USER_TEXT}")
+                done += 1
+            finally:
+                busy.discard(i)
+            await asyncio.sleep(0)  # the next chat's turn, as replies would interleave
+
+    started = time.perf_counter()
+    await asyncio.gather(*(chat() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - started
+    return {"turns": done, "seconds": elapsed, "turns_per_s": done / elapsed if elapsed else 0.0}
+
+
+def run_naive(home: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Naive baseline, seeded with the very sessions.json the fill left behind."""
+    directory = home / "naive"
+    directory.mkdir()
+    index = json.loads((home / "sessions" / SESSIONS_JSON).read_text(encoding="utf-8"))
+    naive = NaiveStore(directory, index)
+    try:
+        return asyncio.run(
+            naive_closed_loop(
+                naive, n, args.messages, args.concurrency, args.seed + 1, args.baseline_seconds
+            )
+        )
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# --- report -------------------------------------------------------------------------------
+
+
+def bench_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    home = root / f"home-{n}"
+    home.mkdir(mode=0o700)
+    fill_s = asyncio.run(fill_home(home, n))
+    startups = [measure_startup(home) for _ in range(args.startup_samples)]
+    gateway = run_worker(home, n, args)
+    naive = run_naive(home, n, args)
+    closed, opened = gateway["closed"], gateway["open"]
+    row = {
+        "sessions": n,
+        "fill_s": fill_s,
+        "startup_s": statistics.median(startups),
+        "startup_samples": startups,
+        "closed": closed,
+        "open": opened,
+        "rss_bytes": gateway["rss_bytes"],
+        "naive": naive,
+        "ratio": closed["turns_per_s"] / naive["turns_per_s"] if naive["turns_per_s"] else None,
+        "error_count": gateway["error_count"],
+        "errors": gateway["errors"],
+        "unexpected_sends": gateway["unexpected_sends"],
+    }
+    if not args.keep:
+        shutil.rmtree(home, ignore_errors=True)
+    return row
+
+
+def format_row(r: dict[str, Any]) -> str:
+    c, o = r["closed"], r["open"]
+    ratio = f"{r['ratio']:.0f}x" if r["ratio"] is not None else "-"
+    return (
+        f"{r['sessions']:>9} {r['fill_s']:>7.1f} {r['startup_s']:>7.2f} {c['turns_per_s']:>8.0f}"
+        f" {c['cpu_us_per_turn']:>6.0f} {c['p50_ms']:>7.2f} {c['p99_ms']:>7.2f} {c['max_ms']:>7.1f}"
+        f" {o['achieved_per_s']:>7.0f} {o['p50_ms']:>6.2f} {o['p99_ms']:>6.2f} {o['max_ms']:>7.1f}"
+        f" {r['rss_bytes'] / 2**20:>7.0f} {r['naive']['turns_per_s']:>8.1f} {ratio:>6}"
+    )
+
+
+def target_lines(rows: list[dict[str, Any]], rate: float) -> list[str]:
+    by_size = {r["sessions"]: r for r in rows}
+    big, small = by_size.get(BIG), by_size.get(SMALL)
+
+    def verdict(ok: bool | None) -> str:
+        return "n/a " if ok is None else "pass" if ok else "MISS"
+
+    lines = []
+    if big is None:
+        lines.append(f"n/a   (targets are about {BIG:,} sessions; that size was not run)")
+    else:
+        turns = big["closed"]["turns_per_s"]
+        lines.append(
+            f"{verdict(turns >= TARGET_TURNS)}  >= {TARGET_TURNS:,} turns/s at {BIG:,}"
+            f" sessions: {turns:,.0f}/s"
+        )
+        if small is not None:
+            ratio = turns / small["closed"]["turns_per_s"]
+            lines.append(
+                f"{verdict(ratio >= TARGET_RATIO)}  {BIG:,} within 20% of {SMALL:,}:"
+                f" {ratio:.2f}x ({turns:,.0f} vs {small['closed']['turns_per_s']:,.0f}/s)"
+            )
+        else:
+            lines.append(f"n/a   {BIG:,} within 20% of {SMALL:,}: {SMALL:,} was not run")
+        rss = big["rss_bytes"]
+        lines.append(
+            f"{verdict(rss <= TARGET_RSS_BYTES)}  RSS <= 200 MB at {BIG:,} sessions:"
+            f" {rss / 1e6:.0f} MB ({rss / 2**20:.0f} MiB)"
+        )
+        start = big["startup_s"]
+        lines.append(
+            f"{verdict(start <= TARGET_STARTUP_S)}  start-up <= {TARGET_STARTUP_S:g} s at"
+            f" {BIG:,} sessions: {start:.2f} s (samples "
+            + ", ".join(f"{s:.2f}" for s in big["startup_samples"])
+            + ")"
+        )
+    p99s = ", ".join(f"{r['sessions']:,}: {r['open']['p99_ms']:.2f} ms" for r in rows)
+    worst = max(r["open"]["p99_ms"] for r in rows)
+    rated = rate == 1000
+    lines.append(
+        f"{verdict(worst <= TARGET_P99_MS if rated else None)}  p99 <= {TARGET_P99_MS:g} ms at"
+        f" 1,000 turns/s offered ({rate:g}/s offered): {p99s}"
+    )
+    return lines
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=None)
+    parser.add_argument("--messages", type=int, default=None, help="closed loop (20000)")
+    parser.add_argument("--concurrency", type=int, default=64, help="closed-loop chats")
+    parser.add_argument("--rate", type=float, default=1000.0, help="open loop, messages/s")
+    parser.add_argument(
+        "--open-messages", type=int, default=None, help="open loop (10 s worth, <= messages)"
+    )
+    parser.add_argument("--warmup", type=int, default=None, help="untimed messages first (500)")
+    parser.add_argument("--startup-samples", type=int, default=None, help="median of (3)")
+    parser.add_argument("--baseline-seconds", type=float, default=None, help="naive cap (10)")
+    parser.add_argument("--max-seconds", type=float, default=300.0, help="cap per loop")
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--quick", action="store_true", help="1k sessions, 2000 messages")
+    parser.add_argument("--keep", action="store_true", help="keep the homes (prints where)")
+    parser.add_argument("--json", type=Path, help="also write all figures to this file")
+    for hidden in ("--worker-home", "--worker-result"):
+        parser.add_argument(hidden, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-sessions", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    quick = args.quick
+    defaults = {
+        "sizes": [SMALL] if quick else [SMALL, 10_000, BIG],
+        "messages": 2_000 if quick else 20_000,
+        "warmup": 100 if quick else 500,
+        "startup_samples": 1 if quick else 3,
+        "baseline_seconds": 2.0 if quick else 10.0,
+    }
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.open_messages is None:
+        args.open_messages = min(args.messages, int(args.rate * 10))
+    if args.rate <= 0 or args.concurrency < 1 or args.messages < 1:
+        parser.error("--rate, --concurrency and --messages must be positive")
+    if args.worker_home is None and min(args.sizes) <= args.concurrency:
+        parser.error("every size must be larger than --concurrency")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.worker_home is not None:
+        return worker_main(args)
+    cpus = os.cpu_count()
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+    print(
+        f"python {platform.python_version()}, {cpus} CPUs ({usable} usable by this process),"
+        f" {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, load {os.getloadavg()[0]:.2f}"
+    )
+    print(
+        f"closed loop: {args.messages} messages, {args.concurrency} chats, {args.warmup} warm-up;"
+        f" open loop: {args.open_messages} messages at {args.rate:g}/s;"
+        f" start-up: median of {args.startup_samples}; naive: <= {args.baseline_seconds:g} s"
+    )
+    print(
+        "latencies: handle_message -> adapter.send of the last chunk; o_ = open loop;"
+        " cpu_us: process CPU per closed-loop turn (all threads)"
+    )
+    print(HEADER, flush=True)
+    rows = []
+    failed = False
+    root = Path(tempfile.mkdtemp(prefix="bench-gateway-"))
+    try:
+        for n in args.sizes:
+            row = bench_size(n, args, root)
+            rows.append(row)
+            print(format_row(row), flush=True)
+            if row["error_count"] or row["unexpected_sends"]:
+                failed = True
+                print(
+                    f"  {row['error_count']} failed messages, {row['unexpected_sends']}"
+                    f" unexpected sends: {row['errors'][:5]}",
+                    flush=True,
+                )
+            for phase in ("closed", "open"):
+                if row[phase]["timed_out"]:
+                    print(f"  {phase} loop stopped at --max-seconds: partial figures")
+            lag = row["open"]["max_schedule_lag_ms"]
+            if lag > 50:
+                print(
+                    f"  open loop fell behind its schedule by up to {lag:.0f} ms"
+                    f" ({row['open']['saturated_waits']} waits for a free key)"
+                )
+    finally:
+        if args.keep:
+            print(f"homes kept in {root}")
+        else:
+            shutil.rmtree(root, ignore_errors=True)
+    print("peak RSS is the in-process run's own (ru_maxrss of a fresh process)")
+    print("targets:")
+    for line in target_lines(rows, args.rate):
+        print(f"  {line}")
+    if args.json is not None:
+        args.json.write_text(json.dumps({"argv": sys.argv[1:], "rows": rows}, indent=1))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The benchmark scripts run end to end (their figures are not checked: speed is not a test)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(150)
+def test_bench_gateway_quick_runs_and_prints_its_table() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_gateway.py"), "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"{out}\n{proc.stderr}"
+    lines = out.splitlines()
+    header = next((line for line in lines if line.split()[:1] == ["sessions"]), None)
+    assert header is not None, out
+    assert "turns/s" in header and "naive/s" in header, header
+    row = next((line for line in lines if line.split()[:1] == ["1000"]), None)
+    assert row is not None, out
+    turns_per_s = row.split()[header.split().index("turns/s")]
+    assert re.fullmatch(r"\d+", turns_per_s) and int(turns_per_s) > 0, row
+    assert "targets:" in out

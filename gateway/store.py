@@ -63,6 +63,7 @@ class SessionStore:
 
     async def open(self) -> SessionStore:
         self.sessions_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.created = not self.db_path.exists() and not self.json_path.exists()
         await self._db.open()
         # Import when the database holds no session at all, not only when the file was
         # absent: a crash between creating state.db and committing the import leaves an

@@ -175,3 +175,22 @@ async def test_a_resumed_shared_group_turn_asks_the_stored_message(tmp_path: Pat
         assert [m["content"] for m in transcript] == ["[Ann] block me", "echo: [Ann] block me"]
     finally:
         await second.stop()
+
+
+async def test_a_first_start_is_clean_and_a_crash_is_not(tmp_path: Path) -> None:
+    first = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
+    await first.start()
+    assert first.recovery.was_clean  # nothing existed yet: not a crash
+    await crash(first)
+    second = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
+    await second.start()
+    try:
+        assert not second.recovery.was_clean
+    finally:
+        await second.stop()
+    third = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
+    await third.start()
+    try:
+        assert third.recovery.was_clean  # the stop above was clean
+    finally:
+        await third.stop()

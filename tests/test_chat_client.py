@@ -18,6 +18,7 @@ from config import HttpConfig
 from gateway import chat as chat_module
 from gateway.chat import chat, main_chat
 from gateway.session import Platform, SessionSource
+from tests.fakes.ledger import FakeLedger
 
 TOKEN = "chat-token"
 
@@ -30,7 +31,7 @@ class EchoGateway:
         self.adapter = adapter
         self.events: list[MessageEvent] = []
         self.accepted = Accepted(AcceptStatus.STARTED, "agent:main:http:dm:local-ann")
-        self.ledger: list[dict[str, Any]] = []
+        self.ledger = FakeLedger()
         self._replies: set[asyncio.Task[None]] = set()
 
     async def handle_message(self, event: MessageEvent) -> Accepted:
@@ -48,28 +49,14 @@ class EchoGateway:
     async def reply(
         self, adapter: HttpAdapter, target: SessionSource, text: str, reply_to: str | None = None
     ) -> int:
-        seq = len(self.ledger) + 1  # ledger ids start at 1 and only grow
-        self.ledger.append(
-            {
-                "seq": seq,
-                "platform": target.platform.value,
-                "chat_id": target.chat_id,
-                "text": text,
-                "thread_id": target.thread_id,
-                "in_reply_to": reply_to,
-            }
-        )
+        seq = self.ledger.record(target, text, reply_to)
         await adapter.send(target, text, reply_to, delivery_id=seq)
         return seq
 
     async def replies_after(
         self, platform: str, chat_id: str, after: int, limit: int
     ) -> list[dict[str, Any]]:
-        return [
-            {key: row[key] for key in ("seq", "text", "thread_id", "in_reply_to")}
-            for row in self.ledger
-            if row["platform"] == platform and row["chat_id"] == chat_id and row["seq"] > after
-        ][:limit]
+        return self.ledger.after(platform, chat_id, after, limit)
 
     async def list_sessions(self) -> list[dict[str, Any]]:
         return []

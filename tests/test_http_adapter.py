@@ -16,6 +16,7 @@ from adapters.base import Accepted, AcceptStatus, MessageEvent, SendResult
 from adapters.http import MAX_REPLIES_PER_POLL, HttpAdapter
 from config import HttpConfig
 from gateway.session import Platform, SessionSource
+from tests.fakes.ledger import FakeLedger
 
 TOKEN = "s3cret-token"
 
@@ -27,7 +28,7 @@ class FakeGateway:
     def __init__(self) -> None:
         self.events: list[MessageEvent] = []
         self.accepted = Accepted(AcceptStatus.STARTED, session_key="agent:main:http:dm:c1")
-        self.ledger: list[dict[str, Any]] = []
+        self.ledger = FakeLedger()
         self.reads: list[tuple[str, str, int, int]] = []  # replies_after's arguments
         # When set, the next read takes its snapshot, sets `reading` and then waits for
         # this event before answering: a test can record a reply while a read is in flight.
@@ -45,11 +46,7 @@ class FakeGateway:
         self, platform: str, chat_id: str, after: int, limit: int
     ) -> list[dict[str, Any]]:
         self.reads.append((platform, chat_id, after, limit))
-        rows = [
-            {key: row[key] for key in ("seq", "text", "thread_id", "in_reply_to")}
-            for row in self.ledger
-            if row["platform"] == platform and row["chat_id"] == chat_id and row["seq"] > after
-        ][:limit]
+        rows = self.ledger.after(platform, chat_id, after, limit)
         gate, self.read_gate = self.read_gate, None
         if gate is not None:
             self.reading.set()
@@ -60,17 +57,7 @@ class FakeGateway:
         self, adapter: HttpAdapter, target: SessionSource, text: str, reply_to: str | None = None
     ) -> int:
         """Record a reply in the ledger, then deliver it, as the runner does."""
-        seq = len(self.ledger) + 1  # ledger ids start at 1 and only grow
-        self.ledger.append(
-            {
-                "seq": seq,
-                "platform": target.platform.value,
-                "chat_id": target.chat_id,
-                "text": text,
-                "thread_id": target.thread_id,
-                "in_reply_to": reply_to,
-            }
-        )
+        seq = self.ledger.record(target, text, reply_to)
         assert await adapter.send(target, text, reply_to, delivery_id=seq) == SendResult(str(seq))
         return seq
 

@@ -45,7 +45,7 @@ SESSION_ID = re.compile(r"^\d{8}_\d{6}_[0-9a-f]{8}$")
 NEW_YORK = ZoneInfo("America/New_York")
 AT_HOUR = 4
 IDLE = timedelta(minutes=90)
-MIRROR_CHECK_EVERY = 7  # steps; sessions.json is also checked at every close_and_reopen
+EVERY_FEW_STEPS = 5  # sessions.json and lookups; both are also checked at close_and_reopen
 
 CONFIG = GatewayConfig.model_validate(
     {
@@ -218,6 +218,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.traveller = time_machine.travel(self.now, tick=False)
         self.clock = self.traveller.start()
         self.store = self.run(SessionStore(self.directory, CONFIG).open())
+        self.pool: list[tuple[SessionSource, str]] = list(SOURCES)  # start() narrows it
         self.entries: dict[str, ModelEntry] = {}
         self.sessions: dict[str, ModelSession] = {}
         self.steps = 0
@@ -236,10 +237,14 @@ class StoreMachine(RuleBasedStateMachine):
 
     # --- model helpers -----------------------------------------------------------------
 
+    def draw_source(self, data: st.DataObject) -> tuple[SessionSource, str]:
+        return data.draw(st.sampled_from(self.pool), label="source")
+
     def draw_key(self, data: st.DataObject) -> str:
-        """Mostly a key the model knows, so operations pile up on it; sometimes any key."""
-        known = st.sampled_from(sorted(self.entries)) if self.entries else st.nothing()
-        return data.draw(known | st.sampled_from((*KEYS, UNKNOWN_KEY)), label="key")
+        """Mostly (3 in 4) a key the model knows, so that operations pile up on it."""
+        if self.entries and data.draw(st.integers(0, 3), label="known key") > 0:
+            return data.draw(st.sampled_from(sorted(self.entries)), label="key")
+        return data.draw(st.sampled_from((*KEYS, UNKNOWN_KEY)), label="key")
 
     def ids_of(self, key: str) -> list[str]:
         # Creation order, not sorted: ids end in random hex, and draws must pick the same
@@ -358,34 +363,34 @@ class StoreMachine(RuleBasedStateMachine):
         day=st.sampled_from(START_DAYS),
         # Minutes from 4:00: often just before it, so short steps cross the boundary.
         minutes=st.integers(-90, 0) | st.integers(-180, 180) | st.integers(-1440, 1440),
-        pick=st.sampled_from(SOURCES),
+        # A few sources per run, so that operations pile up on the same keys.
+        pool=st.lists(st.sampled_from(SOURCES), min_size=1, max_size=3, unique=True),
     )
-    def start(self, day: datetime, minutes: int, pick: tuple[SessionSource, str]) -> None:
+    def start(self, day: datetime, minutes: int, pool: list[tuple[SessionSource, str]]) -> None:
         local_boundary = day.replace(hour=AT_HOUR, tzinfo=NEW_YORK)
         self.now = (local_boundary + timedelta(minutes=minutes)).astimezone(UTC)
         self.clock.move_to(self.now)
-        self.route(*pick)
+        self.pool = pool
+        self.route(*pool[0])
 
-    @rule(minutes=st.sampled_from(CLOCK_STEPS), then=st.none() | st.sampled_from(SOURCES))
-    def advance_clock(self, minutes: int, then: tuple[SessionSource, str] | None) -> None:
+    @rule(data=st.data(), minutes=st.sampled_from(CLOCK_STEPS), then_message=st.booleans())
+    def advance_clock(self, data: st.DataObject, minutes: int, then_message: bool) -> None:
         """Time passes (in absolute time: a wall-clock hour may be skipped or repeated),
         then perhaps a message arrives, so routing often sees fresh clock changes."""
         self.now += timedelta(minutes=minutes)
         self.clock.shift(timedelta(minutes=minutes))
         assert datetime.now(UTC) == self.now
-        if then is not None:
-            self.route(*then)
+        if then_message:
+            self.route(*self.draw_source(data))
 
-    @rule(pick=st.sampled_from(SOURCES))
-    def get_or_create(self, pick: tuple[SessionSource, str]) -> None:
-        self.route(*pick)
+    @rule(data=st.data())
+    def get_or_create(self, data: st.DataObject) -> None:
+        self.route(*self.draw_source(data))
 
-    @rule(pick=st.sampled_from(SOURCES), text=texts, reply=contents, usage=usages)
-    def turn(
-        self, pick: tuple[SessionSource, str], text: str, reply: Any, usage: TokenUsage
-    ) -> None:
+    @rule(data=st.data(), text=texts, reply=contents, usage=usages)
+    def turn(self, data: st.DataObject, text: str, reply: Any, usage: TokenUsage) -> None:
         """What the runner does for one message: route, record both sides, count tokens."""
-        source, key = pick
+        source, key = self.draw_source(data)
         entry = self.route(source, key)
         self.append_message(entry.session_id, {"role": "user", "content": text})
         self.append_message(entry.session_id, {"role": "assistant", "content": reply})
@@ -506,6 +511,7 @@ class StoreMachine(RuleBasedStateMachine):
         self.check_mirror()  # close writes the final copy
         self.store = self.run(SessionStore(self.directory, CONFIG).open())
         self.check_transcripts(list(self.sessions))
+        self.check_lookups()
 
     # --- invariants ----------------------------------------------------------------------
 
@@ -517,11 +523,14 @@ class StoreMachine(RuleBasedStateMachine):
         assert times == sorted(times, reverse=True)
         for entry in listed:
             self.check_entry(entry.session_key, entry)
-            found = self.run(self.store.lookup_by_session_id(entry.session_id))
-            assert found is not None and found.session_key == entry.session_key
-        for sid, session in self.sessions.items():  # earlier sessions are not routed to
-            if self.entries[session.session_key].session_id != sid:
-                assert self.run(self.store.lookup_by_session_id(sid)) is None
+
+    def check_lookups(self) -> None:
+        for sid, session in self.sessions.items():
+            found = self.run(self.store.lookup_by_session_id(sid))
+            if self.entries[session.session_key].session_id == sid:
+                assert found is not None and found.session_key == session.session_key
+            else:  # earlier sessions of a key are not routed to
+                assert found is None
 
     @invariant()
     def expired_entries_match_policy(self) -> None:
@@ -537,11 +546,13 @@ class StoreMachine(RuleBasedStateMachine):
         assert sorted(e.session_key for e in expired) == sorted(expected)
 
     @invariant()
-    def mirror_matches_model(self) -> None:
+    def mirror_and_lookups_match_model(self) -> None:
+        # Every few steps only, to keep each example (and shrinking a failure) quick.
         self.steps += 1
-        if self.steps % MIRROR_CHECK_EVERY == 0:
+        if self.steps % EVERY_FEW_STEPS == 0:
             self.run(self.store.flush_mirror())
             self.check_mirror()
+            self.check_lookups()
 
 
 StoreMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)

@@ -365,8 +365,15 @@ class AgentCache:
         overflow = len(self._entries) - self.max_size
         if overflow <= 0:
             return []
-        idle_keys = [key for key, entry in self._entries.items() if not entry.in_use]
-        victims = [self._entries.pop(key).agent for key in idle_keys[:overflow]]
+        # Oldest first (LRU order): the first idle entries are the victims, so stop there
+        # instead of scanning the whole cache on every acquire.
+        idle_keys: list[str] = []
+        for key, entry in self._entries.items():
+            if not entry.in_use:
+                idle_keys.append(key)
+                if len(idle_keys) == overflow:
+                    break
+        victims = [self._entries.pop(key).agent for key in idle_keys]
         self._evictions += len(victims)
         return victims
 

@@ -38,10 +38,20 @@ def new_session_id(now: datetime) -> str:
 
 
 def load_entry(conn: sqlite3.Connection, session_key: str) -> SessionEntry | None:
+    loaded = load_entry_raw(conn, session_key)
+    return loaded[0] if loaded else None
+
+
+def load_entry_raw(conn: sqlite3.Connection, session_key: str) -> tuple[SessionEntry, str] | None:
+    """The entry and its stored JSON text (what `save_entry_if_unchanged` compares to)."""
     row = conn.execute(
         "SELECT entry FROM session_entries WHERE session_key = ?", (session_key,)
     ).fetchone()
-    return SessionEntry.from_dict(json.loads(row[0])) if row else None
+    return (SessionEntry.from_dict(json.loads(row[0])), row[0]) if row else None
+
+
+def encode_entry(entry: SessionEntry) -> str:
+    return json.dumps(entry.to_dict(), separators=(",", ":"), ensure_ascii=False)
 
 
 def minute_of(moment: datetime | float) -> int:
@@ -60,7 +70,7 @@ def save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
         int(entry.suspended),
         int(entry.resume_pending),
         int(entry.expiry_finalized),
-        json.dumps(entry.to_dict(), separators=(",", ":"), ensure_ascii=False),
+        encode_entry(entry),
         entry.session_key,
         entry.session_id,
     )
@@ -87,6 +97,35 @@ def save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
         " expiry_finalized = excluded.expiry_finalized, entry = excluded.entry",
         (*params, minute),
     )
+
+
+def save_entry_if_unchanged(conn: sqlite3.Connection, entry: SessionEntry, stored: str) -> bool:
+    """Save `entry` only if its row still holds `stored` (the text it was loaded from):
+    one UPDATE instead of load + decode + save when nothing else changed the entry since.
+    False when something did; the caller then loads it again."""
+    minute = minute_of(entry.updated_at)
+    row = conn.execute(
+        "UPDATE session_entries SET updated_at = ?, suspended = ?, resume_pending = ?,"
+        " expiry_finalized = ?, entry = ? WHERE session_key = ? AND entry = ?"
+        " RETURNING active_minute",
+        (
+            entry.updated_at.timestamp(),
+            int(entry.suspended),
+            int(entry.resume_pending),
+            int(entry.expiry_finalized),
+            encode_entry(entry),
+            entry.session_key,
+            stored,
+        ),
+    ).fetchone()
+    if row is None:
+        return False
+    if row[0] != minute:
+        conn.execute(
+            "UPDATE session_entries SET active_minute = ? WHERE session_key = ?",
+            (minute, entry.session_key),
+        )
+    return True
 
 
 def start_session_row(conn: sqlite3.Connection, entry: SessionEntry) -> None:

@@ -361,7 +361,7 @@ class GatewayRunner:
             typing.cancel()
         chunks = self._split(source, self._with_reset_notice(entry, outcome.text))
         ids = await self.turnlog.finish(
-            key, entry, event, reply=outcome.reply, usage=outcome.usage, chunks=chunks
+            key, begun, event, reply=outcome.reply, usage=outcome.usage, chunks=chunks
         )
         if outcome.reply is not None:
             self.metrics.turns_total += 1

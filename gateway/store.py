@@ -172,24 +172,40 @@ class SessionStore:
         self, source: SessionSource, force_new: bool = False
     ) -> Callable[[sqlite3.Connection], SessionEntry]:
         """The transaction body of `get_or_create_session`, for callers that combine it
-        with more writes in one transaction (the runner's turn start)."""
+        with more writes in one transaction."""
+        route = self._routing_tx(source, force_new, touch=True)
+        return lambda conn: route(conn)[0]
+
+    def route_for_turn_tx(
+        self, source: SessionSource
+    ) -> Callable[[sqlite3.Connection], tuple[SessionEntry, str | None]]:
+        """Routing for a turn, which saves the entry when it ends: a session that simply
+        continues is not saved here (no touch), and its stored JSON text comes back so
+        the turn's end can save with one compare-and-set UPDATE. The text is None when
+        the entry was just written (new or reset session)."""
+        return self._routing_tx(source, False, touch=False)
+
+    def _routing_tx(
+        self, source: SessionSource, force_new: bool, *, touch: bool
+    ) -> Callable[[sqlite3.Connection], tuple[SessionEntry, str | None]]:
         key = self._generate_session_key(source)
         now = _utcnow()
         policy = self.config.get_reset_policy(source.platform, source.chat_type)
         active = self._has_active_processes(key)
         tz = self._tz
 
-        def tx(conn: sqlite3.Connection) -> SessionEntry:
-            entry = entries.load_entry(conn, key)
-            if entry is None:
+        def tx(conn: sqlite3.Connection) -> tuple[SessionEntry, str | None]:
+            loaded = entries.load_entry_raw(conn, key)
+            if loaded is None:
                 new = entries.fresh_entry(key, source, now)
                 entries.start_session_row(conn, new)
                 entries.save_entry(conn, new)
-                return new
+                return new, None
+            entry, stored = loaded
             if force_new:
-                return entries.replace_session(conn, entry, source, now)
+                return entries.replace_session(conn, entry, source, now), None
             if entry.suspended:
-                return entries.replace_session(
+                replaced = entries.replace_session(
                     conn,
                     entry,
                     source,
@@ -198,10 +214,11 @@ class SessionStore:
                     auto_reset_reason="suspended",
                     reset_had_activity=entry.total_tokens > 0,
                 )
+                return replaced, None
             if not entry.resume_pending and not active:
                 reason = reset_reason(entry.updated_at, policy, now, tz)
                 if reason is not None:
-                    return entries.replace_session(
+                    replaced = entries.replace_session(
                         conn,
                         entry,
                         source,
@@ -210,9 +227,12 @@ class SessionStore:
                         auto_reset_reason=reason,
                         reset_had_activity=entry.total_tokens > 0,
                     )
+                    return replaced, None
+            if not touch:
+                return entry, stored
             entry.updated_at = now
             entries.save_entry(conn, entry)
-            return entry
+            return entry, None
 
         return tx
 

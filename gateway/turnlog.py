@@ -12,6 +12,7 @@ pending ledger rows are sent. Nothing is answered twice and nothing accepted is 
 
 from __future__ import annotations
 
+import copy
 import sqlite3
 import time
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ class TurnStart:
     history: list[dict[str, Any]]
     resumed: bool  # a re-run after a restart: the user message was stored before
     text: str  # the user message as stored (what the agent is asked)
+    stored: str | None = None  # the entry's JSON as stored, when the turn did not save it
 
 
 class TurnLog:
@@ -65,7 +67,7 @@ class TurnLog:
 
     async def begin(self, event: MessageEvent, session_key: str, text: str) -> TurnStart:
         """Route to the session, store the user message and the turn marker, all at once."""
-        route = self.store.route_tx(event.source)
+        route = self.store.route_for_turn_tx(event.source)
         record = event.to_dict()
         user_message: dict[str, Any] = {"role": "user", "content": text}
         if event.message_id:
@@ -74,7 +76,7 @@ class TurnLog:
         limit = self.history_limit
 
         def tx(conn: sqlite3.Connection) -> TurnStart:
-            entry = route(conn)
+            entry, stored = route(conn)
             marker = journal.get_turn(conn, session_key)
             if (
                 event.resume
@@ -85,10 +87,10 @@ class TurnLog:
                 history = transcript.load_recent(
                     conn, entry.session_id, limit, before=marker["user_message_id"]
                 )
-                stored = transcript.load_row(conn, marker["user_message_id"])
-                content = stored.get("content") if stored else None
+                asked = transcript.load_row(conn, marker["user_message_id"])
+                content = asked.get("content") if asked else None
                 resumed_text = content if isinstance(content, str) else text
-                return TurnStart(entry, history, resumed=True, text=resumed_text)
+                return TurnStart(entry, history, True, resumed_text, stored)
             history = transcript.load_recent(conn, entry.session_id, limit)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
             journal.start_turn(
@@ -100,7 +102,7 @@ class TurnLog:
                 event=record,
                 now=now,
             )
-            return TurnStart(entry, history, resumed=False, text=text)
+            return TurnStart(entry, history, False, text, stored)
 
         start = await self.store.write(tx)
         crash_point("after_turn_begin")
@@ -109,7 +111,7 @@ class TurnLog:
     async def finish(
         self,
         session_key: str,
-        entry: SessionEntry,
+        start: TurnStart,
         event: MessageEvent,
         *,
         reply: str | None,
@@ -123,23 +125,30 @@ class TurnLog:
         """
         now = datetime.now(UTC)
         succeeded = reply is not None
+        session_id = start.entry.session_id
+
+        def settle(entry: SessionEntry) -> SessionEntry:
+            entry.updated_at = now
+            if usage is not None:
+                entry.add_usage(usage)
+                entry.last_prompt_tokens = usage.input_tokens
+            if succeeded:
+                entry.resume_pending = False
+                entry.resume_reason = None
+                entry.was_auto_reset = entry.is_fresh_reset = False
+            return entry
 
         def tx(conn: sqlite3.Connection) -> list[int]:
             if succeeded:
-                transcript.insert_message(
-                    conn, entry.session_id, {"role": "assistant", "content": reply}
-                )
-            current = entries.load_entry(conn, session_key)
-            if current is not None and current.session_id == entry.session_id:
-                current.updated_at = now
-                if usage is not None:
-                    current.add_usage(usage)
-                    current.last_prompt_tokens = usage.input_tokens
-                if succeeded:
-                    current.resume_pending = False
-                    current.resume_reason = None
-                    current.was_auto_reset = current.is_fresh_reset = False
-                entries.save_entry(conn, current)
+                transcript.insert_message(conn, session_id, {"role": "assistant", "content": reply})
+            # The common case: nothing touched the entry since `begin` read it, so it is
+            # saved from memory with one compare-and-set UPDATE (no load, no decode).
+            if start.stored is None or not entries.save_entry_if_unchanged(
+                conn, settle(copy.copy(start.entry)), start.stored
+            ):
+                current = entries.load_entry(conn, session_key)
+                if current is not None and current.session_id == session_id:
+                    entries.save_entry(conn, settle(current))
             journal.close_inbox(conn, list(event.inbox_ids), journal.DONE, now.timestamp())
             journal.end_turn(conn, session_key)
             return journal.record_outbound(

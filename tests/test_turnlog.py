@@ -1,0 +1,80 @@
+"""TurnLog's begin/finish pair on a real store: the entry is saved once per turn, from
+memory when nothing else changed it, and never over a change made during the turn."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from adapters.base import MessageEvent
+from config import GatewayConfig
+from gateway.session import Platform, SessionSource, TokenUsage
+from gateway.store import SessionStore
+from gateway.turnlog import TurnLog
+
+SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")
+CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})
+USAGE = TokenUsage(input_tokens=7, output_tokens=3)
+
+
+@pytest.fixture
+async def store(tmp_path: Path):
+    async with SessionStore(tmp_path / "sessions", CONFIG) as opened:
+        yield opened
+
+
+async def run_turn(log: TurnLog, text: str, message_id: str, between=None) -> str:
+    key = log.store.session_key_for(SOURCE)
+    event = MessageEvent(source=SOURCE, text=text, message_id=message_id)
+    start = await log.begin(event, key, text)
+    if between is not None:
+        await between(key)
+    await log.finish(key, start, event, reply=f"echo: {text}", usage=USAGE, chunks=["x"])
+    return key
+
+
+async def test_an_existing_session_is_saved_once_with_the_turns_counters(
+    store: SessionStore,
+) -> None:
+    log = TurnLog(store)
+    key = await run_turn(log, "one", "m1")
+    first = await store.get_entry(key)
+    await run_turn(log, "two", "m2")
+    second = await store.get_entry(key)
+    assert first is not None and second is not None
+    assert second.session_id == first.session_id
+    assert (second.input_tokens, second.output_tokens, second.total_tokens) == (14, 6, 20)
+    assert second.updated_at > first.updated_at
+    assert second.last_prompt_tokens == 7
+
+
+async def test_a_change_made_during_the_turn_is_kept(store: SessionStore) -> None:
+    log = TurnLog(store)
+    await run_turn(log, "one", "m1")
+
+    async def finalize(key: str) -> None:
+        assert await store.set_expiry_finalized(key, True)
+
+    key = await run_turn(log, "two", "m2", between=finalize)
+    entry = await store.get_entry(key)
+    assert entry is not None
+    assert entry.expiry_finalized  # the compare-and-set saw the change and merged into it
+    assert entry.total_tokens == 20
+
+
+async def test_a_session_replaced_during_the_turn_is_left_alone(store: SessionStore) -> None:
+    log = TurnLog(store)
+    await run_turn(log, "one", "m1")
+    replaced: list[str] = []
+
+    async def reset(key: str) -> None:
+        new = await store.reset_session(key)
+        assert new is not None
+        replaced.append(new.session_id)
+
+    key = await run_turn(log, "two", "m2", between=reset)
+    entry = await store.get_entry(key)
+    assert entry is not None
+    assert entry.session_id == replaced[0]
+    assert entry.total_tokens == 0  # the old session's turn does not count on the new one

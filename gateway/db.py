@@ -224,6 +224,17 @@ class Database:
             await self._drive(future)
         return await future
 
+    def write_soon(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+        """Queue `fn` for the next group commit without waiting for it: for writes whose
+        caller has nothing to do after them (a delivery acknowledgement). The future
+        settles once it is committed; `close()` waits for it."""
+        self._require_open()
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, future))
+        if self._driver is None:
+            self._driver = asyncio.create_task(self._drive(None), name="db-group-commit")
+        return future
+
     # --- internals ---------------------------------------------------------------------
 
     def _require_open(self) -> aiosqlite.Connection:

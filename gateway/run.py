@@ -442,7 +442,8 @@ class GatewayRunner:
         if adapter is None:
             log.warning("no_adapter_for_reply", platform=target.platform.value)
             return 0
-        # Claimed before the first await, so a housekeeping re-send never doubles them.
+        # Claimed before the first await, so a housekeeping re-send never doubles them; a
+        # sent chunk stays claimed until its ledger mark is committed.
         chunks = [(i, text) for i, text in chunks if i not in self._sending]
         self._sending.update(i for i, _ in chunks)
         sent = 0
@@ -455,11 +456,12 @@ class GatewayRunner:
                     log.error("send_failed", platform=target.platform.value, error=str(exc))
                     break
                 crash_point("before_ledger_mark")
-                await self.turnlog.mark_sent(delivery_id, result.message_id)
+                marked = self.turnlog.mark_sent(delivery_id, result.message_id)
+                marked.add_done_callback(lambda _, i=delivery_id: self._sending.discard(i))
                 sent += 1
                 self.metrics.replies_sent_total += 1
         finally:
-            self._sending.difference_update(i for i, _ in chunks)
+            self._sending.difference_update(i for i, _ in chunks[sent:])
         return sent
 
     async def resend_pending(self, min_age_seconds: float = 0) -> int:

@@ -140,6 +140,10 @@ class SessionStore:
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         return await self._db.read(fn)
 
+    def write_soon(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+        """A journal write nobody waits for (see `Database.write_soon`); not mirrored."""
+        return self._db.write_soon(fn)
+
     async def _write(self, fn: Callable[[sqlite3.Connection], T], *, dirty: bool = True) -> T:
         result = await self._db.write(fn)
         if dirty:

@@ -21,6 +21,8 @@ from typing import Any, TypeVar
 
 import aiosqlite
 
+from gateway.checkpoint import SAFETY_NET_PAGES, WAL_SIZE_LIMIT, Checkpointer
+
 T = TypeVar("T")
 
 SCHEMA_VERSION = 3
@@ -171,6 +173,7 @@ class Database:
         self._settling: set[asyncio.Task[None]] = set()
         self._idle = asyncio.Event()
         self._closing = False
+        self._checkpointer: Checkpointer | None = None
 
     async def open(self) -> None:
         create_private_file(self.path)
@@ -184,6 +187,11 @@ class Database:
             await self._conn.execute("PRAGMA cache_size=-32768")
             await self._conn._execute(_check_integrity, self._conn._conn, self.path)
             await self._conn._execute(self._migrate, self._conn._conn)
+            # Checkpoints run beside the writer (gateway.checkpoint), not inside a commit.
+            await self._conn.execute(f"PRAGMA wal_autocheckpoint={SAFETY_NET_PAGES}")
+            await self._conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+            self._checkpointer = Checkpointer(self.path)
+            self._checkpointer.start()
         except sqlite3.DatabaseError as exc:
             if self._conn is not None:
                 await self._conn.close()
@@ -202,6 +210,9 @@ class Database:
             self._idle.clear()
             await self._idle.wait()
         await asyncio.gather(*self._settling)
+        if self._checkpointer is not None:
+            await self._checkpointer.stop()
+            self._checkpointer = None
         await self._conn.close()
         self._conn = None
 

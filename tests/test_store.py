@@ -1047,10 +1047,13 @@ async def test_group_commit_concurrent_appends(store: SessionStore) -> None:
     by_id = dict(zip(results, messages, strict=True))
     assert loaded == [by_id[i] for i in sorted(by_id)]
     assert loaded == messages  # submitted in this order, committed in this order
-    # Far fewer commits than writes, and the failed write shared its transaction with
-    # successful ones (it rolled back to its own savepoint only).
+    # Far fewer commits than writes, no savepoints while nothing fails, and the failed
+    # write's batch was re-run sharing one transaction with the successful ones (it
+    # rolled back to its own savepoint only).
     ops = [s.strip().upper() for s in stmts]
     assert ops.count("COMMIT") < 20
+    first_rollback = ops.index("ROLLBACK")
+    assert "SAVEPOINT OP" not in ops[:first_rollback]
     failed_at = ops.index("ROLLBACK TO OP")
     begin = max(i for i in range(failed_at) if ops[i] == "BEGIN IMMEDIATE")
     end = ops.index("COMMIT", failed_at)

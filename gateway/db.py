@@ -25,7 +25,7 @@ from gateway.checkpoint import SAFETY_NET_PAGES, WAL_SIZE_LIMIT, Checkpointer
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 _MIGRATIONS: dict[int, str] = {
@@ -147,6 +147,21 @@ _MIGRATIONS: dict[int, str] = {
         approved_at REAL NOT NULL,
         PRIMARY KEY (platform, user_id)
     ) WITHOUT ROWID;
+    """,
+    # Full-text indexing in batches (gateway.fts): the insert trigger only notes the row.
+    4: """
+    CREATE TABLE fts_pending (id INTEGER PRIMARY KEY);
+    DROP TRIGGER messages_fts_insert;
+    CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+        INSERT OR IGNORE INTO fts_pending(id) VALUES (new.id);
+    END;
+    DROP TRIGGER messages_fts_delete;
+    CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+        INSERT INTO messages_fts(messages_fts, rowid, content)
+        SELECT 'delete', old.id, old.content
+        WHERE NOT EXISTS (SELECT 1 FROM fts_pending WHERE id = old.id);
+        DELETE FROM fts_pending WHERE id = old.id;
+    END;
     """,
 }
 

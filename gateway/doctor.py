@@ -37,7 +37,7 @@ from gateway.store import SESSIONS_JSON, STATE_DB
 OK, WARN, ERROR = "ok", "warn", "error"
 STALE_TEMP_SECONDS = 60
 #: tables copied out of a damaged database, parents first; `turns` (in-flight markers of
-#: a damaged run) is not trusted and `messages_fts` is rebuilt by the insert trigger
+#: a damaged run) is not trusted and `messages_fts` is rebuilt from the copied messages
 SALVAGED_TABLES = ("sessions", "session_entries", "messages", "inbox", "outbound")
 _SCAN_ORDER = {"sessions": "session_id", "session_entries": "session_key"}  # WITHOUT ROWID
 _ORPHAN_TURNS = (  # no table alias: DELETE does not take one
@@ -400,7 +400,7 @@ def run_repairs(paths: Paths) -> dict[str, str]:
 def _copy_table(src: sqlite3.Connection, dst: sqlite3.Connection, table: str) -> str:
     """Copy rows in storage order until the first unreadable one; returns a summary."""
     names = [row[1] for row in dst.execute(f"PRAGMA table_info({table})")]
-    columns = ", ".join(names)  # explicit, so the messages FTS trigger indexes each row
+    columns = ", ".join(names)  # explicit, so the insert trigger queues each message for FTS
     insert = f"INSERT OR IGNORE INTO {table} ({columns}) VALUES ({', '.join('?' * len(names))})"
     copied = skipped = 0
     stopped = ""

@@ -58,6 +58,12 @@ def accept(
 
 
 def close_inbox(conn: sqlite3.Connection, ids: list[int], state: str, now: float) -> None:
+    if len(ids) == 1:  # the common case, without executemany's per-call setup
+        conn.execute(
+            "UPDATE inbox SET state = ?, done_at = ? WHERE id = ? AND state = 'accepted'",
+            (state, now, ids[0]),
+        )
+        return
     conn.executemany(
         "UPDATE inbox SET state = ?, done_at = ? WHERE id = ? AND state = 'accepted'",
         [(state, now, inbox_id) for inbox_id in ids],

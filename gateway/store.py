@@ -24,6 +24,7 @@ import structlog
 from config import GatewayConfig
 from gateway import entries, transcript
 from gateway.db import Database, T
+from gateway.fts import FtsIndexer
 from gateway.mirror import SessionsMirror, check_sessions_json, read_sessions_json
 from gateway.policy import last_daily_boundary, reset_reason
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
@@ -53,6 +54,7 @@ class SessionStore:
         self.db_path = self.sessions_dir / STATE_DB
         self.json_path = self.sessions_dir / SESSIONS_JSON
         self._db = Database(self.db_path)
+        self._fts = FtsIndexer(self._db)
         self._mirror = SessionsMirror(
             self.json_path, self.db_path, config.storage.mirror_interval_seconds
         )
@@ -77,12 +79,15 @@ class SessionStore:
             self._mirror.mark_dirty()
         if not self.json_path.exists():
             self._mirror.mark_dirty()
+        await self._fts.catch_up()
+        self._fts.start()
         self._mirror.start()
         return self
 
     async def close(self) -> None:
         if not self._db.is_open:
             return
+        await self._fts.stop()
         try:
             await self._mirror.stop()
         finally:

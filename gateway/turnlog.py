@@ -82,10 +82,9 @@ class TurnLog:
 
         def tx(conn: sqlite3.Connection) -> TurnStart:
             entry, stored = route(conn)
-            marker = journal.get_turn(conn, session_key)
+            marker = journal.get_turn(conn, session_key) if event.resume else None
             if (
-                event.resume
-                and marker is not None
+                marker is not None
                 and marker["session_id"] == entry.session_id
                 and marker["user_message_id"] is not None
             ):

@@ -48,6 +48,7 @@ from gateway.session import (
     TokenUsage,
     build_session_context,
     build_session_context_prompt,
+    is_shared_multi_user_session,
     scrub_text,
     validate_id,
 )
@@ -72,11 +73,14 @@ def _scrubbed(event: MessageEvent) -> MessageEvent:
     """The event with lone surrogates replaced in its free-text fields (ids are validated)."""
     src = event.source
     names = {
-        name: scrub_text(value)
+        name: cleaned
         for name in ("chat_name", "user_name", "chat_topic")
-        if isinstance(value := getattr(src, name), str)
+        if isinstance(value := getattr(src, name), str) and (cleaned := scrub_text(value)) != value
     }
-    return replace(event, text=scrub_text(event.text), source=replace(src, **names))
+    text = scrub_text(event.text)
+    if not names and text == event.text:
+        return event  # the usual case: nothing to copy
+    return replace(event, text=text, source=replace(src, **names) if names else src)
 
 
 @dataclass(frozen=True, slots=True)
@@ -338,9 +342,12 @@ class GatewayRunner:
         structlog.contextvars.bind_contextvars(session_key=key)
         started = time.monotonic()
         source = event.source
-        context = build_session_context(source, self.config)
         text = event.text.strip()
-        if context.shared_multi_user_session:
+        if is_shared_multi_user_session(
+            source,
+            group_sessions_per_user=self.config.group_sessions_per_user,
+            thread_sessions_per_user=self.config.thread_sessions_per_user,
+        ):
             text = f"[{source.user_name or source.user_id or 'someone'}] {text}"
         begun = await self.turnlog.begin(event, key, text)
         entry = begun.entry
@@ -354,11 +361,12 @@ class GatewayRunner:
             system_prompt=self._system_prompt(build_session_context(source, self.config, entry)),
             source=source,
         )
-        typing = asyncio.create_task(self._keep_typing(source))
+        typing = self._start_typing(source)
         try:
             outcome = await self._call_agent(key, request)
         finally:
-            typing.cancel()
+            if typing is not None:
+                typing.cancel()
         chunks = self._split(source, self._with_reset_notice(entry, outcome.text))
         ids = await self.turnlog.finish(
             key, begun, event, reply=outcome.reply, usage=outcome.usage, chunks=chunks
@@ -409,10 +417,15 @@ class GatewayRunner:
         why = RESET_NOTICES.get(entry.auto_reset_reason or "", RESET_NOTICES["idle"])
         return f"({why} /resume to go back.)\n\n{reply}"
 
-    async def _keep_typing(self, source: SessionSource) -> None:
+    def _start_typing(self, source: SessionSource) -> asyncio.Task[None] | None:
+        """Keep a typing indicator up while the agent works, on platforms that have one
+        (no task per turn for those that do not, such as the HTTP API)."""
         adapter = self.adapters.get(source.platform)
-        if adapter is None:
-            return
+        if adapter is None or type(adapter).send_typing is PlatformAdapter.send_typing:
+            return None
+        return asyncio.create_task(self._keep_typing(adapter, source))
+
+    async def _keep_typing(self, adapter: PlatformAdapter, source: SessionSource) -> None:
         with contextlib.suppress(Exception):  # typing is cosmetic; never fail a turn on it
             while True:
                 await adapter.send_typing(source)

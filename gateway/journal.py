@@ -119,8 +119,12 @@ def start_turn(
     return int(cursor.lastrowid or 0)
 
 
-def end_turn(conn: sqlite3.Connection, session_key: str) -> None:
-    conn.execute("DELETE FROM turns WHERE session_key = ?", (session_key,))
+def end_turn(conn: sqlite3.Connection, session_key: str) -> list[int]:
+    """Remove the key's marker; returns the inbox ids it covered (none if no marker)."""
+    row = conn.execute(
+        "DELETE FROM turns WHERE session_key = ? RETURNING inbox_ids", (session_key,)
+    ).fetchone()
+    return json.loads(row[0]) if row else []
 
 
 def get_turn(conn: sqlite3.Connection, session_key: str) -> dict[str, Any] | None:

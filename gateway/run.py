@@ -54,7 +54,7 @@ from gateway.session import (
 )
 from gateway.status import keep_status, write_status
 from gateway.store import SessionStore
-from gateway.turnlog import TurnLog
+from gateway.turnlog import TurnLog, TurnStart
 from gateway.watcher import Housekeeper
 
 log = structlog.get_logger("gateway.run")
@@ -239,6 +239,8 @@ class GatewayRunner:
             kind, event = "queue", replace(event, text=command.args)
         else:
             kind = "command" if command is not None else "turn"
+        if kind != "command" and self._held is None and key not in self._workers:
+            return await self._accept_and_start(key, event, kind)
         inbox_id = await self.turnlog.accept(event, key, kind, done=kind == "command")
         if inbox_id is None:
             return Accepted(AcceptStatus.DUPLICATE, session_key=key)
@@ -255,6 +257,29 @@ class GatewayRunner:
             self.metrics.commands_total += 1
             return await commands.dispatch(self, event, key, command)
         return await self.submit(key, event, fifo=kind == "queue")
+
+    async def _accept_and_start(self, key: str, event: MessageEvent, kind: str) -> Accepted:
+        """A message to an idle session: accept it and begin its turn in one transaction.
+
+        The worker is registered first, so messages arriving meanwhile queue behind it."""
+        begun: asyncio.Future[TurnStart | None] = asyncio.get_running_loop().create_future()
+        self._workers[key] = asyncio.create_task(
+            self._session_worker(key, event, begun), name=f"session:{key}"
+        )
+        try:
+            result = await self.turnlog.accept_and_begin(event, key, kind, self._turn_text(event))
+        except BaseException:
+            if not begun.done():
+                begun.set_result(None)  # nothing was accepted: the worker moves on
+            raise
+        if result is None:
+            if not begun.done():
+                begun.set_result(None)
+            return Accepted(AcceptStatus.DUPLICATE, session_key=key)
+        inbox_id, start = result
+        if not begun.done():  # done: /stop cancelled the worker meanwhile
+            begun.set_result(replace(start, inbox_id=inbox_id))
+        return Accepted(AcceptStatus.STARTED, session_key=key)
 
     async def submit(self, key: str, event: MessageEvent, *, fifo: bool = False) -> Accepted:
         """Start a turn now, or park the message behind the running one."""
@@ -316,17 +341,31 @@ class GatewayRunner:
 
     # --- turns ---------------------------------------------------------------------------
 
-    async def _session_worker(self, key: str, event: MessageEvent | None) -> None:
+    async def _session_worker(
+        self,
+        key: str,
+        event: MessageEvent | None,
+        begun: asyncio.Future[TurnStart | None] | None = None,
+    ) -> None:
         try:
+            start = None
+            if begun is not None:  # accepted and begun by `_accept_and_start`
+                start = await begun
+                if start is not None:
+                    event = replace(event, inbox_ids=(start.inbox_id,))
+                else:
+                    queue = self._queues.get(key)
+                    event = queue.pop_next() if queue else None
             while event is not None:
                 self._running[key] = event
                 try:
-                    await self._run_turn(key, event)
+                    await self._run_turn(key, event, start)
                 except Exception:
                     # An internal failure (the store, a bug): keep the session usable. The
                     # turn's marker stays, so the next start re-runs it.
                     self.metrics.turn_errors_total += 1
                     log.exception("turn_internal_error", session_key=key)
+                start = None
                 if self._draining:
                     break  # what is still queued stays accepted in the inbox for next start
                 queue = self._queues.get(key)
@@ -338,9 +377,8 @@ class GatewayRunner:
             if queue is not None and not queue:
                 del self._queues[key]
 
-    async def _run_turn(self, key: str, event: MessageEvent) -> None:
-        structlog.contextvars.bind_contextvars(session_key=key)
-        started = time.monotonic()
+    def _turn_text(self, event: MessageEvent) -> str:
+        """The user message as stored: prefixed with its sender in a shared session."""
         source = event.source
         text = event.text.strip()
         if is_shared_multi_user_session(
@@ -349,7 +387,14 @@ class GatewayRunner:
             thread_sessions_per_user=self.config.thread_sessions_per_user,
         ):
             text = f"[{source.user_name or source.user_id or 'someone'}] {text}"
-        begun = await self.turnlog.begin(event, key, text)
+        return text
+
+    async def _run_turn(self, key: str, event: MessageEvent, begun: TurnStart | None) -> None:
+        structlog.contextvars.bind_contextvars(session_key=key)
+        started = time.monotonic()
+        source = event.source
+        if begun is None:
+            begun = await self.turnlog.begin(event, key, self._turn_text(event))
         entry = begun.entry
         if begun.resumed:
             log.info("turn_resumed", session_id=entry.session_id)

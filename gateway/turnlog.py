@@ -16,6 +16,7 @@ import asyncio
 import copy
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -38,6 +39,7 @@ class TurnStart:
     resumed: bool  # a re-run after a restart: the user message was stored before
     text: str  # the user message as stored (what the agent is asked)
     stored: str | None = None  # the entry's JSON as stored, when the turn did not save it
+    inbox_id: int | None = None  # set when the message was accepted in the same transaction
 
 
 class TurnLog:
@@ -53,34 +55,63 @@ class TurnLog:
         `kind` is `turn` (plain message), `queue` (its own turn, FIFO) or `command`.
         Commands are recorded `done` at once: only their message id matters (dedup).
         """
-        now = time.time()
-        record = event.to_dict()
         state = journal.DONE if done else journal.ACCEPTED
         return await self.store.write(
-            lambda conn: journal.accept(
-                conn,
-                source=event.source,
-                message_id=event.message_id,
-                session_key=session_key,
-                kind=kind,
-                event=record,
-                now=now,
-                state=state,
-            ),
-            dirty=False,
+            self._accept_tx(event, session_key, kind, state, event.to_dict()), dirty=False
         )
 
     async def begin(self, event: MessageEvent, session_key: str, text: str) -> TurnStart:
         """Route to the session, store the user message and the turn marker, all at once."""
-        route = self.store.route_for_turn_tx(event.source)
+        begin = self._begin_tx(event, session_key, text, event.to_dict())
+        start = await self.store.write(lambda conn: begin(conn, list(event.inbox_ids)))
+        crash_point("after_turn_begin")
+        return start
+
+    async def accept_and_begin(
+        self, event: MessageEvent, session_key: str, kind: str, text: str
+    ) -> tuple[int, TurnStart] | None:
+        """`accept` and `begin` in one transaction, for a message to an idle session: one
+        commit (and one wait) fewer per turn. None when the message is a redelivery."""
         record = event.to_dict()
+        accept = self._accept_tx(event, session_key, kind, journal.ACCEPTED, record)
+        begin = self._begin_tx(event, session_key, text, record)
+
+        def tx(conn: sqlite3.Connection) -> tuple[int, TurnStart] | None:
+            inbox_id = accept(conn)
+            return None if inbox_id is None else (inbox_id, begin(conn, [inbox_id]))
+
+        result = await self.store.write(tx)
+        if result is not None:
+            crash_point("after_turn_begin")
+        return result
+
+    @staticmethod
+    def _accept_tx(
+        event: MessageEvent, session_key: str, kind: str, state: str, record: dict[str, Any]
+    ) -> Callable[[sqlite3.Connection], int | None]:
+        now = time.time()
+        return lambda conn: journal.accept(
+            conn,
+            source=event.source,
+            message_id=event.message_id,
+            session_key=session_key,
+            kind=kind,
+            event=record,
+            now=now,
+            state=state,
+        )
+
+    def _begin_tx(
+        self, event: MessageEvent, session_key: str, text: str, record: dict[str, Any]
+    ) -> Callable[[sqlite3.Connection, list[int]], TurnStart]:
+        route = self.store.route_for_turn_tx(event.source)
         user_message: dict[str, Any] = {"role": "user", "content": text}
         if event.message_id:
             user_message["message_id"] = event.message_id
         now = time.time()
         limit = self.history_limit
 
-        def tx(conn: sqlite3.Connection) -> TurnStart:
+        def tx(conn: sqlite3.Connection, inbox_ids: list[int]) -> TurnStart:
             entry, stored = route(conn)
             marker = journal.get_turn(conn, session_key) if event.resume else None
             if (
@@ -101,16 +132,14 @@ class TurnLog:
                 conn,
                 session_key=session_key,
                 session_id=entry.session_id,
-                inbox_ids=list(event.inbox_ids),
+                inbox_ids=inbox_ids,
                 user_message_id=user_row,
                 event=record,
                 now=now,
             )
             return TurnStart(entry, history, False, text, stored)
 
-        start = await self.store.write(tx)
-        crash_point("after_turn_begin")
-        return start
+        return tx
 
     async def finish(
         self,
@@ -173,8 +202,10 @@ class TurnLog:
         now = time.time()
 
         def tx(conn: sqlite3.Connection) -> None:
-            journal.end_turn(conn, session_key)
-            journal.close_inbox(conn, inbox_ids, journal.DROPPED, now)
+            # The marker's own messages too: one accepted together with its turn's start
+            # may not have reached the caller's list yet.
+            marked = journal.end_turn(conn, session_key)
+            journal.close_inbox(conn, [*inbox_ids, *marked], journal.DROPPED, now)
 
         await self.store.write(tx, dirty=False)
 

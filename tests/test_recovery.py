@@ -13,6 +13,7 @@ from gateway.session import Platform, SessionSource
 
 SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})
+KEY = "agent:main:local:dm:c1"
 
 
 class ProbeAdapter(PlatformAdapter):
@@ -142,6 +143,52 @@ async def test_stop_drops_queued_messages_for_good(tmp_path: Path) -> None:
         assert await second.turnlog.open_turns() == []
     finally:
         await second.stop()
+
+
+async def test_stop_while_a_first_message_is_accepted_drops_it(tmp_path: Path) -> None:
+    """A message to an idle session is accepted and begun in one transaction; a /stop
+    that lands while that transaction is in flight still drops it for good."""
+    probe = ProbeAdapter()
+    first = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
+    await first.start()
+    handling = asyncio.create_task(first.handle_message(event("block", "m1")))
+    await asyncio.sleep(0)  # its worker is registered, its transaction on the writer thread
+    assert first.is_busy(KEY) and not first._running
+    assert await first.cancel_session_work(KEY)  # what /stop does, inside that window
+    assert (await handling).status == AcceptStatus.STARTED
+    assert await first.turnlog.open_inbox() == []
+    assert await first.turnlog.open_turns() == []
+    await crash(first)
+
+    probe = ProbeAdapter()
+    second = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
+    await second.start()
+    try:
+        await asyncio.sleep(0.3)
+        assert not any("block" in text for text in probe.sent)
+    finally:
+        await second.stop()
+
+
+async def test_a_redelivered_first_message_is_a_duplicate_and_the_queue_still_runs(
+    tmp_path: Path,
+) -> None:
+    probe = ProbeAdapter()
+    runner = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
+    await runner.start()
+    try:
+        assert (await runner.handle_message(event("one", "m1"))).status == AcceptStatus.STARTED
+        await wait_for(lambda: probe.sent == ["echo: one"] and not runner._workers)
+        # The same platform id again, to the now idle session, with a new message right
+        # behind it: the redelivery is refused, the new one still gets its turn.
+        again, after = await asyncio.gather(
+            runner.handle_message(event("one", "m1")), runner.handle_message(event("two", "m2"))
+        )
+        assert again.status == AcceptStatus.DUPLICATE
+        assert after.status in (AcceptStatus.PENDING, AcceptStatus.STARTED)
+        await wait_for(lambda: probe.sent == ["echo: one", "echo: two"])
+    finally:
+        await runner.stop()
 
 
 async def test_a_resumed_shared_group_turn_asks_the_stored_message(tmp_path: Path) -> None:

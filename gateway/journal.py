@@ -27,6 +27,11 @@ PENDING, SENT = "pending", "sent"
 # --- inbox ---------------------------------------------------------------------------------
 
 
+def encode_event(event: dict[str, Any]) -> str:
+    """An event as the inbox and the turn markers store it (encoded once per message)."""
+    return json.dumps(event, ensure_ascii=False)
+
+
 def accept(
     conn: sqlite3.Connection,
     *,
@@ -34,11 +39,12 @@ def accept(
     message_id: str | None,
     session_key: str,
     kind: str,
-    event: dict[str, Any],
+    event: str,
     now: float,
     state: str = ACCEPTED,
 ) -> int | None:
-    """Record an inbound message; None when its platform id was accepted before."""
+    """Record an inbound message (`event`: its JSON); None when its platform id was
+    accepted before."""
     cursor = conn.execute(
         "INSERT INTO inbox (platform, chat_id, message_id, session_key, kind, event, state,"
         " accepted_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
@@ -49,7 +55,7 @@ def accept(
             message_id,
             session_key,
             kind,
-            json.dumps(event, ensure_ascii=False),
+            event,
             state,
             now,
         ),
@@ -98,7 +104,7 @@ def start_turn(
     session_id: str,
     inbox_ids: list[int],
     user_message_id: int | None,
-    event: dict[str, Any],
+    event: str,
     now: float,
 ) -> int:
     cursor = conn.execute(
@@ -112,7 +118,7 @@ def start_turn(
             session_id,
             json.dumps(inbox_ids),
             user_message_id,
-            json.dumps(event, ensure_ascii=False),
+            event,
             now,
         ),
     )

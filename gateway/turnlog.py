@@ -57,12 +57,12 @@ class TurnLog:
         """
         state = journal.DONE if done else journal.ACCEPTED
         return await self.store.write(
-            self._accept_tx(event, session_key, kind, state, event.to_dict()), dirty=False
+            self._accept_tx(event, session_key, kind, state, _encoded(event)), dirty=False
         )
 
     async def begin(self, event: MessageEvent, session_key: str, text: str) -> TurnStart:
         """Route to the session, store the user message and the turn marker, all at once."""
-        begin = self._begin_tx(event, session_key, text, event.to_dict())
+        begin = self._begin_tx(event, session_key, text, _encoded(event))
         start = await self.store.write(lambda conn: begin(conn, list(event.inbox_ids)))
         crash_point("after_turn_begin")
         return start
@@ -72,7 +72,7 @@ class TurnLog:
     ) -> tuple[int, TurnStart] | None:
         """`accept` and `begin` in one transaction, for a message to an idle session: one
         commit (and one wait) fewer per turn. None when the message is a redelivery."""
-        record = event.to_dict()
+        record = _encoded(event)
         accept = self._accept_tx(event, session_key, kind, journal.ACCEPTED, record)
         begin = self._begin_tx(event, session_key, text, record)
 
@@ -87,7 +87,7 @@ class TurnLog:
 
     @staticmethod
     def _accept_tx(
-        event: MessageEvent, session_key: str, kind: str, state: str, record: dict[str, Any]
+        event: MessageEvent, session_key: str, kind: str, state: str, record: str
     ) -> Callable[[sqlite3.Connection], int | None]:
         now = time.time()
         return lambda conn: journal.accept(
@@ -102,7 +102,7 @@ class TurnLog:
         )
 
     def _begin_tx(
-        self, event: MessageEvent, session_key: str, text: str, record: dict[str, Any]
+        self, event: MessageEvent, session_key: str, text: str, record: str
     ) -> Callable[[sqlite3.Connection, list[int]], TurnStart]:
         route = self.store.route_for_turn_tx(event.source)
         user_message: dict[str, Any] = {"role": "user", "content": text}
@@ -266,6 +266,10 @@ class TurnLog:
             lambda conn: journal.expire_inbox(conn, before) + journal.expire_outbound(conn, before),
             dirty=False,
         )
+
+
+def _encoded(event: MessageEvent) -> str:
+    return journal.encode_event(event.to_dict())
 
 
 def _log_failed_mark(marked: asyncio.Future[None]) -> None:

@@ -75,8 +75,13 @@ class Recovery:
             stuck = {k for k, c in counts.items() if c["count"] >= STUCK_LOOP_THRESHOLD}
             for marker in markers:
                 if marker["session_key"] in stuck:
+                    # The notice is recorded with the drop (one transaction) and sent by
+                    # resume() with the other pending replies: a crash in between cannot
+                    # leave the messages dropped and the user untold.
+                    source = MessageEvent.from_dict(marker["event"]).source
+                    notice = (source, self.runner.split_reply(source, STUCK_NOTICE))
                     await store.suspend_session(marker["session_key"])
-                    await turnlog.abandon(marker["session_key"], marker["inbox_ids"])
+                    await turnlog.abandon(marker["session_key"], marker["inbox_ids"], notice)
                     self.counts.pop(marker["session_key"], None)
                     self._stuck.append(marker)
             markers = [m for m in markers if m["session_key"] not in stuck]
@@ -100,10 +105,7 @@ class Recovery:
     async def resume(self) -> int:
         """After the adapters are up: resend, re-run and re-queue. Returns events queued."""
         runner = self.runner
-        await runner.resend_pending()
-        for marker in self._stuck:
-            source = MessageEvent.from_dict(marker["event"]).source
-            await runner.deliver(source, STUCK_NOTICE)
+        await runner.resend_pending()  # the stuck-loop notices among them
         queued = 0
         for marker in self._markers:
             event = MessageEvent.from_dict(

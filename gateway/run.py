@@ -412,7 +412,7 @@ class GatewayRunner:
         finally:
             if typing is not None:
                 typing.cancel()
-        chunks = self._split(source, self._with_reset_notice(entry, outcome.text))
+        chunks = self.split_reply(source, self._with_reset_notice(entry, outcome.text))
         ids = await self.turnlog.finish(
             key, begun, event, reply=outcome.reply, usage=outcome.usage, chunks=chunks
         )
@@ -478,13 +478,14 @@ class GatewayRunner:
 
     # --- outbound ------------------------------------------------------------------------
 
-    def _split(self, target: SessionSource, text: str) -> list[str]:
+    def split_reply(self, target: SessionSource, text: str) -> list[str]:
+        """`text` in chunks as the target's platform takes them."""
         adapter = self.adapters.get(target.platform)
         return adapter.split(text) if adapter is not None else [text]
 
     async def deliver(self, target: SessionSource, text: str) -> int:
         """Record a reply that answers no turn (commands, notices) and send it."""
-        chunks = self._split(target, text)
+        chunks = self.split_reply(target, text)
         ids = await self.turnlog.record_reply(target, chunks, None)
         return await self._send_recorded(target, list(zip(ids, chunks, strict=True)), None)
 

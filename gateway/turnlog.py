@@ -197,8 +197,15 @@ class TurnLog:
         crash_point("after_transcript_write")
         return ids
 
-    async def abandon(self, session_key: str, inbox_ids: list[int]) -> None:
-        """A turn and its queue were cancelled (/stop, /new): forget the marker and rows."""
+    async def abandon(
+        self,
+        session_key: str,
+        inbox_ids: list[int],
+        notice: tuple[SessionSource, list[str]] | None = None,
+    ) -> None:
+        """A turn and its queue were cancelled (/stop, /new, the stuck-loop guard): forget
+        the marker and rows. A `notice` (target, chunks) for the user is recorded in the
+        same transaction, so a crash cannot drop the messages without telling them."""
         now = time.time()
 
         def tx(conn: sqlite3.Connection) -> None:
@@ -206,6 +213,11 @@ class TurnLog:
             # may not have reached the caller's list yet.
             marked = journal.end_turn(conn, session_key)
             journal.close_inbox(conn, [*inbox_ids, *marked], journal.DROPPED, now)
+            if notice is not None:
+                target, chunks = notice
+                journal.record_outbound(
+                    conn, target, chunks, reply_to=None, session_key=session_key, now=now
+                )
 
         await self.store.write(tx, dirty=False)
 

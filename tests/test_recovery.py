@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
 from config import GatewayConfig
 from gateway.agents import TurnRequest, TurnResult
+from gateway.recovery import RESTART_COUNTS, STUCK_NOTICE
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
 
@@ -189,6 +191,37 @@ async def test_a_redelivered_first_message_is_a_duplicate_and_the_queue_still_ru
         await wait_for(lambda: probe.sent == ["echo: one", "echo: two"])
     finally:
         await runner.stop()
+
+
+async def test_a_crash_right_after_the_stuck_loop_guard_still_tells_the_user(
+    tmp_path: Path,
+) -> None:
+    """The guard drops a turn and records its notice in one transaction: a kill before
+    the notice went out (during the rest of start-up) sends it at the next start."""
+    first = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
+    await first.start()
+    await first.handle_message(event("block forever", "m1"))
+    await wait_for(lambda: bool(first._running))
+    [marker] = await first.turnlog.open_turns()
+    await crash(first)
+    # Two unclean starts already found this same turn in flight: the next one is the third.
+    counts = {KEY: {"turn": marker["user_message_id"], "count": 2}}
+    (tmp_path / RESTART_COUNTS).write_text(json.dumps(counts))
+
+    second = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
+    await second.store.open()
+    await second.recovery.prepare()  # the guard fires here ...
+    await second.store.close()  # ... and the process dies before resume() sent anything
+
+    probe = ProbeAdapter()
+    third = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
+    await third.start()
+    try:
+        assert probe.sent == [STUCK_NOTICE]
+        assert await third.turnlog.open_inbox() == []
+        assert await third.turnlog.open_turns() == []
+    finally:
+        await third.stop()
 
 
 async def test_a_resumed_shared_group_turn_asks_the_stored_message(tmp_path: Path) -> None:

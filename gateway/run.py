@@ -1,9 +1,12 @@
 """GatewayRunner: the one owner of per-session state, and the flow of every message.
 
-    handle_message: authorize -> accept (durable, dedup) -> command? -> busy? queue : start
+    handle_message: authorize -> command? -> accept (durable, dedup) -> busy? queue : start
+                    (a message to an idle session is accepted and its turn begun in one
+                    transaction: `_accept_and_start`)
     session worker: turn -> next from the queue -> turn ... until the queue is empty
     turn:           begin (session, user message, marker) -> agent -> finish (reply,
-                    counters, ledger) -> send the recorded chunks
+                    counters, ledger) -> send the recorded chunks (their "sent" marks
+                    ride along with a later commit)
 
 One turn runs per session key at a time; different keys run concurrently, at most
 `agent.max_concurrent_turns` agent calls at once. Every step that matters after a crash

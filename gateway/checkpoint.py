@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -26,9 +27,14 @@ WAL_SIZE_LIMIT = 64 * 1024 * 1024  # the WAL file is truncated to this after a r
 
 
 class Checkpointer:
-    def __init__(self, path: Path, interval: float = 0.25) -> None:
+    """`commits()` counts the writer's commits: an idle gateway is not checkpointed (nor
+    woken) for nothing."""
+
+    def __init__(self, path: Path, commits: Callable[[], int], interval: float = 0.25) -> None:
         self.path = path
+        self.commits = commits
         self.interval = interval
+        self._seen = -1
         self._conn: sqlite3.Connection | None = None
         self._task: asyncio.Task[None] | None = None
         self._inflight: asyncio.Future[None] | None = None
@@ -60,6 +66,9 @@ class Checkpointer:
             conn = self._conn
             if conn is None:
                 return
+            if (commits := self.commits()) == self._seen:
+                continue
+            self._seen = commits
             self._inflight = asyncio.ensure_future(asyncio.to_thread(_checkpoint, conn))
             try:
                 await asyncio.shield(self._inflight)

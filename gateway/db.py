@@ -189,6 +189,7 @@ class Database:
         self._idle = asyncio.Event()
         self._closing = False
         self._checkpointer: Checkpointer | None = None
+        self.commits = 0  # batches run on the writer (the checkpointer's change signal)
 
     async def open(self) -> None:
         create_private_file(self.path)
@@ -205,7 +206,7 @@ class Database:
             # Checkpoints run beside the writer (gateway.checkpoint), not inside a commit.
             await self._conn.execute(f"PRAGMA wal_autocheckpoint={SAFETY_NET_PAGES}")
             await self._conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
-            self._checkpointer = Checkpointer(self.path)
+            self._checkpointer = Checkpointer(self.path, lambda: self.commits)
             self._checkpointer.start()
         except sqlite3.DatabaseError as exc:
             if self._conn is not None:
@@ -296,6 +297,7 @@ class Database:
                     raise
                 except Exception as exc:  # the connection itself failed
                     outcome[:] = [(False, exc)] * len(batch)
+                self.commits += 1
                 _settle(batch, outcome)
         finally:
             if self._pending:

@@ -1146,3 +1146,28 @@ async def test_a_touch_rewrites_the_activity_index_at_most_once_a_minute(
         recent = await store.list_sessions(active_minutes=0.1)
         assert [e.session_key for e in recent] == [key_of(dm("1"))]
         assert await store.suspend_recently_active(10) == 1
+
+
+async def test_commits_reach_the_database_file_without_waiting_for_a_full_wal(
+    tmp_path: Path,
+) -> None:
+    """The checkpointer copies committed pages from the WAL into state.db within about
+    a quarter of a second (the writer's own autocheckpoint would wait 10,000 pages)."""
+    async with SessionStore(tmp_path, make_config()) as opened:
+        await opened.get_or_create_session(dm("checkpointed"))
+
+        def in_main_file() -> int:
+            # immutable=1 reads state.db alone, ignoring the WAL.
+            conn = sqlite3.connect(f"file:{opened.db_path}?immutable=1", uri=True)
+            try:
+                return conn.execute("SELECT COUNT(*) FROM session_entries").fetchone()[0]
+            except sqlite3.OperationalError:  # not even the schema was checkpointed
+                return 0
+            finally:
+                conn.close()
+
+        for _ in range(50):
+            if in_main_file() == 1:
+                break
+            await asyncio.sleep(0.05)
+        assert in_main_file() == 1

@@ -64,28 +64,8 @@ def save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
     """Write one entry. The common case (same session id) is a single UPDATE that leaves
     the session_id index alone and rewrites the `active_minute` index only when the
     minute changed; a new or re-pointed key needs the full upsert."""
-    minute = minute_of(entry.updated_at)
-    params = (
-        entry.updated_at.timestamp(),
-        int(entry.suspended),
-        int(entry.resume_pending),
-        int(entry.expiry_finalized),
-        encode_entry(entry),
-        entry.session_key,
-        entry.session_id,
-    )
-    row = conn.execute(
-        "UPDATE session_entries SET updated_at = ?, suspended = ?, resume_pending = ?,"
-        " expiry_finalized = ?, entry = ? WHERE session_key = ? AND session_id = ?"
-        " RETURNING active_minute",
-        params,
-    ).fetchone()
-    if row is not None:
-        if row[0] != minute:
-            conn.execute(
-                "UPDATE session_entries SET active_minute = ? WHERE session_key = ?",
-                (minute, entry.session_key),
-            )
+    encoded = encode_entry(entry)
+    if _update_in_place(conn, entry, encoded, "session_id = ?", entry.session_id):
         return
     conn.execute(
         "INSERT INTO session_entries"
@@ -95,7 +75,16 @@ def save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
         " updated_at = excluded.updated_at, active_minute = excluded.active_minute,"
         " suspended = excluded.suspended, resume_pending = excluded.resume_pending,"
         " expiry_finalized = excluded.expiry_finalized, entry = excluded.entry",
-        (*params, minute),
+        (
+            entry.updated_at.timestamp(),
+            int(entry.suspended),
+            int(entry.resume_pending),
+            int(entry.expiry_finalized),
+            encoded,
+            entry.session_key,
+            entry.session_id,
+            minute_of(entry.updated_at),
+        ),
     )
 
 
@@ -103,23 +92,30 @@ def save_entry_if_unchanged(conn: sqlite3.Connection, entry: SessionEntry, store
     """Save `entry` only if its row still holds `stored` (the text it was loaded from):
     one UPDATE instead of load + decode + save when nothing else changed the entry since.
     False when something did; the caller then loads it again."""
-    minute = minute_of(entry.updated_at)
+    return _update_in_place(conn, entry, encode_entry(entry), "entry = ?", stored)
+
+
+def _update_in_place(
+    conn: sqlite3.Connection, entry: SessionEntry, encoded: str, guard: str, expected: str
+) -> bool:
+    """UPDATE the key's row where `guard` holds; False when no row matched."""
     row = conn.execute(
         "UPDATE session_entries SET updated_at = ?, suspended = ?, resume_pending = ?,"
-        " expiry_finalized = ?, entry = ? WHERE session_key = ? AND entry = ?"
+        f" expiry_finalized = ?, entry = ? WHERE session_key = ? AND {guard}"
         " RETURNING active_minute",
         (
             entry.updated_at.timestamp(),
             int(entry.suspended),
             int(entry.resume_pending),
             int(entry.expiry_finalized),
-            encode_entry(entry),
+            encoded,
             entry.session_key,
-            stored,
+            expected,
         ),
     ).fetchone()
     if row is None:
         return False
+    minute = minute_of(entry.updated_at)
     if row[0] != minute:
         conn.execute(
             "UPDATE session_entries SET active_minute = ? WHERE session_key = ?",

@@ -18,10 +18,10 @@ from discord.http import Route
 
 from adapters.discord import DiscordAdapter
 from config import DiscordConfig, GatewayConfig
-from gateway.agents import TurnRequest, TurnResult
 from gateway.pairing import Pairing
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
+from tests.fakes.agents import scripted
 from tests.fakes.discord_api import FakeDiscord
 
 TOKEN = "MTEwMA.fake-bot-token.Zq7Xk9"  # distinctive, so a leak into the logs is found
@@ -31,22 +31,7 @@ LONG_REPLY = "\n\n".join(" ".join(f"para{p}-word{w}" for w in range(120)) for p 
 MESSAGE_CONTENT_INTENT = 1 << 15
 
 
-class ScriptedAgent:
-    """Echoes; 'long' in a message gets the 9,000-character LONG_REPLY, and 'slowly'
-    makes it think for a moment (long enough for a typing indicator)."""
-
-    def __init__(self, session_key: str) -> None:
-        self.session_key = session_key
-
-    async def run_turn(self, request: TurnRequest) -> TurnResult:
-        if "slowly" in request.text:
-            await asyncio.sleep(0.3)
-        if "long" in request.text:
-            return TurnResult(LONG_REPLY)
-        return TurnResult(f"echo: {request.text}")
-
-    async def close(self) -> None:
-        pass
+ScriptedAgent = scripted({"long": LONG_REPLY})
 
 
 @dataclass

@@ -16,9 +16,9 @@ import pytest
 
 from adapters.slack import SlackAdapter
 from config import GatewayConfig
-from gateway.agents import TurnRequest, TurnResult
 from gateway.pairing import Pairing
 from gateway.run import GatewayRunner
+from tests.fakes.agents import scripted
 from tests.fakes.slack_api import (
     FakeSlack,
     app_mention,
@@ -37,19 +37,7 @@ SIGNING_SECRET = "signing-secret-0b6e44"
 LONG_REPLY = "\n\n".join(f"paragraph {i:04d} " + "lorem ipsum " * 60 for i in range(120))
 
 
-class EchoAgent:
-    """Echoes; "long" in the text answers LONG_REPLY."""
-
-    def __init__(self, session_key: str) -> None:
-        pass
-
-    async def run_turn(self, request: TurnRequest) -> TurnResult:
-        if "long" in request.text:
-            return TurnResult(LONG_REPLY)
-        return TurnResult(f"echo: {request.text}")
-
-    async def close(self) -> None:
-        pass
+EchoAgent = scripted({"long": LONG_REPLY})
 
 
 @dataclass

@@ -17,10 +17,10 @@ import pytest
 from adapters.base import utf16_len
 from adapters.telegram import COMMANDS, TelegramAdapter, to_markdown_v2
 from config import GatewayConfig
-from gateway.agents import TurnRequest, TurnResult
 from gateway.pairing import Pairing
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
+from tests.fakes.agents import scripted
 from tests.fakes.telegram_api import BOT_USER, FakeTelegram, parse_markdown_v2
 
 TOKEN = "123456:AAH-test-TOKEN_abcdefghijklmnopqrst"
@@ -42,21 +42,7 @@ MARKDOWN_REPLY = (
 )
 
 
-class Agent:
-    """Echoes; 'long' and 'markdown' return the long and the Markdown-heavy replies."""
-
-    def __init__(self, session_key: str) -> None:
-        pass
-
-    async def run_turn(self, request: TurnRequest) -> TurnResult:
-        if request.text == "long":
-            return TurnResult(LONG_REPLY)
-        if request.text == "markdown":
-            return TurnResult(MARKDOWN_REPLY)
-        return TurnResult(f"echo: {request.text}")
-
-    async def close(self) -> None:
-        pass
+Agent = scripted({"long": LONG_REPLY, "markdown": MARKDOWN_REPLY})
 
 
 @dataclass

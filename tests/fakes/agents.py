@@ -1,0 +1,36 @@
+"""The scripted echo agent the platform tests share.
+
+It answers `echo: <text>`; a text containing one of the class's `replies` keys gets that
+reply instead, and one containing "slowly" thinks for 0.3 s first (long enough for a
+typing indicator). `scripted({"long": LONG_REPLY})` makes an agent factory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import ClassVar
+
+from gateway.agents import TurnRequest, TurnResult
+
+
+class ScriptedAgent:
+    replies: ClassVar[dict[str, str]] = {}
+
+    def __init__(self, session_key: str) -> None:
+        self.session_key = session_key
+
+    async def run_turn(self, request: TurnRequest) -> TurnResult:
+        if "slowly" in request.text:
+            await asyncio.sleep(0.3)
+        for trigger, reply in self.replies.items():
+            if trigger in request.text:
+                return TurnResult(reply)
+        return TurnResult(f"echo: {request.text}")
+
+    async def close(self) -> None:
+        pass
+
+
+def scripted(replies: dict[str, str]) -> type[ScriptedAgent]:
+    """An agent factory (the class) whose texts containing a key get its reply."""
+    return type("Agent", (ScriptedAgent,), {"replies": dict(replies)})

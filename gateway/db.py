@@ -1,10 +1,19 @@
-"""The SQLite database behind the store: one aiosqlite writer connection, WAL, migrations.
+"""The SQLite database behind the store: one writer connection on the event loop's own
+thread, one reader connection on a thread of its own, WAL, migrations.
 
-Every write is a small function `fn(conn)` run on aiosqlite's worker thread. Writes that
-arrive while a transaction is being committed are batched into the next one (group
-commit): each caller still gets its own result only after its data is committed, but a
-busy gateway pays one COMMIT per batch instead of one per message. A failing write
-still fails alone: its batch is rolled back and run again with a savepoint per write.
+Every write is a small function `fn(conn)`. Writes queued during one pass of the event
+loop are committed together at the end of it (group commit): each caller still gets its
+own result only after its data is committed, but a busy gateway pays one COMMIT per
+batch instead of one per message. A failing write still fails alone: its batch is
+rolled back and run again with a savepoint per write.
+
+Why the writer runs on the event loop's thread: a turn's writes are short (a few B-tree
+pages, no fsync at COMMIT in WAL mode with `synchronous=NORMAL`), and Python threads
+share one GIL. On a writer thread every statement handed the GIL back and forth with the
+event loop, and a statement finishing while the loop held the GIL waited for it; that
+convoy cost more than the writes themselves and set the tail latency (BENCHMARKS.md,
+"Round three"). Reads may be long (a whole transcript, a range of sessions), so they run
+on the reader thread, each in a snapshot of committed data.
 
 Durability: `synchronous=NORMAL` in WAL mode survives a process crash (kill -9) with
 every acknowledged write intact; only a power loss can drop the last few commits.
@@ -178,40 +187,31 @@ def create_private_file(path: Path) -> None:
 
 
 class Database:
-    """One writer connection to `state.db`; `read()` and group-committed `write()`."""
+    """The writer connection (`write()`, `write_soon()`) and the reader (`read()`)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._conn: aiosqlite.Connection | None = None
+        self._writer: sqlite3.Connection | None = None
+        self._reader: aiosqlite.Connection | None = None
         self._pending: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
-        self._driver: asyncio.Task[Any] | None = None
-        self._settling: set[asyncio.Task[None]] = set()
+        self._flush: asyncio.Handle | None = None
         self._idle = asyncio.Event()
         self._closing = False
         self._checkpointer: Checkpointer | None = None
-        self.commits = 0  # batches run on the writer (the checkpointer's change signal)
+        self.commits = 0  # batches committed (the checkpointer's change signal)
 
     async def open(self) -> None:
         create_private_file(self.path)
         try:
-            self._conn = await aiosqlite.connect(self.path, isolation_level=None)
-            await self._conn.execute("PRAGMA journal_mode=WAL")
-            await self._conn.execute("PRAGMA synchronous=NORMAL")
-            await self._conn.execute("PRAGMA foreign_keys=ON")
-            await self._conn.execute("PRAGMA busy_timeout=5000")
-            # 32 MiB page cache: the hot B-tree pages of 100k sessions stay in memory.
-            await self._conn.execute("PRAGMA cache_size=-32768")
-            await self._conn._execute(_check_integrity, self._conn._conn, self.path)
-            await self._conn._execute(self._migrate, self._conn._conn)
-            # Checkpoints run beside the writer (gateway.checkpoint), not inside a commit.
-            await self._conn.execute(f"PRAGMA wal_autocheckpoint={SAFETY_NET_PAGES}")
-            await self._conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+            # Checked and migrated off the loop: a large database takes a moment.
+            self._writer = await asyncio.to_thread(_open_writer, self.path)
+            self._reader = await aiosqlite.connect(self.path, isolation_level=None)
+            await self._reader.execute("PRAGMA query_only=1")
+            await self._reader.execute("PRAGMA busy_timeout=5000")
             self._checkpointer = Checkpointer(self.path, lambda: self.commits)
             self._checkpointer.start()
         except sqlite3.DatabaseError as exc:
-            if self._conn is not None:
-                await self._conn.close()
-                self._conn = None
+            await self._close_connections()
             raise DatabaseError(
                 f"{self.path} cannot be used ({exc}). It was left untouched. Stop the "
                 "gateway, copy the file somewhere safe, then run `hermes-gateway doctor "
@@ -219,113 +219,121 @@ class Database:
             ) from None
 
     async def close(self) -> None:
-        if self._conn is None:
+        if self._writer is None:
             return
         self._closing = True
-        while self._pending or self._driver is not None:
+        while self._flush is not None:
             self._idle.clear()
             await self._idle.wait()
-        await asyncio.gather(*self._settling)
         if self._checkpointer is not None:
             await self._checkpointer.stop()
             self._checkpointer = None
-        await self._conn.close()
-        self._conn = None
+        await self._close_connections()
 
     @property
     def is_open(self) -> bool:
-        return self._conn is not None and not self._closing
+        return self._writer is not None and not self._closing
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run `fn(conn)` on the connection thread, outside any explicit transaction."""
-        conn = self._require_open()
-        return await conn._execute(fn, conn._conn)
+        """Run `fn(conn)` on the reader thread, in one snapshot of committed data that
+        includes every write queued before this call."""
+        self._require_open()
+        assert self._reader is not None
+        if self._pending:
+            await self.write_soon(_nothing)
+        return await self._reader._execute(_read_snapshot, self._reader._conn, fn)
 
     async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run `fn(conn)` in a committed transaction; returns once it is durable."""
-        self._require_open()
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self._pending.append((fn, future))
-        if self._driver is None:
-            # Nobody is committing: this caller drives the batch itself (no extra task hop).
-            await self._drive(future)
-        return await future
+        """Run `fn(conn)` in a committed transaction; returns once it is committed."""
+        return await self.write_soon(fn)
 
     def write_soon(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
-        """Queue `fn` for the next group commit without waiting for it: for writes whose
-        caller has nothing to do after them (a delivery acknowledgement). The future
-        settles once it is committed; `close()` waits for it."""
+        """Queue `fn` for this loop pass's group commit without waiting for it: for writes
+        whose caller has nothing to do after them (a delivery acknowledgement). The future
+        settles once it is committed; `close()` waits for it. A caller cancelled while
+        waiting does not take its write back: it is committed all the same."""
         self._require_open()
-        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
         self._pending.append((fn, future))
-        if self._driver is None:
-            self._driver = asyncio.create_task(self._drive(None), name="db-group-commit")
+        if self._flush is None:
+            # Runs after the callbacks already ready in this pass, so writes issued by
+            # the turns woken together land in one transaction.
+            self._flush = loop.call_soon(self._commit_pending)
         return future
+
+    def trace_writes(self, callback: Callable[[str], object] | None) -> None:
+        """Hand every SQL statement the writer runs to `callback` (None stops it): how
+        the tests count a turn's statements."""
+        self._require_open().set_trace_callback(callback)
 
     # --- internals ---------------------------------------------------------------------
 
-    def _require_open(self) -> aiosqlite.Connection:
-        if self._conn is None or self._closing:
+    def _require_open(self) -> sqlite3.Connection:
+        if self._writer is None or self._closing:
             raise DatabaseError("the session store is not open")
-        return self._conn
+        return self._writer
 
-    async def _settle_later(
-        self, batch: list[tuple[Any, asyncio.Future[Any]]], outcome: list[tuple[bool, Any]]
-    ) -> None:
-        assert self._conn is not None
-        await self._conn._execute(lambda: None)  # the worker thread is FIFO
-        _settle(batch, outcome)
-
-    async def _drive(self, own: asyncio.Future[Any] | None) -> None:
-        """Commit batches until `own` is done (or the queue is empty), then hand over."""
-        assert self._conn is not None
-        self._driver = asyncio.current_task()
+    def _commit_pending(self) -> None:
+        assert self._writer is not None
+        self._flush = None
+        batch, self._pending = self._pending, []
         try:
-            while self._pending and not (own is not None and own.done()):
-                batch, self._pending = self._pending, []
-                outcome: list[tuple[bool, Any]] = []
-                try:
-                    await self._conn._execute(
-                        _run_batch, self._conn._conn, [fn for fn, _ in batch], outcome
-                    )
-                except asyncio.CancelledError:
-                    # The driving caller was cancelled (/stop), yet its batch still runs on
-                    # the worker thread; settle it once the thread has moved past it.
-                    settling = asyncio.create_task(self._settle_later(batch, outcome))
-                    self._settling.add(settling)
-                    settling.add_done_callback(self._settling.discard)
-                    raise
-                except Exception as exc:  # the connection itself failed
-                    outcome[:] = [(False, exc)] * len(batch)
-                self.commits += 1
-                _settle(batch, outcome)
-        finally:
-            if self._pending:
-                # Writes queued behind ours: a task of their own finishes them. It is the
-                # driver from this instant, so no second driver can start in between.
-                self._driver = asyncio.create_task(self._drive(None), name="db-group-commit")
-            else:
-                self._driver = None
-                self._idle.set()
+            outcome = _commit_batch(self._writer, [fn for fn, _ in batch])
+        except Exception as exc:  # the connection itself failed
+            outcome = [(False, exc)] * len(batch)
+        self.commits += 1
+        _settle(batch, outcome)
+        self._idle.set()
 
-    @staticmethod
-    def _migrate(conn: sqlite3.Connection) -> None:
-        current = conn.execute("PRAGMA user_version").fetchone()[0]
-        if current > SCHEMA_VERSION:
-            raise sqlite3.DatabaseError(
-                f"schema version {current} is newer than this gateway ({SCHEMA_VERSION}); "
-                "upgrade hermes-gateway"
-            )
-        for version in range(current + 1, SCHEMA_VERSION + 1):
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                for statement in _split_sql(_MIGRATIONS[version]):
-                    conn.execute(statement)
-                conn.execute(f"PRAGMA user_version={version}")
-                conn.execute("COMMIT")
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
+    async def _close_connections(self) -> None:
+        if self._reader is not None:
+            await self._reader.close()
+            self._reader = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _open_writer(path: Path) -> sqlite3.Connection:
+    """The writer connection, checked and migrated. Used from the event loop's thread
+    after this (opened on a worker thread, hence `check_same_thread=False`)."""
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA foreign_keys=ON")
+        conn.execute("PRAGMA busy_timeout=5000")
+        # 32 MiB page cache: the hot B-tree pages of 100k sessions stay in memory.
+        conn.execute("PRAGMA cache_size=-32768")
+        _check_integrity(conn, path)
+        _migrate(conn)
+        # Checkpoints run beside the writer (gateway.checkpoint), not inside a commit.
+        conn.execute(f"PRAGMA wal_autocheckpoint={SAFETY_NET_PAGES}")
+        conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _migrate(conn: sqlite3.Connection) -> None:
+    current = conn.execute("PRAGMA user_version").fetchone()[0]
+    if current > SCHEMA_VERSION:
+        raise sqlite3.DatabaseError(
+            f"schema version {current} is newer than this gateway ({SCHEMA_VERSION}); "
+            "upgrade hermes-gateway"
+        )
+    for version in range(current + 1, SCHEMA_VERSION + 1):
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for statement in _split_sql(_MIGRATIONS[version]):
+                conn.execute(statement)
+            conn.execute(f"PRAGMA user_version={version}")
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
 
 
 def _check_integrity(conn: sqlite3.Connection, path: Path) -> None:
@@ -359,26 +367,27 @@ def _split_sql(script: str) -> list[str]:
     return statements
 
 
-def _run_batch(
-    conn: sqlite3.Connection,
-    fns: list[Callable[[sqlite3.Connection], Any]],
-    outcome: list[tuple[bool, Any]],
-) -> None:
-    """Worker-thread side of group commit: one transaction, one savepoint per write.
+def _nothing(conn: sqlite3.Connection) -> None:
+    """A place in the write queue: `read()` waits for it to see the writes before it."""
 
-    Results go into `outcome` (not a return value) so a cancelled caller can still read them.
-    """
-    outcome[:] = _commit_batch(conn, fns)
+
+def _read_snapshot(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+    """Reader-thread side of `read()`: one transaction, so a read of several statements
+    sees one state even while the writer commits beside it."""
+    conn.execute("BEGIN")
+    try:
+        return fn(conn)
+    finally:
+        conn.execute("COMMIT")
 
 
 def _commit_batch(
     conn: sqlite3.Connection, fns: list[Callable[[sqlite3.Connection], Any]]
 ) -> list[tuple[bool, Any]]:
-    """One transaction for the whole batch, without a savepoint per write: every
-    statement the writer thread runs is a GIL hand-off, and savepoints were a third of
-    them. Writes rarely fail; when one does, the batch is rolled back and run again with
-    a savepoint per write, so the failing write fails alone (write functions are
-    therefore re-runnable: they act through `conn` only)."""
+    """One transaction for the whole batch, without a savepoint per write (they were a
+    third of a batch's statements). Writes rarely fail; when one does, the batch is
+    rolled back and run again with a savepoint per write, so the failing write fails
+    alone (write functions are therefore re-runnable: they act through `conn` only)."""
     try:
         conn.execute("BEGIN IMMEDIATE")
     except sqlite3.Error as exc:

@@ -8,6 +8,7 @@ import os
 import re
 import sqlite3
 import stat
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -994,11 +995,11 @@ async def test_newer_schema_is_refused(sessions_dir: Path) -> None:
 
 async def _touch_statements(store: SessionStore, source: SessionSource) -> list[str]:
     stmts: list[str] = []
-    await store._db.read(lambda c: c.set_trace_callback(stmts.append))
+    store._db.trace_writes(stmts.append)
     try:
         await store.get_or_create_session(source)
     finally:
-        await store._db.read(lambda c: c.set_trace_callback(None))
+        store._db.trace_writes(None)
     return stmts
 
 
@@ -1029,13 +1030,13 @@ async def test_group_commit_concurrent_appends(store: SessionStore) -> None:
     entry = await store.get_or_create_session(dm())
     messages = [msg("user" if i % 2 == 0 else "assistant", f"m{i}", i=i) for i in range(200)]
     stmts: list[str] = []
-    await store._db.read(lambda c: c.set_trace_callback(stmts.append))
+    store._db.trace_writes(stmts.append)
     try:
         calls = [store.append_to_transcript(entry.session_id, m) for m in messages]
         calls.insert(100, store.append_to_transcript("20260101_000000_deadbeef", msg("user", "x")))
         results = await asyncio.gather(*calls, return_exceptions=True)
     finally:
-        await store._db.read(lambda c: c.set_trace_callback(None))
+        store._db.trace_writes(None)
 
     failed = results.pop(100)
     assert isinstance(failed, KeyError)
@@ -1059,6 +1060,34 @@ async def test_group_commit_concurrent_appends(store: SessionStore) -> None:
     end = ops.index("COMMIT", failed_at)
     released = ops[begin:end].count("RELEASE OP")
     assert released - 1 > 1  # minus the failed one's own RELEASE
+
+
+async def test_a_read_sees_the_writes_queued_before_it(store: SessionStore) -> None:
+    # Reads run on their own connection and thread; one issued right after an unawaited
+    # write (a delivery mark) must still see it, or a re-send could act on a stale view.
+    entry = await store.get_or_create_session(dm())
+
+    def slow_mark(conn: sqlite3.Connection) -> None:
+        time.sleep(0.05)  # time enough for the reader thread to answer from before it
+        conn.execute(
+            "UPDATE sessions SET title = 'marked' WHERE session_id = ?", (entry.session_id,)
+        )
+
+    queued = store.write_soon(slow_mark)
+    title = await store.read(
+        lambda conn: conn.execute(
+            "SELECT title FROM sessions WHERE session_id = ?", (entry.session_id,)
+        ).fetchone()[0]
+    )
+    assert title == "marked"
+    assert queued.done()
+
+
+async def test_reads_cannot_write(store: SessionStore) -> None:
+    entry = await store.get_or_create_session(dm())
+    with pytest.raises(sqlite3.OperationalError):
+        await store.read(lambda conn: conn.execute("DELETE FROM sessions"))
+    assert (await store.get_entry(entry.session_key)) is not None
 
 
 async def test_concurrent_get_or_create_same_key(store: SessionStore) -> None:
@@ -1129,7 +1158,7 @@ async def test_a_touch_rewrites_the_activity_index_at_most_once_a_minute(
     start = datetime(2026, 5, 1, 12, 0, 5, tzinfo=UTC)
     with time_machine.travel(start, tick=False):
         await store.get_or_create_session(dm("1"))
-    await store._db.read(lambda conn: conn.set_trace_callback(statements.append))
+    store._db.trace_writes(statements.append)
     try:
         for seconds in (10, 30, 50):  # same minute: no index rewrite
             with time_machine.travel(start + timedelta(seconds=seconds), tick=False):
@@ -1139,7 +1168,7 @@ async def test_a_touch_rewrites_the_activity_index_at_most_once_a_minute(
             await store.get_or_create_session(dm("1"))
         next_minute = [s for s in statements if "SET active_minute" in s]
     finally:
-        await store._db.read(lambda conn: conn.set_trace_callback(None))
+        store._db.trace_writes(None)
     assert same_minute == []
     assert len(next_minute) == 1
     with time_machine.travel(start + timedelta(seconds=75), tick=False):

@@ -7,12 +7,12 @@ effects 1-4).
 
 from __future__ import annotations
 
-import json
 import secrets
 import sqlite3
 from datetime import UTC, datetime
 from typing import Any
 
+from gateway import codec
 from gateway.session import SessionEntry, SessionSource
 
 #: token and cost counters, in the column order of the `sessions` table
@@ -47,11 +47,11 @@ def load_entry_raw(conn: sqlite3.Connection, session_key: str) -> tuple[SessionE
     row = conn.execute(
         "SELECT entry FROM session_entries WHERE session_key = ?", (session_key,)
     ).fetchone()
-    return (SessionEntry.from_dict(json.loads(row[0])), row[0]) if row else None
+    return (SessionEntry.from_dict(codec.loads(row[0])), row[0]) if row else None
 
 
 def encode_entry(entry: SessionEntry) -> str:
-    return json.dumps(entry.to_dict(), separators=(",", ":"), ensure_ascii=False)
+    return codec.dumps(entry.to_dict())
 
 
 def minute_of(moment: datetime | float) -> int:
@@ -127,7 +127,7 @@ def _update_in_place(
 def start_session_row(conn: sqlite3.Connection, entry: SessionEntry) -> None:
     # The counters matter for entries imported from sessions.json: switch_session restores
     # a session's counters from this row.
-    origin = json.dumps(entry.origin.to_dict()) if entry.origin else None
+    origin = codec.dumps(entry.origin.to_dict()) if entry.origin else None
     conn.execute(
         "INSERT OR IGNORE INTO sessions (session_id, session_key, origin, started_at,"
         " input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, total_tokens,"

@@ -14,10 +14,10 @@ outbound delivery ledger (SQL run on the database writer thread, see `gateway.db
 
 from __future__ import annotations
 
-import json
 import sqlite3
 from typing import Any
 
+from gateway import codec
 from gateway.session import SessionSource
 
 ACCEPTED, DONE, DROPPED = "accepted", "done", "dropped"
@@ -29,7 +29,7 @@ PENDING, SENT = "pending", "sent"
 
 def encode_event(event: dict[str, Any]) -> str:
     """An event as the inbox and the turn markers store it (encoded once per message)."""
-    return json.dumps(event, ensure_ascii=False)
+    return codec.dumps(event)
 
 
 def accept(
@@ -82,7 +82,7 @@ def open_inbox(conn: sqlite3.Connection) -> list[dict[str, Any]]:
         "SELECT id, session_key, kind, event FROM inbox WHERE state = 'accepted' ORDER BY id"
     )
     return [
-        {"id": i, "session_key": key, "kind": kind, "event": json.loads(event)}
+        {"id": i, "session_key": key, "kind": kind, "event": codec.loads(event)}
         for i, key, kind, event in rows
     ]
 
@@ -116,7 +116,7 @@ def start_turn(
         (
             session_key,
             session_id,
-            json.dumps(inbox_ids),
+            codec.dumps(inbox_ids),
             user_message_id,
             event,
             now,
@@ -130,7 +130,7 @@ def end_turn(conn: sqlite3.Connection, session_key: str) -> list[int]:
     row = conn.execute(
         "DELETE FROM turns WHERE session_key = ? RETURNING inbox_ids", (session_key,)
     ).fetchone()
-    return json.loads(row[0]) if row else []
+    return codec.loads(row[0]) if row else []
 
 
 def get_turn(conn: sqlite3.Connection, session_key: str) -> dict[str, Any] | None:
@@ -156,9 +156,9 @@ def _turn(row: tuple[Any, ...]) -> dict[str, Any]:
         "turn_id": turn_id,
         "session_key": key,
         "session_id": session_id,
-        "inbox_ids": json.loads(inbox_ids),
+        "inbox_ids": codec.loads(inbox_ids),
         "user_message_id": user_message_id,
-        "event": json.loads(event),
+        "event": codec.loads(event),
         "started_at": started_at,
     }
 
@@ -176,7 +176,7 @@ def record_outbound(
     now: float,
 ) -> list[int]:
     """Record reply chunks as pending, in order; returns their delivery ids."""
-    target_json = json.dumps(target.to_dict(), ensure_ascii=False)
+    target_json = codec.dumps(target.to_dict())
     ids = []
     for chunk in chunks:
         cursor = conn.execute(
@@ -215,7 +215,7 @@ def pending_outbound(conn: sqlite3.Connection, created_before: float) -> list[di
     return [
         {
             "id": delivery_id,
-            "target": SessionSource.from_dict(json.loads(target)),
+            "target": SessionSource.from_dict(codec.loads(target)),
             "text": text,
             "reply_to": reply_to,
         }
@@ -236,7 +236,7 @@ def replies_after(
         {
             "seq": delivery_id,
             "text": text,
-            "thread_id": json.loads(target).get("thread_id"),
+            "thread_id": codec.loads(target).get("thread_id"),
             "in_reply_to": reply_to,
         }
         for delivery_id, text, target, reply_to in rows

@@ -12,7 +12,6 @@ suspended > resume_pending > reset policy (idle / daily) > plain touch.
 from __future__ import annotations
 
 import asyncio
-import json
 import sqlite3
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -22,7 +21,7 @@ from typing import Any
 import structlog
 
 from config import GatewayConfig
-from gateway import entries, transcript
+from gateway import codec, entries, transcript
 from gateway.db import Database, T
 from gateway.fts import FtsIndexer
 from gateway.mirror import SessionsMirror, check_sessions_json, read_sessions_json
@@ -393,7 +392,7 @@ class SessionStore:
                 (entries.minute_of(cutoff), cutoff),
             ).fetchall()
             for (raw,) in rows:
-                entry = SessionEntry.from_dict(json.loads(raw))
+                entry = SessionEntry.from_dict(codec.loads(raw))
                 entry.resume_pending = True
                 entry.resume_reason = "restart_interrupted"
                 entry.last_resume_marked_at = now
@@ -435,7 +434,7 @@ class SessionStore:
                 ).fetchone()
                 if row:
                     entries.end_session_row(
-                        conn, SessionEntry.from_dict(json.loads(row[0])), now, entries.END_PRUNED
+                        conn, SessionEntry.from_dict(codec.loads(row[0])), now, entries.END_PRUNED
                     )
                     pruned += 1
             return pruned
@@ -473,7 +472,7 @@ class SessionStore:
         while len(expired) < limit:
             rows = await self._db.read(query(after))
             for _, _, raw in rows:
-                entry = SessionEntry.from_dict(json.loads(raw))
+                entry = SessionEntry.from_dict(codec.loads(raw))
                 if self._is_session_expired(entry, now):
                     expired.append(entry)
             if len(rows) < page:
@@ -505,7 +504,9 @@ class SessionStore:
         sql += " ORDER BY updated_at DESC, session_key"
 
         def query(conn: sqlite3.Connection) -> list[SessionEntry]:
-            return [SessionEntry.from_dict(json.loads(raw)) for (raw,) in conn.execute(sql, params)]
+            return [
+                SessionEntry.from_dict(codec.loads(raw)) for (raw,) in conn.execute(sql, params)
+            ]
 
         return await self._db.read(query)
 
@@ -514,7 +515,7 @@ class SessionStore:
             row = conn.execute(
                 "SELECT entry FROM session_entries WHERE session_id = ?", (session_id,)
             ).fetchone()
-            return SessionEntry.from_dict(json.loads(row[0])) if row else None
+            return SessionEntry.from_dict(codec.loads(row[0])) if row else None
 
         return await self._db.read(query)
 

@@ -6,10 +6,11 @@ are soft (`active = 0`) so /undo and /retry keep an audit trail.
 
 from __future__ import annotations
 
-import json
 import sqlite3
 import time
 from typing import Any
+
+from gateway import codec
 
 ROLES = frozenset({"user", "assistant", "system", "tool"})
 
@@ -31,7 +32,7 @@ def _content_text(content: Any) -> str:
         return content
     if content is None:
         return ""
-    return json.dumps(content, ensure_ascii=False)
+    return codec.dumps(content)
 
 
 def _require_session(conn: sqlite3.Connection, session_id: str) -> None:
@@ -48,7 +49,7 @@ def insert_message(conn: sqlite3.Connection, session_id: str, message: dict[str,
             session_id,
             message["role"],
             _content_text(message["content"]),
-            json.dumps(message, ensure_ascii=False, default=str),
+            codec.dumps(message, default=str),
             time.time(),
         ),
     )
@@ -65,7 +66,7 @@ def load(conn: sqlite3.Connection, session_id: str) -> list[dict[str, Any]]:
         "SELECT message FROM messages WHERE session_id = ? AND active = 1 ORDER BY id",
         (session_id,),
     )
-    return [json.loads(message) for (message,) in rows]
+    return [codec.loads(message) for (message,) in rows]
 
 
 def load_recent(
@@ -82,12 +83,12 @@ def load_recent(
         " ORDER BY id DESC LIMIT ?",
         (session_id, before if before is not None else 2**62, limit),
     ).fetchall()
-    return [json.loads(message) for (message,) in reversed(rows)]
+    return [codec.loads(message) for (message,) in reversed(rows)]
 
 
 def load_row(conn: sqlite3.Connection, row_id: int) -> dict[str, Any] | None:
     row = conn.execute("SELECT message FROM messages WHERE id = ?", (row_id,)).fetchone()
-    return json.loads(row[0]) if row else None
+    return codec.loads(row[0]) if row else None
 
 
 def count_active(conn: sqlite3.Connection, session_id: str) -> int:
@@ -123,7 +124,7 @@ def rewind(conn: sqlite3.Connection, session_id: str, n: int) -> dict[str, Any]:
         "UPDATE messages SET active = 0 WHERE session_id = ? AND active = 1 AND id >= ?",
         (session_id, first_id),
     )
-    content = json.loads(first_message).get("content")
+    content = codec.loads(first_message).get("content")
     return {
         "rewound_count": cursor.rowcount,
         "turns_undone": len(user_rows),

@@ -8,6 +8,10 @@ PASSIVE checkpoint every `interval` seconds on a worker thread (SQLite releases 
 while it copies), which never blocks the writer, and copies a page rewritten many times
 once. The writer keeps a far larger autocheckpoint as a safety net (`SAFETY_NET_PAGES`)
 in case this task falls behind.
+
+Every 0.1 s rather than less often: a checkpoint's copy and fsync slow the writer's own
+WAL I/O on this disk while they run, and smaller checkpoints stall it for less (at 1,000
+turns/s, p99 6.8-7.4 ms every 0.1 s, 7.3-14 ms every 0.25 s, 26-31 ms every 1 s).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class Checkpointer:
     """`commits()` counts the writer's commits: an idle gateway is not checkpointed (nor
     woken) for nothing."""
 
-    def __init__(self, path: Path, commits: Callable[[], int], interval: float = 0.25) -> None:
+    def __init__(self, path: Path, commits: Callable[[], int], interval: float = 0.1) -> None:
         self.path = path
         self.commits = commits
         self.interval = interval

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from datetime import UTC, datetime
 from enum import StrEnum
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -139,17 +140,26 @@ class SessionSource:
         return text
 
     def to_dict(self) -> dict[str, Any]:
-        data = {name: getattr(self, name) for name in _SOURCE_FIELDS}
+        data = dict(zip(_SOURCE_FIELDS, _source_values(self), strict=True))
         data["platform"] = self.platform.value
         return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SessionSource:
-        return cls(**{k: v for k, v in data.items() if k in _SOURCE_FIELDS})
+        return cls(**_known_fields(data, _SOURCE_FIELDS))
 
 
-# Field-name tuples computed once: to_dict/from_dict run on every message touch.
+def _known_fields(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """The keyword arguments for a dataclass from `data`, dropping unknown keys. Keyed by
+    the interned field names on purpose: CPython matches those to parameters by
+    identity, while keys decoded from JSON are compared character by character (that
+    made decoding an entry twice as slow)."""
+    return {name: data[name] for name in names if name in data}
+
+
+# Computed once: entries and sources are encoded and decoded on every turn.
 _SOURCE_FIELDS = tuple(f.name for f in fields(SessionSource))
+_source_values = attrgetter(*_SOURCE_FIELDS)
 
 
 # --- keys ----------------------------------------------------------------------------------
@@ -227,7 +237,9 @@ def is_shared_multi_user_session(
 
 
 def _dt_to_str(value: datetime | None) -> str | None:
-    return value.astimezone(UTC).isoformat() if value is not None else None
+    if value is None:
+        return None
+    return (value if value.tzinfo is UTC else value.astimezone(UTC)).isoformat()
 
 
 def _dt_from_str(value: Any) -> datetime | None:
@@ -303,10 +315,10 @@ class SessionEntry:
             self.cost_status = "estimated"
 
     def copy(self) -> SessionEntry:
-        return replace(self)
+        return SessionEntry(*_entry_values(self))
 
     def to_dict(self) -> dict[str, Any]:
-        data = {name: getattr(self, name) for name in _ENTRY_FIELDS}
+        data = dict(zip(_ENTRY_FIELDS, _entry_values(self), strict=True))
         for name in _DATETIME_FIELDS:
             data[name] = _dt_to_str(data[name])
         if self.origin is not None:
@@ -317,9 +329,9 @@ class SessionEntry:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SessionEntry:
-        kwargs = {k: v for k, v in data.items() if k in _ENTRY_FIELD_SET}
+        kwargs = _known_fields(data, _ENTRY_FIELDS)
         for name in _DATETIME_FIELDS:
-            if name in kwargs:
+            if kwargs.get(name) is not None:
                 kwargs[name] = _dt_from_str(kwargs[name])
         if kwargs.get("origin") is not None:
             kwargs["origin"] = SessionSource.from_dict(kwargs["origin"])
@@ -329,7 +341,7 @@ class SessionEntry:
 
 
 _ENTRY_FIELDS = tuple(f.name for f in fields(SessionEntry))
-_ENTRY_FIELD_SET = frozenset(_ENTRY_FIELDS)
+_entry_values = attrgetter(*_ENTRY_FIELDS)
 
 
 # --- SessionContext ------------------------------------------------------------------------

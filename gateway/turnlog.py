@@ -13,7 +13,6 @@ pending ledger rows are sent. Nothing is answered twice and nothing accepted is 
 from __future__ import annotations
 
 import asyncio
-import copy
 import sqlite3
 import time
 from collections.abc import Callable
@@ -177,7 +176,7 @@ class TurnLog:
             # The common case: nothing touched the entry since `begin` read it, so it is
             # saved from memory with one compare-and-set UPDATE (no load, no decode).
             if start.stored is None or not entries.save_entry_if_unchanged(
-                conn, settle(copy.copy(start.entry)), start.stored
+                conn, settle(start.entry.copy()), start.stored
             ):
                 current = entries.load_entry(conn, session_key)
                 if current is not None and current.session_id == session_id:

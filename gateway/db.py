@@ -34,7 +34,7 @@ from gateway.checkpoint import SAFETY_NET_PAGES, WAL_SIZE_LIMIT, Checkpointer
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 _MIGRATIONS: dict[int, str] = {
@@ -171,6 +171,21 @@ _MIGRATIONS: dict[int, str] = {
         WHERE NOT EXISTS (SELECT 1 FROM fts_pending WHERE id = old.id);
         DELETE FROM fts_pending WHERE id = old.id;
     END;
+    """,
+    # The full-text index moves to search.db (gateway.fts); state.db only logs which
+    # messages came and went. A new search.db is built from all messages.
+    5: """
+    CREATE TABLE fts_log (seq INTEGER PRIMARY KEY AUTOINCREMENT, id INTEGER NOT NULL);
+    DROP TRIGGER messages_fts_insert;
+    CREATE TRIGGER messages_fts_insert AFTER INSERT ON messages BEGIN
+        INSERT INTO fts_log(id) VALUES (new.id);
+    END;
+    DROP TRIGGER messages_fts_delete;
+    CREATE TRIGGER messages_fts_delete AFTER DELETE ON messages BEGIN
+        INSERT INTO fts_log(id) VALUES (old.id);
+    END;
+    DROP TABLE fts_pending;
+    DROP TABLE messages_fts;
     """,
 }
 

@@ -29,6 +29,7 @@ from config import GatewayConfig, hermes_home
 from gateway import entries
 from gateway.db import SCHEMA_VERSION, Database
 from gateway.fsutil import fsync_dir, set_aside
+from gateway.fts import search_files
 from gateway.mirror import write_sessions_json
 from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
 from gateway.session import SessionEntry, SessionSource
@@ -37,7 +38,8 @@ from gateway.store import SESSIONS_JSON, STATE_DB
 OK, WARN, ERROR = "ok", "warn", "error"
 STALE_TEMP_SECONDS = 60
 #: tables copied out of a damaged database, parents first; `turns` (in-flight markers of
-#: a damaged run) is not trusted and `messages_fts` is rebuilt from the copied messages
+#: a damaged run) is not trusted, and the search index (search.db) is rebuilt by the
+#: gateway from the copied messages
 SALVAGED_TABLES = ("sessions", "session_entries", "messages", "inbox", "outbound")
 _SCAN_ORDER = {"sessions": "session_id", "session_entries": "session_key"}  # WITHOUT ROWID
 _ORPHAN_TURNS = (  # no table alias: DELETE does not take one
@@ -400,7 +402,7 @@ def run_repairs(paths: Paths) -> dict[str, str]:
 def _copy_table(src: sqlite3.Connection, dst: sqlite3.Connection, table: str) -> str:
     """Copy rows in storage order until the first unreadable one; returns a summary."""
     names = [row[1] for row in dst.execute(f"PRAGMA table_info({table})")]
-    columns = ", ".join(names)  # explicit, so the insert trigger queues each message for FTS
+    columns = ", ".join(names)
     insert = f"INSERT OR IGNORE INTO {table} ({columns}) VALUES ({', '.join('?' * len(names))})"
     copied = skipped = 0
     stopped = ""
@@ -533,6 +535,9 @@ def rebuild_state_db(paths: Paths) -> str:
     for suffix in ("", "-wal", "-shm"):
         if Path(f"{fresh}{suffix}").exists():
             os.replace(f"{fresh}{suffix}", f"{paths.db}{suffix}")
+    # The search index belongs to the old database: the gateway rebuilds it at start.
+    for path in search_files(paths.sessions):
+        path.unlink(missing_ok=True)
     fsync_dir(paths.sessions)
     if paths.sessions_json.exists() and check_sessions_json(paths).status != OK:
         set_aside(paths.sessions_json)

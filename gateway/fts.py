@@ -1,12 +1,22 @@
-"""The full-text index of transcripts (`messages_fts`), kept up in batches.
+"""The transcript full-text index, in a database file of its own (`search.db`, beside
+`state.db`), kept up by a thread of its own.
 
-Indexing each message in the transaction that stores it made every message insert about
-four times dearer, on the writer thread every turn waits for, and made every group
-commit flush a tiny FTS segment. Instead the insert trigger only notes the row id in
-`fts_pending` (one append), and this indexer moves pending rows into the index in pages,
-every `interval` seconds and at open. The delete trigger knows which rows are indexed,
-so deleting a message that was never indexed cannot damage the index. Anything that
-searches should call `index_pending` first to see the last seconds of messages.
+Why a file of its own: indexing costs 10-15 µs per message (tokenizing, writing FTS5
+segments). Inside state.db it held the one write lock every turn needs, 3-8 ms at a time
+four times a second at 1,000 turns/s, and that set the gateway's p99 (BENCHMARKS.md,
+"Round three"). In search.db it takes no lock a turn needs, and SQLite does the work
+with the GIL released, on the other core.
+
+How it stays exact: state.db logs every insert and delete of a message in `fts_log` (a
+trigger: one append in the turn's own transaction; AUTOINCREMENT, so a sequence number
+is never reused). A round reads the log after `applied_seq` from a read snapshot of
+state.db (attached read-only) and, for every message id it names, indexes the message
+as it is now, or leaves it out if it is gone. It stores the new `applied_seq` in the
+same search.db transaction, so a crash repeats a round at most, and a repeated round
+changes nothing. The writer then trims the log behind it.
+
+A missing search.db, or one that does not match state.db's log (state.db was rebuilt
+or restored), is rebuilt from all messages, in the background.
 """
 
 from __future__ import annotations
@@ -14,46 +24,117 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import quote
 
 import structlog
+
+from gateway.db import create_private_file
 
 if TYPE_CHECKING:
     from gateway.db import Database
 
 log = structlog.get_logger("gateway.fts")
+T = TypeVar("T")
 
-INDEX_PAGE = 1_000  # rows per write: each page is a short write (a few ms)
+SEARCH_DB = "search.db"
+ROUND_LIMIT = 20_000  # log entries applied per transaction
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
+CREATE VIRTUAL TABLE IF NOT EXISTS messages_fts USING fts5(content);
+"""
+# The highest sequence number ever handed out (the log itself may be trimmed empty).
+_LAST_SEQ = "SELECT coalesce((SELECT seq FROM st.sqlite_sequence WHERE name = 'fts_log'), 0)"
+_TOUCHED = "SELECT id FROM st.fts_log WHERE seq > :lo AND seq <= :hi"
 
 
-def index_pending(conn: sqlite3.Connection, limit: int = INDEX_PAGE) -> int:
-    """Index up to `limit` pending messages, oldest first; returns how many."""
-    last = conn.execute(
-        "SELECT max(id) FROM (SELECT id FROM fts_pending ORDER BY id LIMIT ?)", (limit,)
-    ).fetchone()[0]
-    if last is None:
-        return 0
-    conn.execute(
-        "INSERT INTO messages_fts(rowid, content) SELECT m.id, m.content"
-        " FROM fts_pending p JOIN messages m ON m.id = p.id WHERE p.id <= ?",
-        (last,),
+def search_files(sessions_dir: Path) -> list[Path]:
+    base = sessions_dir / SEARCH_DB
+    return [base, base.with_name(base.name + "-wal"), base.with_name(base.name + "-shm")]
+
+
+def connect(search_path: Path, state_path: Path) -> sqlite3.Connection:
+    """search.db for writing, with state.db attached read-only as `st`."""
+    create_private_file(search_path)
+    conn = sqlite3.connect(
+        f"file:{quote(str(search_path))}", uri=True, isolation_level=None, check_same_thread=False
     )
-    return conn.execute("DELETE FROM fts_pending WHERE id <= ?", (last,)).rowcount
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=5000")
+        conn.executescript(_SCHEMA)
+        conn.execute("ATTACH DATABASE ? AS st", (f"file:{quote(str(state_path))}?mode=ro",))
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def apply_log(conn: sqlite3.Connection, limit: int = ROUND_LIMIT) -> tuple[int, int]:
+    """One round: apply up to `limit` log entries (or rebuild); returns (entries applied
+    or messages indexed by a rebuild, the sequence number now applied)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        last = conn.execute(_LAST_SEQ).fetchone()[0]
+        row = conn.execute("SELECT value FROM meta WHERE key = 'applied_seq'").fetchone()
+        first = conn.execute("SELECT min(seq) FROM st.fts_log").fetchone()[0]
+        applied = row[0] if row else None
+        # Rebuild when the index is new, or when state.db's log does not continue from
+        # it: its numbers went backwards, or entries were trimmed that it never applied.
+        if applied is None or last < applied or (first or last + 1) > applied + 1:
+            conn.execute("DELETE FROM messages_fts")
+            count = conn.execute(
+                "INSERT INTO messages_fts(rowid, content) SELECT id, content FROM st.messages"
+            ).rowcount
+            hi = last
+        else:
+            hi = min(last, applied + limit)
+            count = hi - applied
+            if count:
+                span = {"lo": applied, "hi": hi}
+                conn.execute(f"DELETE FROM messages_fts WHERE rowid IN ({_TOUCHED})", span)
+                conn.execute(
+                    "INSERT INTO messages_fts(rowid, content) SELECT id, content"
+                    f" FROM st.messages WHERE id IN ({_TOUCHED})",
+                    span,
+                )
+        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('applied_seq', ?)", (hi,))
+        conn.execute("COMMIT")
+    except BaseException:
+        conn.execute("ROLLBACK")
+        raise
+    return count, hi
+
+
+def trim_log(conn: sqlite3.Connection, applied_seq: int) -> None:
+    """Writer side: forget log entries the index has applied."""
+    conn.execute("DELETE FROM fts_log WHERE seq <= ?", (applied_seq,))
 
 
 class FtsIndexer:
-    def __init__(self, db: Database, interval: float = 0.25) -> None:
+    """Runs `apply_log` rounds on a worker thread every `interval` seconds."""
+
+    def __init__(self, db: Database, sessions_dir: Path, interval: float = 0.25) -> None:
         self.db = db
+        self.path = sessions_dir / SEARCH_DB
         self.interval = interval
+        self._conn: sqlite3.Connection | None = None
         self._task: asyncio.Task[None] | None = None
+        self._inflight: asyncio.Future[Any] | None = None
+        self._lock = asyncio.Lock()  # one round at a time on the one connection
 
     async def catch_up(self) -> int:
-        """Index everything pending (at open: after a crash or a repair)."""
+        """Apply everything logged so far (searches call this to see the last seconds);
+        returns how many log entries (or rebuilt messages) that took."""
         total = 0
         while True:
-            count = await self.db.write(index_pending)
+            count, done = await self._round()
             total += count
-            if count < INDEX_PAGE:  # a short page: nothing more is pending
+            if done:
                 return total
 
     def start(self) -> None:
@@ -65,11 +146,72 @@ class FtsIndexer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
+        if self._inflight is not None:
+            # A cancelled to_thread call keeps running on its thread: let it finish
+            # before the connection under it is closed.
+            with contextlib.suppress(Exception):
+                if isinstance(opened := await self._inflight, sqlite3.Connection):
+                    opened.close()  # connected while we were being cancelled
+            self._inflight = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
             try:
                 await self.catch_up()
-            except sqlite3.Error as exc:
-                log.warning("fts_index_failed", error=str(exc))
+            except (sqlite3.Error, OSError) as exc:
+                log.warning("fts_index_failed", error=str(exc), path=str(self.path))
+                await self._reset()
+            await asyncio.sleep(self.interval)
+
+    async def _round(self) -> tuple[int, bool]:
+        async with self._lock:
+            if self._conn is None:
+                self._conn = await self._in_thread(connect, self.path, self.db.path)
+            count, applied = await self._in_thread(apply_log, self._conn)
+        if count:
+            self.db.write_soon(lambda conn: trim_log(conn, applied)).add_done_callback(
+                _log_failed_trim
+            )
+        return count, count < ROUND_LIMIT
+
+    async def _in_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(*args)` on a worker thread; if we are cancelled meanwhile it runs on, and
+        `stop()` waits for it (and closes the connection it may have opened)."""
+        self._inflight = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        try:
+            return await asyncio.shield(self._inflight)
+        finally:
+            if self._inflight.done():
+                self._inflight = None
+
+    async def _reset(self) -> None:
+        """After a failed round: drop the connection; a damaged search.db is set aside
+        and rebuilt (it only ever holds what state.db can give again)."""
+        async with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            try:
+                await asyncio.to_thread(_check_search_db, self.path)
+            except sqlite3.DatabaseError as exc:
+                log.warning("search_db_rebuilt", error=str(exc), path=str(self.path))
+                for path in search_files(self.path.parent):
+                    path.unlink(missing_ok=True)
+
+
+def _check_search_db(path: Path) -> None:
+    conn = sqlite3.connect(path)
+    try:
+        problems = [row[0] for row in conn.execute("PRAGMA quick_check(1)")]
+        if problems != ["ok"]:
+            raise sqlite3.DatabaseError("; ".join(problems))
+    finally:
+        conn.close()
+
+
+def _log_failed_trim(future: asyncio.Future[None]) -> None:
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("fts_log_trim_failed", error=str(future.exception()))

@@ -53,7 +53,7 @@ class SessionStore:
         self.db_path = self.sessions_dir / STATE_DB
         self.json_path = self.sessions_dir / SESSIONS_JSON
         self._db = Database(self.db_path)
-        self._fts = FtsIndexer(self._db)
+        self.search_index = FtsIndexer(self._db, self.sessions_dir)
         self._mirror = SessionsMirror(
             self.json_path, self.db_path, config.storage.mirror_interval_seconds
         )
@@ -78,15 +78,14 @@ class SessionStore:
             self._mirror.mark_dirty()
         if not self.json_path.exists():
             self._mirror.mark_dirty()
-        await self._fts.catch_up()
-        self._fts.start()
+        self.search_index.start()  # catches up in the background: start-up does not wait
         self._mirror.start()
         return self
 
     async def close(self) -> None:
         if not self._db.is_open:
             return
-        await self._fts.stop()
+        await self.search_index.stop()
         try:
             await self._mirror.stop()
         finally:

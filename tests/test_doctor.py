@@ -126,11 +126,13 @@ async def _reopen(sessions: Path) -> tuple[list[SessionEntry], dict[str, list[An
     async with SessionStore(sessions, CONFIG) as store:
         listed = await store.list_sessions()
         transcripts = {e.session_key: await store.load_transcript(e.session_id) for e in listed}
-        hits = await store.read(
-            lambda conn: conn.execute(
-                "SELECT COUNT(*) FROM messages_fts WHERE messages_fts MATCH 'hello'"
-            ).fetchone()[0]
-        )
+        await store.search_index.catch_up()
+        search = sqlite3.connect(f"file:{store.search_index.path}?mode=ro", uri=True)
+        try:
+            sql = "SELECT COUNT(*) FROM messages_fts WHERE messages_fts MATCH 'hello'"
+            hits = search.execute(sql).fetchone()[0]
+        finally:
+            search.close()
     return listed, transcripts, hits
 
 

@@ -1,9 +1,11 @@
-"""The transcript full-text index is kept up in batches (gateway.fts): findable after a
-pass, never damaged by deleting a message it has not indexed yet, and carried over from
-a version-3 database whose trigger indexed every message at once."""
+"""The transcript full-text index lives in search.db (gateway.fts): every message that
+exists is findable after a round, no message that is gone is, a crash or a lost
+search.db costs nothing but a rebuild, and older databases carry over."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import sqlite3
 from pathlib import Path
 
@@ -17,92 +19,153 @@ CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})
 SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")
 
 
-def hits(conn: sqlite3.Connection, word: str) -> list[int]:
-    return [
-        row[0]
-        for row in conn.execute(
-            "SELECT rowid FROM messages_fts WHERE messages_fts MATCH ? ORDER BY rowid", (word,)
-        )
-    ]
+def search(sessions: Path, word: str) -> list[int]:
+    conn = sqlite3.connect(f"file:{sessions / fts.SEARCH_DB}?mode=ro", uri=True)
+    try:
+        return [
+            row[0]
+            for row in conn.execute(
+                "SELECT rowid FROM messages_fts WHERE messages_fts MATCH ? ORDER BY rowid",
+                (word,),
+            )
+        ]
+    finally:
+        conn.close()
 
 
-def fts_sound(conn: sqlite3.Connection) -> bool:
-    # FTS5 runs its integrity check as an INSERT command, hence a write.
+def index_sound(sessions: Path) -> bool:
+    conn = sqlite3.connect(sessions / fts.SEARCH_DB)
     try:
         conn.execute("INSERT INTO messages_fts(messages_fts, rank) VALUES('integrity-check', 1)")
+        return True
     except sqlite3.DatabaseError:
         return False
-    return True
+    finally:
+        conn.close()
 
 
-async def test_messages_are_findable_after_an_indexing_pass(tmp_path: Path) -> None:
-    async with SessionStore(tmp_path, CONFIG) as store:
-        entry = await store.get_or_create_session(SOURCE)
-        first = await store.append_to_transcript(
-            entry.session_id, {"role": "user", "content": "zebra crossing"}
-        )
-        assert await store.read(lambda c: hits(c, "zebra")) == []  # pending, not indexed
-        assert await store.write(fts.index_pending) == 1
-        assert await store.read(lambda c: hits(c, "zebra")) == [first]
-        assert await store.write(fts.index_pending) == 0
+async def log_length(store: SessionStore) -> int:
+    return await store.read(lambda c: c.execute("SELECT COUNT(*) FROM fts_log").fetchone()[0])
 
 
-async def test_a_crash_before_indexing_is_caught_up_at_open(tmp_path: Path) -> None:
-    async with SessionStore(tmp_path, CONFIG) as store:
-        entry = await store.get_or_create_session(SOURCE)
-        row = await store.append_to_transcript(
-            entry.session_id, {"role": "user", "content": "walrus"}
-        )
-    # close() does not index; the next open does.
-    async with SessionStore(tmp_path, CONFIG) as store:
-        assert await store.read(lambda c: hits(c, "walrus")) == [row]
-        assert await store.read(
-            lambda c: c.execute("SELECT COUNT(*) FROM fts_pending").fetchone()
-        ) == (0,)
-        assert await store.write(fts_sound)
+async def say(store: SessionStore, session_id: str, text: str) -> int:
+    return await store.append_to_transcript(session_id, {"role": "user", "content": text})
 
 
-async def test_deleting_indexed_and_pending_messages_keeps_the_index_sound(
+async def test_messages_are_findable_after_a_round_and_the_log_is_trimmed(
     tmp_path: Path,
 ) -> None:
     async with SessionStore(tmp_path, CONFIG) as store:
+        await store.search_index.stop()  # no background rounds: this test runs them
+        await store.search_index.catch_up()
+        entry = await store.get_or_create_session(SOURCE)
+        first = await say(store, entry.session_id, "zebra crossing")
+        assert await log_length(store) == 1
+        assert await store.search_index.catch_up() == 1
+        assert search(tmp_path, "zebra") == [first]
+        assert await log_length(store) == 0  # trimmed behind the index
+        assert await store.search_index.catch_up() == 0
+
+
+async def test_deleted_messages_leave_the_index_even_with_a_reused_id(tmp_path: Path) -> None:
+    async with SessionStore(tmp_path, CONFIG) as store:
         entry = await store.get_or_create_session(SOURCE)
         sid = entry.session_id
-        indexed = await store.append_to_transcript(sid, {"role": "user", "content": "otter"})
-        await store.write(fts.index_pending)
-        pending = await store.append_to_transcript(sid, {"role": "user", "content": "otter two"})
+        indexed = await say(store, sid, "otter")
+        await store.search_index.catch_up()
+        unindexed = await say(store, sid, "otter two")
 
         def delete_both(conn: sqlite3.Connection) -> None:
-            conn.execute("DELETE FROM messages WHERE id IN (?, ?)", (indexed, pending))
+            conn.execute("DELETE FROM messages WHERE id IN (?, ?)", (indexed, unindexed))
 
         await store.write(delete_both)
-        assert await store.read(lambda c: hits(c, "otter")) == []
-        assert await store.write(fts_sound)
-        # A new message may even get a reused id; it is indexed as itself.
-        again = await store.append_to_transcript(sid, {"role": "user", "content": "heron"})
-        await store.write(fts.index_pending)
-        assert await store.read(lambda c: hits(c, "heron")) == [again]
-        assert await store.write(fts_sound)
+        # The highest id is free again: SQLite may hand it to the next message.
+        again = await say(store, sid, "heron")
+        await store.search_index.catch_up()
+        assert search(tmp_path, "otter") == []
+        assert search(tmp_path, "heron") == [again]
+        assert index_sound(tmp_path)
 
 
-async def test_a_version_3_database_keeps_its_index(tmp_path: Path) -> None:
+async def test_a_crash_before_a_round_is_caught_up_after_the_restart(tmp_path: Path) -> None:
+    async with SessionStore(tmp_path, CONFIG) as store:
+        await store.search_index.catch_up()
+        await store.search_index.stop()  # as if killed before its next round
+        entry = await store.get_or_create_session(SOURCE)
+        row = await say(store, entry.session_id, "walrus")
+    assert search(tmp_path, "walrus") == []
+    async with SessionStore(tmp_path, CONFIG) as store:
+        await store.search_index.catch_up()
+        assert search(tmp_path, "walrus") == [row]
+        assert await log_length(store) == 0
+
+
+async def test_a_lost_or_foreign_search_db_is_rebuilt(tmp_path: Path) -> None:
+    async with SessionStore(tmp_path, CONFIG) as store:
+        entry = await store.get_or_create_session(SOURCE)
+        rows = [await say(store, entry.session_id, f"lynx {i}") for i in range(3)]
+        await store.search_index.catch_up()
+    for path in fts.search_files(tmp_path):
+        path.unlink(missing_ok=True)
+    async with SessionStore(tmp_path, CONFIG) as store:
+        await store.search_index.stop()  # no background rounds: this test runs them
+        assert await store.search_index.catch_up() == 3  # every message, from state.db
+        assert search(tmp_path, "lynx") == rows
+
+    # An index ahead of state.db's log (state.db was rebuilt or restored) is not trusted.
+    conn = sqlite3.connect(tmp_path / fts.SEARCH_DB)
+    conn.execute("UPDATE meta SET value = value + 1000 WHERE key = 'applied_seq'")
+    conn.execute("INSERT INTO messages_fts(rowid, content) VALUES (999, 'lynx ghost')")
+    conn.commit()
+    conn.close()
+    async with SessionStore(tmp_path, CONFIG) as store:
+        await store.search_index.catch_up()
+        assert search(tmp_path, "lynx") == rows
+
+
+async def test_a_damaged_search_db_is_set_aside_and_rebuilt(tmp_path: Path) -> None:
+    async with SessionStore(tmp_path, CONFIG) as store:
+        entry = await store.get_or_create_session(SOURCE)
+        row = await say(store, entry.session_id, "puffin")
+    (tmp_path / fts.SEARCH_DB).write_bytes(b"not a database at all" * 100)
+    async with SessionStore(tmp_path, CONFIG) as store:
+        # The background task's first round fails on the damaged file, removes it, and
+        # the next round rebuilds the index from state.db.
+        found: list[int] = []
+        for _ in range(200):  # bounded: about 4 s
+            await asyncio.sleep(0.02)
+            with contextlib.suppress(sqlite3.DatabaseError):
+                if (found := search(tmp_path, "puffin")) == [row]:
+                    break
+        assert found == [row]
+
+
+async def test_a_version_4_database_moves_its_index_out(tmp_path: Path) -> None:
     db = tmp_path / "state.db"
     conn = sqlite3.connect(db)
-    for version in (1, 2, 3):
+    for version in (1, 2, 3, 4):
         for statement in _split_sql(_MIGRATIONS[version]):
             conn.execute(statement)
-    conn.execute("PRAGMA user_version=3")
+    conn.execute("PRAGMA user_version=4")
     conn.execute("INSERT INTO sessions (session_id, session_key, started_at) VALUES ('s1', 'k', 0)")
-    conn.execute(
-        "INSERT INTO messages (session_id, role, content, message, created_at)"
-        " VALUES ('s1', 'user', 'badger', '{}', 0)"
-    )
+    for word in ("badger", "beaver"):
+        conn.execute(
+            "INSERT INTO messages (session_id, role, content, message, created_at)"
+            " VALUES ('s1', 'user', ?, '{}', 0)",
+            (word,),
+        )
     conn.commit()
     conn.close()
 
     async with SessionStore(tmp_path, CONFIG) as store:
-        assert await store.read(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == 4
-        assert await store.read(lambda c: hits(c, "badger")) == [1]  # indexed by version 3
+        assert await store.read(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == 5
+        tables = await store.read(
+            lambda c: {row[0] for row in c.execute("SELECT name FROM sqlite_master")}
+        )
+        assert "fts_pending" not in tables and "messages_fts" not in tables
+        await store.search_index.catch_up()
+        assert search(tmp_path, "badger") == [1] and search(tmp_path, "beaver") == [2]
         await store.write(lambda c: c.execute("DELETE FROM messages WHERE id = 1"))
-        assert await store.read(lambda c: hits(c, "badger")) == []
-        assert await store.write(fts_sound)
+        await store.search_index.catch_up()
+        assert search(tmp_path, "badger") == []
+        assert index_sound(tmp_path)

@@ -11,9 +11,9 @@ the daemon kills itself with SIGKILL (see gateway/faults.py): right after a turn
 was committed, right after its reply was written, between a platform's acknowledgement
 and the ledger mark, and in the middle of writing sessions.json.
 A POST cut off by the kill is retried after the restart with the same message id, as a
-platform would redeliver it. After every restart: `PRAGMA integrity_check` is ok and
-sessions.json parses. At the end every accepted message must appear in exactly one
-reply. Prints the counts; exits 1 if any is not zero.
+platform would redeliver it. After every restart: `PRAGMA integrity_check` of state.db
+and search.db is ok and sessions.json parses. At the end every accepted message must
+appear in exactly one reply. Prints the counts; exits 1 if any is not zero.
 """
 
 from __future__ import annotations

@@ -140,11 +140,18 @@ class Daemon:
         return sqlite3.connect(f"file:{path}?mode=ro", uri=True)
 
     def integrity_ok(self) -> bool:
-        conn = self.db()
+        """`PRAGMA integrity_check` of state.db and of search.db (once it exists)."""
+        search = self.home / "sessions" / "search.db"
+        connections = [self.db()]
+        if search.exists():
+            connections.append(sqlite3.connect(f"file:{search}?mode=ro", uri=True))
         try:
-            return conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+            return all(
+                conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok" for conn in connections
+            )
         finally:
-            conn.close()
+            for conn in connections:
+                conn.close()
 
     def sessions_json(self) -> dict:
         return json.loads((self.home / "sessions" / "sessions.json").read_text())

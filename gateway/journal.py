@@ -87,10 +87,18 @@ def open_inbox(conn: sqlite3.Connection) -> list[dict[str, Any]]:
     ]
 
 
-def expire_inbox(conn: sqlite3.Connection, before: float) -> int:
-    """Forget finished messages older than `before` (their ids no longer dedup)."""
+#: rows deleted per housekeeping write: writes run on the event loop's thread, so a
+#: day's worth of rows is forgotten in short steps (a few ms each), not in one long one
+EXPIRE_PAGE = 1_000
+
+
+def expire_inbox(conn: sqlite3.Connection, before: float, limit: int = EXPIRE_PAGE) -> int:
+    """Forget up to `limit` finished messages older than `before` (their ids no longer
+    dedup); returns how many."""
     return conn.execute(
-        "DELETE FROM inbox WHERE state != 'accepted' AND accepted_at < ?", (before,)
+        "DELETE FROM inbox WHERE id IN (SELECT id FROM inbox"
+        " WHERE state != 'accepted' AND accepted_at < ? LIMIT ?)",
+        (before, limit),
     ).rowcount
 
 
@@ -243,7 +251,10 @@ def replies_after(
     ]
 
 
-def expire_outbound(conn: sqlite3.Connection, before: float) -> int:
+def expire_outbound(conn: sqlite3.Connection, before: float, limit: int = EXPIRE_PAGE) -> int:
+    """Forget up to `limit` sent replies older than `before`; returns how many."""
     return conn.execute(
-        "DELETE FROM outbound WHERE state = 'sent' AND created_at < ?", (before,)
+        "DELETE FROM outbound WHERE id IN (SELECT id FROM outbound"
+        " WHERE state = 'sent' AND created_at < ? LIMIT ?)",
+        (before, limit),
     ).rowcount

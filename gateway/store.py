@@ -32,6 +32,7 @@ log = structlog.get_logger(__name__)
 
 STATE_DB = "state.db"
 SESSIONS_JSON = "sessions.json"
+PRUNE_PAGE = 500  # routing entries dropped per write by prune_old_entries
 
 
 def _utcnow() -> datetime:
@@ -423,9 +424,9 @@ class SessionStore:
         if not doomed:
             return 0
 
-        def tx(conn: sqlite3.Connection) -> int:
+        def tx(conn: sqlite3.Connection, keys: list[str]) -> int:
             pruned = 0
-            for key in doomed:  # re-check: the entry may have been touched meanwhile
+            for key in keys:  # re-check: the entry may have been touched meanwhile
                 row = conn.execute(
                     "DELETE FROM session_entries WHERE session_key = ? AND updated_at < ?"
                     " AND suspended = 0 RETURNING entry",
@@ -438,7 +439,13 @@ class SessionStore:
                     pruned += 1
             return pruned
 
-        return await self._write(tx)
+        # Page by page: writes run on the event loop's thread, so thousands of idle
+        # sessions are dropped in short steps, not in one long write.
+        pruned = 0
+        for first in range(0, len(doomed), PRUNE_PAGE):
+            keys = doomed[first : first + PRUNE_PAGE]
+            pruned += await self._write(lambda conn, keys=keys: tx(conn, keys))
+        return pruned
 
     # --- queries -----------------------------------------------------------------------
 

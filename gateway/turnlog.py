@@ -277,10 +277,17 @@ class TurnLog:
     async def expire(self, max_age_days: float) -> int:
         """Forget finished inbox rows (their dedup window) and old sent replies."""
         before = (datetime.now(UTC) - timedelta(days=max_age_days)).timestamp()
-        return await self.store.write(
-            lambda conn: journal.expire_inbox(conn, before) + journal.expire_outbound(conn, before),
-            dirty=False,
-        )
+        total = 0
+        for expire in (journal.expire_inbox, journal.expire_outbound):
+            while True:  # page by page (journal.EXPIRE_PAGE): ends at the first short page
+                count = await self.store.write(
+                    lambda conn, expire=expire: expire(conn, before, journal.EXPIRE_PAGE),
+                    dirty=False,
+                )
+                total += count
+                if count < journal.EXPIRE_PAGE:
+                    break
+        return total
 
 
 def _encoded(event: MessageEvent) -> str:

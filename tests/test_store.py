@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import time_machine
 
+import gateway.store as store_module
 from config import GatewayConfig
 from gateway.db import DatabaseError
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
@@ -475,6 +476,25 @@ async def test_suspend_recently_active(store: SessionStore, clock: Any) -> None:
     assert stored_pending.last_resume_marked_at == pending_marked_at
     # A second pass finds nothing new.
     assert await store.suspend_recently_active(120) == 0
+
+
+async def test_prune_drops_many_entries_in_short_writes(
+    make_store: StoreFactory, clock: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "PRUNE_PAGE", 2)
+    store = await make_store(make_config(session_reset={"mode": "none"}))
+    for i in range(5):
+        await store.get_or_create_session(dm(f"old{i}"))
+    clock.shift(timedelta(days=10))
+    kept = await store.get_or_create_session(dm("fresh"))
+    statements: list[str] = []
+    store._db.trace_writes(statements.append)
+    try:
+        assert await store.prune_old_entries(7) == 5
+    finally:
+        store._db.trace_writes(None)
+    assert [e.session_key for e in await store.list_sessions()] == [kept.session_key]
+    assert sum(s.strip().upper() == "COMMIT" for s in statements) == 3  # pages of 2, 2, 1
 
 
 async def test_prune_old_entries(make_store: StoreFactory, clock: Any) -> None:

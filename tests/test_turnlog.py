@@ -3,12 +3,15 @@ memory when nothing else changed it, and never over a change made during the tur
 
 from __future__ import annotations
 
+import sqlite3
+import time
 from pathlib import Path
 
 import pytest
 
 from adapters.base import MessageEvent
 from config import GatewayConfig
+from gateway import journal
 from gateway.session import Platform, SessionSource, TokenUsage
 from gateway.store import SessionStore
 from gateway.turnlog import TurnLog
@@ -78,3 +81,36 @@ async def test_a_session_replaced_during_the_turn_is_left_alone(store: SessionSt
     assert entry is not None
     assert entry.session_id == replaced[0]
     assert entry.total_tokens == 0  # the old session's turn does not count on the new one
+
+
+async def test_expire_forgets_old_finished_rows_page_by_page(
+    store: SessionStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(journal, "EXPIRE_PAGE", 2)  # 5 and 3 rows: several pages each
+
+    def seed(conn: sqlite3.Connection) -> None:
+        inbox = (
+            "INSERT INTO inbox (platform, chat_id, message_id, session_key, kind, event,"
+            " state, accepted_at) VALUES ('local', 'c1', ?, 'k', 'turn', '{}', ?, ?)"
+        )
+        for i in range(5):
+            conn.execute(inbox, (f"old{i}", "done", 0))
+        conn.execute(inbox, ("open", "accepted", 0))  # still being answered: kept
+        conn.execute(inbox, ("new", "done", time.time()))  # inside the window: kept
+        outbound = (
+            "INSERT INTO outbound (platform, chat_id, target, text, session_key, state,"
+            " created_at) VALUES ('local', 'c1', '{}', 'x', 'k', ?, 0)"
+        )
+        for _ in range(3):
+            conn.execute(outbound, ("sent",))
+        conn.execute(outbound, ("pending",))  # never acknowledged: kept
+
+    await store.write(seed)
+    assert await TurnLog(store).expire(1) == 8
+    left = await store.read(
+        lambda conn: (
+            sorted(r[0] for r in conn.execute("SELECT message_id FROM inbox")),
+            [r[0] for r in conn.execute("SELECT state FROM outbound")],
+        )
+    )
+    assert left == (["new", "open"], ["pending"])

@@ -158,13 +158,18 @@ class FtsIndexer:
             self._conn = None
 
     async def _run(self) -> None:
+        failures = 0
         while True:
             try:
                 await self.catch_up()
+                failures = 0
             except (sqlite3.Error, OSError) as exc:
+                # Searching is not worth a log line four times a second (a full disk):
+                # retry after 0.5 s, 1 s, 2 s, ... up to a minute.
+                failures += 1
                 log.warning("fts_index_failed", error=str(exc), path=str(self.path))
                 await self._reset()
-            await asyncio.sleep(self.interval)
+            await asyncio.sleep(min(60.0, self.interval * 2**failures))
 
     async def _round(self) -> tuple[int, bool]:
         async with self._lock:

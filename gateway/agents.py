@@ -19,8 +19,7 @@ import inspect
 import json
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 from urllib.parse import urlsplit, urlunsplit
@@ -313,14 +312,9 @@ class AgentCache:
             self._evictions += 1
             self._close_in_background(entry.agent, session_key)
 
-    @asynccontextmanager
-    async def lease(self, session_key: str, signature: str) -> AsyncIterator[Agent]:
+    def lease(self, session_key: str, signature: str) -> AgentLease:
         """``async with cache.lease(key, sig) as agent:`` = acquire, then release in finally."""
-        agent = await self.acquire(session_key, signature)
-        try:
-            yield agent
-        finally:
-            self.release(session_key)
+        return AgentLease(self, session_key, signature)
 
     async def evict(self, session_key: str) -> bool:
         """Close and drop the session's agent. If it is in use, do that at release and
@@ -389,3 +383,21 @@ class AgentCache:
             await agent.close()
         except Exception:
             log.exception("agent_close_failed", session_key=session_key)
+
+
+class AgentLease:
+    """What `AgentCache.lease` returns. A plain class rather than `@asynccontextmanager`:
+    every turn enters one, and the generator machinery cost more than the lease."""
+
+    __slots__ = ("_cache", "_key", "_signature")
+
+    def __init__(self, cache: AgentCache, session_key: str, signature: str) -> None:
+        self._cache = cache
+        self._key = session_key
+        self._signature = signature
+
+    async def __aenter__(self) -> Agent:
+        return await self._cache.acquire(self._key, self._signature)
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        self._cache.release(self._key)

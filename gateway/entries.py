@@ -1,6 +1,6 @@
 """Entry-row SQL: load and save routing entries, open and close `sessions` rows.
 
-Plain functions run on the database writer thread (see `gateway.db`), used by
+Plain functions run by the database writer (see `gateway.db`), used by
 `gateway.store`. A reset ends the old session's row and starts a new one (seed section 6,
 effects 1-4).
 """

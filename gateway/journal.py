@@ -1,5 +1,5 @@
 """The durability journal: accepted inbound messages, in-flight turn markers, and the
-outbound delivery ledger (SQL run on the database writer thread, see `gateway.db`).
+outbound delivery ledger (SQL run by the database writer, see `gateway.db`).
 
 - `inbox`: every inbound message the gateway accepted, recorded in the same transaction
   that checks its platform message id for redelivery. A row stays `accepted` until the

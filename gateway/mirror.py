@@ -114,7 +114,7 @@ def write_sessions_json(db_path: Path, json_path: Path) -> int:
 
     def write(file: BinaryIO) -> None:
         # SQLite formats each page of lines itself (in C, without the GIL), so a mirror
-        # of 100k sessions costs the event loop and the writer thread next to nothing.
+        # of 100k sessions costs the event loop (where the writer runs) next to nothing.
         nonlocal count
         file.write(b"{")
         after = ""

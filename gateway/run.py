@@ -165,7 +165,7 @@ class GatewayRunner:
         self._status_task = asyncio.create_task(keep_status(self.home, self.status_snapshot))
         # What is alive now (modules, config, clients) lives as long as the process: move
         # it out of the collector's reach. A full collection walked all of it, stalling
-        # the event loop (and the SQLite thread, which needs the GIL) ~15 ms a second.
+        # the event loop (and with it every write to state.db) ~15 ms a second.
         gc.collect()
         gc.freeze()
         log.info(

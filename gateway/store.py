@@ -1,7 +1,7 @@
 """SessionStore: the durable session routing index and transcripts (seed section 3).
 
 SQLite (`state.db`) is the one source of truth. Each operation is one small transaction
-run on the writer thread; a message touch is a single-row upsert, never a rewrite of
+committed by the writer (`gateway.db`); a message touch is a single-row upsert, never a rewrite of
 all entries, so per-message cost does not grow with the number of sessions.
 `sessions.json` is a coalesced mirror for people and tools that read the seed format.
 

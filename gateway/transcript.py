@@ -1,6 +1,6 @@
 """Transcript SQL: append, load, rewrite and rewind the messages of one session.
 
-These are plain functions run on the database writer thread (see `gateway.db`). Deletes
+These are plain functions run by the database writer (see `gateway.db`). Deletes
 are soft (`active = 0`) so /undo and /retry keep an audit trail.
 """
 

@@ -1,7 +1,8 @@
 """Measure one round trip from the event loop to aiosqlite's worker thread and back.
 
-Every store operation pays this hop; on a VM a wake-up across CPUs can cost several
-times more than on one CPU. Compare:
+Every store read pays this hop (until round three every write did too; writes now run on
+the event loop's own thread). On a VM a wake-up across CPUs can cost several times more
+than on one CPU. Compare:
 
     .venv/bin/python scripts/bench_hop.py
     taskset -c 0 .venv/bin/python scripts/bench_hop.py

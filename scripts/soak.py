@@ -22,7 +22,7 @@ This process only watches, every `--sample-seconds`:
     baseline before the load shows the HTTP cost alone.
   * the daemon's own `hermes_turn_latency_seconds` histogram from /metrics is printed
     beside it: turn start -> reply recorded, so it includes agent time and waits for the
-    SQLite thread. It is NOT loop lag; a growing value with a flat proxy points at the
+    database. It is NOT loop lag; a growing value with a flat proxy points at the
     database rather than the loop.
 
 Targets (printed pass/miss): RSS slope <= 32 MiB/hour, lag proxy p95 <= 50 ms. Short runs

@@ -154,7 +154,7 @@ async def test_stop_while_a_first_message_is_accepted_drops_it(tmp_path: Path) -
     first = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
     await first.start()
     handling = asyncio.create_task(first.handle_message(event("block", "m1")))
-    await asyncio.sleep(0)  # its worker is registered, its transaction on the writer thread
+    await asyncio.sleep(0)  # its worker is registered, its transaction queued for commit
     assert first.is_busy(KEY) and not first._running
     assert await first.cancel_session_work(KEY)  # what /stop does, inside that window
     assert (await handling).status == AcceptStatus.STARTED

@@ -186,11 +186,11 @@ class FtsIndexer:
         """`fn(*args)` on a worker thread; if we are cancelled meanwhile it runs on, and
         `stop()` waits for it (and closes the connection it may have opened)."""
         self._inflight = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        try:
-            return await asyncio.shield(self._inflight)
-        finally:
-            if self._inflight.done():
-                self._inflight = None
+        # Cleared only on a normal return: cancelled, we may well be told so just as
+        # the call finished, and its result (an open connection) must still reach stop().
+        result = await asyncio.shield(self._inflight)
+        self._inflight = None
+        return result
 
     async def _reset(self) -> None:
         """After a failed round: drop the connection; a damaged search.db is set aside

@@ -9,6 +9,8 @@ import contextlib
 import sqlite3
 from pathlib import Path
 
+import pytest
+
 from config import GatewayConfig
 from gateway import fts
 from gateway.db import _MIGRATIONS, _split_sql
@@ -169,3 +171,34 @@ async def test_a_version_4_database_moves_its_index_out(tmp_path: Path) -> None:
         await store.search_index.catch_up()
         assert search(tmp_path, "badger") == []
         assert index_sound(tmp_path)
+
+
+async def test_closing_just_as_the_index_connects_leaves_no_connection_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A connection left open would hold state.db: its WAL would outlive the store and
+    # `doctor` would think the gateway still runs.
+    opened: list[sqlite3.Connection] = []
+    real_connect = fts.connect
+
+    def tracking_connect(search_path: Path, state_path: Path) -> sqlite3.Connection:
+        opened.append(real_connect(search_path, state_path))
+        return opened[-1]
+
+    monkeypatch.setattr(fts, "connect", tracking_connect)
+    store = await SessionStore(tmp_path, CONFIG).open()
+    indexer = store.search_index
+    for _ in range(100):  # bounded: the background task's first round starts connecting
+        if indexer._inflight is not None:
+            break
+        await asyncio.sleep(0)
+    assert indexer._inflight is not None and indexer._task is not None
+    # The cancellation lands in the very pass in which the connect finishes.
+    task = indexer._task
+    indexer._inflight.add_done_callback(lambda _: task.cancel())
+    await asyncio.wait({task})
+    await store.close()
+    assert opened
+    for conn in opened:
+        with pytest.raises(sqlite3.ProgrammingError):  # closed
+            conn.execute("SELECT 1")

@@ -75,16 +75,7 @@ def save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
         " updated_at = excluded.updated_at, active_minute = excluded.active_minute,"
         " suspended = excluded.suspended, resume_pending = excluded.resume_pending,"
         " expiry_finalized = excluded.expiry_finalized, entry = excluded.entry",
-        (
-            entry.updated_at.timestamp(),
-            int(entry.suspended),
-            int(entry.resume_pending),
-            int(entry.expiry_finalized),
-            encoded,
-            entry.session_key,
-            entry.session_id,
-            minute_of(entry.updated_at),
-        ),
+        (*_row_values(entry, encoded), entry.session_id, minute_of(entry.updated_at)),
     )
 
 
@@ -95,6 +86,19 @@ def save_entry_if_unchanged(conn: sqlite3.Connection, entry: SessionEntry, store
     return _update_in_place(conn, entry, encode_entry(entry), "entry = ?", stored)
 
 
+def _row_values(entry: SessionEntry, encoded: str) -> tuple[float, int, int, int, str, str]:
+    """updated_at, suspended, resume_pending, expiry_finalized, entry, session_key: the
+    columns both writes of an entry set, in the order their statements name them."""
+    return (
+        entry.updated_at.timestamp(),
+        int(entry.suspended),
+        int(entry.resume_pending),
+        int(entry.expiry_finalized),
+        encoded,
+        entry.session_key,
+    )
+
+
 def _update_in_place(
     conn: sqlite3.Connection, entry: SessionEntry, encoded: str, guard: str, expected: str
 ) -> bool:
@@ -103,15 +107,7 @@ def _update_in_place(
         "UPDATE session_entries SET updated_at = ?, suspended = ?, resume_pending = ?,"
         f" expiry_finalized = ?, entry = ? WHERE session_key = ? AND {guard}"
         " RETURNING active_minute",
-        (
-            entry.updated_at.timestamp(),
-            int(entry.suspended),
-            int(entry.resume_pending),
-            int(entry.expiry_finalized),
-            encoded,
-            entry.session_key,
-            expected,
-        ),
+        (*_row_values(entry, encoded), expected),
     ).fetchone()
     if row is None:
         return False

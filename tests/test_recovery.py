@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
@@ -80,6 +82,18 @@ async def wait_for(predicate, within: float = 5.0) -> None:
     raise AssertionError("condition not reached")
 
 
+@contextlib.asynccontextmanager
+async def restarted(home: Path) -> AsyncIterator[tuple[GatewayRunner, ProbeAdapter]]:
+    """A new gateway on `home` (after `crash`) with a fresh probe; stopped on the way out."""
+    probe = ProbeAdapter()
+    runner = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=home)
+    await runner.start()
+    try:
+        yield runner, probe
+    finally:
+        await runner.stop()
+
+
 async def test_messages_arriving_during_recovery_wait_for_the_resumed_turn(
     tmp_path: Path,
 ) -> None:
@@ -114,15 +128,10 @@ async def test_unsent_chunks_are_sent_once_after_a_restart(tmp_path: Path) -> No
     await asyncio.sleep(0.05)
     await crash(first)
 
-    probe = ProbeAdapter()
-    second = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
-    await second.start()
-    try:
+    async with restarted(tmp_path) as (second, probe):
         assert probe.sent == ["echo: hello"]
         assert await second.resend_pending() == 0  # acknowledged now: never again
         assert probe.sent == ["echo: hello"]
-    finally:
-        await second.stop()
 
 
 async def test_stop_drops_queued_messages_for_good(tmp_path: Path) -> None:
@@ -135,16 +144,11 @@ async def test_stop_drops_queued_messages_for_good(tmp_path: Path) -> None:
     await first.handle_message(event("/stop", "m3"))
     await crash(first)
 
-    probe = ProbeAdapter()
-    second = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
-    await second.start()
-    try:
+    async with restarted(tmp_path) as (second, probe):
         await asyncio.sleep(0.3)
         assert probe.sent == []  # neither the stopped turn nor its queue come back
         assert await second.turnlog.open_inbox() == []
         assert await second.turnlog.open_turns() == []
-    finally:
-        await second.stop()
 
 
 async def test_stop_while_a_first_message_is_accepted_drops_it(tmp_path: Path) -> None:
@@ -162,14 +166,9 @@ async def test_stop_while_a_first_message_is_accepted_drops_it(tmp_path: Path) -
     assert await first.turnlog.open_turns() == []
     await crash(first)
 
-    probe = ProbeAdapter()
-    second = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
-    await second.start()
-    try:
+    async with restarted(tmp_path) as (_, probe):
         await asyncio.sleep(0.3)
         assert not any("block" in text for text in probe.sent)
-    finally:
-        await second.stop()
 
 
 async def test_a_redelivered_first_message_is_a_duplicate_and_the_queue_still_runs(

@@ -17,12 +17,13 @@ turns/s, p99 6.8-7.4 ms every 0.1 s, 7.3-14 ms every 0.25 s, 26-31 ms every 1 s)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
 import structlog
+
+from gateway.background import ThreadedSqliteTask
 
 log = structlog.get_logger("gateway.checkpoint")
 
@@ -30,39 +31,22 @@ SAFETY_NET_PAGES = 10_000  # ~40 MiB of WAL before the writer checkpoints by its
 WAL_SIZE_LIMIT = 64 * 1024 * 1024  # the WAL file is truncated to this after a reset
 
 
-class Checkpointer:
+class Checkpointer(ThreadedSqliteTask):
     """`commits()` counts the writer's commits: an idle gateway is not checkpointed (nor
     woken) for nothing."""
 
     def __init__(self, path: Path, commits: Callable[[], int], interval: float = 0.1) -> None:
+        super().__init__()
         self.path = path
         self.commits = commits
         self.interval = interval
         self._seen = -1
-        self._conn: sqlite3.Connection | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._inflight: asyncio.Future[None] | None = None
 
     def start(self) -> None:
-        # Used from executor threads one call at a time, never concurrently.
+        # Used from worker threads one call at a time, never concurrently.
         self._conn = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None)
         self._conn.execute("PRAGMA busy_timeout=1000")
-        self._task = asyncio.create_task(self._run(), name="wal-checkpoint")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._inflight is not None:
-            # A cancelled to_thread call keeps running on its thread: let it finish
-            # before the connection under it is closed.
-            with contextlib.suppress(Exception):
-                await self._inflight
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._start(self._run(), "wal-checkpoint")
 
     async def _run(self) -> None:
         while True:
@@ -73,12 +57,10 @@ class Checkpointer:
             if (commits := self.commits()) == self._seen:
                 continue
             self._seen = commits
-            self._inflight = asyncio.ensure_future(asyncio.to_thread(_checkpoint, conn))
             try:
-                await asyncio.shield(self._inflight)
+                await self._in_thread(_checkpoint, conn)
             except sqlite3.Error as exc:
                 log.warning("wal_checkpoint_failed", error=str(exc))
-            self._inflight = None
 
 
 def _checkpoint(conn: sqlite3.Connection) -> None:

@@ -22,22 +22,20 @@ or restored), is rebuilt from all messages, in the background.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sqlite3
-from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING
 from urllib.parse import quote
 
 import structlog
 
+from gateway.background import ThreadedSqliteTask
 from gateway.db import create_private_file
 
 if TYPE_CHECKING:
     from gateway.db import Database
 
 log = structlog.get_logger("gateway.fts")
-T = TypeVar("T")
 
 SEARCH_DB = "search.db"
 ROUND_LIMIT = 20_000  # log entries applied per transaction
@@ -115,16 +113,14 @@ def trim_log(conn: sqlite3.Connection, applied_seq: int) -> None:
     conn.execute("DELETE FROM fts_log WHERE seq <= ?", (applied_seq,))
 
 
-class FtsIndexer:
+class FtsIndexer(ThreadedSqliteTask):
     """Runs `apply_log` rounds on a worker thread every `interval` seconds."""
 
     def __init__(self, db: Database, sessions_dir: Path, interval: float = 0.25) -> None:
+        super().__init__()
         self.db = db
         self.path = sessions_dir / SEARCH_DB
         self.interval = interval
-        self._conn: sqlite3.Connection | None = None
-        self._task: asyncio.Task[None] | None = None
-        self._inflight: asyncio.Future[Any] | None = None
         self._lock = asyncio.Lock()  # one round at a time on the one connection
 
     async def catch_up(self) -> int:
@@ -138,24 +134,7 @@ class FtsIndexer:
                 return total
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="fts-indexer")
-
-    async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-        if self._inflight is not None:
-            # A cancelled to_thread call keeps running on its thread: let it finish
-            # before the connection under it is closed.
-            with contextlib.suppress(Exception):
-                if isinstance(opened := await self._inflight, sqlite3.Connection):
-                    opened.close()  # connected while we were being cancelled
-            self._inflight = None
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        self._start(self._run(), "fts-indexer")
 
     async def _run(self) -> None:
         failures = 0
@@ -181,16 +160,6 @@ class FtsIndexer:
                 _log_failed_trim
             )
         return count, count < ROUND_LIMIT
-
-    async def _in_thread(self, fn: Callable[..., T], *args: object) -> T:
-        """`fn(*args)` on a worker thread; if we are cancelled meanwhile it runs on, and
-        `stop()` waits for it (and closes the connection it may have opened)."""
-        self._inflight = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        # Cleared only on a normal return: cancelled, we may well be told so just as
-        # the call finished, and its result (an open connection) must still reach stop().
-        result = await asyncio.shield(self._inflight)
-        self._inflight = None
-        return result
 
     async def _reset(self) -> None:
         """After a failed round: drop the connection; a damaged search.db is set aside

@@ -65,6 +65,8 @@ def connect(search_path: Path, state_path: Path) -> sqlite3.Connection:
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.executescript(_SCHEMA)
+        # Read-only on purpose: BEGIN IMMEDIATE takes a write lock on every attached
+        # database that is writable, and state.db's belongs to the gateway's writer.
         conn.execute("ATTACH DATABASE ? AS st", (f"file:{quote(str(state_path))}?mode=ro",))
     except BaseException:
         conn.close()

@@ -103,6 +103,9 @@ class TelegramAdapter(PlatformAdapter):
     def __init__(self, config: TelegramConfig) -> None:
         super().__init__(config)
         self.config: TelegramConfig = config
+        # Settings are checked here, before the gateway touches its home: a missing token
+        # exits 78 with nothing written (start() checks again for adapters built in tests).
+        self._check_config()
         self.webhook_port: int | None = None
         self._bot: telegram.Bot | None = None
         self._bot_id: int | None = None

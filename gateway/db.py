@@ -213,13 +213,26 @@ class Database:
         self._idle = asyncio.Event()
         self._closing = False
         self._checkpointer: Checkpointer | None = None
+        self._check: asyncio.Future[None] | None = None
         self.commits = 0  # batches committed (the checkpointer's change signal)
 
+    def check_soon(self) -> None:
+        """Start the integrity check of an existing database file now, on a worker thread,
+        so it overlaps whatever the caller does next; `open()` then waits for it instead
+        of checking again. A missing file is left alone (nothing is created here)."""
+        if self._check is None and self._writer is None and self.path.exists():
+            self._check = asyncio.ensure_future(asyncio.to_thread(_check_file, self.path))
+
     async def open(self) -> None:
-        create_private_file(self.path)
         try:
+            checked = False
+            if self._check is not None:
+                check, self._check = self._check, None
+                await check
+                checked = True
+            create_private_file(self.path)
             # Checked and migrated off the loop: a large database takes a moment.
-            self._writer = await asyncio.to_thread(_open_writer, self.path)
+            self._writer = await asyncio.to_thread(_open_writer, self.path, checked=checked)
             self._reader = await aiosqlite.connect(self.path, isolation_level=None)
             await self._reader.execute("PRAGMA query_only=1")
             await self._reader.execute("PRAGMA busy_timeout=5000")
@@ -310,9 +323,10 @@ class Database:
             self._writer = None
 
 
-def _open_writer(path: Path) -> sqlite3.Connection:
-    """The writer connection, checked and migrated. Used from the event loop's thread
-    after this (opened on a worker thread, hence `check_same_thread=False`)."""
+def _open_writer(path: Path, *, checked: bool = False) -> sqlite3.Connection:
+    """The writer connection, checked (unless `checked`: `Database.check_soon` did it)
+    and migrated. Used from the event loop's thread after this (opened on a worker
+    thread, hence `check_same_thread=False`)."""
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         conn.execute("PRAGMA journal_mode=WAL")
@@ -321,7 +335,8 @@ def _open_writer(path: Path) -> sqlite3.Connection:
         conn.execute("PRAGMA busy_timeout=5000")
         # 32 MiB page cache: the hot B-tree pages of 100k sessions stay in memory.
         conn.execute("PRAGMA cache_size=-32768")
-        _check_integrity(conn, path)
+        if not checked:
+            _check_integrity(conn)
         _migrate(conn)
         # Checkpoints run beside the writer (gateway.checkpoint), not inside a commit.
         conn.execute(f"PRAGMA wal_autocheckpoint={SAFETY_NET_PAGES}")
@@ -351,7 +366,16 @@ def _migrate(conn: sqlite3.Connection) -> None:
             raise
 
 
-def _check_integrity(conn: sqlite3.Connection, path: Path) -> None:
+def _check_file(path: Path) -> None:
+    """`_check_integrity` on a connection of its own (`Database.check_soon`)."""
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        _check_integrity(conn)
+    finally:
+        conn.close()
+
+
+def _check_integrity(conn: sqlite3.Connection) -> None:
     """`PRAGMA quick_check` on open: a damaged database is reported, never papered over."""
     problems = [row[0] for row in conn.execute("PRAGMA quick_check(5)")]
     if problems != ["ok"]:

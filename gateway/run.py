@@ -143,6 +143,11 @@ class GatewayRunner:
 
     # --- lifecycle -----------------------------------------------------------------------
 
+    def add_adapters(self, adapters: Sequence[PlatformAdapter]) -> None:
+        """Adapters built after the runner (before `start()`): the composition root builds
+        them while the store's start-up check runs."""
+        self.adapters.update({a.platform: a for a in adapters})
+
     async def start(self) -> None:
         """Open the store, recover, start the adapters, then resume interrupted work.
 

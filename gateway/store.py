@@ -63,6 +63,11 @@ class SessionStore:
 
     # --- lifecycle ---------------------------------------------------------------------
 
+    def check_soon(self) -> None:
+        """Begin `open()`'s integrity check of an existing state.db now, on a worker
+        thread (see `Database.check_soon`); creates nothing."""
+        self._db.check_soon()
+
     async def open(self) -> SessionStore:
         self.sessions_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.created = not self.db_path.exists() and not self.json_path.exists()

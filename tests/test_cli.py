@@ -113,6 +113,28 @@ def test_damaged_state_db_is_reported_with_exit_78(tmp_path: Path) -> None:
     assert "state.db" in result.stderr
 
 
+def test_run_reports_a_damaged_state_db_and_leaves_it_as_it_was(tmp_path: Path) -> None:
+    sessions = tmp_path / "sessions"
+    sessions.mkdir(parents=True)
+    damaged = b"this is not a database" * 200
+    (sessions / "state.db").write_bytes(damaged)
+    (tmp_path / "hermes.yaml").write_text(f"platforms:\n  http:\n    port: {free_port()}\n")
+    result = cli(tmp_path, "run")
+    assert result.returncode == 78, result.stderr
+    assert "state.db cannot be used" in result.stderr
+    assert (sessions / "state.db").read_bytes() == damaged
+
+
+def test_run_with_an_adapter_config_error_creates_no_state(tmp_path: Path) -> None:
+    # The store's start-up check begins before the adapters are built; a settings error
+    # found while building them must still leave a fresh home without a database.
+    (tmp_path / "hermes.yaml").write_text("platforms:\n  telegram:\n    enabled: true\n")
+    result = cli(tmp_path, "run")
+    assert result.returncode == 78, result.stderr
+    assert "platforms.telegram.token is not set" in result.stderr
+    assert not (tmp_path / "sessions" / "state.db").exists()
+
+
 @pytest.mark.timeout(60)
 def test_run_serves_http_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
     port = free_port()

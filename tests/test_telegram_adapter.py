@@ -477,9 +477,9 @@ async def test_webhook_mode_requires_a_secret(tg: FakeTelegram) -> None:
             }
         }
     )
-    adapter = TelegramAdapter(config.platforms.telegram)
+    # Refused when built, before the gateway opens its store or talks to Telegram.
     with pytest.raises(ValueError, match="webhook_secret"):
-        await adapter.start()
+        TelegramAdapter(config.platforms.telegram)
     assert tg.requests == []
 
 

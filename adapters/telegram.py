@@ -103,8 +103,8 @@ class TelegramAdapter(PlatformAdapter):
     def __init__(self, config: TelegramConfig) -> None:
         super().__init__(config)
         self.config: TelegramConfig = config
-        # Settings are checked here, before the gateway touches its home: a missing token
-        # exits 78 with nothing written (start() checks again for adapters built in tests).
+        # Checked when built, before the gateway touches its home: a missing token exits
+        # 78 with nothing written. start() runs the same check to read the token.
         self._check_config()
         self.webhook_port: int | None = None
         self._bot: telegram.Bot | None = None

@@ -222,6 +222,9 @@ class Database:
         of checking again. A missing file is left alone (nothing is created here)."""
         if self._check is None and self._writer is None and self.path.exists():
             self._check = asyncio.ensure_future(asyncio.to_thread(_check_file, self.path))
+            # Seen here, so a check nobody awaits (start-up ended on a config error) is
+            # not logged as an unretrieved exception; open() still gets it when it awaits.
+            self._check.add_done_callback(_seen)
 
     async def open(self) -> None:
         try:
@@ -364,6 +367,11 @@ def _migrate(conn: sqlite3.Connection) -> None:
         except BaseException:
             conn.execute("ROLLBACK")
             raise
+
+
+def _seen(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 def _check_file(path: Path) -> None:

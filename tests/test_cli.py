@@ -135,6 +135,22 @@ def test_run_with_an_adapter_config_error_creates_no_state(tmp_path: Path) -> No
     assert not (tmp_path / "sessions" / "state.db").exists()
 
 
+def test_run_with_a_config_error_and_a_damaged_state_db_reports_only_the_config(
+    tmp_path: Path,
+) -> None:
+    # The early integrity check fails too, but nobody opens the store: its failure must
+    # not surface as asyncio's "Task exception was never retrieved" traceback.
+    sessions = tmp_path / "sessions"
+    sessions.mkdir(parents=True)
+    (sessions / "state.db").write_bytes(b"this is not a database" * 200)
+    (tmp_path / "hermes.yaml").write_text("platforms:\n  telegram:\n    enabled: true\n")
+    result = cli(tmp_path, "run")
+    assert result.returncode == 78, result.stderr
+    assert "platforms.telegram.token is not set" in result.stderr
+    assert "never retrieved" not in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 @pytest.mark.timeout(60)
 def test_run_serves_http_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
     port = free_port()

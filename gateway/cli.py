@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import getpass
-import importlib
 import json
 import os
 import re
@@ -47,24 +46,6 @@ def cmd_check_config(args: argparse.Namespace, config: GatewayConfig) -> int:
     where = config.source_path or "(no file: zero-config defaults)"
     print(f"config ok: {where}")
     return 0
-
-
-def _enabled_adapter_modules(config: GatewayConfig) -> list[str]:
-    platforms = config.platforms
-    names = [
-        f"adapters.{name}"
-        for name in ("telegram", "discord", "slack")
-        if getattr(platforms, name).enabled
-    ]
-    return [*names, "adapters.http"]
-
-
-def import_adapter_modules(config: GatewayConfig) -> None:
-    """Import the enabled adapters and their platform libraries (0.3-0.5 s: aiohttp alone
-    builds its TLS contexts at import), e.g. on a worker thread beside other start-up
-    work. Nothing is constructed, so nothing can fail on settings here."""
-    for name in _enabled_adapter_modules(config):
-        importlib.import_module(name)
 
 
 def build_adapters(config: GatewayConfig) -> list[PlatformAdapter]:
@@ -112,11 +93,10 @@ async def serve(config: GatewayConfig, home: Path) -> int:
     loop = asyncio.get_running_loop()
     runner = GatewayRunner(config, home=home)
     # At 100,000 sessions start-up was the store's integrity check (0.2 s) after importing
-    # the platform libraries (0.5 s). The check runs inside SQLite with the GIL released,
-    # so it overlaps the imports; a config error still leaves the home untouched.
+    # the platform libraries (0.5 s, in build_adapters). The check runs inside SQLite with
+    # the GIL released, so it overlaps the imports; a config error leaves the home as it was.
     runner.store.check_soon()
     try:
-        await asyncio.to_thread(import_adapter_modules, config)
         runner.add_adapters(build_adapters(config))
     except ConfigError as exc:
         log.error("configuration_error", error=str(exc))

@@ -221,21 +221,24 @@ class Database:
         so it overlaps whatever the caller does next; `open()` then waits for it instead
         of checking again. A missing file is left alone (nothing is created here)."""
         if self._check is None and self._writer is None and self.path.exists():
-            self._check = asyncio.ensure_future(asyncio.to_thread(_check_file, self.path))
+            # Submitted to the executor at once (not on the loop's next pass, as a task
+            # would be), so it runs even while the caller keeps the loop busy.
+            loop = asyncio.get_running_loop()
+            self._check = loop.run_in_executor(None, _check_file, self.path)
             # Seen here, so a check nobody awaits (start-up ended on a config error) is
             # not logged as an unretrieved exception; open() still gets it when it awaits.
             self._check.add_done_callback(_seen)
 
     async def open(self) -> None:
+        check, self._check = self._check, None
         try:
-            checked = False
-            if self._check is not None:
-                check, self._check = self._check, None
+            if check is not None:
                 await check
-                checked = True
             create_private_file(self.path)
             # Checked and migrated off the loop: a large database takes a moment.
-            self._writer = await asyncio.to_thread(_open_writer, self.path, checked=checked)
+            self._writer = await asyncio.to_thread(
+                _open_writer, self.path, checked=check is not None
+            )
             self._reader = await aiosqlite.connect(self.path, isolation_level=None)
             await self._reader.execute("PRAGMA query_only=1")
             await self._reader.execute("PRAGMA busy_timeout=5000")

@@ -42,6 +42,7 @@ import random
 import resource
 import shutil
 import signal
+import sqlite3
 import statistics
 import subprocess
 import sys
@@ -194,6 +195,79 @@ def measure_startup(home: Path, timeout: float = 60.0) -> float:
 
 
 # --- 3. in-process gateway ----------------------------------------------------------------
+
+
+class TimedConnection:
+    """The store's writer connection with the time of every SQL statement counted, by
+    statement: what SQLite itself costs a turn (`--split`). The rest goes to the real one."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+        self.by_statement: dict[str, list[float]] = {}  # SQL -> [seconds, count]
+
+    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
+        started = time.perf_counter()
+        try:
+            return self._conn.execute(sql, *args)
+        finally:
+            spent = self.by_statement.setdefault(sql, [0.0, 0])
+            spent[0] += time.perf_counter() - started
+            spent[1] += 1
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+class TurnSplit:
+    """Where a closed-loop turn's time goes (`--split`, a diagnosis: it slows turns a
+    little): the store's group-commit transactions on the event loop's thread, and the
+    SQLite statements inside them. Reaches into the store's private writer on purpose,
+    so that production code carries no timing hooks."""
+
+    def __init__(self, runner: Any) -> None:
+        database = runner.store._db
+        self.conn = TimedConnection(database._writer)
+        database._writer = self.conn
+        commit = database._commit_pending
+        self.batch_seconds = 0.0
+        self.batches = 0
+
+        def timed_commit() -> None:
+            started = time.perf_counter()
+            try:
+                commit()
+            finally:
+                self.batch_seconds += time.perf_counter() - started
+                self.batches += 1
+
+        database._commit_pending = timed_commit  # looked up per call by write_soon
+
+    def reset(self) -> None:
+        self.batch_seconds = 0.0
+        self.batches = 0
+        self.conn.by_statement.clear()
+
+    def per_turn(self, turns: int) -> dict[str, Any]:
+        turns = max(turns, 1)
+        spent = self.conn.by_statement.values()
+        by_statement = sorted(
+            (
+                {
+                    "sql": " ".join(sql.split())[:70],
+                    "us": seconds / turns * 1e6,
+                    "per_turn": n / turns,
+                }
+                for sql, (seconds, n) in self.conn.by_statement.items()
+            ),
+            key=lambda row: -row["us"],
+        )
+        return {
+            "store_us": self.batch_seconds / turns * 1e6,
+            "sql_us": sum(seconds for seconds, _ in spent) / turns * 1e6,
+            "statements": sum(n for _, n in spent) / turns,
+            "turns_per_batch": turns / max(self.batches, 1),
+            "by_statement": by_statement,
+        }
 
 
 @dataclass
@@ -377,13 +451,18 @@ async def run_gateway(home: Path, args: argparse.Namespace) -> dict[str, Any]:
     result: dict[str, Any] = {}
     try:
         await runner.start()
+        split = TurnSplit(runner) if args.split else None
         if args.warmup:
             await driver.closed_loop(
                 "warmup", args.warmup, args.concurrency, args.seed, args.max_seconds
             )
+        if split is not None:
+            split.reset()
         result["closed"] = await driver.closed_loop(
             "closed", args.messages, args.concurrency, args.seed + 1, args.max_seconds
         )
+        if split is not None:
+            result["closed"]["split"] = split.per_turn(result["closed"]["replies"])
         result["open"] = await driver.open_loop(
             "open", args.open_messages, args.rate, args.seed + 2, args.max_seconds
         )
@@ -432,6 +511,7 @@ def run_worker(home: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
         str(args.seed),
         "--max-seconds",
         str(args.max_seconds),
+        *(["--split"] if args.split else []),
     ]
     env = {**os.environ, "HERMES_HOME": str(home)}
     env.pop("HERMES_CONFIG", None)
@@ -577,6 +657,20 @@ def format_row(r: dict[str, Any]) -> str:
     )
 
 
+def split_lines(closed: dict[str, Any]) -> list[str]:
+    split, cpu = closed["split"], closed["cpu_us_per_turn"]
+    head = (
+        f"split: of {cpu:.0f} us CPU per turn, {split['store_us']:.0f} us in the store's"
+        f" transactions ({split['turns_per_batch']:.1f} turns per commit), of which"
+        f" {split['sql_us']:.0f} us in {split['statements']:.1f} SQLite statements; the other"
+        f" {cpu - split['store_us']:.0f} us: runner, asyncio, driver, other threads"
+    )
+    return [head] + [
+        f"  {row['us']:6.1f} us/turn ({row['per_turn']:.2f} per turn)  {row['sql']}"
+        for row in split["by_statement"][:12]
+    ]
+
+
 def target_lines(rows: list[dict[str, Any]], rate: float) -> list[str]:
     by_size = {r["sessions"]: r for r in rows}
     big, small = by_size.get(BIG), by_size.get(SMALL)
@@ -639,6 +733,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--quick", action="store_true", help="1k sessions, 2000 messages")
     parser.add_argument("--keep", action="store_true", help="keep the homes (prints where)")
+    parser.add_argument(
+        "--split",
+        action="store_true",
+        help="also time the store's transactions and SQLite's statements per turn (slower)",
+    )
     parser.add_argument("--json", type=Path, help="also write all figures to this file")
     for hidden in ("--worker-home", "--worker-result"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -702,6 +801,9 @@ def main(argv: list[str] | None = None) -> int:
             for phase in ("closed", "open"):
                 if row[phase]["timed_out"]:
                     print(f"  {phase} loop stopped at --max-seconds: partial figures")
+            if "split" in row["closed"]:
+                for line in split_lines(row["closed"]):
+                    print(f"  {line}")
             lag = row["open"]["max_schedule_lag_ms"]
             if lag > 50:
                 print(

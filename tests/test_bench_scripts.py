@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(150)
 def test_bench_gateway_quick_runs_and_prints_its_table() -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_gateway.py"), "--quick"],
+        [sys.executable, str(ROOT / "scripts" / "bench_gateway.py"), "--quick", "--split"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -32,3 +32,15 @@ def test_bench_gateway_quick_runs_and_prints_its_table() -> None:
     turns_per_s = row.split()[header.split().index("turns/s")]
     assert re.fullmatch(r"\d+", turns_per_s) and int(turns_per_s) > 0, row
     assert "targets:" in out
+    # --split timed the store's own writer: a turn is at least its inbox row, two
+    # transcript messages, the marker set and cleared, the entry and the ledger row.
+    split = re.search(
+        r"split: of (\d+) us CPU per turn, (\d+) us in the store's transactions .*"
+        r" of which (\d+) us in ([\d.]+) SQLite statements",
+        out,
+    )
+    assert split is not None, out
+    _, store_us, sql_us, statements = (float(g) for g in split.groups())
+    assert 0 < sql_us <= store_us, split.group(0)
+    assert float(statements) >= 8, split.group(0)
+    assert "INSERT INTO messages" in out, out

@@ -129,6 +129,10 @@ class GatewayHandle(Protocol):
 
     def health(self) -> dict[str, Any]: ...
 
+    def busy_sessions(self) -> int:
+        """Sessions with a turn running or waiting to run, on every platform."""
+        ...
+
     def metrics_text(self) -> str: ...
 
     async def is_paired(self, platform: str, user_id: str) -> bool:

@@ -1,6 +1,7 @@
 """The local HTTP API: clients POST messages in and long-poll the replies out.
 
     POST /v1/messages                        one inbound message -> 202 {session_key, status}
+                                             (503 + Retry-After while the gateway is busy)
     GET  /v1/chats/{chat_id}/messages        replies after a cursor (?after=SEQ&wait=SECONDS)
     GET  /v1/sessions                        the gateway's session entries
     GET  /healthz                            gateway health (never needs the token)
@@ -47,6 +48,7 @@ _MESSAGE_FIELDS = (
 _OPTIONAL_FIELDS = ("thread_id", "message_id", "user_name")
 _PUBLIC_ROUTES = frozenset({"/healthz"})  # probes must work without the token
 _PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+RETRY_AFTER_SECONDS = 1
 
 
 class BadRequest(Exception):
@@ -84,6 +86,8 @@ class HttpAdapter(PlatformAdapter):
         # Long-pollers waiting per chat; present only while someone waits, so GETs for
         # unknown chats cost no memory beyond the request itself.
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        self.shed_total = 0  # POSTs answered 503 because the gateway was busy
+        self._shedding = False
 
     @property
     def url(self) -> str:
@@ -134,7 +138,7 @@ class HttpAdapter(PlatformAdapter):
 
     def health(self) -> dict[str, Any]:
         state = "running" if self._runner is not None and not self._stopping else "stopped"
-        return {"state": state, "listen": self.url}
+        return {"state": state, "listen": self.url, "shed_total": self.shed_total}
 
     # --- outbound ------------------------------------------------------------------------
 
@@ -196,6 +200,11 @@ class HttpAdapter(PlatformAdapter):
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
         event = _parse_message(body)
+        if (busy := self.gateway.busy_sessions()) >= self.config.max_busy_sessions:
+            return self._shed(busy)
+        if self._shedding:
+            self._shedding = False
+            log.info("http_api_shedding_ended", shed_total=self.shed_total)
         accepted = await self.gateway.handle_message(event)
         reply: dict[str, Any] = {
             "session_key": accepted.session_key,
@@ -204,6 +213,22 @@ class HttpAdapter(PlatformAdapter):
         if accepted.detail is not None:
             reply["detail"] = accepted.detail
         return web.json_response(reply, status=202)
+
+    def _shed(self, busy: int) -> web.Response:
+        """Backpressure: refuse before anything is accepted, so the client keeps the
+        message and sends it again. Logged when shedding starts, not per request."""
+        self.shed_total += 1
+        if not self._shedding:
+            self._shedding = True
+            log.warning(
+                "http_api_shedding", busy_sessions=busy, limit=self.config.max_busy_sessions
+            )
+        return _error(
+            503,
+            f"the gateway is busy ({busy} sessions have a turn running or waiting); "
+            f"nothing was accepted, send it again in {RETRY_AFTER_SECONDS} s",
+            **{"Retry-After": str(RETRY_AFTER_SECONDS)},
+        )
 
     @staticmethod
     async def _read_capped(request: web.Request, limit: int) -> bytes | None:

@@ -160,6 +160,9 @@ class HttpConfig(PlatformConfig):
     port: int = Field(default=8642, ge=0, le=65535)  # 0: any free port (tests)
     token: str | None = Field(default=None, repr=False)
     max_body_bytes: int = Field(default=65536, ge=1024)
+    # Backpressure: while this many sessions (on every platform) have a turn running or
+    # waiting, POST /v1/messages answers 503 with Retry-After instead of accepting more.
+    max_busy_sessions: int = Field(default=1024, ge=1)
 
 
 class PlatformsConfig(BaseModel):

@@ -324,6 +324,9 @@ class GatewayRunner:
     def is_busy(self, key: str) -> bool:
         return key in self._workers
 
+    def busy_sessions(self) -> int:
+        return len(self._workers)
+
     def queue_depth(self, key: str) -> int:
         queue = self._queues.get(key)
         return queue.depth if queue else 0

@@ -484,6 +484,39 @@ async def test_sessions_health_and_metrics_endpoints(make_gateway: MakeGateway) 
     assert "hermes_agent_cache_size 1" in text
 
 
+async def test_http_api_sheds_load_while_too_many_sessions_are_busy(
+    make_gateway: MakeGateway,
+) -> None:
+    release = asyncio.Event()
+
+    class HeldAgent(ScriptedAgent):
+        async def run_turn(self, request: TurnRequest) -> TurnResult:
+            await release.wait()
+            return TurnResult(f"done: {request.text}")
+
+    gw = await make_gateway({"platforms": {"http": {"max_busy_sessions": 2}}}, HeldAgent)
+    for chat in ("chat0", "chat1"):
+        assert (await gw.client.post(chat, "go"))["status"] == "started"
+    assert gw.runner.busy_sessions() == 2
+    body = {"chat_id": "chat2", "user_id": "u1", "text": "go", "message_id": "m-2"}
+    async with gw.client.session.post(f"{gw.client.url}/v1/messages", json=body) as resp:
+        assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+    # Nothing of the refused message reached the store: its id is not taken, so the
+    # client's retry with the same id is a new message, not a duplicate.
+    assert await gw.runner.store.get_entry("agent:main:http:dm:chat2") is None
+    release.set()
+    for chat in ("chat0", "chat1"):
+        assert await gw.client.replies(chat, 1) == ["done: go"]
+    for _ in range(100):  # the workers end just after their replies are sent
+        if gw.runner.busy_sessions() == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert (await gw.client.post("chat2", "go", message_id="m-2"))["status"] == "started"
+    assert await gw.client.replies("chat2", 1) == ["done: go"]
+    health = await gw.client.get_json("/healthz")
+    assert health["adapters"]["http"]["shed_total"] == 1
+
+
 async def test_max_concurrent_turns_bounds_agent_calls_across_sessions(
     make_gateway: MakeGateway,
 ) -> None:

@@ -34,6 +34,7 @@ class FakeGateway:
         # this event before answering: a test can record a reply while a read is in flight.
         self.read_gate: asyncio.Event | None = None
         self.reading = asyncio.Event()
+        self.busy = 0  # what busy_sessions() answers
 
     async def handle_message(self, event: MessageEvent) -> Accepted:
         self.events.append(event)
@@ -63,6 +64,9 @@ class FakeGateway:
 
     def health(self) -> dict[str, Any]:
         return {"status": "ok", "accepting": True}
+
+    def busy_sessions(self) -> int:
+        return self.busy
 
     def metrics_text(self) -> str:
         return "# TYPE hermes_messages_received_total counter\nhermes_messages_received_total 3\n"
@@ -201,6 +205,28 @@ async def test_invalid_post_is_400_naming_the_problem_and_never_reaches_the_gate
     assert gateway.events == []
 
 
+async def test_a_busy_gateway_gets_no_post_until_it_has_room(make_adapter, client):
+    adapter, gateway = await make_adapter(max_busy_sessions=3)
+    url = f"{adapter.url}/v1/messages"
+    gateway.busy = 3
+    for _ in range(2):
+        async with client.post(url, json=message()) as resp:
+            assert resp.status == 503
+            assert resp.headers["Retry-After"] == "1"
+            error = (await resp.json())["error"]
+            assert "busy (3 sessions" in error and "nothing was accepted" in error
+    assert gateway.events == []
+    assert adapter.health()["shed_total"] == 2
+    # Bad input is still a 400: retrying it later would not help.
+    async with client.post(url, data=b"{not json") as resp:
+        assert resp.status == 400
+    gateway.busy = 2
+    async with client.post(url, json=message(text="now")) as resp:
+        assert resp.status == 202
+    assert [event.text for event in gateway.events] == ["now"]
+    assert adapter.health()["shed_total"] == 2
+
+
 def body_of_size(size: int) -> bytes:
     body = json.dumps(message(text="")).encode()
     return json.dumps(message(text="x" * (size - len(body)))).encode()
@@ -311,7 +337,7 @@ async def test_port_url_and_health_follow_the_lifecycle(make_adapter):
     adapter, _ = await make_adapter()
     assert adapter.port > 0
     assert adapter.url == f"http://127.0.0.1:{adapter.port}"
-    assert adapter.health() == {"state": "running", "listen": adapter.url}
+    assert adapter.health() == {"state": "running", "listen": adapter.url, "shed_total": 0}
     await adapter.stop()
     assert adapter.health()["state"] == "stopped"
 

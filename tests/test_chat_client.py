@@ -64,6 +64,9 @@ class EchoGateway:
     def health(self) -> dict[str, Any]:
         return {"status": "ok"}
 
+    def busy_sessions(self) -> int:
+        return 0
+
     def metrics_text(self) -> str:
         return ""
 

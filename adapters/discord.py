@@ -230,6 +230,7 @@ class DiscordAdapter(PlatformAdapter):
         client, task = self.client, self._connection
         if client is not None:
             await client.close()
+            await self._close_socket()  # what close() passed over: see _close_socket
         if task is not None:
             if not task.done():
                 task.cancel()
@@ -276,6 +277,7 @@ class DiscordAdapter(PlatformAdapter):
 
     async def _reconnect(self) -> None:
         assert self.client is not None
+        await self._close_socket()
         await self._backoff.sleep()
         if self._stopping:
             return
@@ -283,6 +285,18 @@ class DiscordAdapter(PlatformAdapter):
             self.client.connect(reconnect=True), name="discord-gateway"
         )
         self._connection.add_done_callback(self._connection_ended)
+
+    async def _close_socket(self) -> None:
+        """Close the websocket of a connect() that ended with an error, and its heartbeat
+        thread with it. discord.py stops that thread only when it closes the socket
+        itself, and `Client.close()` passes over a socket that is no longer open: each
+        such ending would otherwise leave a thread (and maybe a socket) behind."""
+        ws = self.client.ws if self.client is not None else None
+        if ws is not None:
+            try:
+                await ws.close(code=1000)
+            except Exception as exc:  # already gone: nothing left to release
+                log.debug("discord: closing the ended socket failed: %s", exc)
 
     # --- inbound -------------------------------------------------------------------------
 

@@ -7,13 +7,14 @@ import asyncio
 import json
 import logging
 import re
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
-from discord.gateway import DiscordWebSocket
+from discord.gateway import DiscordWebSocket, KeepAliveHandler
 from discord.http import Route
 
 from adapters.discord import DiscordAdapter
@@ -317,6 +318,35 @@ async def test_an_unresumable_session_identifies_again_at_the_configured_gateway
     assert bot.adapter.reconnects == 1
     await dc.dm(ALICE, "still there?")
     assert await replies(dc, dc.dm_channel(ALICE), 1) == ["echo: still there?"]
+
+
+def heartbeat_threads() -> list[threading.Thread]:
+    """discord.py's heartbeat threads that were not told to stop: one per live socket."""
+    return [
+        thread
+        for thread in threading.enumerate()
+        if isinstance(thread, KeepAliveHandler) and not thread._stop_ev.is_set()
+    ]
+
+
+async def test_a_payload_that_ends_the_connection_leaves_no_socket_behind(
+    dc: FakeDiscord, make_bot: MakeBot
+) -> None:
+    before = len(heartbeat_threads())
+    bot = await make_bot()
+    assert len(heartbeat_threads()) == before + 1
+    for round_ in range(1, 4):
+        # Too deep for any JSON decoder: discord.py's connect() ends with the error, and
+        # the adapter connects again by itself.
+        await dc.dispatch_raw("MESSAGE_CREATE", b"[" * 100_000 + b"]" * 100_000)
+        await wait_for(lambda r=round_: len(dc.identifies) == 1 + r, within=15)
+        await wait_for(lambda: bot.adapter.state == "running", within=15)
+    # The sockets of the ended connections were closed, and their heartbeats with them.
+    assert len(heartbeat_threads()) == before + 1
+    await dc.dm(ALICE, "still there?")
+    assert await replies(dc, dc.dm_channel(ALICE), 1) == ["echo: still there?"]
+    await bot.runner.stop()
+    assert len(heartbeat_threads()) == before
 
 
 async def test_a_wrong_token_fails_start_with_a_clear_error(dc: FakeDiscord) -> None:

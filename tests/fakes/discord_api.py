@@ -74,14 +74,15 @@ class _Connection:
         self.lock = asyncio.Lock()
 
     async def send(self, frame: dict[str, Any]) -> None:
-        data = json.dumps(frame)
+        await self.send_text(json.dumps(frame).encode())
+
+    async def send_text(self, data: bytes) -> None:
+        """A frame as JSON text, compressed in order when the client asked for it."""
         async with self.lock:
             if self.compressor is None:
-                await self.ws.send_str(data)
+                await self.ws.send_str(data.decode())
             else:
-                chunk = self.compressor.compress(data.encode()) + self.compressor.flush(
-                    zlib.Z_SYNC_FLUSH
-                )
+                chunk = self.compressor.compress(data) + self.compressor.flush(zlib.Z_SYNC_FLUSH)
                 await self.ws.send_bytes(chunk)
 
     def abort(self) -> None:
@@ -445,6 +446,16 @@ class FakeDiscord:
                 await session.conn.send(frame)
             except (ConnectionError, RuntimeError):
                 session.conn = None  # the RESUME replays it
+
+    async def dispatch_raw(self, event: str, data: bytes) -> None:
+        """A DISPATCH whose `d` is raw JSON text (perhaps invalid, or too deep for any
+        JSON encoder), to the live connection; it is not replayed on RESUME."""
+        session = self._session
+        if session is None or session.conn is None:
+            raise RuntimeError("no gateway connection to dispatch to")
+        session.seq += 1
+        frame = f'{{"op": 0, "t": "{event}", "s": {session.seq}, "d": '.encode() + data + b"}"
+        await session.conn.send_text(frame)
 
     async def _gateway(self, request: web.Request) -> web.WebSocketResponse:
         ws = web.WebSocketResponse(max_msg_size=0)

@@ -287,7 +287,11 @@ class HttpAdapter(PlatformAdapter):
     async def _get_metrics(self, request: web.Request) -> web.Response:
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
-        text = self.gateway.metrics_text()
+        text = self.gateway.metrics_text() + (
+            "# HELP hermes_http_shed_total POSTs refused with 503 while the gateway was busy\n"
+            "# TYPE hermes_http_shed_total counter\n"
+            f"hermes_http_shed_total {self.shed_total}\n"
+        )
         return web.Response(
             body=text.encode("utf-8"), headers={"Content-Type": _PROMETHEUS_CONTENT_TYPE}
         )

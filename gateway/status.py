@@ -93,5 +93,7 @@ def cmd_status(args: argparse.Namespace, config: GatewayConfig) -> int:
         extra = f", last error: {adapter['last_error']}" if adapter.get("last_error") else ""
         reconnects = adapter.get("reconnects")
         again = f", reconnects {reconnects}" if reconnects else ""
+        shed = adapter.get("shed_total")
+        again += f", refused while busy: {shed}" if shed else ""
         print(f"  {name}: {adapter.get('state')}{again}{extra}")
     return 0

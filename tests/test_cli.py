@@ -185,3 +185,20 @@ def test_run_serves_http_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
     assert "gateway_started" in events and events[-1] == "gateway_stopped"
     assert "echo" in stderr  # the zero-config agent is announced
     assert (tmp_path / "sessions" / "sessions.json").exists()
+
+
+def test_status_shows_each_adapters_reconnects_errors_and_refusals(tmp_path: Path) -> None:
+    from gateway.status import write_status
+
+    home = tmp_path / "home"
+    home.mkdir()
+    adapters = {
+        "http": {"state": "running", "shed_total": 7},
+        "discord": {"state": "reconnecting", "reconnects": 2, "last_error": "socket closed"},
+    }
+    # The pid written is the test's own: a live process, as a running daemon's would be.
+    write_status(home, {"state": "running", "health": {"status": "degraded", "adapters": adapters}})
+    result = cli(home, "status")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "  http: running, refused while busy: 7\n" in result.stdout
+    assert "  discord: reconnecting, reconnects 2, last error: socket closed\n" in result.stdout

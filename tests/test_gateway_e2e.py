@@ -515,6 +515,8 @@ async def test_http_api_sheds_load_while_too_many_sessions_are_busy(
     assert await gw.client.replies("chat2", 1) == ["done: go"]
     health = await gw.client.get_json("/healthz")
     assert health["adapters"]["http"]["shed_total"] == 1
+    async with gw.client.session.get(f"{gw.client.url}/metrics") as resp:
+        assert "\nhermes_http_shed_total 1\n" in await resp.text()
 
 
 async def test_max_concurrent_turns_bounds_agent_calls_across_sessions(

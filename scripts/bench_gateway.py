@@ -19,6 +19,7 @@ Per size N, on a fresh HERMES home:
     .venv/bin/python scripts/bench_gateway.py                  # 1k, 10k, 100k
     taskset -c 0 .venv/bin/python scripts/bench_gateway.py     # pinned to one CPU
     .venv/bin/python scripts/bench_gateway.py --quick          # 1k, seconds (the tests)
+    .venv/bin/python scripts/bench_gateway.py --split          # also: where a turn's time goes
 
 Keys are random among the N sessions; a key with a message in flight is not picked again
 until its reply arrived, so every message gets its own turn and its own reply (two
@@ -220,9 +221,10 @@ class TimedConnection:
 
 class TurnSplit:
     """Where a closed-loop turn's time goes (`--split`, a diagnosis: it slows turns a
-    little): the store's group-commit transactions on the event loop's thread, and the
-    SQLite statements inside them. Reaches into the store's private writer on purpose,
-    so that production code carries no timing hooks."""
+    little): the store's group-commit transactions and the SQLite statements inside
+    them, as wall time on the event loop's thread (which is busy nearly all the time, so
+    it compares with the process CPU per turn). Reaches into the store's private writer
+    on purpose, so that production code carries no timing hooks."""
 
     def __init__(self, runner: Any) -> None:
         database = runner.store._db

@@ -1220,3 +1220,48 @@ async def test_commits_reach_the_database_file_without_waiting_for_a_full_wal(
                 break
             await asyncio.sleep(0.05)
         assert in_main_file() == 1
+
+
+# --- read-ahead before the start-up check ---------------------------------------------------
+
+
+def test_read_ahead_is_best_effort(tmp_path: Path) -> None:
+    from gateway.db import _read_ahead
+
+    _read_ahead(tmp_path / "missing.db")  # nothing there, no WAL either
+    _read_ahead(tmp_path)  # a directory: its read fails, which the check would report
+
+
+def test_read_ahead_reads_the_database_and_its_wal_without_sendfile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gateway.db import _read_ahead
+
+    path = tmp_path / "state.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=WAL")
+    conn.execute("PRAGMA wal_autocheckpoint=0")  # keep the rows in the WAL
+    conn.execute("CREATE TABLE t (x TEXT)")
+    conn.executemany("INSERT INTO t VALUES (?)", [("x" * 500,)] * 2000)
+    wal = tmp_path / "state.db-wal"
+    sizes = path.stat().st_size + wal.stat().st_size
+    assert wal.stat().st_size > 0
+
+    def no_sendfile(*args: Any) -> int:
+        raise OSError(38, "Function not implemented")  # as where sendfile cannot
+
+    read: list[int] = []
+    preadv = os.preadv
+
+    def counting_preadv(fd: int, buffers: list[bytearray], offset: int) -> int:
+        n = preadv(fd, buffers, offset)
+        read.append(n)
+        return n
+
+    monkeypatch.setattr(os, "sendfile", no_sendfile)
+    monkeypatch.setattr(os, "preadv", counting_preadv)
+    try:
+        _read_ahead(path)
+    finally:
+        conn.close()
+    assert sum(read) == sizes

@@ -28,6 +28,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from adapters.base import MessageEvent, PlatformAdapter, SendResult
 from config import HttpConfig
+from gateway import commands
 from gateway.session import CHAT_TYPES, Platform, SessionSource, validate_id
 
 __all__ = ["HttpAdapter"]
@@ -200,7 +201,8 @@ class HttpAdapter(PlatformAdapter):
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
         event = _parse_message(body)
-        if (busy := self.gateway.busy_sessions()) >= self.config.max_busy_sessions:
+        busy = self.gateway.busy_sessions()
+        if busy >= self.config.max_busy_sessions and commands.starts_work(event.text):
             return self._shed(busy)
         if self._shedding:
             self._shedding = False

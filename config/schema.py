@@ -161,7 +161,7 @@ class HttpConfig(PlatformConfig):
     token: str | None = Field(default=None, repr=False)
     max_body_bytes: int = Field(default=65536, ge=1024)
     # Backpressure: while this many sessions (on every platform) have a turn running or
-    # waiting, POST /v1/messages answers 503 with Retry-After instead of accepting more.
+    # waiting, a POST /v1/messages that would start a turn gets 503 with Retry-After.
     max_busy_sessions: int = Field(default=1024, ge=1)
 
 

@@ -200,6 +200,16 @@ HANDLERS: dict[str, Handler] = {
     "restart": cmd_restart,
 }
 QUEUE_COMMANDS = frozenset({"queue", "q"})
+#: Commands that start a turn; the others stop, inspect or switch a session, which a busy
+#: gateway still takes (/stop is how a user frees what they hold).
+WORK_COMMANDS = QUEUE_COMMANDS | {"retry"}
+
+
+def starts_work(text: str, bot_username: str | None = None) -> bool:
+    """Would this message start or queue an agent turn (a plain message, /queue, /retry)?"""
+    command = parse_command(text.strip(), bot_username)
+    return command is None or command.name in WORK_COMMANDS
+
 
 HELP_TEXT = """Commands:
 /new, /reset — start a new session (the old one stays available to /resume)

@@ -215,8 +215,25 @@ async def test_a_busy_gateway_gets_no_post_until_it_has_room(make_adapter, clien
             assert resp.headers["Retry-After"] == "1"
             error = (await resp.json())["error"]
             assert "busy (3 sessions" in error and "nothing was accepted" in error
+    # What would start a turn waits too; what stops, inspects or switches a session does
+    # not: /stop is how a user frees what they hold.
+    for text in ("/queue later", "/q later", "/retry", "/RETRY@bot", "/unknown words"):
+        async with client.post(url, json=message(text=text)) as resp:
+            assert resp.status == 503, text
     assert gateway.events == []
-    assert adapter.health()["shed_total"] == 2
+    for text in ("/stop", " /new", "/status", "/help", "/undo 2", "/resume"):
+        async with client.post(url, json=message(text=text)) as resp:
+            assert resp.status == 202, text
+    assert [event.text for event in gateway.events] == [
+        "/stop",
+        " /new",
+        "/status",
+        "/help",
+        "/undo 2",
+        "/resume",
+    ]
+    gateway.events.clear()
+    assert adapter.health()["shed_total"] == 7
     # Bad input is still a 400: retrying it later would not help.
     async with client.post(url, data=b"{not json") as resp:
         assert resp.status == 400
@@ -224,7 +241,7 @@ async def test_a_busy_gateway_gets_no_post_until_it_has_room(make_adapter, clien
     async with client.post(url, json=message(text="now")) as resp:
         assert resp.status == 202
     assert [event.text for event in gateway.events] == ["now"]
-    assert adapter.health()["shed_total"] == 2
+    assert adapter.health()["shed_total"] == 7
 
 
 def body_of_size(size: int) -> bytes:

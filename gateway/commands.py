@@ -200,15 +200,26 @@ HANDLERS: dict[str, Handler] = {
     "restart": cmd_restart,
 }
 QUEUE_COMMANDS = frozenset({"queue", "q"})
-#: Commands that start a turn; the others stop, inspect or switch a session, which a busy
-#: gateway still takes (/stop is how a user frees what they hold).
-WORK_COMMANDS = QUEUE_COMMANDS | {"retry"}
+#: The commands that answer through a turn of their own; the others stop, inspect or
+#: switch a session, which a busy gateway still takes (/stop frees what a user holds).
+TURN_COMMANDS = frozenset({"retry"})
+
+
+def classify(text: str, bot_username: str | None = None) -> tuple[str, Command | None]:
+    """How the runner takes a (stripped) message: `turn` (plain text), `queue`
+    (`/queue TEXT`: a turn of its own later) or `command`, with the parsed command."""
+    command = parse_command(text, bot_username)
+    if command is None:
+        return "turn", None
+    if command.name in QUEUE_COMMANDS and command.args:
+        return "queue", command
+    return "command", command
 
 
 def starts_work(text: str, bot_username: str | None = None) -> bool:
-    """Would this message start or queue an agent turn (a plain message, /queue, /retry)?"""
-    command = parse_command(text.strip(), bot_username)
-    return command is None or command.name in WORK_COMMANDS
+    """Would this message start or queue an agent turn (plain text, /queue TEXT, /retry)?"""
+    kind, command = classify(text.strip(), bot_username)
+    return kind != "command" or (command is not None and command.name in TURN_COMMANDS)
 
 
 HELP_TEXT = """Commands:

@@ -248,11 +248,10 @@ class GatewayRunner:
         if not text:
             return Accepted(AcceptStatus.IGNORED, detail="empty message")
 
-        command = commands.parse_command(text, adapter.bot_username if adapter else None)
-        if command is not None and command.name in commands.QUEUE_COMMANDS and command.args:
-            kind, event = "queue", replace(event, text=command.args)
-        else:
-            kind = "command" if command is not None else "turn"
+        kind, command = commands.classify(text, adapter.bot_username if adapter else None)
+        if kind == "queue":
+            assert command is not None
+            event = replace(event, text=command.args)
         if kind != "command" and self._held is None and key not in self._workers:
             return await self._accept_and_start(key, event, kind)
         inbox_id = await self.turnlog.accept(event, key, kind, done=kind == "command")
@@ -593,14 +592,14 @@ class GatewayRunner:
             "agent": "custom agent factory"
             if self._custom_agents
             else describe_backend(self.config.agent),
-            "active_turns": len(self._workers),
+            "active_turns": self.busy_sessions(),
             "queue_depth": sum(q.depth for q in self._queues.values()),
         }
 
     def metrics_text(self) -> str:
         return self.metrics.render(
             {
-                "active_turns": ("Sessions with a turn running", len(self._workers)),
+                "active_turns": ("Sessions with a turn running", self.busy_sessions()),
                 "queue_depth": (
                     "Messages waiting behind running turns",
                     sum(q.depth for q in self._queues.values()),

@@ -1,6 +1,9 @@
 """`hermes-gateway`: the command line and the composition root (config -> store -> daemon).
 
-Exit codes: 0 ok, 1 usage or lookup failure, 75 restart requested, 78 configuration error.
+Exit codes: 0 ok, 1 usage or lookup failure, 75 restart requested, 78 configuration error,
+a damaged state database, or (`run`) a home already in use by another daemon: nothing a
+restart would fix, so the service unit's `RestartPreventExitStatus=78` stops systemd from
+retrying (`Restart=always` would otherwise start a loser every `RestartSec`).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
 from gateway.db import DatabaseError
 from gateway.doctor import add_doctor_parser
+from gateway.homelock import HomeInUse, HomeLock
 from gateway.logs import configure_logging
 from gateway.pairing import add_pairing_parser
 from gateway.sdnotify import SystemdNotifier, run_watchdog
@@ -138,7 +142,14 @@ async def serve(config: GatewayConfig, home: Path) -> int:
 
 def cmd_run(args: argparse.Namespace, config: GatewayConfig) -> int:
     configure_logging(json_output=args.log_json)
-    return asyncio.run(serve(config, hermes_home()))
+    home = hermes_home()
+    try:  # before anything reads or writes state: one daemon per home
+        lock = HomeLock.acquire(home)
+    except HomeInUse as exc:
+        structlog.get_logger("gateway").error("home_in_use", error=str(exc), pid=exc.pid)
+        return EXIT_CONFIG
+    with lock:
+        return asyncio.run(serve(config, home))
 
 
 def _entry_row(entry: Any) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +33,7 @@ from typing import Any, TypeVar
 import aiosqlite
 
 from gateway.checkpoint import SAFETY_NET_PAGES, WAL_SIZE_LIMIT, Checkpointer
+from gateway.fsutil import fsync_dir
 
 T = TypeVar("T")
 
@@ -202,6 +204,39 @@ def create_private_file(path: Path) -> None:
     os.chmod(path, 0o600)
 
 
+def create_database_file(path: Path) -> None:
+    """Create the database at `path` (mode 0600) with its whole schema, or not at all.
+
+    The schema is written to a temp file beside it, which is then linked into place, so
+    a crash meanwhile leaves a stale `.state.db.tmp-*` (`doctor --repair` deletes it),
+    never an empty or half-made state.db. That is why an empty state.db is damage (a
+    truncation, a failed copy), reported and not silently rebuilt. Linking, not
+    renaming: when another process (a CLI command opening the store at the same moment)
+    made the file first, theirs is kept, never swapped out under its open connection.
+    """
+    wal = path.with_name(path.name + "-wal")
+    if wal.exists() and wal.stat().st_size:
+        # A new file would take these frames as its own: refuse rather than mix them in.
+        raise DatabaseError(
+            f"{path} is missing but its write-ahead log {wal.name} is not: put the "
+            f"database back, or move {wal.name} aside to start afresh"
+        )
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600))
+    try:
+        # A rollback journal here (synchronous=FULL): the file is complete once closed.
+        conn = sqlite3.connect(tmp, isolation_level=None)
+        try:
+            _migrate(conn)
+        finally:
+            conn.close()
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)
+        fsync_dir(path.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 class Database:
     """The writer connection (`write()`, `write_soon()`) and the reader (`read()`)."""
 
@@ -235,7 +270,9 @@ class Database:
         try:
             if check is not None:
                 await check
-            create_private_file(self.path)
+            if not self.path.exists():
+                await asyncio.to_thread(create_database_file, self.path)
+            os.chmod(self.path, 0o600)
             # Checked and migrated off the loop: a large database takes a moment.
             self._writer = await asyncio.to_thread(
                 _open_writer, self.path, checked=check is not None
@@ -334,6 +371,7 @@ def _open_writer(path: Path, *, checked: bool = False) -> sqlite3.Connection:
     """The writer connection, checked (unless `checked`: `Database.check_soon` did it)
     and migrated. Used from the event loop's thread after this (opened on a worker
     thread, hence `check_same_thread=False`)."""
+    _check_not_empty(path)  # before WAL mode writes a header into an empty file
     conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
     try:
         conn.execute("PRAGMA journal_mode=WAL")
@@ -412,6 +450,16 @@ def _pull_into_cache(fd: int, sink: int) -> None:
         buffer = bytearray(16 << 20)
         while (read := os.preadv(fd, [buffer], offset)) > 0:
             offset += read
+
+
+def _check_not_empty(path: Path) -> None:
+    """SQLite takes an empty file for an empty database; state.db is never empty when the
+    gateway made it (`create_database_file`), so one that is has lost its contents."""
+    if path.stat().st_size == 0:
+        raise sqlite3.DatabaseError(
+            "the file is empty (0 bytes): its contents were lost (truncated or copied "
+            "badly); the gateway never leaves it empty"
+        )
 
 
 def _check_integrity(conn: sqlite3.Connection, path: Path) -> None:

@@ -30,7 +30,8 @@ from gateway import entries
 from gateway.db import SCHEMA_VERSION, Database
 from gateway.fsutil import fsync_dir, set_aside
 from gateway.fts import search_files
-from gateway.mirror import write_sessions_json
+from gateway.homelock import HomeInUse, HomeLock, held_by
+from gateway.mirror import IMPORT_CANNOT_RESTORE, write_sessions_json
 from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
 from gateway.session import SessionEntry, SessionSource
 from gateway.store import SESSIONS_JSON, STATE_DB
@@ -191,10 +192,28 @@ def check_permissions(paths: Paths) -> Finding:
     return Finding("file permissions", OK, "state files are private")
 
 
+def _check_missing_state_db(paths: Paths) -> Finding:
+    name = "state.db"
+    wal = paths.db.with_name(paths.db.name + "-wal")
+    if wal.exists() and wal.stat().st_size:
+        detail = f"missing, but {_rel(paths, wal)} is not: put state.db back, or move it aside"
+        return Finding(name, ERROR, detail)
+    if not paths.sessions_json.exists():
+        return Finding(name, OK, "not created yet (the first start creates it)")
+    count = len(_read_mirror(paths.sessions_json))
+    detail = (
+        f"missing: the next start imports the {count} routing entries of sessions.json, but"
+        f" cannot bring back what only state.db held: {IMPORT_CANNOT_RESTORE}"
+    )
+    return Finding(name, WARN, detail)
+
+
 def check_state_db(paths: Paths) -> Finding:
     name, fix = "state.db", "sets it aside and rebuilds"
     if not paths.db.exists():
-        return Finding(name, OK, "not created yet (the first start creates it)")
+        return _check_missing_state_db(paths)
+    if paths.db.stat().st_size == 0:
+        return Finding(name, ERROR, "empty (0 bytes): its contents were lost", True, fix)
     try:
         conn = _connect_ro(paths.db)
         try:
@@ -551,19 +570,43 @@ def rebuild_state_db(paths: Paths) -> str:
 # --- the command --------------------------------------------------------------------------
 
 
+def _repair(paths: Paths) -> dict[str, str] | None:
+    """Run the repairs holding the home's lock (a daemon cannot start meanwhile); None
+    when a gateway runs (the reason is printed)."""
+    try:
+        lock = HomeLock.acquire(paths.home)
+    except HomeInUse as exc:
+        print(f"--repair refused: {exc}; stop it first", file=sys.stderr)
+        return None
+    with lock:
+        # A gateway without the lock (an older version) still holds state.db open.
+        if gateway_running(paths.db):
+            print(
+                "--repair refused: the gateway seems to be running (state.db is open in"
+                " another process); stop it first",
+                file=sys.stderr,
+            )
+            return None
+        return run_repairs(paths)
+
+
 def cmd_doctor(args: argparse.Namespace, config: GatewayConfig) -> int:
     paths = Paths.of(hermes_home())
-    running = gateway_running(paths.db)
     repaired: dict[str, str] = {}
-    if args.repair:
-        if running:
-            print("the gateway seems to be running; stop it first", file=sys.stderr)
+    if args.repair and paths.home.is_dir():
+        done = _repair(paths)
+        if done is None:
             return 1
-        if paths.home.is_dir():
-            repaired = run_repairs(paths)
+        repaired = done
     findings = run_checks(paths)
     if findings[0].status != ERROR:
-        state = "seems to be running (checked live files)" if running else "not running"
+        holder = held_by(paths.home)
+        if holder is not None:
+            state = f"running (pid {holder.pid or 'unknown'})"
+        elif gateway_running(paths.db):
+            state = "seems to be running (state.db is open in another process)"
+        else:
+            state = "not running"
         findings.insert(1, Finding("gateway", OK, state))
     for finding in findings:
         finding.repaired = repaired.get(finding.name)

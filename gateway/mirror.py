@@ -24,6 +24,20 @@ from gateway.session import SessionEntry
 log = structlog.get_logger(__name__)
 
 BACKOFF_FACTOR = 10
+#: what a state.db built from sessions.json lacks: the mirror holds only the routing
+#: entries (keys, session ids, flags, token counters), everything else lived in state.db
+IMPORT_CANNOT_RESTORE = (
+    "transcripts (sessions.json holds none), the duplicate memory (platform message ids"
+    " already accepted: a redelivered old message is answered again), the delivery ledger"
+    " (replies sent or pending, HTTP reply history) and paired users"
+)
+
+
+def log_imported(path: Path, count: int) -> None:
+    """The warning of a state.db built from sessions.json: what it could not bring back."""
+    log.warning(
+        "sessions_json_imported", entries=count, path=str(path), not_restored=IMPORT_CANNOT_RESTORE
+    )
 
 
 def read_sessions_json(path: Path) -> dict[str, SessionEntry] | None:

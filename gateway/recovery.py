@@ -6,6 +6,11 @@
     accepted, unanswered messages -> re-queued in acceptance order
     recorded, unsent reply chunks -> sent once
 
+`prepare()` decides all of it from what is on disk before the adapters start, and
+writes nothing; `mark()` writes it once they are all up, then `resume()` re-runs. A
+start that fails in between (a port taken) leaves the sessions and the markers as it
+found them, for the next start to decide again.
+
 Stuck loop: `restart_counts.json` counts, per session key, the consecutive unclean
 starts that found the same turn of that key in flight (a busy chat whose different
 turns happen to be running at crashes is not a loop). At 3 the session is suspended, its
@@ -45,21 +50,29 @@ class Recovery:
         self.counts_path = runner.home / RESTART_COUNTS
         self.counts: dict[str, dict[str, int]] = {}  # key -> {"turn": id, "count": n}
         self.was_clean = True
+        self.marked = False  # set once start-up consumed `.clean_shutdown` (see `mark`)
         self._markers: list[dict[str, Any]] = []
         self._stuck: list[dict[str, Any]] = []
         self._backlog: list[dict[str, Any]] = []
 
     async def prepare(self) -> None:
-        """Before the adapters start: decide what was interrupted and mark it."""
+        """Before the adapters start: read what the last run left and decide what to do.
+
+        Nothing is written here. The marks wait for `mark()`, after every adapter is up:
+        a start that fails before (a port taken, a platform refusing its token) leaves
+        the sessions, `.clean_shutdown` and `restart_counts.json` as it found them.
+        """
         store, turnlog = self.runner.store, self.runner.turnlog
         # A home that had no state yet is a first start, not a crash.
         self.was_clean = self.clean_marker.exists() or store.created
-        if self.clean_marker.exists():
-            self.clean_marker.unlink()
         self.counts = _read_counts(self.counts_path)
         markers = await turnlog.open_turns()
+        # Snapshot the backlog now, before any adapter can accept a new message: those
+        # are held by the runner and must not be queued a second time from here. The
+        # messages of a turn (resumed, or dropped as stuck) are not backlog either.
+        in_turns = {i for marker in markers for i in marker["inbox_ids"]}
+        self._backlog = [r for r in await turnlog.open_inbox() if r["id"] not in in_turns]
         if not self.was_clean:
-            marked = await store.suspend_recently_active(RECENTLY_ACTIVE_SECONDS)
             # Consecutive: a key not in flight at this crash, or in flight with another
             # turn, starts counting again.
             counts = {}
@@ -73,37 +86,40 @@ class Recovery:
                 }
             self.counts = counts
             stuck = {k for k, c in counts.items() if c["count"] >= STUCK_LOOP_THRESHOLD}
-            for marker in markers:
-                if marker["session_key"] in stuck:
-                    # The notice is recorded with the drop (one transaction) and sent by
-                    # resume() with the other pending replies: a crash in between cannot
-                    # leave the messages dropped and the user untold.
-                    source = MessageEvent.from_dict(marker["event"]).source
-                    notice = (source, self.runner.split_reply(source, STUCK_NOTICE))
-                    await store.suspend_session(marker["session_key"])
-                    await turnlog.abandon(marker["session_key"], marker["inbox_ids"], notice)
-                    self.counts.pop(marker["session_key"], None)
-                    self._stuck.append(marker)
+            self._stuck = [m for m in markers if m["session_key"] in stuck]
             markers = [m for m in markers if m["session_key"] not in stuck]
+        self._markers = markers
+
+    async def mark(self) -> None:
+        """Write what `prepare` decided: once the adapters are up, before anything runs."""
+        store, turnlog = self.runner.store, self.runner.turnlog
+        self.clean_marker.unlink(missing_ok=True)
+        self.marked = True
+        if not self.was_clean:
+            marked = await store.suspend_recently_active(RECENTLY_ACTIVE_SECONDS)
+            for marker in self._stuck:
+                # The notice is recorded with the drop (one transaction) and sent by
+                # resume() with the other pending replies: a crash in between cannot
+                # leave the messages dropped and the user untold.
+                source = MessageEvent.from_dict(marker["event"]).source
+                notice = (source, self.runner.split_reply(source, STUCK_NOTICE))
+                await store.suspend_session(marker["session_key"])
+                await turnlog.abandon(marker["session_key"], marker["inbox_ids"], notice)
+                self.counts.pop(marker["session_key"], None)
             self._write_counts()
             log.warning(
                 "unclean_start",
                 recently_active_marked=marked,
-                interrupted_turns=len(markers),
+                interrupted_turns=len(self._markers),
                 stuck_sessions_suspended=len(self._stuck),
             )
-        for marker in markers:
+        for marker in self._markers:
             entry = await store.get_entry(marker["session_key"])
             if entry is not None and not entry.resume_pending:
                 await store.mark_resume_pending(marker["session_key"], "restart_interrupted")
-        self._markers = markers
-        # Snapshot the backlog now, before any adapter can accept a new message: those
-        # are held by the runner and must not be queued a second time from here.
-        in_turns = {i for marker in markers for i in marker["inbox_ids"]}
-        self._backlog = [r for r in await turnlog.open_inbox() if r["id"] not in in_turns]
 
     async def resume(self) -> int:
-        """After the adapters are up: resend, re-run and re-queue. Returns events queued."""
+        """After `mark()`: resend, re-run and re-queue. Returns events queued."""
         runner = self.runner
         await runner.resend_pending()  # the stuck-loop notices among them
         queued = 0

@@ -149,7 +149,8 @@ class GatewayRunner:
         self.adapters.update({a.platform: a for a in adapters})
 
     async def start(self) -> None:
-        """Open the store, recover, start the adapters, then resume interrupted work.
+        """Open the store, decide what to recover, start the adapters, then mark and
+        resume interrupted work.
 
         Messages that arrive while recovery re-queues old work are accepted (durably) and
         held, then run after it, so nothing jumps ahead of an interrupted turn.
@@ -162,6 +163,9 @@ class GatewayRunner:
         for adapter in self.adapters.values():
             adapter.bind(self)
             await adapter.start()
+        # Only now, with every adapter up, does recovery write anything: a start that
+        # failed above (a port taken) leaves the sessions and markers for the next one.
+        await self.recovery.mark()
         await self.recovery.resume()
         held, self._held = self._held, None
         for key, event, kind, command in held:
@@ -186,7 +190,8 @@ class GatewayRunner:
     async def stop(self, *, restart: bool = False) -> None:
         """Drain: refuse new messages, let running turns finish up to
         `agent.restart_drain_timeout`, then cancel the rest and mark them resume_pending
-        (their markers re-run them on the next start). Writes `.clean_shutdown` last."""
+        (their markers re-run them on the next start). Writes `.clean_shutdown` last,
+        unless start-up failed before recovery consumed it."""
         self._accepting = False
         self._draining = True
         workers = dict(self._workers)
@@ -214,8 +219,11 @@ class GatewayRunner:
             await asyncio.gather(self._status_task, return_exceptions=True)
         await self.agents.close_all()
         await self.store.close()
-        write_status(self.home, {**self.status_snapshot(), "state": "stopped"})
-        self.recovery.write_clean_shutdown()
+        if self.recovery.marked:
+            write_status(self.home, {**self.status_snapshot(), "state": "stopped"})
+            self.recovery.write_clean_shutdown()
+        # else a start that failed before recovery wrote anything: the home stays as it
+        # was, crash evidence (a missing `.clean_shutdown`) and last status included
         log.info("gateway_stopped", restart=restart)
 
     def request_restart(self) -> None:

@@ -24,7 +24,7 @@ from config import GatewayConfig
 from gateway import codec, entries, transcript
 from gateway.db import Database, T
 from gateway.fts import FtsIndexer
-from gateway.mirror import SessionsMirror, check_sessions_json, read_sessions_json
+from gateway.mirror import SessionsMirror, check_sessions_json, log_imported, read_sessions_json
 from gateway.policy import last_daily_boundary, reset_reason
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
 
@@ -79,7 +79,7 @@ class SessionStore:
             legacy = await asyncio.to_thread(read_sessions_json, self.json_path)
             if legacy:
                 await self._db.write(lambda conn: self._import_entries(conn, legacy))
-                log.info("sessions_json_imported", entries=len(legacy), path=str(self.json_path))
+                log_imported(self.json_path, len(legacy))
         elif not await asyncio.to_thread(check_sessions_json, self.json_path):
             self._mirror.mark_dirty()
         if not self.json_path.exists():

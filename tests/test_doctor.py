@@ -395,7 +395,8 @@ def test_repair_refuses_while_the_gateway_runs(
         capsys.readouterr()
         assert doctor("--repair") == 1
         captured = capsys.readouterr()
-        assert "the gateway seems to be running; stop it first" in captured.err
+        assert "the gateway seems to be running" in captured.err
+        assert "stop it first" in captured.err
         assert not list(home.sessions.glob("state.db.corrupt-*"))
 
         rc, found = findings(capsys)  # a plain check still reports

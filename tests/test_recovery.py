@@ -209,7 +209,8 @@ async def test_a_crash_right_after_the_stuck_loop_guard_still_tells_the_user(
 
     second = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
     await second.store.open()
-    await second.recovery.prepare()  # the guard fires here ...
+    await second.recovery.prepare()
+    await second.recovery.mark()  # the guard fires here ...
     await second.store.close()  # ... and the process dies before resume() sent anything
 
     probe = ProbeAdapter()

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import structlog
 import time_machine
 
 import gateway.store as store_module
@@ -910,22 +911,13 @@ def _legacy_index() -> dict[str, Any]:
     return {entry.session_key: entry.to_dict()}
 
 
-def _empty_db_file(directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "state.db").touch()
-
-
-@pytest.mark.parametrize("db_state", ["zero-byte file", "schema only"])
 async def test_imports_sessions_json_into_an_empty_state_db(
-    make_store: StoreFactory, sessions_dir: Path, db_state: str
+    make_store: StoreFactory, sessions_dir: Path
 ) -> None:
     # A crash after state.db was created but before the import committed must not lose the
     # legacy index (the next mirror write would overwrite sessions.json with nothing).
-    if db_state == "zero-byte file":
-        _empty_db_file(sessions_dir)
-    else:
-        empty = await make_store()
-        await empty.close()
+    empty = await make_store()
+    await empty.close()
     legacy = _legacy_index()
     write_sessions_json(sessions_dir, json.dumps(legacy).encode())
 
@@ -935,6 +927,69 @@ async def test_imports_sessions_json_into_an_empty_state_db(
     await store.close()
     data = json.loads((sessions_dir / "sessions.json").read_text("utf-8"))
     assert set(data) == {*legacy, "agent:main:telegram:dm:other"}
+
+
+async def test_importing_sessions_json_warns_what_it_cannot_bring_back(
+    make_store: StoreFactory, sessions_dir: Path
+) -> None:
+    write_sessions_json(sessions_dir, json.dumps(_legacy_index()).encode())
+    with structlog.testing.capture_logs() as logs:
+        store = await make_store()
+    assert await snapshot(store) == _legacy_index()
+    [warning] = [e for e in logs if e["event"] == "sessions_json_imported"]
+    assert warning["log_level"] == "warning" and warning["entries"] == 1
+    for lost in ("transcripts", "duplicate memory", "delivery ledger", "paired users"):
+        assert lost in warning["not_restored"]
+
+
+def _place(directory: Path, name: str, data: bytes) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_bytes(data)
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize("content", [b"", os.urandom(4096)], ids=["0 bytes", "random bytes"])
+async def test_a_state_db_that_is_empty_or_not_a_database_is_damage(
+    make_store: StoreFactory, sessions_dir: Path, content: bytes
+) -> None:
+    # SQLite takes an empty file for an empty database: the mirror would have been
+    # imported over it, silently losing every transcript and the duplicate memory.
+    _place(sessions_dir, "state.db", content)
+    write_sessions_json(sessions_dir, json.dumps(_legacy_index()).encode())
+    before = _files(sessions_dir)
+    with pytest.raises(DatabaseError, match=r"state\.db cannot be used"):
+        await make_store()
+    assert _files(sessions_dir) == before  # no byte changed, no -wal or -shm made
+
+
+async def test_a_crash_while_creating_state_db_leaves_no_state_db(
+    make_store: StoreFactory, sessions_dir: Path
+) -> None:
+    # The schema is built in a temp file that is linked into place once complete: what a
+    # crash in a first start leaves is such a temp file (doctor deletes stale ones), never
+    # an empty state.db; the next start builds its own.
+    leftover = ".state.db.tmp-4242-0badcafe"
+    _place(sessions_dir, leftover, b"")
+    write_sessions_json(sessions_dir, json.dumps(_legacy_index()).encode())
+    store = await make_store()
+    assert await snapshot(store) == _legacy_index()
+    names = set(_files(sessions_dir))
+    assert {n for n in names if n.startswith(".state.db.tmp-")} == {leftover}
+    assert {"state.db", "state.db-wal"} <= names
+    assert stat.S_IMODE((sessions_dir / "state.db").stat().st_mode) == 0o600
+
+
+async def test_a_missing_state_db_beside_its_wal_is_not_recreated(
+    make_store: StoreFactory, sessions_dir: Path
+) -> None:
+    # A new, empty database would take the old log's pages as its own.
+    _place(sessions_dir, "state.db-wal", b"\x37\x7f\x06\x82" + bytes(28))
+    with pytest.raises(DatabaseError, match=r"state\.db-wal"):
+        await make_store()
+    assert set(_files(sessions_dir)) == {"state.db-wal"}
 
 
 async def test_existing_sessions_are_not_overwritten_by_an_import(

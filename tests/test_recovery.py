@@ -14,6 +14,7 @@ from gateway.agents import TurnRequest, TurnResult
 from gateway.recovery import RESTART_COUNTS, STUCK_NOTICE
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
+from gateway.store import SessionStore
 
 SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})
@@ -274,3 +275,50 @@ async def test_a_first_start_is_clean_and_a_crash_is_not(tmp_path: Path) -> None
         assert third.recovery.was_clean  # the stop above was clean
     finally:
         await third.stop()
+
+
+class UnreachableAdapter(ProbeAdapter):
+    """A platform that cannot start (its port taken, its server down)."""
+
+    async def start(self) -> None:
+        raise OSError("address already in use")
+
+
+def _files(home: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(home.iterdir()) if p.is_file()}
+
+
+async def test_a_start_that_fails_marks_nothing(tmp_path: Path) -> None:
+    """Recovery decides before the adapters start but writes only once they are up: a
+    start that fails in between leaves entries, markers, restart counts and the missing
+    clean marker (the evidence of the crash) as they were, and does not count."""
+    first = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
+    await first.start()
+    await first.handle_message(event("block forever", "m1"))
+    await wait_for(lambda: bool(first._running))
+    [marker] = await first.turnlog.open_turns()
+    await crash(first)
+    counts = {KEY: {"turn": marker["user_message_id"], "count": 2}}
+    (tmp_path / RESTART_COUNTS).write_text(json.dumps(counts))
+
+    async def state() -> tuple[object, ...]:
+        async with SessionStore(tmp_path / "sessions", CONFIG) as store:
+            entry = await store.get_entry(KEY)
+            turns = await store.read(lambda c: c.execute("SELECT * FROM turns").fetchall())
+            inbox = await store.read(lambda c: c.execute("SELECT * FROM inbox").fetchall())
+        return entry.to_dict(), turns, inbox, _files(tmp_path)
+
+    before = await state()
+    failing = GatewayRunner(CONFIG, [UnreachableAdapter()], agent_factory=Echo, home=tmp_path)
+    try:
+        await failing.start()
+    except OSError:
+        await failing.stop()
+    else:
+        raise AssertionError("the start should have failed")
+    assert await state() == before  # no resume_pending, .clean_shutdown, status.json, counts
+
+    # The failed start did not count: this one is the third unclean start, and the guard
+    # fires exactly now.
+    async with restarted(tmp_path) as (_, probe):
+        await wait_for(lambda: probe.sent == [STUCK_NOTICE])

@@ -301,6 +301,45 @@ def test_damaged_state_db_is_an_error(home: Home, capsys: pytest.CaptureFixture[
     assert home.db.read_bytes() == before
 
 
+def test_an_empty_state_db_is_an_error_and_repair_rebuilds_it_from_the_mirror(
+    home: Home, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # What `run` refuses (exit 78): SQLite alone would call the empty file a sound database.
+    for path in home.sessions.glob("state.db*"):
+        path.unlink()
+    home.db.write_bytes(b"")
+    rc, found = findings(capsys)
+    assert rc == 1
+    assert found["state.db"]["status"] == "error" and found["state.db"]["repairable"]
+    assert found["state.db"]["detail"].startswith("empty (0 bytes)")
+
+    rc, found = findings(capsys, "--repair")
+    assert rc == 0, found
+    (aside,) = home.sessions.glob("state.db.corrupt-*")
+    assert aside.read_bytes() == b""
+    listed, _, _ = reopen(home)
+    assert {e.session_key: e for e in listed} == home.entries  # the routing index, only
+
+
+def test_a_missing_state_db_says_what_importing_the_mirror_cannot_restore(
+    home: Home, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for path in home.sessions.glob("state.db*"):
+        path.unlink()
+    rc, found = findings(capsys)
+    assert rc == 0  # a warning: the next start imports sessions.json, as from an old install
+    state = found["state.db"]
+    assert state["status"] == "warn" and not state["repairable"]
+    assert state["detail"].startswith("missing: the next start imports the 3 routing entries")
+    for lost in ("transcripts", "duplicate memory", "delivery ledger", "paired users"):
+        assert lost in state["detail"]
+
+    (home.sessions / "state.db-wal").write_bytes(b"\x37\x7f\x06\x82" + bytes(28))
+    rc, found = findings(capsys)  # the log without its database: `run` refuses it too
+    assert rc == 1 and found["state.db"]["status"] == "error"
+    assert "state.db-wal" in found["state.db"]["detail"]
+
+
 def test_repair_rebuilds_routing_index_from_transcripts_and_mirror(
     home: Home, capsys: pytest.CaptureFixture[str]
 ) -> None:

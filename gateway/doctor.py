@@ -1,7 +1,8 @@
 """`hermes-gateway doctor [--repair] [--json]`: check the state directory, fix what is safe.
 
-Each check yields one `Finding`. `--repair` (only while the gateway is stopped) fixes the
-repairable ones, most fundamental first, then checks again. A damaged `state.db` is never
+Each check yields one `Finding`. `--repair` (only while no gateway runs: it holds the
+home's lock, `gateway.homelock`, so none starts meanwhile) fixes the repairable ones,
+most fundamental first, then checks again. A damaged `state.db` is never
 deleted: it is set aside as `state.db.corrupt-<time>`, a fresh database is built next to
 it from every row that can still be read, and the routing index is rebuilt from the
 transcripts and the `sessions.json` mirror.

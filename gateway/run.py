@@ -222,8 +222,6 @@ class GatewayRunner:
         if self.recovery.marked:
             write_status(self.home, {**self.status_snapshot(), "state": "stopped"})
             self.recovery.write_clean_shutdown()
-        # else a start that failed before recovery wrote anything: the home stays as it
-        # was, crash evidence (a missing `.clean_shutdown`) and last status included
         log.info("gateway_stopped", restart=restart)
 
     def request_restart(self) -> None:

@@ -15,6 +15,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -235,19 +236,46 @@ def cmd_chat(args: argparse.Namespace, config: GatewayConfig) -> int:
     return main_chat(args)
 
 
+def _global_options(default: Any) -> argparse.ArgumentParser:
+    """``--home`` and ``--config``, as a parent parser.
+
+    They are accepted before the subcommand and after it (and after a sub-subcommand).
+    The top-level copy defaults to None; every subcommand's copy defaults to SUPPRESS,
+    because argparse copies all of a subparser's values over the top-level ones: a None
+    default there would erase ``--home H`` given before the subcommand. Given in both
+    places, the later one wins.
+    """
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument(
+        "--home",
+        type=Path,
+        default=default,
+        help="state directory (default $HERMES_HOME or ~/.hermes)",
+    )
+    options.add_argument(
+        "--config",
+        type=Path,
+        default=default,
+        help="config file (default $HERMES_CONFIG or HOME/hermes.yaml)",
+    )
+    return options
+
+
+def _version() -> str:
+    try:
+        return metadata.version("hermes-gateway")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--home", type=Path, help="state directory (default $HERMES_HOME or ~/.hermes)"
-    )
-    common.add_argument(
-        "--config", type=Path, help="config file (default $HERMES_CONFIG or HOME/hermes.yaml)"
-    )
+    common = _global_options(default=argparse.SUPPRESS)
     parser = argparse.ArgumentParser(
         prog="hermes-gateway",
         description="Durable chat gateway for an LLM agent.",
-        parents=[common],
+        parents=[_global_options(default=None)],
     )
+    parser.add_argument("--version", action="version", version=f"hermes-gateway {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", parents=[common], help="run the daemon in the foreground")

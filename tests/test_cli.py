@@ -64,6 +64,83 @@ def test_explicit_config_path_and_home_flag(tmp_path: Path) -> None:
     assert missing.returncode == 78 and "config file not found" in missing.stderr
 
 
+def test_version_prints_the_package_version(tmp_path: Path) -> None:
+    from importlib import metadata
+
+    result = cli(tmp_path, "--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"hermes-gateway {metadata.version('hermes-gateway')}\n"
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_config_option_counts_before_or_after_the_subcommand(tmp_path: Path, where: str) -> None:
+    config = tmp_path / "custom.yaml"
+    config.write_text("queue:\n  max_depth: 0\n")
+    option = ["--config", str(config)]
+    argv = [*option, "check-config"] if where == "before" else ["check-config", *option]
+    result = cli(tmp_path / "elsewhere", *argv)
+    assert result.returncode == 78, result.stdout + result.stderr
+    assert "queue.max_depth" in result.stderr
+
+
+def test_a_global_option_after_the_subcommand_beats_the_one_before(tmp_path: Path) -> None:
+    bad, good = tmp_path / "bad.yaml", tmp_path / "good.yaml"
+    bad.write_text("queue:\n  max_depth: 0\n")
+    good.write_text("queue:\n  max_depth: 5\n")
+    result = cli(tmp_path, "--config", str(bad), "check-config", "--config", str(good))
+    assert result.returncode == 0, result.stderr
+    assert f"config ok: {good}" in result.stdout
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_home_option_counts_before_or_after_the_subcommand(tmp_path: Path, where: str) -> None:
+    home = tmp_path / "other home"
+    home.mkdir()
+    option = ["--home", str(home)]
+    argv = [*option, "status"] if where == "before" else ["status", *option]
+    result = cli(tmp_path / "env home", *argv)
+    assert f"not running in {home}" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--home", "{home}", "sessions", "list"],
+        ["sessions", "--home", "{home}", "list"],
+        ["sessions", "list", "--home", "{home}"],
+    ],
+    ids=["before", "between", "after-sub-subcommand"],
+)
+def test_home_option_reaches_sessions_list_wherever_it_is_written(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    home = tmp_path / "seeded"
+    key, _ = _seed_sessions(home)
+    result = cli(tmp_path / "env home", *[arg.format(home=home) for arg in argv])
+    assert result.returncode == 0, result.stderr
+    assert key in result.stdout
+
+
+def test_chat_connects_to_the_port_of_a_config_given_before_the_subcommand(
+    tmp_path: Path,
+) -> None:
+    port = free_port()  # nobody listens there: the error names the URL chat tried
+    config = tmp_path / "chat.yaml"
+    config.write_text(f"platforms:\n  http:\n    port: {port}\n")
+    env = {**os.environ, "HERMES_HOME": str(tmp_path / "env home")}
+    env.pop("HERMES_CONFIG", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "--config", str(config), "chat"],
+        capture_output=True,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert f"cannot reach the gateway at http://127.0.0.1:{port}" in result.stdout
+
+
 def _seed_sessions(home: Path) -> tuple[str, str]:
     async def seed() -> tuple[str, str]:
         config = GatewayConfig.model_validate({"timezone": "UTC"})

@@ -23,6 +23,7 @@ import structlog
 
 from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
+from gateway.agents import build_agent_factory
 from gateway.db import DatabaseError
 from gateway.doctor import add_doctor_parser
 from gateway.logs import configure_logging
@@ -40,10 +41,16 @@ def sessions_dir(home: Path) -> Path:
     return home / "sessions"
 
 
+def _where(config: GatewayConfig) -> str:
+    """The config file as a prefix for an error found after loading it."""
+    return f"{config.source_path}: " if config.source_path is not None else ""
+
+
 # --- commands ---------------------------------------------------------------------------
 
 
 def cmd_check_config(args: argparse.Namespace, config: GatewayConfig) -> int:
+    check_runnable(config)
     where = config.source_path or "(no file: zero-config defaults)"
     print(f"config ok: {where}")
     return 0
@@ -78,6 +85,16 @@ def build_adapters(config: GatewayConfig) -> list[PlatformAdapter]:
     return adapters
 
 
+def check_runnable(config: GatewayConfig) -> list[PlatformAdapter]:
+    """What `run` checks beyond the schema, touching nothing on disk: `agent.backend`
+    resolves, and every enabled platform has the settings it needs. Returns the adapters.
+
+    `check-config` calls this too, so the two commands accept and refuse the same
+    configs. Raises ConfigError (exit 78) naming the key."""
+    build_agent_factory(config.agent)
+    return build_adapters(config)
+
+
 async def serve(config: GatewayConfig, home: Path) -> int:
     """Run the gateway until a signal; returns the exit code (0 stop, 75 restart).
 
@@ -92,15 +109,16 @@ async def serve(config: GatewayConfig, home: Path) -> int:
     notifier = SystemdNotifier()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    runner = GatewayRunner(config, home=home)
-    # At 100,000 sessions start-up was the store's integrity check (0.2 s) after importing
-    # the platform libraries (0.5 s, in build_adapters). The check runs inside SQLite with
-    # the GIL released, so it overlaps the imports; a config error leaves the home as it was.
-    runner.store.check_soon()
     try:
-        runner.add_adapters(build_adapters(config))
+        runner = GatewayRunner(config, home=home)  # resolves agent.backend
+        # At 100,000 sessions start-up was the store's integrity check (0.2 s) after
+        # importing the platform libraries (0.5 s, in build_adapters). The check runs inside
+        # SQLite with the GIL released, so it overlaps the imports; a config error leaves
+        # the home as it was.
+        runner.store.check_soon()
+        runner.add_adapters(check_runnable(config))
     except ConfigError as exc:
-        log.error("configuration_error", error=str(exc))
+        log.error("configuration_error", error=f"{_where(config)}{exc}")
         return EXIT_CONFIG
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
@@ -322,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     try:
         return int(args.handler(args, config))
+    except ConfigError as exc:  # found beyond the schema (check_runnable)
+        print(f"configuration error: {_where(config)}{exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except DatabaseError as exc:
         print(f"state database error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

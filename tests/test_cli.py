@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import signal
@@ -11,8 +12,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from config import GatewayConfig
 from gateway.session import Platform, SessionSource
@@ -200,6 +203,62 @@ def test_run_reports_a_damaged_state_db_and_leaves_it_as_it_was(tmp_path: Path) 
     assert result.returncode == 78, result.stderr
     assert "state.db cannot be used" in result.stderr
     assert (sessions / "state.db").read_bytes() == damaged
+
+
+# Each config passes the schema but cannot run; the key the one-line error must name.
+UNRUNNABLE_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
+    "telegram-without-token": (
+        {"platforms": {"telegram": {"enabled": True}}},
+        "platforms.telegram.token",
+    ),
+    "telegram-webhook-without-secret": (
+        {
+            "platforms": {
+                "telegram": {
+                    "enabled": True,
+                    "token": "1:x",
+                    "mode": "webhook",
+                    "webhook_url": "https://bot.example/hook",
+                }
+            }
+        },
+        "platforms.telegram.webhook_secret",
+    ),
+    "slack-http-mode-without-signing-secret": (
+        {"platforms": {"slack": {"enabled": True, "bot_token": "xoxb-1", "mode": "http"}}},
+        "platforms.slack.signing_secret",
+    ),
+    "backend-module-does-not-import": (
+        {"agent": {"backend": "no_such_module_hermes.agent:factory"}},
+        "agent.backend",
+    ),
+    "backend-module-lacks-the-factory": (
+        {"agent": {"backend": "json:no_such_factory"}},
+        "agent.backend",
+    ),
+    "http-token-empty-from-an-unset-variable": (
+        {"platforms": {"http": {"token": "${HERMES_TEST_UNSET_TOKEN:-}"}}},
+        "platforms.http.token",
+    ),
+}
+
+
+@pytest.mark.parametrize("command", ["check-config", "run"])
+@pytest.mark.parametrize("case", sorted(UNRUNNABLE_CONFIGS))
+def test_check_config_and_run_refuse_the_same_configs_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, command: str
+) -> None:
+    monkeypatch.delenv("HERMES_TEST_UNSET_TOKEN", raising=False)
+    data, key = copy.deepcopy(UNRUNNABLE_CONFIGS[case])
+    # Were the config accepted, `run` would serve on a free port, not on the default one.
+    data.setdefault("platforms", {}).setdefault("http", {})["port"] = free_port()
+    (tmp_path / "hermes.yaml").write_text(yaml.safe_dump(data))
+    result = cli(tmp_path, command, timeout=20)
+    assert result.returncode == 78, result.stdout + result.stderr
+    [line] = result.stderr.splitlines()
+    assert key in line
+    assert "Traceback" not in result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hermes.yaml"]  # nothing written
 
 
 def test_run_with_an_adapter_config_error_creates_no_state(tmp_path: Path) -> None:

@@ -329,6 +329,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The console script: one command, then stdout flushed while a closed pipe can still
+    be handled here (`doctor --json | head -1`): the reader has gone, so exit quietly."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # As the Python docs advise: point stdout at devnull, so the interpreter's own
+        # flush at exit does not fail again and print "Exception ignored".
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.home is not None:
         # One place decides where state lives; everything below reads HERMES_HOME.

@@ -144,6 +144,29 @@ def test_chat_connects_to_the_port_of_a_config_given_before_the_subcommand(
     assert f"cannot reach the gateway at http://127.0.0.1:{port}" in result.stdout
 
 
+@pytest.mark.parametrize("argv", [["doctor", "--json"], ["doctor"], ["status", "--json"]])
+def test_a_closed_stdout_pipe_ends_the_command_quietly(tmp_path: Path, argv: list[str]) -> None:
+    # `hermes-gateway doctor --json | head -1` with head already gone: the reader's end is
+    # closed before the command writes, so every write fails with EPIPE.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {**os.environ, "HERMES_HOME": str(tmp_path)}
+    env.pop("HERMES_CONFIG", None)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=30,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 1
+
+
 def _seed_sessions(home: Path) -> tuple[str, str]:
     async def seed() -> tuple[str, str]:
         config = GatewayConfig.model_validate({"timezone": "UTC"})

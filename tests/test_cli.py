@@ -167,6 +167,19 @@ def test_a_closed_stdout_pipe_ends_the_command_quietly(tmp_path: Path, argv: lis
     assert result.returncode == 1
 
 
+@pytest.mark.parametrize("verb", [["approve", "whatsapp", "ABCDEFGH"], ["revoke", "whatsapp", "1"]])
+def test_pairing_on_an_unknown_platform_names_it_and_the_valid_ones(
+    tmp_path: Path, verb: list[str]
+) -> None:
+    result = cli(tmp_path, "pairing", *verb)
+    assert result.returncode == 2  # a usage error
+    [error] = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert "'whatsapp'" in error
+    assert all(name in error for name in ("telegram", "discord", "slack"))
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []  # refused before the store was opened
+
+
 def _seed_sessions(home: Path) -> tuple[str, str]:
     async def seed() -> tuple[str, str]:
         config = GatewayConfig.model_validate({"timezone": "UTC"})

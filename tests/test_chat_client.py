@@ -11,8 +11,8 @@ import re
 import socket
 import sys
 import time
-from pathlib import Path
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -292,14 +292,14 @@ class Terminal:
         os.close(slave)
         return cls(master, process)
 
-    async def _read(self, timeout: float) -> bool:
+    async def _read(self, seconds: float) -> bool:
         """Append what the terminal shows next; False once the program has gone (or after
-        `timeout` seconds without output)."""
+        `seconds` without output)."""
         loop = asyncio.get_running_loop()
         ready = asyncio.Event()
         loop.add_reader(self.master, ready.set)
         try:
-            await asyncio.wait_for(ready.wait(), timeout)
+            await asyncio.wait_for(ready.wait(), seconds)
         except TimeoutError:
             return False
         finally:
@@ -311,8 +311,8 @@ class Terminal:
         self.output += data.decode("utf-8", "replace")
         return bool(data)
 
-    async def wait_for(self, predicate: Callable[[str], bool], timeout: float = 10) -> None:
-        deadline = time.monotonic() + timeout
+    async def wait_for(self, predicate: Callable[[str], bool], seconds: float = 10) -> None:
+        deadline = time.monotonic() + seconds
         while not predicate(self.output):
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not await self._read(remaining):

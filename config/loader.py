@@ -158,5 +158,7 @@ def _dotted(key_path: KeyPath) -> str:
 
 
 def _config_error(path: Path, problems: list[str]) -> ConfigError:
+    if len(problems) == 1:  # one line, as the service's journal shows it
+        return ConfigError(f"{path}: {problems[0]}", problems)
     lines = "\n".join(f"  {problem}" for problem in problems)
     return ConfigError(f"{path}: invalid configuration\n{lines}", problems)

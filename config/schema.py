@@ -164,6 +164,18 @@ class HttpConfig(PlatformConfig):
     # waiting, a POST /v1/messages that would start a turn gets 503 with Retry-After.
     max_busy_sessions: int = Field(default=1024, ge=1)
 
+    @field_validator("token")
+    @classmethod
+    def _check_token(cls, value: str | None) -> str | None:
+        # Only an absent token means "no auth": an empty one is almost always a
+        # ${VAR:-} whose variable is unset or empty, and must not open the API to all.
+        if value is not None and not value.strip():
+            raise ValueError(
+                "is empty; set it (check the environment variable it refers to), "
+                "or remove the key to serve the API without a token"
+            )
+        return value
+
 
 class PlatformsConfig(BaseModel):
     model_config = _MODEL_CONFIG

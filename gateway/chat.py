@@ -15,7 +15,7 @@ import os
 import sys
 import threading
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 from urllib.parse import quote
 
@@ -46,21 +46,60 @@ def _token_hint(url: str) -> str:
 
 
 class _Console:
-    """Writes lines without garbling the prompt the user may be typing at."""
+    """Writes lines without garbling the prompt the user may be typing at.
+
+    The prompt is on screen only while input() waits for a line: from when it is drawn
+    until Enter. A line printed then goes above it and the prompt (with what was typed)
+    is drawn again. A line printed at any other time, such as "queued" or a reply that
+    lands between Enter and the next input(), is just printed: input() draws the prompt
+    itself when it is called, so drawing it here too showed it twice.
+    """
 
     def __init__(self, output: TextIO, interactive: bool) -> None:
         self.output = output
         self.interactive = interactive
         self.prompt = "you> "
+        self._lock = threading.Lock()  # say() runs on the loop, input() in its own thread
+        self._prompt_shown = False
+        self._hooked = False
 
     def say(self, line: str) -> None:
-        if self.interactive:
-            # Clear the prompt line, print, then redraw the prompt and what was typed.
-            typed = readline_buffer()
-            self.output.write(f"\r\x1b[K{line}\n{self.prompt}{typed}")
-        else:
-            self.output.write(f"{line}\n")
-        self.output.flush()
+        with self._lock:
+            if self.interactive and self._prompt_shown:
+                # Clear the prompt line, print, then redraw the prompt and what was typed.
+                typed = readline_buffer()
+                self.output.write(f"\r\x1b[K{line}\n{self.prompt}{typed}")
+            else:
+                self.output.write(f"{line}\n")
+            self.output.flush()
+
+    def watch_readline(self) -> None:
+        """Learn from readline when it has drawn the prompt, not just that input() was
+        called: a reply printed in between would otherwise come with a prompt of its own."""
+        module = sys.modules.get("readline")
+        if self.interactive and module is not None and hasattr(module, "set_pre_input_hook"):
+            module.set_pre_input_hook(self._prompt_drawn)
+            self._hooked = True
+
+    def unwatch_readline(self) -> None:
+        if self._hooked:
+            sys.modules["readline"].set_pre_input_hook(None)
+            self._hooked = False
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Around one input() call, in its thread."""
+        if not self._hooked:  # no readline hook: the prompt counts as drawn from the call
+            self._prompt_drawn()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._prompt_shown = False
+
+    def _prompt_drawn(self) -> None:
+        with self._lock:
+            self._prompt_shown = True
 
 
 def readline_buffer() -> str:
@@ -164,7 +203,7 @@ class ChatClient:
 
     async def prompt_loop(self, input_fn: Callable[[str], str]) -> int:
         while True:
-            line = await read_line(input_fn, self.console.prompt)
+            line = await read_line(input_fn, self.console)
             if line is None:
                 if self.console.interactive:  # the shell prompt gets a line of its own
                     print(file=self.console.output, flush=True)
@@ -174,8 +213,8 @@ class ChatClient:
                 await self.send(text)
 
 
-async def read_line(input_fn: Callable[[str], str], prompt: str) -> str | None:
-    """`input_fn(prompt)` off the event loop; None at EOF (Ctrl-D) or Ctrl-C.
+async def read_line(input_fn: Callable[[str], str], console: _Console) -> str | None:
+    """`input_fn(console.prompt)` off the event loop; None at EOF (Ctrl-D) or Ctrl-C.
 
     Runs in a daemon thread rather than `asyncio.to_thread`: a thread blocked in input()
     cannot be interrupted, and asyncio.run waits for its default executor's threads, so
@@ -196,7 +235,8 @@ async def read_line(input_fn: Callable[[str], str], prompt: str) -> str | None:
         result: str | None = None
         error: BaseException | None = None
         try:
-            result = input_fn(prompt)
+            with console.reading():
+                result = input_fn(console.prompt)
         except (EOFError, KeyboardInterrupt):
             pass
         except Exception as exc:
@@ -253,12 +293,14 @@ async def chat(
         print(f"connected to {url} as {user_id} in chat {chat_id}", file=output)
         print("/help for commands, Ctrl-D to quit", file=output)
         reader = asyncio.create_task(client.print_replies(after))
+        console.watch_readline()
         try:
             return await client.prompt_loop(input_fn)
         except GatewayUnavailable as exc:
             console.say(str(exc))
             return 1
         finally:
+            console.unwatch_readline()
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader

@@ -18,6 +18,7 @@ import signal
 import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import structlog
 
 from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
+from gateway.agents import build_agent_factory
 from gateway.db import DatabaseError
 from gateway.doctor import add_doctor_parser
 from gateway.homelock import HomeInUse, HomeLock
@@ -43,10 +45,16 @@ def sessions_dir(home: Path) -> Path:
     return home / "sessions"
 
 
+def _where(config: GatewayConfig) -> str:
+    """The config file as a prefix for an error found after loading it."""
+    return f"{config.source_path}: " if config.source_path is not None else ""
+
+
 # --- commands ---------------------------------------------------------------------------
 
 
 def cmd_check_config(args: argparse.Namespace, config: GatewayConfig) -> int:
+    check_runnable(config)
     where = config.source_path or "(no file: zero-config defaults)"
     print(f"config ok: {where}")
     return 0
@@ -81,6 +89,16 @@ def build_adapters(config: GatewayConfig) -> list[PlatformAdapter]:
     return adapters
 
 
+def check_runnable(config: GatewayConfig) -> list[PlatformAdapter]:
+    """What `run` checks beyond the schema, touching nothing on disk: `agent.backend`
+    resolves, and every enabled platform has the settings it needs. Returns the adapters.
+
+    `check-config` calls this too, so the two commands accept and refuse the same
+    configs. Raises ConfigError (exit 78) naming the key."""
+    build_agent_factory(config.agent)
+    return build_adapters(config)
+
+
 async def serve(config: GatewayConfig, home: Path) -> int:
     """Run the gateway until a signal; returns the exit code (0 stop, 75 restart).
 
@@ -95,15 +113,16 @@ async def serve(config: GatewayConfig, home: Path) -> int:
     notifier = SystemdNotifier()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    runner = GatewayRunner(config, home=home)
-    # At 100,000 sessions start-up was the store's integrity check (0.2 s) after importing
-    # the platform libraries (0.5 s, in build_adapters). The check runs inside SQLite with
-    # the GIL released, so it overlaps the imports; a config error leaves the home as it was.
-    runner.store.check_soon()
     try:
-        runner.add_adapters(build_adapters(config))
+        runner = GatewayRunner(config, home=home)  # resolves agent.backend
+        # At 100,000 sessions start-up was the store's integrity check (0.2 s) after
+        # importing the platform libraries (0.5 s, in build_adapters). The check runs inside
+        # SQLite with the GIL released, so it overlaps the imports; a config error leaves
+        # the home as it was.
+        runner.store.check_soon()
+        runner.add_adapters(check_runnable(config))
     except ConfigError as exc:
-        log.error("configuration_error", error=str(exc))
+        log.error("configuration_error", error=f"{_where(config)}{exc}")
         return EXIT_CONFIG
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
@@ -246,19 +265,46 @@ def cmd_chat(args: argparse.Namespace, config: GatewayConfig) -> int:
     return main_chat(args)
 
 
+def _global_options(default: Any) -> argparse.ArgumentParser:
+    """``--home`` and ``--config``, as a parent parser.
+
+    They are accepted before the subcommand and after it (and after a sub-subcommand).
+    The top-level copy defaults to None; every subcommand's copy defaults to SUPPRESS,
+    because argparse copies all of a subparser's values over the top-level ones: a None
+    default there would erase ``--home H`` given before the subcommand. Given in both
+    places, the later one wins.
+    """
+    options = argparse.ArgumentParser(add_help=False)
+    options.add_argument(
+        "--home",
+        type=Path,
+        default=default,
+        help="state directory (default $HERMES_HOME or ~/.hermes)",
+    )
+    options.add_argument(
+        "--config",
+        type=Path,
+        default=default,
+        help="config file (default $HERMES_CONFIG or HOME/hermes.yaml)",
+    )
+    return options
+
+
+def _version() -> str:
+    try:
+        return metadata.version("hermes-gateway")
+    except metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--home", type=Path, help="state directory (default $HERMES_HOME or ~/.hermes)"
-    )
-    common.add_argument(
-        "--config", type=Path, help="config file (default $HERMES_CONFIG or HOME/hermes.yaml)"
-    )
+    common = _global_options(default=argparse.SUPPRESS)
     parser = argparse.ArgumentParser(
         prog="hermes-gateway",
         description="Durable chat gateway for an LLM agent.",
-        parents=[common],
+        parents=[_global_options(default=None)],
     )
+    parser.add_argument("--version", action="version", version=f"hermes-gateway {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     run = sub.add_parser("run", parents=[common], help="run the daemon in the foreground")
@@ -294,6 +340,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """The console script: one command, then stdout flushed while a closed pipe can still
+    be handled here (`doctor --json | head -1`): the reader has gone, so exit quietly."""
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # As the Python docs advise: point stdout at devnull, so the interpreter's own
+        # flush at exit does not fail again and print "Exception ignored".
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    return code
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = build_parser().parse_args(argv)
     if args.home is not None:
         # One place decides where state lives; everything below reads HERMES_HOME.
@@ -305,6 +365,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_CONFIG
     try:
         return int(args.handler(args, config))
+    except ConfigError as exc:  # found beyond the schema (check_runnable)
+        print(f"configuration error: {_where(config)}{exc}", file=sys.stderr)
+        return EXIT_CONFIG
     except DatabaseError as exc:
         print(f"state database error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

@@ -34,6 +34,7 @@ from gateway.fts import search_files
 from gateway.homelock import HomeInUse, HomeLock, held_by
 from gateway.mirror import IMPORT_CANNOT_RESTORE, write_sessions_json
 from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
+from gateway.service import ENV_FILE
 from gateway.session import SessionEntry, SessionSource
 from gateway.store import SESSIONS_JSON, STATE_DB
 
@@ -209,6 +210,19 @@ def _check_missing_state_db(paths: Paths) -> Finding:
     return Finding(name, WARN, detail)
 
 
+def check_env_file(paths: Paths) -> Finding:
+    """The service's secrets file (`.env`, loaded by the unit): private when present."""
+    path = paths.home / ENV_FILE
+    name = "secrets file"
+    if not path.exists():
+        return Finding(name, OK, f"{ENV_FILE} absent (the service gets no variables from it)")
+    mode = path.stat().st_mode & 0o777
+    if mode & 0o077:
+        detail = f"{path} is {mode:04o}: others may read its tokens; run: chmod 600 {path}"
+        return Finding(name, WARN, detail, True, "sets it to 0600")
+    return Finding(name, OK, f"{path} ({mode:04o})")
+
+
 def check_state_db(paths: Paths) -> Finding:
     name, fix = "state.db", "sets it aside and rebuilds"
     if not paths.db.exists():
@@ -334,6 +348,7 @@ def run_checks(paths: Paths) -> list[Finding]:
         home,
         check_sessions_dir(paths),
         check_permissions(paths),
+        check_env_file(paths),
         db,
         check_sessions_json(paths),
         check_temp_files(paths),
@@ -351,6 +366,11 @@ def run_checks(paths: Paths) -> list[Finding]:
 def repair_directory(path: Path) -> str:
     path.chmod(0o700)
     return "mode set to 0700"
+
+
+def repair_mode(path: Path) -> str:
+    path.chmod(0o600)
+    return "mode set to 0600"
 
 
 def repair_permissions(paths: Paths) -> str:
@@ -400,6 +420,7 @@ REPAIRS: list[tuple[Callable[[Paths], Finding | None], Callable[[Paths], str]]] 
     (check_temp_files, repair_temp_files),
     (check_restart_counts, repair_restart_counts),
     (check_permissions, repair_permissions),
+    (check_env_file, lambda paths: repair_mode(paths.home / ENV_FILE)),
 ]
 
 

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from config import GatewayConfig, hermes_home
+from config import ChatPlatformConfig, GatewayConfig, PlatformsConfig, hermes_home
 from gateway.store import SessionStore
 
 # A-Z and 2-9 without I, O (and without 0, 1): nothing to confuse when read aloud.
@@ -29,6 +29,12 @@ ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
 CODE_LENGTH = 8
 CODE_TTL_SECONDS = 3600
 MAX_PENDING_PER_PLATFORM = 3
+#: where users can ask to pair: the chat platforms (the HTTP API has no access rules)
+PAIRING_PLATFORMS = tuple(
+    name
+    for name, field in PlatformsConfig.model_fields.items()
+    if isinstance(field.annotation, type) and issubclass(field.annotation, ChatPlatformConfig)
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,11 +162,20 @@ def add_pairing_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) 
     )
     verbs = pairing.add_subparsers(dest="pairing_command", required=True)
     verbs.add_parser("list", parents=parents, help="pending codes and paired users")
-    approve = verbs.add_parser("approve", parents=parents, help="approve a pairing code")
-    approve.add_argument("platform")
+    # An unknown platform is a usage error that names it and the valid ones, before
+    # anything is opened.
+    platform = argparse.ArgumentParser(add_help=False)
+    platform.add_argument(
+        "platform",
+        metavar="PLATFORM",
+        choices=PAIRING_PLATFORMS,
+        help="one of: " + ", ".join(PAIRING_PLATFORMS),
+    )
+    approve = verbs.add_parser(
+        "approve", parents=[*parents, platform], help="approve a pairing code"
+    )
     approve.add_argument("code")
-    revoke = verbs.add_parser("revoke", parents=parents, help="remove a paired user")
-    revoke.add_argument("platform")
+    revoke = verbs.add_parser("revoke", parents=[*parents, platform], help="remove a paired user")
     revoke.add_argument("user_id")
     pairing.set_defaults(handler=cmd_pairing)
 

@@ -26,6 +26,9 @@ from config import EXIT_CONFIG, GatewayConfig, hermes_home
 from gateway.fsutil import atomic_write_bytes
 
 UNIT_NAME = "hermes-gateway.service"
+# Secrets for the service, as NAME=value lines in the home (mode 0600, checked by
+# `doctor`); hermes.yaml refers to them as ${NAME}.
+ENV_FILE = ".env"
 WATCHDOG_SEC = 60
 # Time for the drain on SIGTERM plus the runner's own shutdown.
 STOP_MARGIN_SEC = 30
@@ -57,6 +60,9 @@ def render_unit(
         "NotifyAccess=main",
         "ExecStart=" + " ".join(_quote(arg.replace("$", "$$")) for arg in exec_start),
         "Environment=" + _quote(f"HERMES_HOME={home_dir}"),
+        # The leading "-": a missing file is fine. systemd takes the rest as one path (no
+        # quoting, spaces allowed) and expands only % specifiers in it.
+        "EnvironmentFile=-" + os.path.join(home_dir, ENV_FILE).replace("%", "%%"),
         "Environment=PYTHONUNBUFFERED=1",
         # Restarts after any exit, the clean 0 and the restart-requested 75 included,
         # but not after a configuration error: that needs a person.
@@ -114,28 +120,61 @@ def unit_path(system: bool) -> Path:
 # --- running systemctl / journalctl -----------------------------------------------------
 
 
-def _run_tool(name: str, env_var: str, argv: list[str]) -> int:
+# What systemctl says when there is no service manager to talk to: no user manager (never
+# logged in, or only through su/sudo) for --user, or no systemd as init for the system.
+NO_BUS = "Failed to connect to bus"
+
+
+def _run_tool(
+    name: str, env_var: str, argv: list[str], *, stderr: int | None = None
+) -> subprocess.CompletedProcess[str] | None:
+    """Run the tool; None (after saying why) when it cannot be run."""
     program = os.environ.get(env_var) or shutil.which(name)
     if program is None:
         print(f"{name} not found: this command needs systemd", file=sys.stderr)
-        return 1
+        return None
     try:
-        return subprocess.run([program, *argv], check=False).returncode
+        return subprocess.run([program, *argv], check=False, stderr=stderr, text=True)
     except FileNotFoundError:
         print(f"{name} not found: this command needs systemd ({program})", file=sys.stderr)
     except OSError as exc:
         print(f"cannot run {name} ({program}): {exc}", file=sys.stderr)
-    return 1
+    return None
+
+
+def no_bus_hint(user: bool) -> str:
+    """One line on what to do when systemctl cannot reach the service manager."""
+    if user:
+        return (
+            "systemctl --user cannot reach your user's service manager (no user bus): run "
+            "`loginctl enable-linger $USER`, log in again (ssh or console, not su/sudo) "
+            "and retry, or use a system unit with --system (as root)"
+        )
+    return (
+        "systemctl cannot reach systemd (no system bus: systemd is not running as init "
+        "here); run `hermes-gateway run` under another supervisor"
+    )
 
 
 def run_systemctl(argv: list[str]) -> int:
-    """``systemctl ARGV...``; its exit code, or 1 when it cannot be run."""
-    return _run_tool("systemctl", "HERMES_SYSTEMCTL", argv)
+    """``systemctl ARGV...``; its exit code, or 1 when it cannot be run.
+
+    Its errors pass through, except the D-Bus one for a missing service manager, which
+    becomes one line saying what to do."""
+    result = _run_tool("systemctl", "HERMES_SYSTEMCTL", argv, stderr=subprocess.PIPE)
+    if result is None:
+        return 1
+    if result.returncode != 0 and NO_BUS in result.stderr:
+        print(no_bus_hint(user="--user" in argv), file=sys.stderr)
+    else:
+        sys.stderr.write(result.stderr)
+    return result.returncode
 
 
 def run_journalctl(argv: list[str]) -> int:
     """``journalctl ARGV...``; its exit code, or 1 when it cannot be run."""
-    return _run_tool("journalctl", "HERMES_JOURNALCTL", argv)
+    result = _run_tool("journalctl", "HERMES_JOURNALCTL", argv)
+    return 1 if result is None else result.returncode
 
 
 def _scope(system: bool) -> list[str]:
@@ -183,6 +222,10 @@ def _install(args: argparse.Namespace, config: GatewayConfig) -> int:
     if rc := run_systemctl([*_scope(args.system), "enable", UNIT_NAME]):
         return rc
     scope = " --system" if args.system else ""
+    print(
+        f"secrets: put NAME=value lines (e.g. TELEGRAM_BOT_TOKEN=...) in {home / ENV_FILE}"
+        f" (chmod 600), and use them in hermes.yaml as ${{NAME}}; the unit loads that file"
+    )
     print(f"start it with: hermes-gateway service start{scope}")
     if not args.system:
         print("to keep it running after you log out: loginctl enable-linger $USER")

@@ -5,9 +5,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import io
+import os
+import pty
+import re
 import socket
+import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -238,3 +243,123 @@ def test_main_chat_takes_the_token_from_the_environment(monkeypatch):
         "user_id": "ann",
         "token": "from-env",
     }
+
+
+# --- on a real terminal -------------------------------------------------------------------
+
+PROMPT = "you> "
+
+
+def screen_lines(raw: str) -> list[str]:
+    """The lines a terminal shows for `raw`: carriage return, line feed, erase to end of
+    line (ESC [ K) and backspace are applied; other escape sequences are dropped."""
+    lines, col = [""], 0
+    for token in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|.", raw, re.DOTALL):
+        line = lines[-1]
+        if token == "\r":
+            col = 0
+        elif token == "\n":
+            lines.append("")
+            col = 0
+        elif token == "\x1b[K":
+            lines[-1] = line[:col]
+        elif token == "\b":
+            col = max(col - 1, 0)
+        elif token.startswith("\x1b") or token == "\x07":
+            continue
+        else:
+            lines[-1] = line[:col] + token + line[col + 1 :]
+            col += 1
+    return lines
+
+
+class Terminal:
+    """`hermes-gateway chat` on a pseudo-terminal, so it runs interactively (readline)."""
+
+    def __init__(self, master: int, process: asyncio.subprocess.Process) -> None:
+        self.master = master
+        self.process = process
+        self.output = ""
+
+    @classmethod
+    async def start(cls, url: str, home: Path) -> Terminal:
+        master, slave = pty.openpty()
+        env = {**os.environ, "HERMES_HOME": str(home), "TERM": "xterm", "INPUTRC": "/dev/null"}
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway.cli", "chat", "--url", url, "--token", TOKEN,
+            stdin=slave, stdout=slave, stderr=slave, env=env,
+        )  # fmt: skip
+        os.close(slave)
+        return cls(master, process)
+
+    async def _read(self, seconds: float) -> bool:
+        """Append what the terminal shows next; False once the program has gone (or after
+        `seconds` without output)."""
+        loop = asyncio.get_running_loop()
+        ready = asyncio.Event()
+        loop.add_reader(self.master, ready.set)
+        try:
+            await asyncio.wait_for(ready.wait(), seconds)
+        except TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(self.master)
+        try:
+            data = os.read(self.master, 65536)
+        except OSError:  # EIO: the program exited and closed the terminal
+            return False
+        self.output += data.decode("utf-8", "replace")
+        return bool(data)
+
+    async def wait_for(self, predicate: Callable[[str], bool], seconds: float = 10) -> None:
+        deadline = time.monotonic() + seconds
+        while not predicate(self.output):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not await self._read(remaining):
+                raise AssertionError(f"the terminal never showed it: {self.output!r}")
+
+    def type(self, keys: bytes) -> None:
+        os.write(self.master, keys)
+
+    async def close(self) -> int | None:
+        """Ctrl-D, and what it prints until it exits; its exit code (None: it had to be
+        killed, not having exited within 5 s)."""
+        self.type(b"\x04")
+        deadline = time.monotonic() + 5
+        while (remaining := deadline - time.monotonic()) > 0 and await self._read(remaining):
+            pass
+        try:
+            return await asyncio.wait_for(self.process.wait(), max(remaining, 0.1))
+        except TimeoutError:
+            self.process.kill()
+            await self.process.wait()
+            return None
+        finally:
+            os.close(self.master)
+
+
+@pytest.mark.parametrize(
+    ("status", "printed"),
+    [
+        # "queued" is printed after Enter, before the next prompt: the old console drew a
+        # prompt with it and input() drew another, "you> you> ".
+        (AcceptStatus.QUEUED, "queued"),
+        # the reply arrives while the prompt waits: written above it, the prompt redrawn
+        (AcceptStatus.STARTED, "bot> echo: hi"),
+    ],
+)
+async def test_the_prompt_is_shown_once_on_a_terminal(served, tmp_path, status, printed):
+    adapter, gateway = served
+    gateway.accepted = Accepted(status, "agent:main:http:dm:local-ann")
+    terminal = await Terminal.start(adapter.url, tmp_path)
+    try:
+        await terminal.wait_for(lambda out: out.endswith(PROMPT))
+        terminal.type(b"hi\r")
+        await terminal.wait_for(lambda out: printed in out and out.endswith(PROMPT))
+    finally:
+        code = await terminal.close()
+    lines = screen_lines(terminal.output.replace("\r\n", "\n"))
+    assert [line.count(PROMPT) for line in lines if PROMPT in line] == [1, 1]
+    start = lines.index(f"{PROMPT}hi")
+    assert lines[start : start + 3] == [f"{PROMPT}hi", printed, PROMPT]
+    assert code == 0  # Ctrl-D at the prompt

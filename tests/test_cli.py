@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 import os
 import signal
@@ -11,8 +12,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
 from config import GatewayConfig
 from gateway.session import Platform, SessionSource
@@ -62,6 +65,119 @@ def test_explicit_config_path_and_home_flag(tmp_path: Path) -> None:
     assert result.returncode == 78 and "queue.max_depth" in result.stderr
     missing = cli(tmp_path, "check-config", "--config", str(tmp_path / "nope.yaml"))
     assert missing.returncode == 78 and "config file not found" in missing.stderr
+
+
+def test_version_prints_the_package_version(tmp_path: Path) -> None:
+    from importlib import metadata
+
+    result = cli(tmp_path, "--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"hermes-gateway {metadata.version('hermes-gateway')}\n"
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_config_option_counts_before_or_after_the_subcommand(tmp_path: Path, where: str) -> None:
+    config = tmp_path / "custom.yaml"
+    config.write_text("queue:\n  max_depth: 0\n")
+    option = ["--config", str(config)]
+    argv = [*option, "check-config"] if where == "before" else ["check-config", *option]
+    result = cli(tmp_path / "elsewhere", *argv)
+    assert result.returncode == 78, result.stdout + result.stderr
+    assert "queue.max_depth" in result.stderr
+
+
+def test_a_global_option_after_the_subcommand_beats_the_one_before(tmp_path: Path) -> None:
+    bad, good = tmp_path / "bad.yaml", tmp_path / "good.yaml"
+    bad.write_text("queue:\n  max_depth: 0\n")
+    good.write_text("queue:\n  max_depth: 5\n")
+    result = cli(tmp_path, "--config", str(bad), "check-config", "--config", str(good))
+    assert result.returncode == 0, result.stderr
+    assert f"config ok: {good}" in result.stdout
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_home_option_counts_before_or_after_the_subcommand(tmp_path: Path, where: str) -> None:
+    home = tmp_path / "other home"
+    home.mkdir()
+    option = ["--home", str(home)]
+    argv = [*option, "status"] if where == "before" else ["status", *option]
+    result = cli(tmp_path / "env home", *argv)
+    assert f"not running in {home}" in result.stdout, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--home", "{home}", "sessions", "list"],
+        ["sessions", "--home", "{home}", "list"],
+        ["sessions", "list", "--home", "{home}"],
+    ],
+    ids=["before", "between", "after-sub-subcommand"],
+)
+def test_home_option_reaches_sessions_list_wherever_it_is_written(
+    tmp_path: Path, argv: list[str]
+) -> None:
+    home = tmp_path / "seeded"
+    key, _ = _seed_sessions(home)
+    result = cli(tmp_path / "env home", *[arg.format(home=home) for arg in argv])
+    assert result.returncode == 0, result.stderr
+    assert key in result.stdout
+
+
+def test_chat_connects_to_the_port_of_a_config_given_before_the_subcommand(
+    tmp_path: Path,
+) -> None:
+    port = free_port()  # nobody listens there: the error names the URL chat tried
+    config = tmp_path / "chat.yaml"
+    config.write_text(f"platforms:\n  http:\n    port: {port}\n")
+    env = {**os.environ, "HERMES_HOME": str(tmp_path / "env home")}
+    env.pop("HERMES_CONFIG", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "--config", str(config), "chat"],
+        capture_output=True,
+        text=True,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        timeout=30,
+    )
+    assert result.returncode == 1
+    assert f"cannot reach the gateway at http://127.0.0.1:{port}" in result.stdout
+
+
+@pytest.mark.parametrize("argv", [["doctor", "--json"], ["doctor"], ["status", "--json"]])
+def test_a_closed_stdout_pipe_ends_the_command_quietly(tmp_path: Path, argv: list[str]) -> None:
+    # `hermes-gateway doctor --json | head -1` with head already gone: the reader's end is
+    # closed before the command writes, so every write fails with EPIPE.
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {**os.environ, "HERMES_HOME": str(tmp_path)}
+    env.pop("HERMES_CONFIG", None)
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", *argv],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            timeout=30,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == 1
+
+
+@pytest.mark.parametrize("verb", [["approve", "whatsapp", "ABCDEFGH"], ["revoke", "whatsapp", "1"]])
+def test_pairing_on_an_unknown_platform_names_it_and_the_valid_ones(
+    tmp_path: Path, verb: list[str]
+) -> None:
+    result = cli(tmp_path, "pairing", *verb)
+    assert result.returncode == 2  # a usage error
+    [error] = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert "'whatsapp'" in error
+    assert all(name in error for name in ("telegram", "discord", "slack"))
+    assert "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []  # refused before the store was opened
 
 
 def _seed_sessions(home: Path) -> tuple[str, str]:
@@ -123,6 +239,62 @@ def test_run_reports_a_damaged_state_db_and_leaves_it_as_it_was(tmp_path: Path) 
     assert result.returncode == 78, result.stderr
     assert "state.db cannot be used" in result.stderr
     assert (sessions / "state.db").read_bytes() == damaged
+
+
+# Each config passes the schema but cannot run; the key the one-line error must name.
+UNRUNNABLE_CONFIGS: dict[str, tuple[dict[str, Any], str]] = {
+    "telegram-without-token": (
+        {"platforms": {"telegram": {"enabled": True}}},
+        "platforms.telegram.token",
+    ),
+    "telegram-webhook-without-secret": (
+        {
+            "platforms": {
+                "telegram": {
+                    "enabled": True,
+                    "token": "1:x",
+                    "mode": "webhook",
+                    "webhook_url": "https://bot.example/hook",
+                }
+            }
+        },
+        "platforms.telegram.webhook_secret",
+    ),
+    "slack-http-mode-without-signing-secret": (
+        {"platforms": {"slack": {"enabled": True, "bot_token": "xoxb-1", "mode": "http"}}},
+        "platforms.slack.signing_secret",
+    ),
+    "backend-module-does-not-import": (
+        {"agent": {"backend": "no_such_module_hermes.agent:factory"}},
+        "agent.backend",
+    ),
+    "backend-module-lacks-the-factory": (
+        {"agent": {"backend": "json:no_such_factory"}},
+        "agent.backend",
+    ),
+    "http-token-empty-from-an-unset-variable": (
+        {"platforms": {"http": {"token": "${HERMES_TEST_UNSET_TOKEN:-}"}}},
+        "platforms.http.token",
+    ),
+}
+
+
+@pytest.mark.parametrize("command", ["check-config", "run"])
+@pytest.mark.parametrize("case", sorted(UNRUNNABLE_CONFIGS))
+def test_check_config_and_run_refuse_the_same_configs_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, command: str
+) -> None:
+    monkeypatch.delenv("HERMES_TEST_UNSET_TOKEN", raising=False)
+    data, key = copy.deepcopy(UNRUNNABLE_CONFIGS[case])
+    # Were the config accepted, `run` would serve on a free port, not on the default one.
+    data.setdefault("platforms", {}).setdefault("http", {})["port"] = free_port()
+    (tmp_path / "hermes.yaml").write_text(yaml.safe_dump(data))
+    result = cli(tmp_path, command, timeout=20)
+    assert result.returncode == 78, result.stdout + result.stderr
+    [line] = result.stderr.splitlines()
+    assert key in line
+    assert "Traceback" not in result.stdout + result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hermes.yaml"]  # nothing written
 
 
 def test_run_with_an_adapter_config_error_creates_no_state(tmp_path: Path) -> None:

@@ -318,6 +318,36 @@ def test_invalid_backend_says_what_is_allowed(tmp_path: Path, backend: str) -> N
     assert problem.startswith("agent.backend: must be 'echo', 'openai' or 'module.path:factory'")
 
 
+def test_a_single_problem_is_one_line_naming_file_and_key(tmp_path: Path) -> None:
+    error = config_error(tmp_path, "queue: {max_depth: 0}\n")
+    assert "\n" not in str(error)
+    assert str(error) == (
+        f"{tmp_path / 'hermes.yaml'}: queue.max_depth: Input should be greater than or equal to 1"
+    )
+
+
+@pytest.mark.parametrize(
+    ("value", "env"),
+    [("''", None), ("'  '", None), ("${HTTP_TOKEN:-}", None), ("${HTTP_TOKEN}", "")],
+    ids=["empty", "blank", "unset-with-empty-default", "set-but-empty"],
+)
+def test_an_empty_http_token_is_an_error_not_no_auth(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str, env: str | None
+) -> None:
+    if env is None:
+        monkeypatch.delenv("HTTP_TOKEN", raising=False)
+    else:
+        monkeypatch.setenv("HTTP_TOKEN", env)
+    [problem] = config_error(tmp_path, f"platforms:\n  http:\n    token: {value}\n").problems
+    assert problem.startswith("platforms.http.token: is empty")
+    assert "remove the key" in problem
+
+
+def test_an_absent_http_token_still_means_no_auth(tmp_path: Path) -> None:
+    config = load_config(write_config(tmp_path, "platforms:\n  http:\n    enabled: true\n"))
+    assert config.platforms.http.token is None
+
+
 def test_all_problems_are_reported_at_once(tmp_path: Path) -> None:
     error = config_error(
         tmp_path,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import shutil
 import socket
@@ -83,6 +84,8 @@ def test_paths_with_spaces_percent_and_dollar_are_quoted_for_systemd(tmp_path: P
     escaped = str(home).replace("%", "%%")
     assert f'ExecStart={PYTHON} -m gateway.cli run --home "{escaped.replace("$", "$$")}"' in lines
     assert f'Environment="HERMES_HOME={escaped}"' in lines
+    # One path to systemd, never quoted (quotes would be part of it); % still escaped.
+    assert f"EnvironmentFile=-{escaped}/.env" in lines
 
 
 def test_python_keeps_the_venv_symlink_path(tmp_path: Path) -> None:
@@ -138,7 +141,9 @@ class FakeSystemd:
         ):
             program = tmp_path / f"fake-{name}"
             program.write_text(
-                f'#!/bin/sh\necho "{name} $*" >> "{self.log}"\nexit "${{FAKE_RC:-0}}"\n'
+                f'#!/bin/sh\necho "{name} $*" >> "{self.log}"\n'
+                '[ -n "$FAKE_STDERR" ] && printf "%s\\n" "$FAKE_STDERR" >&2\n'
+                'exit "${FAKE_RC:-0}"\n'
             )
             program.chmod(0o755)
             monkeypatch.setenv(env_var, str(program))
@@ -146,8 +151,9 @@ class FakeSystemd:
     def calls(self) -> list[str]:
         return self.log.read_text().splitlines() if self.log.exists() else []
 
-    def exit_with(self, code: int) -> None:
+    def exit_with(self, code: int, stderr: str = "") -> None:
         self.monkeypatch.setenv("FAKE_RC", str(code))
+        self.monkeypatch.setenv("FAKE_STDERR", stderr)
 
 
 @pytest.fixture
@@ -292,6 +298,130 @@ def test_missing_systemctl_is_exit_1_with_a_message(
     monkeypatch.setenv("HERMES_SYSTEMCTL", str(tmp_path / "no-such-systemctl"))
     assert cmd_service(parse("start"), GatewayConfig()) == 1
     assert "systemctl not found: this command needs systemd" in capsys.readouterr().err
+
+
+def test_install_says_how_tokens_reach_the_service(
+    unit_dir: Path, systemd: FakeSystemd, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cmd_service(parse("install"), GatewayConfig()) == 0
+    env_file = unit_dir.parent / "home" / ".env"
+    assert f"EnvironmentFile=-{env_file}" in (unit_dir / UNIT_NAME).read_text().splitlines()
+    out = capsys.readouterr().out
+    assert f"TELEGRAM_BOT_TOKEN=...) in {env_file} (chmod 600)" in out
+    assert "${NAME}" in out
+
+
+def test_unit_loads_the_env_file_of_the_resolved_home(tmp_path: Path) -> None:
+    # --home given relative to the working directory, before the subcommand; the
+    # package is imported from this checkout, whatever the working directory.
+    checkout = str(Path(__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [checkout, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "HERMES_HOME": str(tmp_path / "ignored"), "PYTHONPATH": path}
+    env.pop("HERMES_CONFIG", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "--home", "state", "service", "install", "--dry-run"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert f"EnvironmentFile=-{tmp_path / 'state' / '.env'}" in lines
+    assert f"Environment=HERMES_HOME={tmp_path / 'state'}" in lines
+
+
+@pytest.mark.parametrize(
+    ("system", "advice"),
+    [(False, "loginctl enable-linger $USER"), (True, "another supervisor")],
+    ids=["user", "system"],
+)
+def test_no_service_manager_is_one_line_of_advice(
+    unit_dir: Path,
+    systemd: FakeSystemd,
+    capsys: pytest.CaptureFixture[str],
+    system: bool,
+    advice: str,
+) -> None:
+    systemd.exit_with(1, "Failed to connect to bus: No medium found")
+    argv = ["install", "--system"] if system else ["install"]
+    assert cmd_service(parse(*argv), GatewayConfig()) == 1
+    [line] = capsys.readouterr().err.splitlines()
+    assert advice in line
+    assert "Failed to connect to bus" not in line
+
+
+def test_other_systemctl_errors_pass_through(
+    unit_dir: Path, systemd: FakeSystemd, capsys: pytest.CaptureFixture[str]
+) -> None:
+    systemd.exit_with(5, "Unit hermes-gateway.service not loaded.")
+    assert cmd_service(parse("start"), GatewayConfig()) == 5
+    assert capsys.readouterr().err == "Unit hermes-gateway.service not loaded.\n"
+
+
+def test_install_with_the_real_systemctl_and_no_user_bus(tmp_path: Path) -> None:
+    systemctl = shutil.which("systemctl")
+    if systemctl is None:
+        pytest.skip("systemctl is not installed")
+    runtime = tmp_path / "runtime"  # an empty runtime dir: no user bus in it
+    runtime.mkdir(mode=0o700)
+    env = {
+        **os.environ,
+        "HERMES_HOME": str(tmp_path / "home"),
+        "HERMES_SYSTEMD_UNIT_DIR": str(tmp_path / "units"),
+        "XDG_RUNTIME_DIR": str(runtime),
+    }
+    for name in ("DBUS_SESSION_BUS_ADDRESS", "HERMES_SYSTEMCTL", "HERMES_CONFIG"):
+        env.pop(name, None)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "service", "install"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    assert result.returncode != 0
+    [line] = result.stderr.splitlines()
+    assert "loginctl enable-linger $USER" in line and "--system" in line
+
+
+# --- doctor and the secrets file --------------------------------------------------------
+
+
+def doctor(home: Path, *args: str) -> dict[str, dict[str, object]]:
+    env = {**os.environ, "HERMES_HOME": str(home)}
+    env.pop("HERMES_CONFIG", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "doctor", "--json", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=30,
+    )
+    return {finding["name"]: finding for finding in json.loads(result.stdout)}
+
+
+def test_doctor_flags_a_readable_env_file_with_the_chmod_to_run(tmp_path: Path) -> None:
+    env_file = tmp_path / ".env"
+    env_file.write_text("TELEGRAM_BOT_TOKEN=123:secret\n")
+    env_file.chmod(0o644)
+    finding = doctor(tmp_path)["secrets file"]
+    assert finding["status"] == "warn"
+    assert f"chmod 600 {env_file}" in str(finding["detail"])
+    assert "secret" not in str(finding["detail"]).replace("secrets", "")  # never the value
+
+    repaired = doctor(tmp_path, "--repair")["secrets file"]
+    assert repaired["status"] == "ok"
+    assert env_file.stat().st_mode & 0o777 == 0o600
+
+
+def test_doctor_accepts_a_private_or_absent_env_file(tmp_path: Path) -> None:
+    assert doctor(tmp_path)["secrets file"]["status"] == "ok"
+    env_file = tmp_path / ".env"
+    env_file.write_text("X=1\n")
+    env_file.chmod(0o600)
+    assert doctor(tmp_path)["secrets file"]["status"] == "ok"
 
 
 # --- sd_notify --------------------------------------------------------------------------

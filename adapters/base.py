@@ -64,6 +64,12 @@ class MessageEvent:
     #: re-run of a turn interrupted by a restart (its user message is already stored)
     resume: bool = False
 
+    def __post_init__(self) -> None:
+        # An empty (or blank) delivery id is no id. Kept, it would take part in dedup,
+        # and every later message with the same "" would pass for a redelivery.
+        if isinstance(self.message_id, str) and not self.message_id.strip():
+            self.message_id = None
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": self.source.to_dict(),

@@ -297,6 +297,21 @@ async def test_duplicate_message_id_is_answered_once(make_gateway: MakeGateway) 
     assert await gw.client.no_more_replies("c1") == []
 
 
+@pytest.mark.parametrize("empty", ["", "  "])
+async def test_an_empty_message_id_is_no_id_and_every_such_message_is_answered(
+    make_gateway: MakeGateway, empty: str
+) -> None:
+    gw = await make_gateway()
+    for text in ("one", "two", "three"):
+        accepted = await gw.client.post("c1", text, message_id=empty)
+        assert accepted["status"] == "started"
+        assert await gw.client.replies("c1", 1) == [f"echo: {text}"]
+    ids = await gw.runner.store.read(
+        lambda conn: [row[0] for row in conn.execute("SELECT message_id FROM inbox")]
+    )
+    assert ids == [None, None, None]
+
+
 async def test_failing_agent_gives_a_short_error_and_the_next_message_works(
     make_gateway: MakeGateway,
 ) -> None:

@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import json
 import math
+import re
 from typing import Any
 
 import structlog
@@ -29,7 +30,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from adapters.base import MessageEvent, PlatformAdapter, SendResult
 from config import HttpConfig
 from gateway import commands
-from gateway.session import CHAT_TYPES, Platform, SessionSource, validate_id
+from gateway.session import CHAT_TYPES, Platform, SessionSource, validate_chat_id, validate_id
 
 __all__ = ["HttpAdapter"]
 
@@ -37,6 +38,7 @@ log = structlog.get_logger("adapters.http")
 
 MAX_WAIT_SECONDS = 60.0
 MAX_REPLIES_PER_POLL = 500
+MAX_SEQ = 2**63 - 1  # reply numbers are SQLite integers: 64-bit signed
 _MESSAGE_FIELDS = (
     "chat_id",
     "user_id",
@@ -248,9 +250,12 @@ class HttpAdapter(PlatformAdapter):
         return b"".join(chunks)
 
     async def _get_replies(self, request: web.Request) -> web.Response:
+        """Up to `limit` replies (1-500, default 500) after `after` (0 to 2**63-1), waiting
+        up to `wait` seconds (0-60) for the first; each in plain ASCII digits."""
         chat_id = request.match_info["chat_id"]
         _check_id("chat_id", chat_id)
-        after = _int_param(request, "after")
+        after = _int_param(request, "after", 0, 0, MAX_SEQ)
+        limit = _int_param(request, "limit", MAX_REPLIES_PER_POLL, 1, MAX_REPLIES_PER_POLL)
         wait = _wait_param(request)
         assert self.gateway is not None
         loop = asyncio.get_running_loop()
@@ -263,7 +268,7 @@ class HttpAdapter(PlatformAdapter):
             waiters.add(waiter)
             try:
                 messages = await self.gateway.replies_after(
-                    self.platform.value, chat_id, after, MAX_REPLIES_PER_POLL
+                    self.platform.value, chat_id, after, limit
                 )
                 remaining = deadline - loop.time()
                 if messages or self._stopping or remaining <= 0:
@@ -323,8 +328,8 @@ def _parse_message(body: bytes) -> MessageEvent:
         if not isinstance(data[name], str):
             raise BadRequest(f"{name} must be a string, got {_json_type(data[name])}")
     for name in ("chat_id", "user_id"):
-        if not data[name]:
-            raise BadRequest(f"{name} must not be empty")
+        if not data[name].strip():
+            raise BadRequest(f"{name} must not be empty or blank")
     chat_type = data.get("chat_type", "dm")
     if chat_type not in CHAT_TYPES:
         raise BadRequest(f"chat_type must be one of {', '.join(CHAT_TYPES)}")
@@ -356,7 +361,8 @@ def _parse_message(body: bytes) -> MessageEvent:
 
 def _check_id(name: str, value: str | None) -> None:
     try:
-        validate_id(name, value)
+        # The chat is the one id a message cannot do without: blank is refused too.
+        validate_chat_id(value) if name == "chat_id" else validate_id(name, value)
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
 
@@ -383,23 +389,50 @@ def _json_type(value: Any) -> str:
     return "a string"
 
 
-def _int_param(request: web.Request, name: str) -> int:
-    raw = request.query.get(name, "0")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise BadRequest(f"query parameter {name} must be a whole number, got {raw!r}") from None
-    if value < 0:
-        raise BadRequest(f"query parameter {name} must not be negative")
+#: ASCII digits only: int() and float() would also take "+1", " 1", "1_0", "1e3" or "٣"
+_DIGITS = re.compile(r"[0-9]+")
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+
+
+def _query_value(request: web.Request, name: str) -> str | None:
+    values = request.query.getall(name, [])
+    if len(values) > 1:
+        raise BadRequest(f"query parameter {name} is given more than once")
+    return values[0] if values else None
+
+
+def _shown(raw: str) -> str:
+    return repr(raw if len(raw) <= 40 else raw[:40] + "...")
+
+
+def _int_param(request: web.Request, name: str, default: int, minimum: int, maximum: int) -> int:
+    """A whole number in ASCII digits within [minimum, maximum]; BadRequest otherwise."""
+    raw = _query_value(request, name)
+    if raw is None:
+        return default
+    if not _DIGITS.fullmatch(raw):
+        raise BadRequest(
+            f"query parameter {name} must be a whole number in digits 0-9, got {_shown(raw)}"
+        )
+    digits = raw.lstrip("0") or "0"
+    # Compared by length first: int() refuses strings of more than 4,300 digits.
+    value = int(digits) if len(digits) <= len(str(maximum)) else maximum + 1
+    if not minimum <= value <= maximum:
+        raise BadRequest(
+            f"query parameter {name} must be between {minimum} and {maximum}, got {_shown(raw)}"
+        )
     return value
 
 
 def _wait_param(request: web.Request) -> float:
-    raw = request.query.get("wait", "0")
-    try:
-        wait = float(raw)
-    except ValueError:
-        wait = math.nan
-    if not math.isfinite(wait) or wait < 0:
-        raise BadRequest(f"query parameter wait must be a number of seconds >= 0, got {raw!r}")
-    return min(wait, MAX_WAIT_SECONDS)
+    """Seconds in ASCII digits, with an optional decimal fraction, 0 to MAX_WAIT_SECONDS."""
+    raw = _query_value(request, "wait")
+    if raw is None:
+        return 0.0
+    wait = float(raw) if _DECIMAL.fullmatch(raw) else math.nan
+    if not 0 <= wait <= MAX_WAIT_SECONDS:  # also false for nan
+        raise BadRequest(
+            f"query parameter wait must be a number of seconds from 0 to {MAX_WAIT_SECONDS:g} "
+            f"in digits 0-9 (a decimal fraction such as 2.5 is allowed), got {_shown(raw)}"
+        )
+    return wait

@@ -53,7 +53,9 @@ from gateway.session import (
     build_session_context,
     build_session_context_prompt,
     is_shared_multi_user_session,
+    scrub_name,
     scrub_text,
+    validate_chat_id,
     validate_id,
 )
 from gateway.status import keep_status, write_status
@@ -74,12 +76,13 @@ RESET_NOTICES = {
 
 
 def _scrubbed(event: MessageEvent) -> MessageEvent:
-    """The event with lone surrogates replaced in its free-text fields (ids are validated)."""
+    """The event with its free-text fields made safe (ids are validated, not changed):
+    lone surrogates replaced in the text, control characters taken out of the names."""
     src = event.source
     names = {
         name: cleaned
         for name in ("chat_name", "user_name", "chat_topic")
-        if isinstance(value := getattr(src, name), str) and (cleaned := scrub_text(value)) != value
+        if isinstance(value := getattr(src, name), str) and (cleaned := scrub_name(value)) != value
     }
     text = scrub_text(event.text)
     if not names and text == event.text:
@@ -236,6 +239,7 @@ class GatewayRunner:
             return Accepted(AcceptStatus.REFUSED, detail="the gateway is shutting down")
         # Ids first: they reach SQL, file paths and logs, so a bad one stops here.
         try:
+            validate_chat_id(event.source.chat_id)
             key = self.store.session_key_for(event.source)
             validate_id("message_id", event.message_id)
         except ValueError as exc:

@@ -32,7 +32,9 @@ __all__ = [
     "build_session_key",
     "canonical_whatsapp_identifier",
     "is_shared_multi_user_session",
+    "scrub_name",
     "scrub_text",
+    "validate_chat_id",
     "validate_id",
 ]
 
@@ -60,9 +62,24 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u206
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
+# The controls that break a line or tab apart: in a name they become one space.
+_BREAKS = re.compile(r"[\t\n\v\f\r\x1c-\x1f\x85\u2028\u2029]+")
+
+
 def scrub_text(value: str) -> str:
     """Replace lone surrogates (valid in JSON escapes, not in UTF-8) with U+FFFD."""
     return _SURROGATE.sub("\ufffd", value)
+
+
+def scrub_name(value: str) -> str | None:
+    """A display name (user_name, chat_name, chat_topic) fit for the prompt and the logs.
+
+    Names are free text the model is shown, so the characters an id is rejected for
+    (`validate_id`) are taken out rather than the message refused: line breaks and tabs
+    become one space, the other controls go, lone surrogates become U+FFFD. A name left
+    blank is None."""
+    cleaned = _CONTROL.sub("", _BREAKS.sub(" ", scrub_text(value))).strip()
+    return cleaned or None
 
 
 def validate_id(field_name: str, value: str | None) -> None:
@@ -77,6 +94,14 @@ def validate_id(field_name: str, value: str | None) -> None:
         raise ValueError(f"{field_name} must not contain '..'")
     if _CONTROL.search(value):
         raise ValueError(f"{field_name} must not contain control characters")
+
+
+def validate_chat_id(value: str | None) -> None:
+    """An inbound message needs a chat to be answered in: a blank chat_id (empty or only
+    whitespace) is refused, as is any id `validate_id` refuses."""
+    validate_id("chat_id", value)
+    if value is None or not value.strip():
+        raise ValueError("chat_id must not be empty or blank")
 
 
 def canonical_whatsapp_identifier(value: str | None) -> str | None:

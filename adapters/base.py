@@ -25,7 +25,7 @@ from config import (
     SlackConfig,
     TelegramConfig,
 )
-from gateway.session import Platform, SessionSource, validate_id
+from gateway.session import Platform, SessionSource, coerce_id, validate_id
 
 __all__ = [
     "MAX_RETRY_AFTER_SECONDS",
@@ -84,7 +84,7 @@ class MessageEvent:
         event = cls(
             source=SessionSource.from_dict(data["source"]),
             text=data["text"],
-            message_id=data.get("message_id"),
+            message_id=coerce_id("message_id", data.get("message_id")),
             received_at=datetime.fromisoformat(data["received_at"]),
             synthetic=bool(data.get("synthetic")),
         )

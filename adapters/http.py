@@ -30,7 +30,14 @@ from aiohttp.web_protocol import RequestPayloadError
 from adapters.base import MessageEvent, PlatformAdapter, SendResult
 from config import HttpConfig
 from gateway import commands
-from gateway.session import CHAT_TYPES, Platform, SessionSource, validate_chat_id, validate_id
+from gateway.session import (
+    CHAT_TYPES,
+    Platform,
+    SessionSource,
+    coerce_id,
+    validate_chat_id,
+    validate_id,
+)
 
 __all__ = ["HttpAdapter"]
 
@@ -48,7 +55,7 @@ _MESSAGE_FIELDS = (
     "message_id",
     "user_name",
 )
-_OPTIONAL_FIELDS = ("thread_id", "message_id", "user_name")
+_ID_FIELDS = ("chat_id", "user_id", "thread_id", "message_id")
 _PUBLIC_ROUTES = frozenset({"/healthz"})  # probes must work without the token
 _PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RETRY_AFTER_SECONDS = 1
@@ -325,6 +332,12 @@ def _parse_message(body: bytes) -> MessageEvent:
     for name in ("chat_id", "user_id", "text"):
         if name not in data:
             raise BadRequest(f"{name} is required")
+    for name in _ID_FIELDS:  # a JSON number is taken as its digits, as from any JSON
+        try:
+            data[name] = coerce_id(name, data.get(name))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+    for name in ("chat_id", "user_id", "text"):
         if not isinstance(data[name], str):
             raise BadRequest(f"{name} must be a string, got {_json_type(data[name])}")
     for name in ("chat_id", "user_id"):
@@ -333,19 +346,14 @@ def _parse_message(body: bytes) -> MessageEvent:
     chat_type = data.get("chat_type", "dm")
     if chat_type not in CHAT_TYPES:
         raise BadRequest(f"chat_type must be one of {', '.join(CHAT_TYPES)}")
-    message_id = data.get("message_id")
-    if isinstance(message_id, int) and not isinstance(message_id, bool):
-        data["message_id"] = str(message_id)
-    for name in _OPTIONAL_FIELDS:
-        value = data.get(name)
-        if value is not None and not isinstance(value, str):
-            kinds = "a string, an integer or null" if name == "message_id" else "a string or null"
-            raise BadRequest(f"{name} must be {kinds}, got {_json_type(value)}")
+    user_name = data.get("user_name")
+    if user_name is not None and not isinstance(user_name, str):
+        raise BadRequest(f"user_name must be a string or null, got {_json_type(user_name)}")
     for name in _MESSAGE_FIELDS:
         value = data.get(name)
         if isinstance(value, str) and not _is_encodable(value):
             raise BadRequest(f"{name} contains an unpaired surrogate (\\ud800-\\udfff escape)")
-    for name in ("chat_id", "user_id", "thread_id", "message_id"):
+    for name in _ID_FIELDS:
         _check_id(name, data.get(name))
     source = SessionSource(
         platform=Platform.HTTP,

@@ -31,6 +31,7 @@ __all__ = [
     "build_session_context_prompt",
     "build_session_key",
     "canonical_whatsapp_identifier",
+    "coerce_id",
     "is_shared_multi_user_session",
     "scrub_name",
     "scrub_text",
@@ -94,6 +95,20 @@ def validate_id(field_name: str, value: str | None) -> None:
         raise ValueError(f"{field_name} must not contain '..'")
     if _CONTROL.search(value):
         raise ValueError(f"{field_name} must not contain control characters")
+
+
+def coerce_id(field_name: str, value: Any) -> str | None:
+    """An id read from JSON, as the string we keep it as.
+
+    Platforms number their ids (Telegram chat ids, Discord snowflakes), so an older
+    sessions.json or a webhook body may say 12345 where we keep "12345": a whole number
+    is taken as its decimal digits. A bool is no id, and neither is a float: JSON numbers
+    past 2**53 lose digits as floats, so 1.0 cannot be trusted to name the chat "1"."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"{field_name} must be a string or a whole number, got {type(value).__name__}")
 
 
 def validate_chat_id(value: str | None) -> None:
@@ -171,7 +186,9 @@ class SessionSource:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SessionSource:
-        return cls(**_known_fields(data, _SOURCE_FIELDS))
+        """From `to_dict()` output or any other JSON: numeric ids become strings
+        (`coerce_id`); a bool or float id raises ValueError."""
+        return cls(**_coerce_ids(_known_fields(data, _SOURCE_FIELDS), _SOURCE_ID_FIELDS))
 
 
 def _known_fields(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -182,9 +199,28 @@ def _known_fields(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any
     return {name: data[name] for name in names if name in data}
 
 
+def _coerce_ids(kwargs: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """`kwargs` with its ids among `names` made strings (`coerce_id`), in place."""
+    for name in names:
+        value = kwargs.get(name)
+        if value is not None and type(value) is not str:
+            kwargs[name] = coerce_id(name, value)
+    return kwargs
+
+
 # Computed once: entries and sources are encoded and decoded on every turn.
 _SOURCE_FIELDS = tuple(f.name for f in fields(SessionSource))
 _source_values = attrgetter(*_SOURCE_FIELDS)
+_SOURCE_ID_FIELDS = (
+    "chat_id",
+    "user_id",
+    "thread_id",
+    "user_id_alt",
+    "chat_id_alt",
+    "guild_id",
+    "parent_chat_id",
+    "message_id",
+)
 
 
 # --- keys ----------------------------------------------------------------------------------
@@ -354,7 +390,7 @@ class SessionEntry:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SessionEntry:
-        kwargs = _known_fields(data, _ENTRY_FIELDS)
+        kwargs = _coerce_ids(_known_fields(data, _ENTRY_FIELDS), ("session_key", "session_id"))
         for name in _DATETIME_FIELDS:
             if kwargs.get(name) is not None:
                 kwargs[name] = _dt_from_str(kwargs[name])

@@ -151,6 +151,22 @@ async def test_post_hands_the_gateway_the_event_as_built(api, client):
     )
 
 
+async def test_numeric_ids_in_the_body_are_taken_as_their_digits(api, client):
+    adapter, gateway = api
+    body = message(chat_id=-1001234567890, user_id=42, thread_id=7, message_id=2**70)
+    async with client.post(f"{adapter.url}/v1/messages", json=body) as resp:
+        assert resp.status == 202, await resp.text()
+    [event] = gateway.events
+    assert event.message_id == str(2**70)
+    source = event.source
+    assert (source.chat_id, source.user_id, source.thread_id, source.message_id) == (
+        "-1001234567890",
+        "42",
+        "7",
+        str(2**70),
+    )
+
+
 async def test_post_defaults_to_a_dm_without_optional_fields(api, client):
     adapter, gateway = api
     async with client.post(f"{adapter.url}/v1/messages", json=message()) as resp:
@@ -191,7 +207,11 @@ async def test_post_passes_on_the_gateways_status_and_detail(api, client):
         (json.dumps(message(chat_id="../etc")).encode(), "chat_id"),
         (json.dumps(message(chat_id="a/b")).encode(), "chat_id"),
         (json.dumps(message(user_id="u\n1")).encode(), "user_id"),
-        (json.dumps(message(thread_id=7)).encode(), "thread_id"),
+        (json.dumps(message(thread_id=7.5)).encode(), "thread_id must be a string or a whole"),
+        (json.dumps(message(chat_id=1.0)).encode(), "chat_id must be a string or a whole"),
+        (json.dumps(message(user_id=False)).encode(), "user_id must be a string or a whole"),
+        (json.dumps(message(chat_id=None)).encode(), "chat_id must be a string, got null"),
+        (json.dumps(message(thread_id=["t"])).encode(), "thread_id"),
         (json.dumps(message(message_id=True)).encode(), "message_id"),
         (json.dumps(message(user_name=["Ann"])).encode(), "user_name"),
         (b'{"chat_id": "c1", "user_id": "u1", "text": "\\ud800"}', "text"),

@@ -6,10 +6,12 @@ import dataclasses
 import hashlib
 import json
 from datetime import UTC, datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from adapters.base import MessageEvent
 from config import GatewayConfig
 from gateway.session import (
     Platform,
@@ -26,6 +28,7 @@ from gateway.session import (
     validate_chat_id,
     validate_id,
 )
+from gateway.store import SessionStore
 
 
 def src(platform: str = "telegram", chat_id: str = "99", **kwargs: Any) -> SessionSource:
@@ -488,6 +491,87 @@ def test_session_source_from_dict_fills_defaults() -> None:
 def test_session_source_from_dict_rejects_bad_chat_type() -> None:
     with pytest.raises(ValueError, match="chat_type"):
         SessionSource.from_dict({"platform": "telegram", "chat_id": "5", "chat_type": "room"})
+
+
+_ID_FIELDS = [
+    "chat_id",
+    "user_id",
+    "thread_id",
+    "user_id_alt",
+    "chat_id_alt",
+    "guild_id",
+    "parent_chat_id",
+    "message_id",
+]
+
+
+@pytest.mark.parametrize("field_name", _ID_FIELDS)
+@pytest.mark.parametrize("number", [0, 12345, -1001234567890, 2**64])
+def test_session_source_from_dict_takes_a_numeric_id_as_its_digits(
+    field_name: str, number: int
+) -> None:
+    data = {"platform": "telegram", "chat_id": "5", "chat_type": "group", "user_id": "u"}
+    source = SessionSource.from_dict(json.loads(json.dumps({**data, field_name: number})))
+    assert getattr(source, field_name) == str(number)
+    as_text = SessionSource.from_dict({**data, field_name: str(number)})
+    assert source == as_text
+    assert build_session_key(source) == build_session_key(as_text)
+
+
+@pytest.mark.parametrize("field_name", _ID_FIELDS)
+@pytest.mark.parametrize("bad", [True, False, 1.0, 7.5, ["5"], {"id": 5}])
+def test_session_source_from_dict_refuses_a_bool_float_or_container_id(
+    field_name: str, bad: Any
+) -> None:
+    data = {"platform": "telegram", "chat_id": "5", field_name: bad}
+    with pytest.raises(ValueError, match=rf"^{field_name} must be a string or a whole number"):
+        SessionSource.from_dict(data)
+
+
+def test_message_event_from_dict_takes_a_numeric_message_id_as_its_digits() -> None:
+    data = {
+        "source": {"platform": "telegram", "chat_id": 42, "user_id": 42},
+        "text": "hi",
+        "message_id": 9001,
+        "received_at": "2026-01-01T00:00:00+00:00",
+    }
+    event = MessageEvent.from_dict(data)
+    assert (event.message_id, event.source.chat_id, event.source.user_id) == ("9001", "42", "42")
+
+
+async def test_an_older_sessions_json_with_numeric_ids_is_imported_and_routes(
+    tmp_path: Path,
+) -> None:
+    """An index written by a tool that kept Telegram's numbers as numbers: the entry is
+    imported (not skipped), and the next message of that chat continues its session."""
+    key = "agent:main:telegram:group:-100200:7"
+    origin = {"platform": "telegram", "chat_id": -100200, "chat_type": "group", "user_id": 7}
+    legacy = {
+        key: {
+            "session_key": key,
+            "session_id": "20260101_000000_0123abcd",
+            "created_at": "2026-01-01T00:00:00+00:00",
+            "updated_at": "2026-01-01T00:00:00+00:00",
+            "origin": origin,
+            "platform": "telegram",
+            "chat_type": "group",
+        },
+        "agent:main:telegram:dm:x": {
+            "session_key": "agent:main:telegram:dm:x",
+            "origin": {"platform": "telegram", "chat_id": True},
+        },
+    }
+    sessions = tmp_path / "sessions"
+    sessions.mkdir()
+    (sessions / "sessions.json").write_text(json.dumps(legacy))
+    config = GatewayConfig.model_validate({"timezone": "UTC", "session_reset": {"mode": "none"}})
+    async with SessionStore(sessions, config) as store:
+        [entry] = await store.list_sessions()
+        assert entry.origin is not None and entry.origin.chat_id == "-100200"
+        assert store.session_key_for(entry.origin) == key
+        source = SessionSource(Platform.TELEGRAM, "-100200", chat_type="group", user_id="7")
+        routed = await store.get_or_create_session(source)
+        assert (routed.session_key, routed.session_id) == (key, "20260101_000000_0123abcd")
 
 
 # --- SessionEntry ------------------------------------------------------------------------

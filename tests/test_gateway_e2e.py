@@ -533,6 +533,21 @@ async def test_http_auth_and_bad_input_reach_nothing(make_gateway: MakeGateway) 
     assert await gw.client.replies("c1", 1) == ["echo: authorised"]
 
 
+async def test_a_raising_has_active_processes_fn_never_fails_a_message(
+    make_gateway: MakeGateway,
+) -> None:
+    gw = await make_gateway()
+
+    def has_active_processes(session_key: str) -> bool:
+        raise OSError("cannot read the process table")
+
+    gw.runner.store.has_active_processes_fn = has_active_processes
+    for text in ("one", "/status", "two"):
+        assert (await gw.client.post("c1", text))["status"] in {"started", "command"}
+        [reply] = await gw.client.replies("c1", 1)
+        assert reply.startswith("Session:") if text == "/status" else reply == f"echo: {text}"
+
+
 async def test_a_cursor_beyond_sqlites_integers_is_a_400_not_a_500(
     make_gateway: MakeGateway,
 ) -> None:

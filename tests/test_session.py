@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import time_machine
+from structlog.testing import capture_logs
 
 from adapters.base import MessageEvent
 from config import GatewayConfig
@@ -572,6 +574,47 @@ async def test_an_older_sessions_json_with_numeric_ids_is_imported_and_routes(
         source = SessionSource(Platform.TELEGRAM, "-100200", chat_type="group", user_id="7")
         routed = await store.get_or_create_session(source)
         assert (routed.session_key, routed.session_id) == (key, "20260101_000000_0123abcd")
+
+
+async def test_a_raising_has_active_processes_fn_counts_as_active_and_is_logged_once(
+    tmp_path: Path,
+) -> None:
+    failure: Exception | None = RuntimeError("process table unavailable")
+
+    def has_active_processes(session_key: str) -> bool:
+        if failure is not None:
+            raise failure
+        return False
+
+    config = GatewayConfig.model_validate(
+        {"timezone": "UTC", "session_reset": {"mode": "idle", "idle_minutes": 5}}
+    )
+    source = SessionSource(Platform.TELEGRAM, "42", user_id="42")
+    start = datetime(2026, 3, 1, 12, tzinfo=UTC)
+    with time_machine.travel(start, tick=False) as clock, capture_logs() as logs:
+        async with SessionStore(tmp_path / "sessions", config, has_active_processes) as store:
+            first = await store.get_or_create_session(source)
+            clock.shift(timedelta(days=3))  # idle long past the policy and the prune age
+            for _ in range(5):
+                entry = await store.get_or_create_session(source)
+                assert (entry.session_id, entry.was_auto_reset) == (first.session_id, False)
+            assert await store.expired_entries() == []
+            assert await store.prune_old_entries(1) == 0
+            failure = KeyError("pid")  # failing differently is worth a line again
+            await store.get_or_create_session(source)
+            await store.get_or_create_session(source)
+            failure = None
+            clock.shift(timedelta(hours=1))
+            after = await store.get_or_create_session(source)
+            await store.get_or_create_session(source)
+            assert (after.was_auto_reset, after.auto_reset_reason) == (True, "idle")
+            assert after.session_id != first.session_id
+    lines = [(e["event"], e.get("error_type")) for e in logs if "has_active" in e["event"]]
+    assert lines == [
+        ("has_active_processes_failed", "RuntimeError"),
+        ("has_active_processes_failed", "KeyError"),
+        ("has_active_processes_recovered", None),
+    ]
 
 
 # --- SessionEntry ------------------------------------------------------------------------

@@ -70,6 +70,12 @@ class MessageEvent:
         if isinstance(self.message_id, str) and not self.message_id.strip():
             self.message_id = None
 
+    @property
+    def reply_to(self) -> str | None:
+        """The platform message an answer to this event threads onto (turn replies,
+        command replies and refusals alike)."""
+        return self.source.message_id or self.message_id
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": self.source.to_dict(),

@@ -318,6 +318,7 @@ class GatewayRunner:
                 event.source,
                 f"Too many messages are waiting ({queue.depth}); this one was not queued. "
                 "Wait for the current reply or /stop it.",
+                reply_to=event.reply_to,
             )
             return Accepted(AcceptStatus.REFUSED, session_key=key, detail="queue full")
         return Accepted(AcceptStatus.QUEUED if fifo else AcceptStatus.PENDING, session_key=key)
@@ -440,8 +441,7 @@ class GatewayRunner:
             self.metrics.turns_total += 1
             self.recovery.turn_succeeded(key)
         self.metrics.observe_turn(time.monotonic() - started)
-        reply_to = source.message_id or event.message_id
-        await self._send_recorded(source, list(zip(ids, chunks, strict=True)), reply_to)
+        await self._send_recorded(source, list(zip(ids, chunks, strict=True)), event.reply_to)
 
     async def _call_agent(self, key: str, request: TurnRequest) -> TurnOutcome:
         """Run the agent; a failure becomes a short text for the user, never an exception."""
@@ -503,11 +503,12 @@ class GatewayRunner:
         adapter = self.adapters.get(target.platform)
         return adapter.split(text) if adapter is not None else [text]
 
-    async def deliver(self, target: SessionSource, text: str) -> int:
-        """Record a reply that answers no turn (commands, notices) and send it."""
+    async def deliver(self, target: SessionSource, text: str, reply_to: str | None = None) -> int:
+        """Record a reply that answers no turn (commands, notices) and send it; with
+        `reply_to`, as an answer to that platform message."""
         chunks = self.split_reply(target, text)
-        ids = await self.turnlog.record_reply(target, chunks, None)
-        return await self._send_recorded(target, list(zip(ids, chunks, strict=True)), None)
+        ids = await self.turnlog.record_reply(target, chunks, None, reply_to=reply_to)
+        return await self._send_recorded(target, list(zip(ids, chunks, strict=True)), reply_to)
 
     async def _send_recorded(
         self, target: SessionSource, chunks: list[tuple[int, str]], reply_to: str | None

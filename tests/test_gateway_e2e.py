@@ -190,6 +190,34 @@ async def test_queue_cap_refuses_explicitly(make_gateway: MakeGateway) -> None:
     assert "three" not in "".join(await gw.client.no_more_replies("c1"))
 
 
+async def test_command_replies_and_refusals_answer_their_message(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway({"queue": {"max_depth": 1}})
+    sent = [("m1", "hello"), ("m2", "/status"), ("m3", "/help"), (None, "/undo x")]
+    for message_id, text in sent:
+        await gw.client.post("c1", text, **({"message_id": message_id} if message_id else {}))
+        [reply] = await _poll_until(gw, "c1", 1)
+        assert reply["in_reply_to"] == message_id, (text, reply)
+    await gw.client.post("c1", "slow", message_id="m4")
+    await gw.client.post("c1", "/q one", message_id="m5")
+    assert (await gw.client.post("c1", "/q two", message_id="m6"))["status"] == "refused"
+    replies = await _poll_until(gw, "c1", 3)
+    assert [(r["text"][:9], r["in_reply_to"]) for r in replies] == [
+        ("Too many ", "m6"),
+        ("echo: slo", "m4"),
+        ("echo: one", "m5"),
+    ]
+
+
+async def _poll_until(gw: Gateway, chat_id: str, count: int) -> list[dict[str, Any]]:
+    """The next `count` replies of the chat as the API shows them (seq, in_reply_to ...)."""
+    got: list[dict[str, Any]] = []
+    for _ in range(50):
+        got += await gw.client.poll(chat_id, wait=1)
+        if len(got) >= count:
+            return got
+    raise AssertionError(f"expected {count} replies, got {got!r}")
+
+
 async def test_stop_cancels_the_turn_and_the_next_message_starts_fresh(
     make_gateway: MakeGateway,
 ) -> None:

@@ -132,22 +132,20 @@ class SessionStore:
     def _has_active_processes(self, session_key: str) -> bool:
         """Whether the host says the session has work running (it is not reset then).
 
-        A check that raises counts as active and never fails the message: a reset it
-        should have prevented cannot be taken back, one made a pass later costs nothing.
-        Logged when it starts failing (or fails differently) and when it works again,
-        not once per message."""
+        A check that raises counts as active and never fails the message: a wrong reset
+        cannot be taken back, a late one costs nothing. Logged when it starts failing
+        (or fails differently) and when it works again, not per message."""
         fn = self.has_active_processes_fn
         if fn is None:
             return False
         try:
             active = bool(fn(session_key))
         except Exception as exc:
-            failure = type(exc).__name__
-            if failure != self._active_check_failure:
-                self._active_check_failure = failure
+            if type(exc).__name__ != self._active_check_failure:
+                self._active_check_failure = type(exc).__name__
                 log.error(
                     "has_active_processes_failed",
-                    error_type=failure,
+                    error_type=type(exc).__name__,
                     error=str(exc),
                     effect="sessions count as active: no automatic reset until it works",
                 )

@@ -151,10 +151,9 @@ class GatewayHandle(Protocol):
         """Did the operator approve this user (`hermes-gateway pairing approve`)?"""
         ...
 
-    async def request_pairing(
-        self, platform: str, user_id: str, user_name: str | None
-    ) -> str | None:
-        """This user's pairing code, or None when too many are pending on the platform."""
+    async def request_pairing(self, source: SessionSource) -> str | None:
+        """The pairing code of the user who wrote from `source` (a DM, where they are told
+        once approved), or None when too many are pending on the platform."""
         ...
 
     async def notify(self, target: SessionSource, text: str) -> None:
@@ -231,9 +230,7 @@ class PlatformAdapter(ABC):
         if src.user_id and await self.gateway.is_paired(self.platform.value, src.user_id):
             return True
         if src.chat_type == "dm" and src.user_id and access.unauthorized_dm_behavior == "pair":
-            code = await self.gateway.request_pairing(
-                self.platform.value, src.user_id, src.user_name
-            )
+            code = await self.gateway.request_pairing(src)
             if code is None:
                 text = (
                     "Hi! I only talk to people my operator approved, and too many pairing "

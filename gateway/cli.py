@@ -106,6 +106,7 @@ async def serve(config: GatewayConfig, home: Path) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, runner.request_restart)
+    loop.add_signal_handler(signal.SIGUSR2, runner.send_pending_soon)  # pairing approve
     try:
         await runner.start()
     except OSError as exc:  # e.g. the HTTP port is taken, a platform unreachable

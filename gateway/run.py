@@ -544,6 +544,10 @@ class GatewayRunner:
             self._sending.difference_update(i for i, _ in chunks[sent:])
         return sent
 
+    def send_pending_soon(self) -> None:
+        """SIGUSR2: another process recorded a reply (`pairing approve`'s notice)."""
+        self._housekeeper.send_pending_soon()
+
     async def resend_pending(self, min_age_seconds: float = 0) -> int:
         """Send recorded chunks that were never acknowledged (after a crash, or refused by
         the platform), once each. Periodic passes only take chunks older than
@@ -570,10 +574,11 @@ class GatewayRunner:
     async def is_paired(self, platform: str, user_id: str) -> bool:
         return await self.pairing.is_paired(platform, user_id)
 
-    async def request_pairing(
-        self, platform: str, user_id: str, user_name: str | None
-    ) -> str | None:
-        return await self.pairing.request(platform, user_id, user_name)
+    async def request_pairing(self, source: SessionSource) -> str | None:
+        assert source.user_id is not None
+        return await self.pairing.request(
+            source.platform.value, source.user_id, source.user_name, target=source
+        )
 
     async def notify(self, target: SessionSource, text: str) -> None:
         await self.deliver(target, text)

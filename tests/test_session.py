@@ -541,6 +541,16 @@ def test_message_event_from_dict_takes_a_numeric_message_id_as_its_digits() -> N
     assert (event.message_id, event.source.chat_id, event.source.user_id) == ("9001", "42", "42")
 
 
+@pytest.mark.parametrize("empty", ["", " ", "\t"])
+def test_an_empty_message_id_is_no_id_however_the_event_is_built(empty: str) -> None:
+    source = SessionSource(Platform.SLACK, "C1", user_id="U1")
+    assert MessageEvent(source, "hi", message_id=empty).message_id is None
+    assert dataclasses.replace(MessageEvent(source, "hi"), message_id=empty).message_id is None
+    data = {**MessageEvent(source, "hi").to_dict(), "message_id": empty}
+    assert MessageEvent.from_dict(data).message_id is None
+    assert MessageEvent(source, "hi", message_id="0").message_id == "0"
+
+
 async def test_an_older_sessions_json_with_numeric_ids_is_imported_and_routes(
     tmp_path: Path,
 ) -> None:

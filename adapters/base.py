@@ -25,7 +25,7 @@ from config import (
     SlackConfig,
     TelegramConfig,
 )
-from gateway.session import Platform, SessionSource, validate_id
+from gateway.session import Platform, SessionSource, coerce_id, validate_id
 
 __all__ = [
     "MAX_RETRY_AFTER_SECONDS",
@@ -64,6 +64,18 @@ class MessageEvent:
     #: re-run of a turn interrupted by a restart (its user message is already stored)
     resume: bool = False
 
+    def __post_init__(self) -> None:
+        # An empty (or blank) delivery id is no id. Kept, it would take part in dedup,
+        # and every later message with the same "" would pass for a redelivery.
+        if isinstance(self.message_id, str) and not self.message_id.strip():
+            self.message_id = None
+
+    @property
+    def reply_to(self) -> str | None:
+        """The platform message an answer to this event threads onto (turn replies,
+        command replies and refusals alike)."""
+        return self.source.message_id or self.message_id
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "source": self.source.to_dict(),
@@ -78,7 +90,7 @@ class MessageEvent:
         event = cls(
             source=SessionSource.from_dict(data["source"]),
             text=data["text"],
-            message_id=data.get("message_id"),
+            message_id=coerce_id("message_id", data.get("message_id")),
             received_at=datetime.fromisoformat(data["received_at"]),
             synthetic=bool(data.get("synthetic")),
         )
@@ -139,10 +151,9 @@ class GatewayHandle(Protocol):
         """Did the operator approve this user (`hermes-gateway pairing approve`)?"""
         ...
 
-    async def request_pairing(
-        self, platform: str, user_id: str, user_name: str | None
-    ) -> str | None:
-        """This user's pairing code, or None when too many are pending on the platform."""
+    async def request_pairing(self, source: SessionSource) -> str | None:
+        """The pairing code of the user who wrote from `source` (a DM, where they are told
+        once approved), or None when too many are pending on the platform."""
         ...
 
     async def notify(self, target: SessionSource, text: str) -> None:
@@ -219,9 +230,7 @@ class PlatformAdapter(ABC):
         if src.user_id and await self.gateway.is_paired(self.platform.value, src.user_id):
             return True
         if src.chat_type == "dm" and src.user_id and access.unauthorized_dm_behavior == "pair":
-            code = await self.gateway.request_pairing(
-                self.platform.value, src.user_id, src.user_name
-            )
+            code = await self.gateway.request_pairing(src)
             if code is None:
                 text = (
                     "Hi! I only talk to people my operator approved, and too many pairing "

@@ -19,6 +19,7 @@ import asyncio
 import hmac
 import json
 import math
+import re
 from typing import Any
 
 import structlog
@@ -29,7 +30,14 @@ from aiohttp.web_protocol import RequestPayloadError
 from adapters.base import MessageEvent, PlatformAdapter, SendResult
 from config import HttpConfig
 from gateway import commands
-from gateway.session import CHAT_TYPES, Platform, SessionSource, validate_id
+from gateway.session import (
+    CHAT_TYPES,
+    Platform,
+    SessionSource,
+    coerce_id,
+    validate_chat_id,
+    validate_id,
+)
 
 __all__ = ["HttpAdapter"]
 
@@ -37,6 +45,7 @@ log = structlog.get_logger("adapters.http")
 
 MAX_WAIT_SECONDS = 60.0
 MAX_REPLIES_PER_POLL = 500
+MAX_SEQ = 2**63 - 1  # reply numbers are SQLite integers: 64-bit signed
 _MESSAGE_FIELDS = (
     "chat_id",
     "user_id",
@@ -46,7 +55,7 @@ _MESSAGE_FIELDS = (
     "message_id",
     "user_name",
 )
-_OPTIONAL_FIELDS = ("thread_id", "message_id", "user_name")
+_ID_FIELDS = ("chat_id", "user_id", "thread_id", "message_id")
 _PUBLIC_ROUTES = frozenset({"/healthz"})  # probes must work without the token
 _PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RETRY_AFTER_SECONDS = 1
@@ -248,9 +257,12 @@ class HttpAdapter(PlatformAdapter):
         return b"".join(chunks)
 
     async def _get_replies(self, request: web.Request) -> web.Response:
+        """Up to `limit` replies (1-500, default 500) after `after` (0 to 2**63-1), waiting
+        up to `wait` seconds (0-60) for the first; each in plain ASCII digits."""
         chat_id = request.match_info["chat_id"]
         _check_id("chat_id", chat_id)
-        after = _int_param(request, "after")
+        after = _int_param(request, "after", 0, 0, MAX_SEQ)
+        limit = _int_param(request, "limit", MAX_REPLIES_PER_POLL, 1, MAX_REPLIES_PER_POLL)
         wait = _wait_param(request)
         assert self.gateway is not None
         loop = asyncio.get_running_loop()
@@ -263,7 +275,7 @@ class HttpAdapter(PlatformAdapter):
             waiters.add(waiter)
             try:
                 messages = await self.gateway.replies_after(
-                    self.platform.value, chat_id, after, MAX_REPLIES_PER_POLL
+                    self.platform.value, chat_id, after, limit
                 )
                 remaining = deadline - loop.time()
                 if messages or self._stopping or remaining <= 0:
@@ -320,27 +332,28 @@ def _parse_message(body: bytes) -> MessageEvent:
     for name in ("chat_id", "user_id", "text"):
         if name not in data:
             raise BadRequest(f"{name} is required")
+    for name in _ID_FIELDS:  # a JSON number is taken as its digits, as from any JSON
+        try:
+            data[name] = coerce_id(name, data.get(name))
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+    for name in ("chat_id", "user_id", "text"):
         if not isinstance(data[name], str):
             raise BadRequest(f"{name} must be a string, got {_json_type(data[name])}")
     for name in ("chat_id", "user_id"):
-        if not data[name]:
-            raise BadRequest(f"{name} must not be empty")
+        if not data[name].strip():
+            raise BadRequest(f"{name} must not be empty or blank")
     chat_type = data.get("chat_type", "dm")
     if chat_type not in CHAT_TYPES:
         raise BadRequest(f"chat_type must be one of {', '.join(CHAT_TYPES)}")
-    message_id = data.get("message_id")
-    if isinstance(message_id, int) and not isinstance(message_id, bool):
-        data["message_id"] = str(message_id)
-    for name in _OPTIONAL_FIELDS:
-        value = data.get(name)
-        if value is not None and not isinstance(value, str):
-            kinds = "a string, an integer or null" if name == "message_id" else "a string or null"
-            raise BadRequest(f"{name} must be {kinds}, got {_json_type(value)}")
+    user_name = data.get("user_name")
+    if user_name is not None and not isinstance(user_name, str):
+        raise BadRequest(f"user_name must be a string or null, got {_json_type(user_name)}")
     for name in _MESSAGE_FIELDS:
         value = data.get(name)
         if isinstance(value, str) and not _is_encodable(value):
             raise BadRequest(f"{name} contains an unpaired surrogate (\\ud800-\\udfff escape)")
-    for name in ("chat_id", "user_id", "thread_id", "message_id"):
+    for name in _ID_FIELDS:
         _check_id(name, data.get(name))
     source = SessionSource(
         platform=Platform.HTTP,
@@ -356,7 +369,8 @@ def _parse_message(body: bytes) -> MessageEvent:
 
 def _check_id(name: str, value: str | None) -> None:
     try:
-        validate_id(name, value)
+        # The chat is the one id a message cannot do without: blank is refused too.
+        validate_chat_id(value) if name == "chat_id" else validate_id(name, value)
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
 
@@ -383,23 +397,50 @@ def _json_type(value: Any) -> str:
     return "a string"
 
 
-def _int_param(request: web.Request, name: str) -> int:
-    raw = request.query.get(name, "0")
-    try:
-        value = int(raw)
-    except ValueError:
-        raise BadRequest(f"query parameter {name} must be a whole number, got {raw!r}") from None
-    if value < 0:
-        raise BadRequest(f"query parameter {name} must not be negative")
+#: ASCII digits only: int() and float() would also take "+1", " 1", "1_0", "1e3" or "٣"
+_DIGITS = re.compile(r"[0-9]+")
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?")
+
+
+def _query_value(request: web.Request, name: str) -> str | None:
+    values = request.query.getall(name, [])
+    if len(values) > 1:
+        raise BadRequest(f"query parameter {name} is given more than once")
+    return values[0] if values else None
+
+
+def _shown(raw: str) -> str:
+    return repr(raw if len(raw) <= 40 else raw[:40] + "...")
+
+
+def _int_param(request: web.Request, name: str, default: int, minimum: int, maximum: int) -> int:
+    """A whole number in ASCII digits within [minimum, maximum]; BadRequest otherwise."""
+    raw = _query_value(request, name)
+    if raw is None:
+        return default
+    if not _DIGITS.fullmatch(raw):
+        raise BadRequest(
+            f"query parameter {name} must be a whole number in digits 0-9, got {_shown(raw)}"
+        )
+    digits = raw.lstrip("0") or "0"
+    # Compared by length first: int() refuses strings of more than 4,300 digits.
+    value = int(digits) if len(digits) <= len(str(maximum)) else maximum + 1
+    if not minimum <= value <= maximum:
+        raise BadRequest(
+            f"query parameter {name} must be between {minimum} and {maximum}, got {_shown(raw)}"
+        )
     return value
 
 
 def _wait_param(request: web.Request) -> float:
-    raw = request.query.get("wait", "0")
-    try:
-        wait = float(raw)
-    except ValueError:
-        wait = math.nan
-    if not math.isfinite(wait) or wait < 0:
-        raise BadRequest(f"query parameter wait must be a number of seconds >= 0, got {raw!r}")
-    return min(wait, MAX_WAIT_SECONDS)
+    """Seconds in ASCII digits, with an optional decimal fraction, 0 to MAX_WAIT_SECONDS."""
+    raw = _query_value(request, "wait")
+    if raw is None:
+        return 0.0
+    wait = float(raw) if _DECIMAL.fullmatch(raw) else math.nan
+    if not 0 <= wait <= MAX_WAIT_SECONDS:  # also false for nan
+        raise BadRequest(
+            f"query parameter wait must be a number of seconds from 0 to {MAX_WAIT_SECONDS:g} "
+            f"in digits 0-9 (a decimal fraction such as 2.5 is allowed), got {_shown(raw)}"
+        )
+    return wait

@@ -29,6 +29,7 @@ from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_co
 from gateway.agents import build_agent_factory
 from gateway.db import DatabaseError
 from gateway.doctor import add_doctor_parser
+from gateway.entries import load_session_row
 from gateway.homelock import HomeInUse, HomeLock
 from gateway.logs import configure_logging
 from gateway.pairing import add_pairing_parser
@@ -36,6 +37,7 @@ from gateway.sdnotify import SystemdNotifier, run_watchdog
 from gateway.service import add_service_parser
 from gateway.status import add_status_parser
 from gateway.store import SessionStore
+from gateway.transcript import count_undone
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: drained for a restart; the service manager starts us again
 SESSION_ID_RE = re.compile(r"^\d{8}_\d{6}_[0-9a-f]{8}$")
@@ -127,6 +129,7 @@ async def serve(config: GatewayConfig, home: Path) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     loop.add_signal_handler(signal.SIGUSR1, runner.request_restart)
+    loop.add_signal_handler(signal.SIGUSR2, runner.send_pending_soon)  # pairing approve
     try:
         await runner.start()
     except OSError as exc:  # e.g. the HTTP port is taken, a platform unreachable
@@ -211,19 +214,26 @@ async def _sessions_show(store: SessionStore, args: argparse.Namespace) -> int:
     if entry is None:
         entry = await store.get_entry(target)
     session_id = entry.session_id if entry else target
-    if entry is None and not SESSION_ID_RE.match(target):
+    # Every incarnation has its `sessions` row, also one no key points at any more and
+    # one whose messages were all undone (kept, inactive): its transcript may be empty.
+    session, undone = await store.read(
+        lambda conn: (
+            load_session_row(conn, session_id),
+            count_undone(conn, session_id),
+        )
+    )
+    if entry is None and session is None:
         print(f"no session with key or id {target!r}", file=sys.stderr)
         return 1
     messages = await store.load_transcript(session_id)
-    if entry is None and not messages:
-        print(f"no session with key or id {target!r}", file=sys.stderr)
-        return 1
     if args.json:
-        print(
-            json.dumps(
-                {"entry": entry.to_dict() if entry else None, "transcript": messages}, indent=2
-            )
-        )
+        shown = {
+            "entry": entry.to_dict() if entry else None,
+            "session": session,
+            "transcript": messages,
+            "undone_messages": undone,
+        }
+        print(json.dumps(shown, indent=2))
         return 0
     if entry is not None:
         for name, value in entry.to_dict().items():
@@ -231,9 +241,12 @@ async def _sessions_show(store: SessionStore, args: argparse.Namespace) -> int:
                 print(f"{name:24} {value}")
         if entry.origin is not None:
             print(f"{'origin':24} {entry.origin.description} ({entry.origin.platform.value})")
-    else:
-        print(f"session {session_id} (no longer the current session of any key)")
-    print(f"\ntranscript ({len(messages)} messages):")
+    elif session is not None:
+        print(f"session {session_id} (no longer the current session of its key)")
+        for name, value in session.items():
+            print(f"{name:24} {value}")
+    undone_note = f"; {undone} undone with /undo or /retry" if undone else ""
+    print(f"\ntranscript ({len(messages)} messages{undone_note}):")
     for message in messages:
         content = message.get("content")
         text = content if isinstance(content, str) else json.dumps(content)

@@ -241,5 +241,5 @@ async def dispatch(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Co
     if isinstance(reply, Accepted):
         return reply
     if reply is not None:
-        await runner.deliver(event.source, reply)
+        await runner.deliver(event.source, reply, reply_to=event.reply_to)
     return Accepted(AcceptStatus.COMMAND, session_key=key, detail=cmd.name)

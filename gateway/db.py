@@ -37,7 +37,7 @@ from gateway.fsutil import fsync_dir
 
 T = TypeVar("T")
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 _MIGRATIONS: dict[int, str] = {
@@ -189,6 +189,11 @@ _MIGRATIONS: dict[int, str] = {
     END;
     DROP TABLE fts_pending;
     DROP TABLE messages_fts;
+    """,
+    # Where to tell a user their pairing code was approved: the DM it was asked from
+    # (a SessionSource as JSON; on Discord and Slack the DM's id is not the user's).
+    6: """
+    ALTER TABLE pairing_codes ADD COLUMN target TEXT;
     """,
 }
 

@@ -138,6 +138,27 @@ def start_session_row(conn: sqlite3.Connection, entry: SessionEntry) -> None:
     )
 
 
+def load_session_row(conn: sqlite3.Connection, session_id: str) -> dict[str, Any] | None:
+    """One incarnation's `sessions` row (current or ended), times as UTC ISO strings."""
+    row = conn.execute(
+        "SELECT session_key, started_at, ended_at, end_reason, title, total_tokens"
+        " FROM sessions WHERE session_id = ?",
+        (session_id,),
+    ).fetchone()
+    if row is None:
+        return None
+    key, started, ended, reason, title, tokens = row
+    return {
+        "session_id": session_id,
+        "session_key": key,
+        "started_at": datetime.fromtimestamp(started, UTC).isoformat(),
+        "ended_at": datetime.fromtimestamp(ended, UTC).isoformat() if ended else None,
+        "end_reason": reason,
+        "title": title,
+        "total_tokens": tokens,
+    }
+
+
 def end_session_row(
     conn: sqlite3.Connection, entry: SessionEntry, now: datetime, reason: str
 ) -> None:

@@ -3,18 +3,24 @@
     unknown user DMs the bot  -> code (8 characters, no look-alikes, valid 1 hour;
                                  at most 3 pending per platform; the same user keeps
                                  the same code while it is valid)
-    hermes-gateway pairing approve telegram K7MQ2XPA  -> the user may talk to the bot
+    hermes-gateway pairing approve telegram K7MQ2XPA  -> the user may talk to the bot,
+                                                         and is told so in their DM
     hermes-gateway pairing revoke telegram 12345      -> and no longer
 
 Both the daemon and the CLI use the store's database, so an approval from another
-process counts for the very next message.
+process counts for the very next message. The approval notice is recorded in the
+delivery ledger in the approving transaction, so it is sent once even across restarts:
+by the running daemon at once (`approve` nudges it with SIGUSR2), else by its next
+housekeeping pass or start.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import secrets
+import signal
 import sqlite3
 import sys
 import time
@@ -22,6 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import ChatPlatformConfig, GatewayConfig, PlatformsConfig, hermes_home
+from gateway import codec, journal
+from gateway.session import SessionSource
+from gateway.status import is_live, read_status
 from gateway.store import SessionStore
 
 # A-Z and 2-9 without I, O (and without 0, 1): nothing to confuse when read aloud.
@@ -35,6 +44,7 @@ PAIRING_PLATFORMS = tuple(
     for name, field in PlatformsConfig.model_fields.items()
     if isinstance(field.annotation, type) and issubclass(field.annotation, ChatPlatformConfig)
 )
+APPROVED_NOTICE = "You're approved; send a message to start."
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +54,9 @@ class PairingRequest:
     user_id: str
     user_name: str | None
     created_at: float
+    #: the DM the code was asked from, where the approval notice goes (None for codes
+    #: handed out before it was recorded)
+    target: SessionSource | None = None
 
 
 def new_code() -> str:
@@ -67,17 +80,29 @@ class Pairing:
             )
         )
 
-    async def request(self, platform: str, user_id: str, user_name: str | None) -> str | None:
-        """The user's pairing code; None when the platform has too many pending already."""
+    async def request(
+        self,
+        platform: str,
+        user_id: str,
+        user_name: str | None,
+        *,
+        target: SessionSource | None = None,
+    ) -> str | None:
+        """The user's pairing code; None when the platform has too many pending already.
+
+        `target` is the DM to tell them in once the code is approved (the latest DM they
+        asked from)."""
         now = time.time()
+        target_json = codec.dumps(target.to_dict()) if target is not None else None
 
         def tx(conn: sqlite3.Connection) -> str | None:
             conn.execute(
                 "DELETE FROM pairing_codes WHERE created_at < ?", (now - CODE_TTL_SECONDS,)
             )
             row = conn.execute(
-                "SELECT code FROM pairing_codes WHERE platform = ? AND user_id = ?",
-                (platform, user_id),
+                "UPDATE pairing_codes SET target = coalesce(?, target)"
+                " WHERE platform = ? AND user_id = ? RETURNING code",
+                (target_json, platform, user_id),
             ).fetchone()
             if row:
                 return str(row[0])
@@ -88,9 +113,9 @@ class Pairing:
                 return None
             code = new_code()
             conn.execute(
-                "INSERT INTO pairing_codes (platform, code, user_id, user_name, created_at)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (platform, code, user_id, user_name, now),
+                "INSERT INTO pairing_codes (platform, code, user_id, user_name, created_at,"
+                " target) VALUES (?, ?, ?, ?, ?, ?)",
+                (platform, code, user_id, user_name, now, target_json),
             )
             return code
 
@@ -118,19 +143,26 @@ class Pairing:
         return [dict(zip(names, row, strict=True)) for row in rows]
 
     async def approve(self, platform: str, code: str) -> PairingRequest | None:
-        """Approve a valid code (case-insensitive); None when unknown or expired."""
+        """Approve a valid code (case-insensitive); None when unknown or expired. The
+        user's notice is recorded in the delivery ledger in the same transaction."""
         now = time.time()
         code = code.strip().upper()
 
         def tx(conn: sqlite3.Connection) -> PairingRequest | None:
             row = conn.execute(
                 "DELETE FROM pairing_codes WHERE platform = ? AND code = ? AND created_at >= ?"
-                " RETURNING platform, code, user_id, user_name, created_at",
+                " RETURNING platform, code, user_id, user_name, created_at, target",
                 (platform, code, now - CODE_TTL_SECONDS),
             ).fetchone()
             if row is None:
                 return None
-            request = PairingRequest(*row)
+            *fields, target_json = row
+            target = SessionSource.from_dict(codec.loads(target_json)) if target_json else None
+            request = PairingRequest(*fields, target=target)
+            if target is not None:
+                journal.record_outbound(
+                    conn, target, [APPROVED_NOTICE], reply_to=None, session_key=None, now=now
+                )
             conn.execute(
                 "INSERT OR REPLACE INTO paired_users (platform, user_id, user_name, approved_at)"
                 " VALUES (?, ?, ?, ?)",
@@ -194,7 +226,7 @@ def cmd_pairing(args: argparse.Namespace, config: GatewayConfig) -> int:
                     if request.user_name
                     else (request.user_id)
                 )
-                print(f"approved {who} on {args.platform}")
+                print(f"approved {who} on {args.platform}; {_tell(request)}")
                 return 0
             if args.pairing_command == "revoke":
                 if await pairing.revoke(args.platform, args.user_id):
@@ -216,3 +248,18 @@ def cmd_pairing(args: argparse.Namespace, config: GatewayConfig) -> int:
             return 0
 
     return asyncio.run(run())
+
+
+def _tell(request: PairingRequest) -> str:
+    """Have the running daemon send the approval notice now; say how the user learns."""
+    if request.target is None:
+        return "tell them they can start (their code predates approval notices)"
+    status = read_status(hermes_home())
+    if status is None or not is_live(status):
+        return "they are told when the gateway next starts"
+    try:
+        # SIGUSR2: "send what is pending in the delivery ledger" (gateway.cli.serve).
+        os.kill(int(status["pid"]), signal.SIGUSR2)
+    except OSError:  # another user's daemon: its housekeeping pass sends it
+        return "the gateway tells them within a few minutes"
+    return "the gateway is telling them now"

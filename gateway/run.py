@@ -53,7 +53,9 @@ from gateway.session import (
     build_session_context,
     build_session_context_prompt,
     is_shared_multi_user_session,
+    scrub_name,
     scrub_text,
+    validate_chat_id,
     validate_id,
 )
 from gateway.status import keep_status, write_status
@@ -74,12 +76,13 @@ RESET_NOTICES = {
 
 
 def _scrubbed(event: MessageEvent) -> MessageEvent:
-    """The event with lone surrogates replaced in its free-text fields (ids are validated)."""
+    """The event with its free-text fields made safe (ids are validated, not changed):
+    lone surrogates replaced in the text, control characters taken out of the names."""
     src = event.source
     names = {
         name: cleaned
         for name in ("chat_name", "user_name", "chat_topic")
-        if isinstance(value := getattr(src, name), str) and (cleaned := scrub_text(value)) != value
+        if isinstance(value := getattr(src, name), str) and (cleaned := scrub_name(value)) != value
     }
     text = scrub_text(event.text)
     if not names and text == event.text:
@@ -242,6 +245,7 @@ class GatewayRunner:
             return Accepted(AcceptStatus.REFUSED, detail="the gateway is shutting down")
         # Ids first: they reach SQL, file paths and logs, so a bad one stops here.
         try:
+            validate_chat_id(event.source.chat_id)
             key = self.store.session_key_for(event.source)
             validate_id("message_id", event.message_id)
         except ValueError as exc:
@@ -320,6 +324,7 @@ class GatewayRunner:
                 event.source,
                 f"Too many messages are waiting ({queue.depth}); this one was not queued. "
                 "Wait for the current reply or /stop it.",
+                reply_to=event.reply_to,
             )
             return Accepted(AcceptStatus.REFUSED, session_key=key, detail="queue full")
         return Accepted(AcceptStatus.QUEUED if fifo else AcceptStatus.PENDING, session_key=key)
@@ -442,8 +447,7 @@ class GatewayRunner:
             self.metrics.turns_total += 1
             self.recovery.turn_succeeded(key)
         self.metrics.observe_turn(time.monotonic() - started)
-        reply_to = source.message_id or event.message_id
-        await self._send_recorded(source, list(zip(ids, chunks, strict=True)), reply_to)
+        await self._send_recorded(source, list(zip(ids, chunks, strict=True)), event.reply_to)
 
     async def _call_agent(self, key: str, request: TurnRequest) -> TurnOutcome:
         """Run the agent; a failure becomes a short text for the user, never an exception."""
@@ -505,11 +509,12 @@ class GatewayRunner:
         adapter = self.adapters.get(target.platform)
         return adapter.split(text) if adapter is not None else [text]
 
-    async def deliver(self, target: SessionSource, text: str) -> int:
-        """Record a reply that answers no turn (commands, notices) and send it."""
+    async def deliver(self, target: SessionSource, text: str, reply_to: str | None = None) -> int:
+        """Record a reply that answers no turn (commands, notices) and send it; with
+        `reply_to`, as an answer to that platform message."""
         chunks = self.split_reply(target, text)
-        ids = await self.turnlog.record_reply(target, chunks, None)
-        return await self._send_recorded(target, list(zip(ids, chunks, strict=True)), None)
+        ids = await self.turnlog.record_reply(target, chunks, None, reply_to=reply_to)
+        return await self._send_recorded(target, list(zip(ids, chunks, strict=True)), reply_to)
 
     async def _send_recorded(
         self, target: SessionSource, chunks: list[tuple[int, str]], reply_to: str | None
@@ -545,6 +550,10 @@ class GatewayRunner:
             self._sending.difference_update(i for i, _ in chunks[sent:])
         return sent
 
+    def send_pending_soon(self) -> None:
+        """SIGUSR2: another process recorded a reply (`pairing approve`'s notice)."""
+        self._housekeeper.send_pending_soon()
+
     async def resend_pending(self, min_age_seconds: float = 0) -> int:
         """Send recorded chunks that were never acknowledged (after a crash, or refused by
         the platform), once each. Periodic passes only take chunks older than
@@ -571,10 +580,11 @@ class GatewayRunner:
     async def is_paired(self, platform: str, user_id: str) -> bool:
         return await self.pairing.is_paired(platform, user_id)
 
-    async def request_pairing(
-        self, platform: str, user_id: str, user_name: str | None
-    ) -> str | None:
-        return await self.pairing.request(platform, user_id, user_name)
+    async def request_pairing(self, source: SessionSource) -> str | None:
+        assert source.user_id is not None
+        return await self.pairing.request(
+            source.platform.value, source.user_id, source.user_name, target=source
+        )
 
     async def notify(self, target: SessionSource, text: str) -> None:
         await self.deliver(target, text)

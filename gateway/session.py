@@ -31,8 +31,11 @@ __all__ = [
     "build_session_context_prompt",
     "build_session_key",
     "canonical_whatsapp_identifier",
+    "coerce_id",
     "is_shared_multi_user_session",
+    "scrub_name",
     "scrub_text",
+    "validate_chat_id",
     "validate_id",
 ]
 
@@ -60,9 +63,24 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u206
 _SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 
+# The controls that break a line or tab apart: in a name they become one space.
+_BREAKS = re.compile(r"[\t\n\v\f\r\x1c-\x1f\x85\u2028\u2029]+")
+
+
 def scrub_text(value: str) -> str:
     """Replace lone surrogates (valid in JSON escapes, not in UTF-8) with U+FFFD."""
     return _SURROGATE.sub("\ufffd", value)
+
+
+def scrub_name(value: str) -> str | None:
+    """A display name (user_name, chat_name, chat_topic) fit for the prompt and the logs.
+
+    Names are free text the model is shown, so the characters an id is rejected for
+    (`validate_id`) are taken out rather than the message refused: line breaks and tabs
+    become one space, the other controls go, lone surrogates become U+FFFD. A name left
+    blank is None."""
+    cleaned = _CONTROL.sub("", _BREAKS.sub(" ", scrub_text(value))).strip()
+    return cleaned or None
 
 
 def validate_id(field_name: str, value: str | None) -> None:
@@ -77,6 +95,28 @@ def validate_id(field_name: str, value: str | None) -> None:
         raise ValueError(f"{field_name} must not contain '..'")
     if _CONTROL.search(value):
         raise ValueError(f"{field_name} must not contain control characters")
+
+
+def coerce_id(field_name: str, value: Any) -> str | None:
+    """An id read from JSON, as the string we keep it as.
+
+    Platforms number their ids (Telegram chat ids, Discord snowflakes), so an older
+    sessions.json or a webhook body may say 12345 where we keep "12345": a whole number
+    is taken as its decimal digits. A bool is no id, and neither is a float: JSON numbers
+    past 2**53 lose digits as floats, so 1.0 cannot be trusted to name the chat "1"."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise ValueError(f"{field_name} must be a string or a whole number, got {type(value).__name__}")
+
+
+def validate_chat_id(value: str | None) -> None:
+    """An inbound message needs a chat to be answered in: a blank chat_id (empty or only
+    whitespace) is refused, as is any id `validate_id` refuses."""
+    validate_id("chat_id", value)
+    if value is None or not value.strip():
+        raise ValueError("chat_id must not be empty or blank")
 
 
 def canonical_whatsapp_identifier(value: str | None) -> str | None:
@@ -146,7 +186,9 @@ class SessionSource:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SessionSource:
-        return cls(**_known_fields(data, _SOURCE_FIELDS))
+        """From `to_dict()` output or any other JSON: numeric ids become strings
+        (`coerce_id`); a bool or float id raises ValueError."""
+        return cls(**_coerce_ids(_known_fields(data, _SOURCE_FIELDS), _SOURCE_ID_FIELDS))
 
 
 def _known_fields(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
@@ -157,9 +199,28 @@ def _known_fields(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any
     return {name: data[name] for name in names if name in data}
 
 
+def _coerce_ids(kwargs: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
+    """`kwargs` with its ids among `names` made strings (`coerce_id`), in place."""
+    for name in names:
+        value = kwargs.get(name)
+        if value is not None and type(value) is not str:
+            kwargs[name] = coerce_id(name, value)
+    return kwargs
+
+
 # Computed once: entries and sources are encoded and decoded on every turn.
 _SOURCE_FIELDS = tuple(f.name for f in fields(SessionSource))
 _source_values = attrgetter(*_SOURCE_FIELDS)
+_SOURCE_ID_FIELDS = (
+    "chat_id",
+    "user_id",
+    "thread_id",
+    "user_id_alt",
+    "chat_id_alt",
+    "guild_id",
+    "parent_chat_id",
+    "message_id",
+)
 
 
 # --- keys ----------------------------------------------------------------------------------
@@ -329,7 +390,7 @@ class SessionEntry:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SessionEntry:
-        kwargs = _known_fields(data, _ENTRY_FIELDS)
+        kwargs = _coerce_ids(_known_fields(data, _ENTRY_FIELDS), ("session_key", "session_id"))
         for name in _DATETIME_FIELDS:
             if kwargs.get(name) is not None:
                 kwargs[name] = _dt_from_str(kwargs[name])

@@ -51,6 +51,7 @@ class SessionStore:
         self.sessions_dir = Path(sessions_dir)
         self.config = config
         self.has_active_processes_fn = has_active_processes_fn
+        self._active_check_failure: str | None = None  # the failing check's error type
         self.db_path = self.sessions_dir / STATE_DB
         self.json_path = self.sessions_dir / SESSIONS_JSON
         self._db = Database(self.db_path)
@@ -129,8 +130,30 @@ class SessionStore:
         )
 
     def _has_active_processes(self, session_key: str) -> bool:
+        """Whether the host says the session has work running (it is not reset then).
+
+        A check that raises counts as active and never fails the message: a wrong reset
+        cannot be taken back, a late one costs nothing. Logged when it starts failing
+        (or fails differently) and when it works again, not per message."""
         fn = self.has_active_processes_fn
-        return bool(fn(session_key)) if fn is not None else False
+        if fn is None:
+            return False
+        try:
+            active = bool(fn(session_key))
+        except Exception as exc:
+            if type(exc).__name__ != self._active_check_failure:
+                self._active_check_failure = type(exc).__name__
+                log.error(
+                    "has_active_processes_failed",
+                    error_type=type(exc).__name__,
+                    error=str(exc),
+                    effect="sessions count as active: no automatic reset until it works",
+                )
+            return True
+        if self._active_check_failure is not None:
+            self._active_check_failure = None
+            log.info("has_active_processes_recovered")
+        return active
 
     def _policy_for(self, entry: SessionEntry) -> Any:
         return self.config.get_reset_policy(entry.platform or Platform.LOCAL, entry.chat_type)

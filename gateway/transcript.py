@@ -98,6 +98,14 @@ def count_active(conn: sqlite3.Connection, session_id: str) -> int:
     return int(row[0])
 
 
+def count_undone(conn: sqlite3.Connection, session_id: str) -> int:
+    """Messages /undo, /retry or a rewrite took back (kept, inactive)."""
+    row = conn.execute(
+        "SELECT COUNT(*) FROM messages WHERE session_id = ? AND active = 0", (session_id,)
+    ).fetchone()
+    return int(row[0])
+
+
 def rewrite(conn: sqlite3.Connection, session_id: str, messages: list[dict[str, Any]]) -> int:
     """Replace the active transcript; the caller's savepoint makes it all-or-nothing."""
     _require_session(conn, session_id)

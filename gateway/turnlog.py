@@ -187,7 +187,7 @@ class TurnLog:
                 conn,
                 event.source,
                 chunks,
-                reply_to=event.source.message_id or event.message_id,
+                reply_to=event.reply_to,
                 session_key=session_key,
                 now=now.timestamp(),
             )
@@ -228,13 +228,18 @@ class TurnLog:
         )
 
     async def record_reply(
-        self, target: SessionSource, chunks: list[str], session_key: str | None
+        self,
+        target: SessionSource,
+        chunks: list[str],
+        session_key: str | None,
+        *,
+        reply_to: str | None = None,
     ) -> list[int]:
         """Record chunks that answer no turn (command replies, notices)."""
         now = time.time()
         return await self.store.write(
             lambda conn: journal.record_outbound(
-                conn, target, chunks, reply_to=None, session_key=session_key, now=now
+                conn, target, chunks, reply_to=reply_to, session_key=session_key, now=now
             ),
             dirty=False,
         )

@@ -7,7 +7,8 @@ and set `expiry_finalized`. A session whose hooks fail is retried on the next pa
 after `finalize_max_attempts` failures it is finalized anyway so it cannot loop forever.
 Pruning by `session_store_max_age_days` runs every `prune_interval_seconds` (1 h), with
 the journal expiry (inbox ids older than `storage.inbound_dedup_days`). Each pass also
-re-sends reply chunks that a platform failed to take earlier.
+re-sends reply chunks that a platform failed to take earlier; `send_pending_soon` does
+that at once for a reply another process recorded (`pairing approve`'s notice).
 """
 
 from __future__ import annotations
@@ -36,15 +37,35 @@ class Housekeeper:
         self._failures: dict[str, int] = {}
         self._last_prune = time.monotonic()
         self._task: asyncio.Task[None] | None = None
+        self._sender: asyncio.Task[None] | None = None  # send_pending_soon's passes
+        self._send_again = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="housekeeper")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
+        for task in (self._task, self._sender):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = self._sender = None
+
+    def send_pending_soon(self) -> None:
+        """Send every pending reply now, not at the next pass (ignored unless running).
+
+        Fresh rows are safe to take, as at start-up: a row this process records is
+        claimed by its sender before a read on the writer can hand it to this pass."""
+        self._send_again = True
+        if self._task is not None and (self._sender is None or self._sender.done()):
+            self._sender = asyncio.create_task(self._send_pending(), name="send-pending")
+
+    async def _send_pending(self) -> None:
+        while self._send_again:  # a nudge during a pass gets a pass of its own
+            self._send_again = False
+            try:
+                await self.runner.resend_pending()
+            except Exception:
+                log.exception("send_pending_failed")
 
     async def _loop(self) -> None:
         while True:

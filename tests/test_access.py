@@ -4,8 +4,13 @@ backoff and health state, and the `pairing` CLI."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import re
+import signal
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +19,10 @@ import time_machine
 
 from adapters.base import Backoff, MessageEvent, PlatformAdapter, SendResult
 from config import GatewayConfig, TelegramConfig
+from gateway import journal
 from gateway.pairing import (
     ALPHABET,
+    APPROVED_NOTICE,
     CODE_LENGTH,
     MAX_PENDING_PER_PLATFORM,
     Pairing,
@@ -24,6 +31,8 @@ from gateway.pairing import (
 )
 from gateway.session import Platform, SessionSource
 from gateway.store import SessionStore
+from scripts.harness import Daemon
+from tests.fakes.telegram_api import FakeTelegram
 
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})
 
@@ -38,8 +47,11 @@ class FakeGateway:
     async def is_paired(self, platform: str, user_id: str) -> bool:
         return await self.pairing.is_paired(platform, user_id)
 
-    async def request_pairing(self, platform: str, user_id: str, user_name: str | None):
-        return await self.pairing.request(platform, user_id, user_name)
+    async def request_pairing(self, source: SessionSource):
+        assert source.user_id is not None
+        return await self.pairing.request(
+            source.platform.value, source.user_id, source.user_name, target=source
+        )
 
     async def notify(self, target: SessionSource, text: str) -> None:
         self.notices.append((target, text))
@@ -136,6 +148,28 @@ async def test_approval_lets_the_user_in_and_revoke_takes_it_back(store) -> None
     assert not await adapter.authorize(dm())
 
 
+async def test_approval_records_one_notice_to_the_dm_the_code_was_asked_from(store) -> None:
+    pairing = Pairing(store)
+    first = SessionSource(Platform.SLACK, "D111", user_id="U9", user_name="Zed")
+    latest = SessionSource(Platform.SLACK, "D222", user_id="U9", user_name="Zed")
+    code = await pairing.request("slack", "U9", "Zed", target=first)
+    assert await pairing.request("slack", "U9", "Zed", target=latest) == code
+    assert await pairing.request("slack", "U9", "Zed") == code  # keeps the last DM known
+    request = await pairing.approve("slack", code)
+    assert request is not None and request.target == latest
+    assert await pairing.approve("slack", code) is None  # once
+    [row] = await store.write(lambda conn: journal.pending_outbound(conn, time.time() + 1))
+    assert (row["target"], row["text"], row["reply_to"]) == (latest, APPROVED_NOTICE, None)
+
+
+async def test_a_code_without_a_dm_is_approved_without_a_notice(store) -> None:
+    pairing = Pairing(store)
+    code = await pairing.request("slack", "U9", "Zed")
+    request = await pairing.approve("slack", code)
+    assert request is not None and request.target is None
+    assert await store.write(lambda conn: journal.pending_outbound(conn, time.time() + 1)) == []
+
+
 async def test_allowlists_and_allow_all(store) -> None:
     adapter, gateway = make(store, allowed_users=["7"], allowed_chats=["-100"])
     assert await adapter.authorize(dm("7"))
@@ -205,8 +239,6 @@ async def _request_code(home: Path) -> str:
 
 
 def test_pairing_cli_list_approve_revoke(tmp_path: Path, monkeypatch, capsys) -> None:
-    import asyncio
-
     code = asyncio.run(_request_code(tmp_path))
     status, out = _run_cli(tmp_path, "list", monkeypatch=monkeypatch, capsys=capsys)
     assert status == 0 and code in out and "Zed (U9)" in out
@@ -228,3 +260,81 @@ def test_pairing_cli_list_approve_revoke(tmp_path: Path, monkeypatch, capsys) ->
         tmp_path, "revoke", "slack", "U9", monkeypatch=monkeypatch, capsys=capsys
     )
     assert status == 1 and "not paired" in out
+
+
+# --- the approval notice, end to end ---------------------------------------------------
+
+TG_TOKEN = "123456:AAH-test-TOKEN_abcdefghijklmnopqrst"
+BOB = FakeTelegram.user(99, "Bob")
+CAT = FakeTelegram.user(77, "Cat")
+
+
+async def _wait_for(predicate: Callable[[], bool], what: str, within: float = 20.0) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {within} s")
+        await asyncio.sleep(0.05)
+
+
+async def _cli(home: Path, *argv: str) -> tuple[int, str]:
+    env = {**os.environ, "HERMES_HOME": str(home)}
+    env.pop("HERMES_CONFIG", None)
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "gateway.cli",
+        *argv,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
+    )
+    out, _ = await asyncio.wait_for(proc.communicate(), 30)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode()
+
+
+def _texts_to(tg: FakeTelegram, user: dict[str, Any]) -> list[str]:
+    return [m["text"] for m in tg.sent_messages if m["chat"]["id"] == user["id"]]
+
+
+async def _code_for(tg: FakeTelegram, user: dict[str, Any]) -> str:
+    tg.push_message(tg.private_chat(user), user, "hello")
+    await _wait_for(lambda: bool(_texts_to(tg, user)), "the pairing code")
+    match = re.search(r"pairing code is ([A-Z2-9]{8})", _texts_to(tg, user)[0])
+    assert match is not None, _texts_to(tg, user)
+    return match.group(1)
+
+
+@pytest.mark.timeout(90)
+async def test_an_approved_user_is_told_so_once_by_the_daemon(tmp_path: Path) -> None:
+    """`pairing approve` in its own process while the daemon runs: the daemon tells the
+    user at once; approved while it is down: it tells them when it starts. Each notice
+    is sent exactly once, across restarts."""
+    async with FakeTelegram(token=TG_TOKEN) as tg:
+        telegram = (
+            f"  telegram:\n    enabled: true\n    token: '{TG_TOKEN}'\n"
+            f"    base_url: '{tg.base_url}'\n    poll_timeout: 1\n"
+        )
+        daemon = Daemon(tmp_path / "home", telegram)
+        try:
+            await asyncio.to_thread(daemon.start)
+            bob, cat = await _code_for(tg, BOB), await _code_for(tg, CAT)
+
+            status, out = await _cli(daemon.home, "pairing", "approve", "telegram", bob)
+            assert status == 0 and "the gateway is telling them now" in out, out
+            await _wait_for(lambda: APPROVED_NOTICE in _texts_to(tg, BOB), "Bob's notice")
+
+            daemon.signal(signal.SIGTERM)
+            assert await asyncio.to_thread(daemon.wait_exit) == 0
+            status, out = await _cli(daemon.home, "pairing", "approve", "telegram", cat)
+            assert status == 0 and "they are told when the gateway next starts" in out, out
+            await asyncio.to_thread(daemon.start)
+            await _wait_for(lambda: APPROVED_NOTICE in _texts_to(tg, CAT), "Cat's notice")
+
+            tg.push_message(tg.private_chat(BOB), BOB, "hi again")
+            await _wait_for(lambda: "echo: hi again" in _texts_to(tg, BOB), "Bob's answer")
+        finally:
+            await asyncio.to_thread(daemon.ensure_stopped)
+    assert _texts_to(tg, BOB)[1:] == [APPROVED_NOTICE, "echo: hi again"]
+    assert _texts_to(tg, CAT)[1:] == [APPROVED_NOTICE]

@@ -214,6 +214,36 @@ def test_sessions_list_and_show(tmp_path: Path) -> None:
     assert missing.returncode == 1 and "no session" in missing.stderr
 
 
+def test_sessions_show_finds_a_session_whose_messages_were_all_undone(tmp_path: Path) -> None:
+    async def seed() -> tuple[str, str, str]:
+        config = GatewayConfig.model_validate({"timezone": "UTC"})
+        async with SessionStore(tmp_path / "sessions", config) as store:
+            source = SessionSource(platform=Platform.TELEGRAM, chat_id="99", user_name="Ann")
+            old = await store.get_or_create_session(source)
+            for role, content in (("user", "hi"), ("assistant", "echo: hi")):
+                await store.append_to_transcript(old.session_id, {"role": role, "content": content})
+            assert (await store.rewind_session(old.session_id, 1))["turns_undone"] == 1
+            current = await store.reset_session(old.session_key)  # as /undo, then /new
+            assert current is not None
+            await store.rewind_session(current.session_id, 1)  # nothing to undo: no-op
+            return old.session_key, old.session_id, current.session_id
+
+    key, old_id, current_id = asyncio.run(seed())
+    shown = cli(tmp_path, "sessions", "show", old_id)
+    assert shown.returncode == 0, shown.stderr
+    assert "no longer the current session of its key" in shown.stdout
+    assert f"session_key              {key}" in shown.stdout
+    assert "end_reason               session_reset" in shown.stdout
+    assert "transcript (0 messages; 2 undone with /undo or /retry):" in shown.stdout
+    as_json = json.loads(cli(tmp_path, "sessions", "show", old_id, "--json").stdout)
+    assert as_json["entry"] is None and as_json["transcript"] == []
+    assert as_json["session"]["session_key"] == key and as_json["undone_messages"] == 2
+    current = cli(tmp_path, "sessions", "show", current_id)
+    assert current.returncode == 0 and "transcript (0 messages):" in current.stdout
+    unknown = cli(tmp_path, "sessions", "show", "20200101_000000_0123abcd")
+    assert unknown.returncode == 1 and "no session" in unknown.stderr
+
+
 def test_sessions_list_active_minutes_filter(tmp_path: Path) -> None:
     _seed_sessions(tmp_path)
     recent = cli(tmp_path, "sessions", "list", "--active-minutes", "5")

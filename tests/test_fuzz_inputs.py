@@ -530,6 +530,41 @@ def test_http_api_answers_every_fuzzed_post_with_202_400_or_413(tmp_path: Path) 
         run_on(loop, still_answers())
 
 
+POLL_RANGES = {"after": (0, 2**63 - 1), "limit": (1, 500)}
+poll_values = st.one_of(
+    st.text(max_size=30),
+    st.integers(0, 2**70).map(str),
+    st.tuples(st.text("0", max_size=25), st.integers(0, 2**64)).map(lambda t: f"{t[0]}{t[1]}"),
+    st.integers(-(2**64), 2**64).map(lambda n: f"{n:+}"),
+    st.sampled_from(["١٢", "\uff13", "1e3", "0x1f", "1_0", " 7", "7\n", "½", "²"]),
+)
+
+
+def test_http_poll_parameters_are_400_unless_plain_digits_in_range(tmp_path: Path) -> None:
+    with running(start_http(tmp_path), stop_http) as (loop, rig):
+        url = f"{rig.adapter.url}/v1/chats/c1/messages"
+
+        async def poll_once(name: str, raw: str) -> None:
+            async with rig.session.get(url, params={name: raw}) as response:
+                status, body = response.status, await response.json()
+            low, high = POLL_RANGES[name]
+            # The rule, said another way than the adapter says it: ASCII 0-9, in range.
+            valid = raw.isascii() and raw.isdigit() and low <= int(raw) <= high
+            if valid:
+                assert status == 200, (name, raw, body)
+                assert body["messages"] == [], body
+            else:
+                assert status == 400, (name, raw, status, body)
+                assert f"query parameter {name} " in body["error"], body
+
+        @given(st.sampled_from(sorted(POLL_RANGES)), poll_values)
+        @settings(max_examples=300, **FUZZ_SETTINGS)
+        def fuzz(name: str, raw: str) -> None:
+            run_on(loop, poll_once(name, raw))
+
+        fuzz()
+
+
 # --- 2. Telegram (webhook mode) ----------------------------------------------------------
 
 TG_TOKEN = "123456:AAH-fuzz-TOKEN_abcdefghijklmnopqrst"

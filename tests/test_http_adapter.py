@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yarl
 
 from adapters.base import Accepted, AcceptStatus, MessageEvent, SendResult
 from adapters.http import MAX_REPLIES_PER_POLL, HttpAdapter
@@ -150,6 +151,22 @@ async def test_post_hands_the_gateway_the_event_as_built(api, client):
     )
 
 
+async def test_numeric_ids_in_the_body_are_taken_as_their_digits(api, client):
+    adapter, gateway = api
+    body = message(chat_id=-1001234567890, user_id=42, thread_id=7, message_id=2**70)
+    async with client.post(f"{adapter.url}/v1/messages", json=body) as resp:
+        assert resp.status == 202, await resp.text()
+    [event] = gateway.events
+    assert event.message_id == str(2**70)
+    source = event.source
+    assert (source.chat_id, source.user_id, source.thread_id, source.message_id) == (
+        "-1001234567890",
+        "42",
+        "7",
+        str(2**70),
+    )
+
+
 async def test_post_defaults_to_a_dm_without_optional_fields(api, client):
     adapter, gateway = api
     async with client.post(f"{adapter.url}/v1/messages", json=message()) as resp:
@@ -183,12 +200,18 @@ async def test_post_passes_on_the_gateways_status_and_detail(api, client):
         (json.dumps(message(text=5)).encode(), "text"),
         (json.dumps(message(chat_id="")).encode(), "chat_id"),
         (json.dumps(message(user_id="")).encode(), "user_id"),
+        (json.dumps(message(chat_id=" \t")).encode(), "chat_id must not be empty or blank"),
+        (json.dumps(message(user_id=" ")).encode(), "user_id must not be empty or blank"),
         (json.dumps(message(chat_type="supergroup")).encode(), "chat_type"),
         (json.dumps(message(colour="red")).encode(), "colour"),
         (json.dumps(message(chat_id="../etc")).encode(), "chat_id"),
         (json.dumps(message(chat_id="a/b")).encode(), "chat_id"),
         (json.dumps(message(user_id="u\n1")).encode(), "user_id"),
-        (json.dumps(message(thread_id=7)).encode(), "thread_id"),
+        (json.dumps(message(thread_id=7.5)).encode(), "thread_id must be a string or a whole"),
+        (json.dumps(message(chat_id=1.0)).encode(), "chat_id must be a string or a whole"),
+        (json.dumps(message(user_id=False)).encode(), "user_id must be a string or a whole"),
+        (json.dumps(message(chat_id=None)).encode(), "chat_id must be a string, got null"),
+        (json.dumps(message(thread_id=["t"])).encode(), "thread_id"),
         (json.dumps(message(message_id=True)).encode(), "message_id"),
         (json.dumps(message(user_name=["Ann"])).encode(), "user_name"),
         (b'{"chat_id": "c1", "user_id": "u1", "text": "\\ud800"}', "text"),
@@ -494,12 +517,76 @@ async def test_stop_wakes_a_pending_long_poll(api, client):
     assert time.monotonic() - started < 2
 
 
-@pytest.mark.parametrize(
-    "params", [{"wait": "soon"}, {"wait": "-1"}, {"wait": "nan"}, {"after": "x"}, {"after": "-3"}]
-)
-async def test_bad_poll_parameters_are_400(api, client, params):
+# Every spelling int() or float() would take but that is not plain ASCII digits, and
+# every value out of range. 2**63 used to reach SQLite and come back as a 500.
+MALFORMED = [
+    "",
+    " 1",
+    "1 ",
+    "+1",
+    "-1",
+    "-0",
+    "1e3",
+    "0x10",
+    "0o7",
+    "1_000",
+    "١٢",
+    "\uff13",
+    "nan",
+    "inf",
+]
+BAD_POLL_PARAMETERS = [
+    *[[("after", raw)] for raw in [*MALFORMED, "1.5", "x", str(2**63), "9" * 5000]],
+    *[[("limit", raw)] for raw in [*MALFORMED, "1.5", "0", "501", "9" * 5000]],
+    *[[("wait", raw)] for raw in [*MALFORMED, "soon", "1.", ".5", "1,5", "60.01", "61", "1e400"]],
+    [("after", "1"), ("after", "2")],
+    [("wait", "0"), ("wait", "0")],
+]
+
+
+def _param_id(params: list[tuple[str, str]]) -> str:
+    return "&".join(f"{name}={raw[:12]!r}" for name, raw in params)
+
+
+@pytest.mark.parametrize("params", BAD_POLL_PARAMETERS, ids=_param_id)
+async def test_bad_poll_parameters_are_400_naming_the_parameter(api, client, params):
     adapter, gateway = api
     async with client.get(f"{adapter.url}/v1/chats/c1/messages", params=params) as resp:
         assert resp.status == 400
-        assert next(iter(params)) in (await resp.json())["error"]
+        assert f"query parameter {params[0][0]} " in (await resp.json())["error"]
+    assert gateway.reads == []
+
+
+@pytest.mark.parametrize(
+    ("params", "read"),
+    [
+        ({}, (0, MAX_REPLIES_PER_POLL)),
+        ({"after": "007", "limit": "1"}, (7, 1)),
+        ({"after": str(2**63 - 1), "limit": str(MAX_REPLIES_PER_POLL)}, (2**63 - 1, 500)),
+        ({"after": "0" * 100 + "5", "wait": "0.05"}, (5, MAX_REPLIES_PER_POLL)),
+    ],
+)
+async def test_poll_parameters_in_range_reach_the_ledger(api, client, params, read):
+    adapter, gateway = api
+    assert await get_replies(client, adapter, **params) == {"messages": [], "next": read[0]}
+    assert gateway.reads[-1] == ("http", "c1", *read)
+
+
+async def test_limit_bounds_the_page(api, client):
+    adapter, gateway = api
+    for n in range(3):
+        await gateway.reply(adapter, source(), f"reply {n}")
+    first = await get_replies(client, adapter, limit=2)
+    assert [m["text"] for m in first["messages"]] == ["reply 0", "reply 1"]
+    rest = await get_replies(client, adapter, after=first["next"], limit=2)
+    assert [m["text"] for m in rest["messages"]] == ["reply 2"]
+
+
+@pytest.mark.parametrize("chat_id", ["%20", "%09", "a%2Fb", ".."])
+async def test_a_bad_chat_id_in_the_poll_path_is_400(api, client, chat_id):
+    adapter, gateway = api
+    url = yarl.URL(f"{adapter.url}/v1/chats/{chat_id}/messages", encoded=True)
+    async with client.get(url) as resp:
+        assert resp.status == 400
+        assert "chat_id" in (await resp.json())["error"]
     assert gateway.reads == []

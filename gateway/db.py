@@ -7,6 +7,14 @@ own result only after its data is committed, but a busy gateway pays one COMMIT 
 batch instead of one per message. A failing write still fails alone: its batch is
 rolled back and run again with a savepoint per write.
 
+A disk that cannot take a write (full, read-only, failing: `gateway.outage`) fails the
+whole batch: each writer gets `StoreUnwritable`, nothing of it was committed. Writes of
+work already acknowledged to someone (`persist=True`: a turn of an accepted message, a
+delivery mark) are not failed but parked, and tried again every `retry_interval` seconds
+until the disk takes them; with none parked, a one-page probe write finds out when the
+disk works again. The outage is logged once a minute (`store_unwritable`) and shown by
+`write_health()`.
+
 Why the writer runs on the event loop's thread: a turn's writes are short (a few B-tree
 pages, no fsync at COMMIT in WAL mode with `synchronous=NORMAL`), and Python threads
 share one GIL. On a writer thread every statement handed the GIL back and forth with the
@@ -30,10 +38,17 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiosqlite
+import structlog
 
 from gateway.checkpoint import SAFETY_NET_PAGES, WAL_SIZE_LIMIT, Checkpointer
+from gateway.outage import Outage, StoreUnwritable, unwritable_reason
 
 T = TypeVar("T")
+WriteFn = Callable[[sqlite3.Connection], Any]
+
+log = structlog.get_logger("gateway.db")
+
+RETRY_SECONDS = 5.0  # while the disk cannot write: how often parked writes (or a probe) retry
 
 SCHEMA_VERSION = 5
 
@@ -209,8 +224,12 @@ class Database:
         self.path = path
         self._writer: sqlite3.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
-        self._pending: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
+        self._pending: list[tuple[WriteFn, asyncio.Future[Any], bool]] = []  # fn, future, persist
+        self._parked: list[tuple[WriteFn, asyncio.Future[Any]]] = []  # refused, to retry
         self._flush: asyncio.Handle | None = None
+        self._retry: asyncio.TimerHandle | None = None
+        self.retry_interval = RETRY_SECONDS
+        self.unwritable = Outage(log, "store_unwritable", path=str(path))
         self._idle = asyncio.Event()
         self._closing = False
         self._checkpointer: Checkpointer | None = None
@@ -257,6 +276,7 @@ class Database:
         if self._writer is None:
             return
         self._closing = True
+        self._give_up_parked()
         while self._flush is not None:
             self._idle.clear()
             await self._idle.wait()
@@ -275,27 +295,47 @@ class Database:
         self._require_open()
         assert self._reader is not None
         if self._pending:
-            await self.write_soon(_nothing)
+            # A refused batch committed nothing before this read: it sees what is there.
+            with contextlib.suppress(StoreUnwritable):
+                await self.write_soon(_nothing)
         return await self._reader._execute(_read_snapshot, self._reader._conn, fn)
 
-    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run `fn(conn)` in a committed transaction; returns once it is committed."""
-        return await self.write_soon(fn)
+    async def write(self, fn: Callable[[sqlite3.Connection], T], *, persist: bool = False) -> T:
+        """Run `fn(conn)` in a committed transaction; returns once it is committed.
+        Raises `StoreUnwritable` when the disk cannot take it, unless `persist`."""
+        return await self.write_soon(fn, persist=persist)
 
-    def write_soon(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+    def write_soon(
+        self, fn: Callable[[sqlite3.Connection], T], *, persist: bool = False
+    ) -> asyncio.Future[T]:
         """Queue `fn` for this loop pass's group commit without waiting for it: for writes
         whose caller has nothing to do after them (a delivery acknowledgement). The future
         settles once it is committed; `close()` waits for it. A caller cancelled while
-        waiting does not take its write back: it is committed all the same."""
+        waiting does not take its write back: it is committed all the same.
+
+        `persist`: the write records work already acknowledged, so a disk that cannot take
+        it does not fail it; it waits (parked) and is tried again until the disk can. A
+        parked write whose caller was cancelled meanwhile is dropped, and `close()` fails
+        the ones still parked."""
         self._require_open()
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._pending.append((fn, future))
-        if self._flush is None:
-            # Runs after the callbacks already ready in this pass, so writes issued by
-            # the turns woken together land in one transaction.
-            self._flush = loop.call_soon(self._commit_pending)
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, future, persist))
+        self._flush_soon()
         return future
+
+    def write_health(self) -> dict[str, Any]:
+        """`{"state": "writable"}`, or why the disk refuses writes, since when and how many
+        it refused (for /healthz and `hermes-gateway status`)."""
+        outage = self.unwritable
+        if outage.reason is None or outage.since is None:
+            return {"state": "writable"}
+        return {
+            "state": "unwritable",
+            "reason": outage.reason,
+            "since": outage.since.isoformat(),
+            "refused_writes": outage.failures,
+            "waiting_writes": len(self._parked),
+        }
 
     def trace_writes(self, callback: Callable[[str], object] | None) -> None:
         """Hand every SQL statement the writer runs to `callback` (None stops it): how
@@ -309,17 +349,89 @@ class Database:
             raise DatabaseError("the session store is not open")
         return self._writer
 
+    def _flush_soon(self) -> None:
+        if self._flush is None:
+            # Runs after the callbacks already ready in this pass, so writes issued by
+            # the turns woken together land in one transaction.
+            self._flush = asyncio.get_running_loop().call_soon(self._commit_pending)
+
     def _commit_pending(self) -> None:
         assert self._writer is not None
         self._flush = None
         batch, self._pending = self._pending, []
+        fns = [fn for fn, _, _ in batch]
+        changes = self._writer.total_changes
         try:
-            outcome = _commit_batch(self._writer, [fn for fn, _ in batch])
+            outcome = _commit_batch(self._writer, fns)
         except Exception as exc:  # the connection itself failed
-            outcome = [(False, exc)] * len(batch)
-        self.commits += 1
+            outcome = [(False, _refusal(exc))] * len(batch)
+        refused = outcome[0][1] if outcome and isinstance(outcome[0][1], StoreUnwritable) else None
+        if refused is None:
+            self.commits += 1
+            if self._writer.total_changes != changes or _probe in fns:
+                self._writable_again()
+        else:
+            settled = self._park(batch, refused)
+            batch, outcome = settled, outcome[: len(settled)]
         _settle(batch, outcome)
         self._idle.set()
+
+    def _park(
+        self, batch: list[tuple[WriteFn, asyncio.Future[Any], bool]], refused: StoreUnwritable
+    ) -> list[tuple[WriteFn, asyncio.Future[Any], bool]]:
+        """A batch the disk refused: note the outage, park the writes that must land, and
+        return the others (their writers get the refusal)."""
+        self.unwritable.failed(refused.reason, count=sum(fn is not _probe for fn, _, _ in batch))
+        others = []
+        for fn, future, persist in batch:
+            if persist and not future.done():
+                self._parked.append((fn, future))
+            else:
+                others.append((fn, future, persist))
+        if self._retry is None and not self._closing:
+            loop = asyncio.get_running_loop()
+            self._retry = loop.call_later(self.retry_interval, self._retry_parked)
+        return others
+
+    def _retry_parked(self) -> None:
+        """While the disk refuses writes: try the parked ones again, or (none parked) a
+        probe, whose success is how an idle gateway learns the disk works again."""
+        self._retry = None
+        if self._writer is None or self._closing:
+            return
+        parked, self._parked = self._parked, []
+        live = [(fn, future, True) for fn, future in parked if not future.done()]
+        if live:
+            self._pending.extend(live)
+        elif self.unwritable.active:
+            probe: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            probe.add_done_callback(_seen)
+            self._pending.append((_probe, probe, False))
+        else:
+            return
+        self._flush_soon()
+
+    def _writable_again(self) -> None:
+        self.unwritable.ended()
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self._parked:
+            parked, self._parked = self._parked, []
+            self._pending.extend((fn, future, True) for fn, future in parked)
+            self._flush_soon()
+
+    def _give_up_parked(self) -> None:
+        """At close: writes still parked fail (their work is re-done from the journal on
+        the next start, as after a crash)."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        parked, self._parked = self._parked, []
+        reason = self.unwritable.reason or "the store closed"
+        for _, future in parked:
+            if not future.done():
+                future.set_exception(StoreUnwritable(reason))
 
     async def _close_connections(self) -> None:
         if self._reader is not None:
@@ -422,9 +534,11 @@ def _check_integrity(conn: sqlite3.Connection, path: Path) -> None:
         raise sqlite3.DatabaseError(f"integrity check failed: {'; '.join(problems)}")
 
 
-def _settle(batch: list[tuple[Any, asyncio.Future[Any]]], outcome: list[tuple[bool, Any]]) -> None:
+def _settle(
+    batch: list[tuple[WriteFn, asyncio.Future[Any], bool]], outcome: list[tuple[bool, Any]]
+) -> None:
     """Hand each writer of a committed (or failed) batch its own result."""
-    for (_, future), (ok, value) in zip(batch, outcome, strict=True):
+    for (_, future, _), (ok, value) in zip(batch, outcome, strict=True):
         if future.done():
             continue
         if ok:
@@ -450,6 +564,32 @@ def _nothing(conn: sqlite3.Connection) -> None:
     """A place in the write queue: `read()` waits for it to see the writes before it."""
 
 
+def _probe(conn: sqlite3.Connection) -> None:
+    """One page written and committed (the header's user_version, rewritten as it is):
+    fails while the disk is full, read-only or failing, and changes nothing when it works."""
+    version = conn.execute("PRAGMA user_version").fetchone()[0]
+    conn.execute(f"PRAGMA user_version={int(version)}")
+
+
+def _refusal(exc: Exception) -> Exception:
+    """`exc`, or the `StoreUnwritable` it means (the SQLite error kept as its cause)."""
+    reason = unwritable_reason(exc)
+    if reason is None or isinstance(exc, StoreUnwritable):
+        return exc
+    refused = StoreUnwritable(reason)
+    refused.__cause__ = exc
+    return refused
+
+
+def _rollback(conn: sqlite3.Connection) -> None:
+    """End a failed transaction. A full or failing disk may have rolled it back already
+    (SQLite does so on SQLITE_FULL and SQLITE_IOERR), or may fail the ROLLBACK itself;
+    either way the next batch starts afresh (`_commit_batch` ends a leftover one)."""
+    if conn.in_transaction:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+
+
 def _read_snapshot(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
     """Reader-thread side of `read()`: one transaction, so a read of several statements
     sees one state even while the writer commits beside it."""
@@ -466,22 +606,27 @@ def _commit_batch(
     """One transaction for the whole batch, without a savepoint per write (they were a
     third of a batch's statements). Writes rarely fail; when one does, the batch is
     rolled back and run again with a savepoint per write, so the failing write fails
-    alone (write functions are therefore re-runnable: they act through `conn` only)."""
+    alone (write functions are therefore re-runnable: they act through `conn` only). A
+    disk that cannot write fails every write alike: the batch is refused as a whole."""
+    _rollback(conn)
     try:
         conn.execute("BEGIN IMMEDIATE")
     except sqlite3.Error as exc:
-        return [(False, exc)] * len(fns)
+        return [(False, _refusal(exc))] * len(fns)
     results: list[tuple[bool, Any]] = []
     try:
         for fn in fns:
             results.append((True, fn(conn)))
         conn.execute("COMMIT")
     except Exception as exc:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        if len(fns) == 1:
-            return [(False, exc)]
-        return _commit_with_savepoints(conn, fns)
+        _rollback(conn)
+        if len(fns) == 1 or unwritable_reason(exc) is not None:
+            return [(False, _refusal(exc))] * len(fns)
+        try:
+            return _commit_with_savepoints(conn, fns)
+        except Exception as again:
+            _rollback(conn)
+            return [(False, _refusal(again))] * len(fns)
     return results
 
 
@@ -492,12 +637,14 @@ def _commit_with_savepoints(
     try:
         conn.execute("BEGIN IMMEDIATE")
     except sqlite3.Error as exc:
-        return [(False, exc)] * len(fns)
+        return [(False, _refusal(exc))] * len(fns)
     for fn in fns:
         conn.execute("SAVEPOINT op")
         try:
             value = fn(conn)
         except Exception as exc:
+            if unwritable_reason(exc) is not None:
+                raise  # the disk, not this write: SQLite may have dropped the transaction
             conn.execute("ROLLBACK TO op")
             conn.execute("RELEASE op")
             results.append((False, exc))
@@ -507,6 +654,6 @@ def _commit_with_savepoints(
     try:
         conn.execute("COMMIT")
     except sqlite3.Error as exc:
-        conn.execute("ROLLBACK")
-        return [(False, exc)] * len(fns)
+        _rollback(conn)
+        return [(False, _refusal(exc))] * len(fns)
     return results

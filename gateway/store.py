@@ -94,8 +94,10 @@ class SessionStore:
         await self.search_index.stop()
         try:
             await self._mirror.stop()
+        except (OSError, sqlite3.Error):
+            pass  # logged by the mirror (a full disk); sessions.json catches up next change
         finally:
-            await self._db.close()  # even when the final sessions.json write failed
+            await self._db.close()
 
     async def __aenter__(self) -> SessionStore:
         return await self.open()

@@ -29,9 +29,13 @@ from typing import Any, ClassVar
 import aiohttp
 import pytest
 import structlog
+from discord.gateway import DiscordWebSocket
+from discord.http import Route
 from structlog.testing import capture_logs
 
+from adapters.discord import DiscordAdapter
 from adapters.http import HttpAdapter
+from adapters.slack import SlackAdapter
 from adapters.telegram import TelegramAdapter
 from config import GatewayConfig
 from gateway.agents import TurnRequest, TurnResult
@@ -39,6 +43,8 @@ from gateway.db import Database
 from gateway.outage import Outage, StoreUnwritable, unwritable_reason
 from gateway.run import GatewayRunner
 from gateway.status import write_status
+from tests.fakes.discord_api import FakeDiscord
+from tests.fakes.slack_api import FakeSlack, dm, post_event, redeliver
 from tests.fakes.telegram_api import FakeTelegram
 
 # Rows this long spill onto overflow pages, so storing them needs pages the full
@@ -365,6 +371,127 @@ async def test_telegram_update_is_not_confirmed_until_stored_then_answered_once(
             assert len(tg.sent) == 1
         finally:
             await runner.stop()
+
+
+# --- end to end, simulated: Slack (Socket Mode and HTTP mode) and Discord -------------------
+
+SLACK_BOT_TOKEN, SLACK_APP_TOKEN, SIGNING_SECRET = "xoxb-test-bot", "xapp-test-app", "s1gn"
+
+
+@contextlib.asynccontextmanager
+async def chat_gateway(
+    home: Path, platform: str, adapter_type: type[Any], **settings: Any
+) -> AsyncIterator[GatewayRunner]:
+    config = GatewayConfig.model_validate(
+        {"timezone": "UTC", "platforms": {platform: {"enabled": True, **settings}}}
+    )
+    runner = GatewayRunner(
+        config,
+        [adapter_type(getattr(config.platforms, platform))],
+        agent_factory=HeldAgent,
+        home=home,
+    )
+    try:
+        await runner.start()
+        runner.store._db.retry_interval = 0.05
+        yield runner
+    finally:
+        await runner.stop()
+
+
+def slack_settings(slack: FakeSlack, mode: str) -> dict[str, Any]:
+    return {
+        "bot_token": SLACK_BOT_TOKEN,
+        "app_token": SLACK_APP_TOKEN if mode == "socket" else None,
+        "signing_secret": SIGNING_SECRET,
+        "api_base_url": slack.api_base_url,
+        "mode": mode,
+        "port": 0,
+        "allowed_users": ["U42"],
+    }
+
+
+async def test_slack_socket_mode_leaves_an_event_it_cannot_store_unacknowledged(
+    tmp_path: Path,
+) -> None:
+    async with (
+        FakeSlack(bot_token=SLACK_BOT_TOKEN, app_token=SLACK_APP_TOKEN) as slack,
+        chat_gateway(tmp_path, "slack", SlackAdapter, **slack_settings(slack, "socket")) as gw,
+    ):
+        disk = SimulatedFullDisk(gw.store._db)
+        disk.fill()
+        event = dm("U42", "x" * BIG)
+        refused = await slack.deliver(event)
+        await wait_for(lambda: gw.health()["store"]["state"] == "unwritable")
+        await asyncio.sleep(0.3)
+        assert refused not in slack.acks and slack.posted == []  # Slack will send it again
+
+        disk.free()
+        retried = await slack.deliver(redeliver(event), retry_attempt=1)
+        await slack.wait_for_ack(retried)
+        await slack.wait_until(lambda: len(slack.posted) >= 1)
+        await asyncio.sleep(0.3)
+        assert [m["text"] for m in slack.posted] == [f"echo: {'x' * 20}"]
+
+
+async def test_slack_http_mode_answers_503_for_an_event_it_cannot_store(tmp_path: Path) -> None:
+    async with (
+        FakeSlack(bot_token=SLACK_BOT_TOKEN, app_token=SLACK_APP_TOKEN) as slack,
+        chat_gateway(tmp_path, "slack", SlackAdapter, **slack_settings(slack, "http")) as gw,
+    ):
+        adapter = gw.adapters[next(iter(gw.adapters))]
+        assert isinstance(adapter, SlackAdapter)
+        url = f"http://127.0.0.1:{adapter.port}/slack/events"
+        disk = SimulatedFullDisk(gw.store._db)
+        disk.fill()
+        event = dm("U42", "x" * BIG)
+        status, body = await post_event(url, event, secret=SIGNING_SECRET)
+        assert status == 503 and "disk full" in body
+
+        disk.free()
+        retry = await post_event(url, redeliver(event), secret=SIGNING_SECRET, retry_num=1)
+        assert retry[0] == 200
+        await slack.wait_until(lambda: len(slack.posted) >= 1)
+        again = await post_event(url, redeliver(event), secret=SIGNING_SECRET, retry_num=2)
+        assert again[0] == 200
+        await asyncio.sleep(0.3)
+        assert [m["text"] for m in slack.posted] == [f"echo: {'x' * 20}"]
+
+
+async def test_discord_counts_and_logs_messages_lost_to_a_full_disk(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    base, gateway_url = Route.BASE, DiscordWebSocket.DEFAULT_GATEWAY  # process-wide in discord.py
+    try:
+        async with FakeDiscord(token="MTEwMA.fake.Zq7Xk9") as discord_api:
+            discord_api.add_user("42", "Alice")
+            async with chat_gateway(
+                tmp_path,
+                "discord",
+                DiscordAdapter,
+                token="MTEwMA.fake.Zq7Xk9",
+                api_base_url=discord_api.api_base_url,
+                allowed_users=["42"],
+            ) as gw:
+                adapter = gw.adapters[next(iter(gw.adapters))]
+                assert isinstance(adapter, DiscordAdapter)
+                disk = SimulatedFullDisk(gw.store._db)
+                disk.fill()
+                caplog.set_level("ERROR", logger="adapters.discord")
+                for _ in range(3):
+                    await discord_api.dm("42", "x" * 2000)
+                await wait_for(lambda: adapter.health().get("lost_total") == 3)
+                lost = [r for r in caplog.records if "lost" in r.getMessage()]
+                assert len(lost) == 1  # once a minute, not per message
+                assert "could not store them (the store cannot write (disk full" in (
+                    lost[0].getMessage()
+                )
+                disk.free()
+                await discord_api.dm("42", "back")
+                channel = discord_api.dm_channel("42")
+                await wait_for(lambda: discord_api.sent_to(channel) == ["echo: back"])
+    finally:
+        Route.BASE, DiscordWebSocket.DEFAULT_GATEWAY = base, gateway_url
 
 
 # --- end to end, a real full disk: a small tmpfs under a real daemon -------------------------

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 import sqlite3
 from collections.abc import Callable
@@ -40,8 +41,9 @@ from typing import Any, TypeVar
 import aiosqlite
 import structlog
 
+from gateway.batch import Outcome, commit_batch, probe, refusal
 from gateway.checkpoint import SAFETY_NET_PAGES, WAL_SIZE_LIMIT, Checkpointer
-from gateway.outage import Outage, StoreUnwritable, unwritable_reason
+from gateway.outage import Outage, StoreUnwritable
 
 T = TypeVar("T")
 WriteFn = Callable[[sqlite3.Connection], Any]
@@ -352,8 +354,11 @@ class Database:
     def _flush_soon(self) -> None:
         if self._flush is None:
             # Runs after the callbacks already ready in this pass, so writes issued by
-            # the turns woken together land in one transaction.
-            self._flush = asyncio.get_running_loop().call_soon(self._commit_pending)
+            # the turns woken together land in one transaction. In a context of its own:
+            # a batch is nobody's in particular (no turn's session_key on its log lines).
+            self._flush = asyncio.get_running_loop().call_soon(
+                self._commit_pending, context=contextvars.Context()
+            )
 
     def _commit_pending(self) -> None:
         assert self._writer is not None
@@ -362,13 +367,13 @@ class Database:
         fns = [fn for fn, _, _ in batch]
         changes = self._writer.total_changes
         try:
-            outcome = _commit_batch(self._writer, fns)
+            outcome = commit_batch(self._writer, fns)
         except Exception as exc:  # the connection itself failed
-            outcome = [(False, _refusal(exc))] * len(batch)
+            outcome = [(False, refusal(exc))] * len(batch)
         refused = outcome[0][1] if outcome and isinstance(outcome[0][1], StoreUnwritable) else None
         if refused is None:
             self.commits += 1
-            if self._writer.total_changes != changes or _probe in fns:
+            if self._writer.total_changes != changes or probe in fns:
                 self._writable_again()
         else:
             settled = self._park(batch, refused)
@@ -381,7 +386,7 @@ class Database:
     ) -> list[tuple[WriteFn, asyncio.Future[Any], bool]]:
         """A batch the disk refused: note the outage, park the writes that must land, and
         return the others (their writers get the refusal)."""
-        self.unwritable.failed(refused.reason, count=sum(fn is not _probe for fn, _, _ in batch))
+        self.unwritable.failed(refused.reason, count=sum(fn is not probe for fn, _, _ in batch))
         others = []
         for fn, future, persist in batch:
             if persist and not future.done():
@@ -390,7 +395,9 @@ class Database:
                 others.append((fn, future, persist))
         if self._retry is None and not self._closing:
             loop = asyncio.get_running_loop()
-            self._retry = loop.call_later(self.retry_interval, self._retry_parked)
+            self._retry = loop.call_later(
+                self.retry_interval, self._retry_parked, context=contextvars.Context()
+            )
         return others
 
     def _retry_parked(self) -> None:
@@ -404,9 +411,9 @@ class Database:
         if live:
             self._pending.extend(live)
         elif self.unwritable.active:
-            probe: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            probe.add_done_callback(_seen)
-            self._pending.append((_probe, probe, False))
+            probed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            probed.add_done_callback(_seen)
+            self._pending.append((probe, probed, False))
         else:
             return
         self._flush_soon()
@@ -534,9 +541,7 @@ def _check_integrity(conn: sqlite3.Connection, path: Path) -> None:
         raise sqlite3.DatabaseError(f"integrity check failed: {'; '.join(problems)}")
 
 
-def _settle(
-    batch: list[tuple[WriteFn, asyncio.Future[Any], bool]], outcome: list[tuple[bool, Any]]
-) -> None:
+def _settle(batch: list[tuple[WriteFn, asyncio.Future[Any], bool]], outcome: Outcome) -> None:
     """Hand each writer of a committed (or failed) batch its own result."""
     for (_, future, _), (ok, value) in zip(batch, outcome, strict=True):
         if future.done():
@@ -564,32 +569,6 @@ def _nothing(conn: sqlite3.Connection) -> None:
     """A place in the write queue: `read()` waits for it to see the writes before it."""
 
 
-def _probe(conn: sqlite3.Connection) -> None:
-    """One page written and committed (the header's user_version, rewritten as it is):
-    fails while the disk is full, read-only or failing, and changes nothing when it works."""
-    version = conn.execute("PRAGMA user_version").fetchone()[0]
-    conn.execute(f"PRAGMA user_version={int(version)}")
-
-
-def _refusal(exc: Exception) -> Exception:
-    """`exc`, or the `StoreUnwritable` it means (the SQLite error kept as its cause)."""
-    reason = unwritable_reason(exc)
-    if reason is None or isinstance(exc, StoreUnwritable):
-        return exc
-    refused = StoreUnwritable(reason)
-    refused.__cause__ = exc
-    return refused
-
-
-def _rollback(conn: sqlite3.Connection) -> None:
-    """End a failed transaction. A full or failing disk may have rolled it back already
-    (SQLite does so on SQLITE_FULL and SQLITE_IOERR), or may fail the ROLLBACK itself;
-    either way the next batch starts afresh (`_commit_batch` ends a leftover one)."""
-    if conn.in_transaction:
-        with contextlib.suppress(sqlite3.Error):
-            conn.execute("ROLLBACK")
-
-
 def _read_snapshot(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
     """Reader-thread side of `read()`: one transaction, so a read of several statements
     sees one state even while the writer commits beside it."""
@@ -598,62 +577,3 @@ def _read_snapshot(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], 
         return fn(conn)
     finally:
         conn.execute("COMMIT")
-
-
-def _commit_batch(
-    conn: sqlite3.Connection, fns: list[Callable[[sqlite3.Connection], Any]]
-) -> list[tuple[bool, Any]]:
-    """One transaction for the whole batch, without a savepoint per write (they were a
-    third of a batch's statements). Writes rarely fail; when one does, the batch is
-    rolled back and run again with a savepoint per write, so the failing write fails
-    alone (write functions are therefore re-runnable: they act through `conn` only). A
-    disk that cannot write fails every write alike: the batch is refused as a whole."""
-    _rollback(conn)
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.Error as exc:
-        return [(False, _refusal(exc))] * len(fns)
-    results: list[tuple[bool, Any]] = []
-    try:
-        for fn in fns:
-            results.append((True, fn(conn)))
-        conn.execute("COMMIT")
-    except Exception as exc:
-        _rollback(conn)
-        if len(fns) == 1 or unwritable_reason(exc) is not None:
-            return [(False, _refusal(exc))] * len(fns)
-        try:
-            return _commit_with_savepoints(conn, fns)
-        except Exception as again:
-            _rollback(conn)
-            return [(False, _refusal(again))] * len(fns)
-    return results
-
-
-def _commit_with_savepoints(
-    conn: sqlite3.Connection, fns: list[Callable[[sqlite3.Connection], Any]]
-) -> list[tuple[bool, Any]]:
-    results: list[tuple[bool, Any]] = []
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.Error as exc:
-        return [(False, _refusal(exc))] * len(fns)
-    for fn in fns:
-        conn.execute("SAVEPOINT op")
-        try:
-            value = fn(conn)
-        except Exception as exc:
-            if unwritable_reason(exc) is not None:
-                raise  # the disk, not this write: SQLite may have dropped the transaction
-            conn.execute("ROLLBACK TO op")
-            conn.execute("RELEASE op")
-            results.append((False, exc))
-        else:
-            conn.execute("RELEASE op")
-            results.append((True, value))
-    try:
-        conn.execute("COMMIT")
-    except sqlite3.Error as exc:
-        _rollback(conn)
-        return [(False, _refusal(exc))] * len(fns)
-    return results

@@ -247,6 +247,10 @@ async def test_simulated_disk_full_refuses_new_messages_and_loses_nothing_acknow
             async with http.get(f"{url}/healthz") as resp:
                 return await resp.json()
 
+        async def metrics() -> list[str]:
+            async with http.get(f"{url}/metrics") as resp:
+                return (await resp.text()).splitlines()
+
         # Accepted (202) before the disk fills; its answer comes while it is full.
         status, _, _ = await post("c1", "hold on", "m1")
         assert status == 202
@@ -277,6 +281,9 @@ async def test_simulated_disk_full_refuses_new_messages_and_loses_nothing_acknow
             assert now["store"]["reason"] == "disk full: database or disk is full"
             assert now["store"]["refused_writes"] >= 4
             assert await replies("c1") == []  # nothing is sent that was not recorded
+            assert {"hermes_store_writable 0", "hermes_messages_unavailable_total 3"} <= set(
+                await metrics()
+            )
 
             write_status(runner.home, runner.status_snapshot())
             shown = await asyncio.to_thread(status_cli, runner.home)
@@ -289,6 +296,7 @@ async def test_simulated_disk_full_refuses_new_messages_and_loses_nothing_acknow
             await wait_for(replies_arrived := _Collector(replies, "c1"))
             assert replies_arrived.texts == [BIG_REPLY]
             assert (await health())["status"] == "ok"
+            assert "hermes_store_writable 1" in await metrics()
 
             status, body, _ = await post("c2", "x" * BIG, "m2")  # the retry is accepted
             assert (status, body["status"]) == (202, "started")

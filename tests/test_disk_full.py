@@ -325,65 +325,7 @@ class _Collector:
         return bool(self.texts)
 
 
-# --- end to end, simulated: Telegram's own offset loop --------------------------------------
-
-TOKEN = "123456:AAH-test-TOKEN_abcdefghijklmnopqrst"
-ADA = FakeTelegram.user(42, "Ada", "ada")
-
-
-async def test_telegram_update_is_not_confirmed_until_stored_then_answered_once(
-    tmp_path: Path,
-) -> None:
-    async with FakeTelegram(token=TOKEN) as tg:
-        config = GatewayConfig.model_validate(
-            {
-                "timezone": "UTC",
-                "platforms": {
-                    "telegram": {
-                        "enabled": True,
-                        "token": TOKEN,
-                        "base_url": tg.base_url,
-                        "poll_timeout": 1,
-                        "allowed_users": ["42"],
-                    }
-                },
-            }
-        )
-        adapter = TelegramAdapter(config.platforms.telegram)
-        runner = GatewayRunner(config, [adapter], agent_factory=HeldAgent, home=tmp_path)
-        await runner.start()
-        runner.store._db.retry_interval = 0.05
-        try:
-            disk = SimulatedFullDisk(runner.store._db)
-            disk.fill()
-            # 4,000 characters (Telegram's limit is 4,096): too long for the room left.
-            update_id = tg.push_message(tg.private_chat(ADA), ADA, "x" * 4000)
-
-            await wait_for(lambda: tg.deliveries[update_id] >= 2)  # Telegram sent it again
-            offsets = [p.get("offset") for m, p in tg.requests if m == "getUpdates"]
-            assert all(o is None or o <= update_id for o in offsets)  # never confirmed
-            assert tg.sent == []
-            assert runner.health()["store"]["state"] == "unwritable"
-
-            disk.free()
-            await wait_for(lambda: len(tg.sent) == 1)
-            assert tg.sent[0]["text"] == f"echo: {'x' * 20}"
-            await wait_for(
-                lambda: any(
-                    m == "getUpdates" and (p.get("offset") or 0) > update_id for m, p in tg.requests
-                )
-            )
-            delivered = tg.deliveries[update_id]
-            await asyncio.sleep(0.5)
-            assert tg.deliveries[update_id] == delivered  # confirmed: not sent again
-            assert len(tg.sent) == 1
-        finally:
-            await runner.stop()
-
-
-# --- end to end, simulated: Slack (Socket Mode and HTTP mode) and Discord -------------------
-
-SLACK_BOT_TOKEN, SLACK_APP_TOKEN, SIGNING_SECRET = "xoxb-test-bot", "xapp-test-app", "s1gn"
+# --- end to end, simulated: the chat platforms ---------------------------------------------
 
 
 @contextlib.asynccontextmanager
@@ -405,6 +347,86 @@ async def chat_gateway(
         yield runner
     finally:
         await runner.stop()
+
+
+TOKEN = "123456:AAH-test-TOKEN_abcdefghijklmnopqrst"
+ADA = FakeTelegram.user(42, "Ada", "ada")
+
+
+def telegram_settings(tg: FakeTelegram, **extra: Any) -> dict[str, Any]:
+    return {
+        "token": TOKEN,
+        "base_url": tg.base_url,
+        "poll_timeout": 1,
+        "allowed_users": ["42"],
+        **extra,
+    }
+
+
+async def test_telegram_update_is_not_confirmed_until_stored_then_answered_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with (
+        FakeTelegram(token=TOKEN) as tg,
+        chat_gateway(tmp_path, "telegram", TelegramAdapter, **telegram_settings(tg)) as gw,
+    ):
+        disk = SimulatedFullDisk(gw.store._db)
+        disk.fill()
+        # 4,000 characters (Telegram's limit is 4,096): too long for the room left.
+        update_id = tg.push_message(tg.private_chat(ADA), ADA, "x" * 4000)
+
+        await wait_for(lambda: tg.deliveries[update_id] >= 2)  # Telegram sent it again
+        offsets = [p.get("offset") for m, p in tg.requests if m == "getUpdates"]
+        assert all(o is None or o <= update_id for o in offsets)  # never confirmed
+        assert tg.sent == []
+        assert gw.health()["store"]["state"] == "unwritable"
+        # Each retry is quiet: the store says it once a minute, not the adapter per retry.
+        assert [r for r in caplog.records if r.name == "adapters.telegram"] == []
+
+        disk.free()
+        await wait_for(lambda: len(tg.sent) == 1)
+        assert tg.sent[0]["text"] == f"echo: {'x' * 20}"
+        await wait_for(
+            lambda: any(
+                m == "getUpdates" and (p.get("offset") or 0) > update_id for m, p in tg.requests
+            )
+        )
+        delivered = tg.deliveries[update_id]
+        await asyncio.sleep(0.5)
+        assert tg.deliveries[update_id] == delivered  # confirmed: not sent again
+        assert len(tg.sent) == 1
+
+
+async def test_telegram_webhook_answers_503_for_an_update_it_cannot_store(
+    tmp_path: Path,
+) -> None:
+    secret = "s3cret-Token_1"
+    async with FakeTelegram(token=TOKEN) as tg:
+        settings = telegram_settings(
+            tg,
+            mode="webhook",
+            webhook_url="https://hermes.example/telegram/hook",
+            webhook_secret=secret,
+            port=0,
+        )
+        async with chat_gateway(tmp_path, "telegram", TelegramAdapter, **settings) as gw:
+            adapter = next(iter(gw.adapters.values()))
+            assert isinstance(adapter, TelegramAdapter)
+            url = f"http://127.0.0.1:{adapter.webhook_port}/telegram/hook"
+            update = tg.make_message_update(tg.private_chat(ADA), ADA, "x" * 4000)
+            disk = SimulatedFullDisk(gw.store._db)
+            disk.fill()
+            assert await tg.post_webhook(url, update, secret=secret) == 503  # Telegram retries
+
+            disk.free()
+            assert await tg.post_webhook(url, update, secret=secret) == 200
+            await wait_for(lambda: len(tg.sent) == 1)
+            assert await tg.post_webhook(url, update, secret=secret) == 200  # a late retry
+            await asyncio.sleep(0.3)
+            assert [m["text"] for m in tg.sent] == [f"echo: {'x' * 20}"]
+
+
+SLACK_BOT_TOKEN, SLACK_APP_TOKEN, SIGNING_SECRET = "xoxb-test-bot", "xapp-test-app", "s1gn"
 
 
 def slack_settings(slack: FakeSlack, mode: str) -> dict[str, Any]:
@@ -447,7 +469,7 @@ async def test_slack_http_mode_answers_503_for_an_event_it_cannot_store(tmp_path
         FakeSlack(bot_token=SLACK_BOT_TOKEN, app_token=SLACK_APP_TOKEN) as slack,
         chat_gateway(tmp_path, "slack", SlackAdapter, **slack_settings(slack, "http")) as gw,
     ):
-        adapter = gw.adapters[next(iter(gw.adapters))]
+        adapter = next(iter(gw.adapters.values()))
         assert isinstance(adapter, SlackAdapter)
         url = f"http://127.0.0.1:{adapter.port}/slack/events"
         disk = SimulatedFullDisk(gw.store._db)
@@ -481,7 +503,7 @@ async def test_discord_counts_and_logs_messages_lost_to_a_full_disk(
                 api_base_url=discord_api.api_base_url,
                 allowed_users=["42"],
             ) as gw:
-                adapter = gw.adapters[next(iter(gw.adapters))]
+                adapter = next(iter(gw.adapters.values()))
                 assert isinstance(adapter, DiscordAdapter)
                 disk = SimulatedFullDisk(gw.store._db)
                 disk.fill()

@@ -61,10 +61,9 @@ class Outage:
     starts, at most one more a minute while it lasts (with how many attempts failed since
     the last line), and an info line when it ends.
 
-    A failure that comes and goes within the minute (a disk on the edge of full) is
-    counted, not logged again; its end is logged only after a warning was, so the last
-    line about it is never an "ended" that a later, unlogged start made untrue for
-    longer than a minute.
+    A failure that comes back within a minute of the last warning (a disk on the edge
+    of full) is counted, not logged again, and so is its end: warnings and "ended" lines
+    pair up, and a failure that outlasts the minute shows in the next warning.
     """
 
     def __init__(

@@ -106,6 +106,7 @@ class AcceptStatus(StrEnum):
     PENDING = "pending"  # a turn is running; it went to (or merged into) the next-up slot
     QUEUED = "queued"  # /queue: appended to the FIFO overflow
     REFUSED = "refused"  # the queue is full (or the gateway is stopping)
+    UNAVAILABLE = "unavailable"  # not accepted: the store cannot write (disk full); resend later
     DUPLICATE = "duplicate"  # this message id was already accepted
     COMMAND = "command"  # a chat command, answered directly
     IGNORED = "ignored"  # not for us (unauthorized, empty)

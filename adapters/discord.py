@@ -30,6 +30,7 @@ import contextlib
 import logging
 import math
 import re
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -39,6 +40,7 @@ from discord.http import Route
 
 from adapters.base import (
     MAX_RETRY_AFTER_SECONDS,
+    AcceptStatus,
     Backoff,
     DiscordConfig,
     MessageEvent,
@@ -150,6 +152,9 @@ class DiscordAdapter(PlatformAdapter):
         self._backoff = Backoff(initial=1.0, maximum=60.0)
         self._ready = asyncio.Event()
         self._stopping = False
+        self.lost_total = 0  # messages the gateway could not store (Discord never resends)
+        self._lost_unlogged = 0
+        self._lost_logged_at: float | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -243,6 +248,8 @@ class DiscordAdapter(PlatformAdapter):
         latency = self.client.latency if self.client is not None else math.nan
         health["user"] = str(user) if user is not None else None
         health["latency_ms"] = round(latency * 1000) if math.isfinite(latency) else None
+        if self.lost_total:
+            health["lost_total"] = self.lost_total
         return health
 
     # --- connection state (discord.py events) --------------------------------------------
@@ -328,7 +335,23 @@ class DiscordAdapter(PlatformAdapter):
             thread_id = await self._start_thread(message, text)
             if thread_id is not None:
                 event.source = replace(source, thread_id=thread_id, parent_chat_id=source.chat_id)
-        await self.gateway.handle_message(event)
+        accepted = await self.gateway.handle_message(event)
+        if accepted.status is AcceptStatus.UNAVAILABLE:
+            self._lost(accepted.detail)
+
+    def _lost(self, why: str | None) -> None:
+        """Discord does not deliver a message twice, so one the gateway could not store
+        is lost: counted, and logged at most once a minute."""
+        self.lost_total += 1
+        self._lost_unlogged += 1
+        now = time.monotonic()
+        if self._lost_logged_at is None or now - self._lost_logged_at >= 60:
+            log.error(
+                "discord: %d message(s) lost, the gateway could not store them (%s)",
+                self._lost_unlogged,
+                why,
+            )
+            self._lost_logged_at, self._lost_unlogged = now, 0
 
     async def _source_for(self, message: discord.Message) -> SessionSource | None:
         channel: Any = message.channel

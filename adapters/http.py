@@ -1,7 +1,8 @@
 """The local HTTP API: clients POST messages in and long-poll the replies out.
 
     POST /v1/messages                        one inbound message -> 202 {session_key, status}
-                                             (503 + Retry-After while the gateway is busy)
+                                             (503 + Retry-After while the gateway is busy
+                                             or its store cannot write: nothing accepted)
     GET  /v1/chats/{chat_id}/messages        replies after a cursor (?after=SEQ&wait=SECONDS)
     GET  /v1/sessions                        the gateway's session entries
     GET  /healthz                            gateway health (never needs the token)
@@ -27,7 +28,7 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 
-from adapters.base import MessageEvent, PlatformAdapter, SendResult
+from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
 from config import HttpConfig
 from gateway import commands
 from gateway.session import (
@@ -59,6 +60,7 @@ _ID_FIELDS = ("chat_id", "user_id", "thread_id", "message_id")
 _PUBLIC_ROUTES = frozenset({"/healthz"})  # probes must work without the token
 _PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RETRY_AFTER_SECONDS = 1
+STORE_RETRY_AFTER_SECONDS = 5  # a full disk is not freed in a second
 
 
 class BadRequest(Exception):
@@ -74,6 +76,11 @@ def _needs_token(request: web.Request) -> bool:
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=headers or None)
+
+
+def _retry_later(why: str, seconds: int) -> web.Response:
+    """503: nothing was accepted, so the client keeps the message and sends it again."""
+    return _error(503, f"{why} in {seconds} s", **{"Retry-After": str(seconds)})
 
 
 class HttpAdapter(PlatformAdapter):
@@ -217,6 +224,8 @@ class HttpAdapter(PlatformAdapter):
             self._shedding = False
             log.info("http_api_shedding_ended", shed_total=self.shed_total)
         accepted = await self.gateway.handle_message(event)
+        if accepted.status is AcceptStatus.UNAVAILABLE:  # logged by the store, once a minute
+            return _retry_later(f"{accepted.detail}, send it again", STORE_RETRY_AFTER_SECONDS)
         reply: dict[str, Any] = {
             "session_key": accepted.session_key,
             "status": accepted.status.value,
@@ -234,11 +243,10 @@ class HttpAdapter(PlatformAdapter):
             log.warning(
                 "http_api_shedding", busy_sessions=busy, limit=self.config.max_busy_sessions
             )
-        return _error(
-            503,
+        return _retry_later(
             f"the gateway is busy ({busy} sessions have a turn running or waiting); "
-            f"nothing was accepted, send it again in {RETRY_AFTER_SECONDS} s",
-            **{"Retry-After": str(RETRY_AFTER_SECONDS)},
+            "nothing was accepted, send it again",
+            RETRY_AFTER_SECONDS,
         )
 
     @staticmethod

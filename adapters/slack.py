@@ -10,8 +10,11 @@
     outbound     chat.postMessage, in the thread the message came from; 429s are waited
                  out (Retry-After) by the web client's retry handler
 
-Bolt acknowledges every event before our listener runs (in a task of its own), and
-`handle_message` only records and queues, so Slack gets its ack at once. A retried event
+Bolt acknowledges an event once our listener returned (`process_before_response`), and
+`handle_message` only records and queues, so Slack gets its ack within milliseconds; a
+listener still busy after ACK_WAIT_SECONDS (a command's reply being sent) acks anyway.
+An event the gateway cannot store (disk full) is not acknowledged (HTTP mode: 503), so
+Slack sends it again: it retries three times over about five minutes. A retried event
 keeps its event_id, which the gateway's durable inbox drops. A channel message that
 mentions the bot arrives twice, as `message` and as `app_mention` with different
 event_ids: the first one seen is handled, the other is dropped by its (channel, ts).
@@ -36,6 +39,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from slack_bolt.adapter.aiohttp import to_aiohttp_response, to_bolt_request
 from slack_bolt.adapter.socket_mode.aiohttp import AsyncSocketModeHandler
 from slack_bolt.app.async_app import AsyncApp
+from slack_bolt.response import BoltResponse
 from slack_sdk.errors import SlackApiError
 from slack_sdk.http_retry.async_handler import AsyncRetryHandler
 from slack_sdk.http_retry.builtin_async_handlers import (
@@ -50,6 +54,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 
 from adapters.base import (
     MAX_RETRY_AFTER_SECONDS,
+    AcceptStatus,
     MessageEvent,
     Platform,
     PlatformAdapter,
@@ -67,6 +72,7 @@ API_TIMEOUT_SECONDS = 30.0  # one Web API request, connect to last byte
 CONNECT_TIMEOUT_SECONDS = 30.0  # start(): the first Socket Mode connection
 STATE_CHECK_SECONDS = 0.5  # how often the watcher reads the Socket Mode connection
 RATE_LIMIT_RETRIES = 5
+ACK_WAIT_SECONDS = 2.0  # Slack wants its ack within 3 s
 #: plain messages and the two subtypes that still carry a user's words
 _HANDLED_SUBTYPES = frozenset({None, "thread_broadcast", "file_share"})
 #: (channel, ts) of recently handled messages: a mention's `message`/`app_mention` pair
@@ -139,6 +145,7 @@ class SlackAdapter(PlatformAdapter):
         self._watcher: asyncio.Task[None] | None = None
         self._server: web.AppRunner | None = None
         self._recent: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._handling: set[asyncio.Task[Any]] = set()  # acked before they finished
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -207,7 +214,13 @@ class SlackAdapter(PlatformAdapter):
     def _build_app(self) -> AsyncApp:
         # No token argument: bolt takes it from the client. (It still reads SLACK_BOT_TOKEN
         # from the environment and, if set, warns "`token` will be unused": harmless.)
-        app = AsyncApp(client=self._client, signing_secret=self.config.signing_secret or "")
+        # process_before_response: the ack waits for the gateway's answer, so an event it
+        # could not store is left unacknowledged (and Slack sends it again).
+        app = AsyncApp(
+            client=self._client,
+            signing_secret=self.config.signing_secret or "",
+            process_before_response=True,
+        )
         app.event("message")(self._on_event)
         app.event("app_mention")(self._on_event)
         return app
@@ -261,6 +274,8 @@ class SlackAdapter(PlatformAdapter):
             except Exception as exc:  # a signed body of a shape bolt cannot read
                 log.warning("slack: could not handle a signed event body: %r", exc)
                 return web.Response(status=400, text="unprocessable event body")
+            if response.status == 503:  # our listener: the gateway could not store it
+                return await to_aiohttp_response(response)
             if response.status >= 500:  # bolt's own "could not process": a retry cannot help
                 log.warning("slack: bolt could not process a signed event body")
                 return web.Response(status=400, text="unprocessable event body")
@@ -332,15 +347,30 @@ class SlackAdapter(PlatformAdapter):
 
     # --- inbound -------------------------------------------------------------------------
 
-    async def _on_event(self, body: dict[str, Any], event: dict[str, Any]) -> None:
-        """Bolt listener for `message` and `app_mention`; the event is already acked."""
+    async def _on_event(self, body: dict[str, Any], event: dict[str, Any]) -> BoltResponse | None:
+        """Bolt listener for `message` and `app_mention`. Returning acks the event, except
+        with a 503: the gateway could not store it, and Slack is to send it again."""
         message = self._to_message_event(body, event)
         if message is None or self.gateway is None:
-            return
-        try:
-            await self.gateway.handle_message(message)
-        except Exception:
-            log.exception("slack_event_failed event_id=%s", message.message_id)
+            return None
+        handling = asyncio.ensure_future(self.gateway.handle_message(message))
+        self._handling.add(handling)
+        handling.add_done_callback(lambda task: self._handled(task, message.message_id))
+        done, _ = await asyncio.wait([handling], timeout=ACK_WAIT_SECONDS)
+        if not done or handling.exception() is not None:
+            return None  # acked; a failure is logged by _handled
+        accepted = handling.result()
+        if accepted.status is not AcceptStatus.UNAVAILABLE:
+            return None
+        # Not seen after all: the redelivery must not be taken for a duplicate.
+        assert message.source.message_id is not None
+        self._recent.pop((message.source.chat_id, message.source.message_id), None)
+        return BoltResponse(status=503, body=accepted.detail or "not accepted; retry")
+
+    def _handled(self, handling: asyncio.Task[Any], event_id: str | None) -> None:
+        self._handling.discard(handling)
+        if not handling.cancelled() and (exc := handling.exception()) is not None:
+            log.error("slack_event_failed event_id=%s", event_id, exc_info=exc)
 
     def _to_message_event(self, body: dict[str, Any], event: dict[str, Any]) -> MessageEvent | None:
         """The gateway's event for one Slack event, or None when it is not for us: bot

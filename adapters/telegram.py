@@ -9,6 +9,8 @@
 
 A crash between accepting an update and moving the offset makes Telegram deliver the
 update again; the gateway's inbound dedup drops the copy, so nothing is lost or doubled.
+An update the gateway cannot store (disk full) is not confirmed either: polling asks for
+it again every second, and a webhook delivery gets a 503 that Telegram retries.
 """
 
 from __future__ import annotations
@@ -275,7 +277,8 @@ class TelegramAdapter(PlatformAdapter):
                 await backoff.sleep()
                 continue
             if not accepted_all:
-                await asyncio.sleep(1.0)  # the gateway is shutting down; leave them queued
+                # The gateway is shutting down or cannot store them: leave them queued.
+                await asyncio.sleep(1.0)
             elif not batch and self.config.poll_timeout == 0:
                 await asyncio.sleep(1.0)  # short polling: do not spin on an empty queue
 
@@ -313,7 +316,8 @@ class TelegramAdapter(PlatformAdapter):
     async def _accept_updates(self, batch: list[tuple[int, telegram.Update | None]]) -> bool:
         """Hand updates to the gateway in order, moving the offset past each accepted one.
 
-        False when the gateway refused one because it is stopping (it stays unconfirmed)."""
+        False when the gateway did not take one because it is stopping or its store cannot
+        write (it stays unconfirmed, and so do the ones after it)."""
         for update_id, update in batch:
             if update is not None and not await self._accept_update(update):
                 return False
@@ -333,7 +337,7 @@ class TelegramAdapter(PlatformAdapter):
         assert self.gateway is not None, "bind() the adapter to the gateway before start()"
         accepted = await self.gateway.handle_message(event)
         stopping = accepted.status is AcceptStatus.REFUSED and accepted.session_key is None
-        return not stopping
+        return not stopping and accepted.status is not AcceptStatus.UNAVAILABLE
 
     def _connection_lost(self, exc: BaseException) -> None:
         error = self._redact(f"{type(exc).__name__}: {exc}")
@@ -392,7 +396,7 @@ class TelegramAdapter(PlatformAdapter):
             log.exception("telegram: the gateway failed to accept a webhook update")
             return web.Response(status=500, text="not accepted; retry")
         if not accepted:
-            return web.Response(status=503, text="shutting down; retry")
+            return web.Response(status=503, text="not accepted now; retry")
         return web.Response(text="ok")
 
     # --- inbound -------------------------------------------------------------------------

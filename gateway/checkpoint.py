@@ -24,6 +24,7 @@ from pathlib import Path
 import structlog
 
 from gateway.background import ThreadedSqliteTask
+from gateway.outage import Outage
 
 log = structlog.get_logger("gateway.checkpoint")
 
@@ -41,6 +42,7 @@ class Checkpointer(ThreadedSqliteTask):
         self.commits = commits
         self.interval = interval
         self._seen = -1
+        self._failing = Outage(log, "wal_checkpoint_failed", path=str(path))  # once a minute
 
     def start(self) -> None:
         # Used from worker threads one call at a time, never concurrently.
@@ -60,7 +62,9 @@ class Checkpointer(ThreadedSqliteTask):
             try:
                 await self._in_thread(_checkpoint, conn)
             except sqlite3.Error as exc:
-                log.warning("wal_checkpoint_failed", error=str(exc))
+                self._failing.failed(str(exc))
+            else:
+                self._failing.ended()
 
 
 def _checkpoint(conn: sqlite3.Connection) -> None:

@@ -7,6 +7,14 @@ own result only after its data is committed, but a busy gateway pays one COMMIT 
 batch instead of one per message. A failing write still fails alone: its batch is
 rolled back and run again with a savepoint per write.
 
+A disk that cannot take a write (full, read-only, failing: `gateway.outage`) fails the
+whole batch: each writer gets `StoreUnwritable`, nothing of it was committed. Writes of
+work already acknowledged to someone (`persist=True`: a turn of an accepted message, a
+delivery mark) are not failed but parked, and tried again every `retry_interval` seconds
+until the disk takes them; with none parked, a one-page probe write finds out when the
+disk works again. The outage is logged once a minute (`store_unwritable`) and shown by
+`write_health()`.
+
 Why the writer runs on the event loop's thread: a turn's writes are short (a few B-tree
 pages, no fsync at COMMIT in WAL mode with `synchronous=NORMAL`), and Python threads
 share one GIL. On a writer thread every statement handed the GIL back and forth with the
@@ -23,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import os
 import secrets
 import sqlite3
@@ -31,11 +40,19 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import aiosqlite
+import structlog
 
+from gateway.batch import Outcome, commit_batch, probe, refusal
 from gateway.checkpoint import SAFETY_NET_PAGES, WAL_SIZE_LIMIT, Checkpointer
 from gateway.fsutil import fsync_dir
+from gateway.outage import Outage, StoreUnwritable
 
 T = TypeVar("T")
+WriteFn = Callable[[sqlite3.Connection], Any]
+
+log = structlog.get_logger("gateway.db")
+
+RETRY_SECONDS = 5.0  # while the disk cannot write: how often parked writes (or a probe) retry
 
 SCHEMA_VERSION = 6
 
@@ -249,8 +266,12 @@ class Database:
         self.path = path
         self._writer: sqlite3.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
-        self._pending: list[tuple[Callable[[sqlite3.Connection], Any], asyncio.Future[Any]]] = []
+        self._pending: list[tuple[WriteFn, asyncio.Future[Any], bool]] = []  # fn, future, persist
+        self._parked: list[tuple[WriteFn, asyncio.Future[Any]]] = []  # refused, to retry
         self._flush: asyncio.Handle | None = None
+        self._retry: asyncio.TimerHandle | None = None
+        self.retry_interval = RETRY_SECONDS
+        self.unwritable = Outage(log, "store_unwritable", path=str(path))
         self._idle = asyncio.Event()
         self._closing = False
         self._checkpointer: Checkpointer | None = None
@@ -299,6 +320,7 @@ class Database:
         if self._writer is None:
             return
         self._closing = True
+        self._give_up_parked()
         while self._flush is not None:
             self._idle.clear()
             await self._idle.wait()
@@ -317,27 +339,47 @@ class Database:
         self._require_open()
         assert self._reader is not None
         if self._pending:
-            await self.write_soon(_nothing)
+            # A refused batch committed nothing before this read: it sees what is there.
+            with contextlib.suppress(StoreUnwritable):
+                await self.write_soon(_nothing)
         return await self._reader._execute(_read_snapshot, self._reader._conn, fn)
 
-    async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run `fn(conn)` in a committed transaction; returns once it is committed."""
-        return await self.write_soon(fn)
+    async def write(self, fn: Callable[[sqlite3.Connection], T], *, persist: bool = False) -> T:
+        """Run `fn(conn)` in a committed transaction; returns once it is committed.
+        Raises `StoreUnwritable` when the disk cannot take it, unless `persist`."""
+        return await self.write_soon(fn, persist=persist)
 
-    def write_soon(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+    def write_soon(
+        self, fn: Callable[[sqlite3.Connection], T], *, persist: bool = False
+    ) -> asyncio.Future[T]:
         """Queue `fn` for this loop pass's group commit without waiting for it: for writes
         whose caller has nothing to do after them (a delivery acknowledgement). The future
         settles once it is committed; `close()` waits for it. A caller cancelled while
-        waiting does not take its write back: it is committed all the same."""
+        waiting does not take its write back: it is committed all the same.
+
+        `persist`: the write records work already acknowledged, so a disk that cannot take
+        it does not fail it; it waits (parked) and is tried again until the disk can. A
+        parked write whose caller was cancelled meanwhile is dropped, and `close()` fails
+        the ones still parked."""
         self._require_open()
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[T] = loop.create_future()
-        self._pending.append((fn, future))
-        if self._flush is None:
-            # Runs after the callbacks already ready in this pass, so writes issued by
-            # the turns woken together land in one transaction.
-            self._flush = loop.call_soon(self._commit_pending)
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self._pending.append((fn, future, persist))
+        self._flush_soon()
         return future
+
+    def write_health(self) -> dict[str, Any]:
+        """`{"state": "writable"}`, or why the disk refuses writes, since when and how many
+        it refused (for /healthz and `hermes-gateway status`)."""
+        outage = self.unwritable
+        if outage.reason is None or outage.since is None:
+            return {"state": "writable"}
+        return {
+            "state": "unwritable",
+            "reason": outage.reason,
+            "since": outage.since.isoformat(),
+            "refused_writes": outage.failures,
+            "waiting_writes": len(self._parked),
+        }
 
     def trace_writes(self, callback: Callable[[str], object] | None) -> None:
         """Hand every SQL statement the writer runs to `callback` (None stops it): how
@@ -351,17 +393,94 @@ class Database:
             raise DatabaseError("the session store is not open")
         return self._writer
 
+    def _flush_soon(self) -> None:
+        if self._flush is None:
+            # Runs after the callbacks already ready in this pass, so writes issued by
+            # the turns woken together land in one transaction. In a context of its own:
+            # a batch is nobody's in particular (no turn's session_key on its log lines).
+            self._flush = asyncio.get_running_loop().call_soon(
+                self._commit_pending, context=contextvars.Context()
+            )
+
     def _commit_pending(self) -> None:
         assert self._writer is not None
         self._flush = None
         batch, self._pending = self._pending, []
+        fns = [fn for fn, _, _ in batch]
+        changes = self._writer.total_changes
         try:
-            outcome = _commit_batch(self._writer, [fn for fn, _ in batch])
+            outcome = commit_batch(self._writer, fns)
         except Exception as exc:  # the connection itself failed
-            outcome = [(False, exc)] * len(batch)
-        self.commits += 1
+            outcome = [(False, refusal(exc))] * len(batch)
+        refused = outcome[0][1] if outcome and isinstance(outcome[0][1], StoreUnwritable) else None
+        if refused is None:
+            self.commits += 1
+            if self._writer.total_changes != changes or probe in fns:
+                self._writable_again()
+        else:
+            settled = self._park(batch, refused)
+            batch, outcome = settled, outcome[: len(settled)]
         _settle(batch, outcome)
         self._idle.set()
+
+    def _park(
+        self, batch: list[tuple[WriteFn, asyncio.Future[Any], bool]], refused: StoreUnwritable
+    ) -> list[tuple[WriteFn, asyncio.Future[Any], bool]]:
+        """A batch the disk refused: note the outage, park the writes that must land, and
+        return the others (their writers get the refusal)."""
+        self.unwritable.failed(refused.reason, count=sum(fn is not probe for fn, _, _ in batch))
+        others = []
+        for fn, future, persist in batch:
+            if persist and not future.done():
+                self._parked.append((fn, future))
+            else:
+                others.append((fn, future, persist))
+        if self._retry is None and not self._closing:
+            loop = asyncio.get_running_loop()
+            self._retry = loop.call_later(
+                self.retry_interval, self._retry_parked, context=contextvars.Context()
+            )
+        return others
+
+    def _retry_parked(self) -> None:
+        """While the disk refuses writes: try the parked ones again, or (none parked) a
+        probe, whose success is how an idle gateway learns the disk works again."""
+        self._retry = None
+        if self._writer is None or self._closing:
+            return
+        parked, self._parked = self._parked, []
+        live = [(fn, future, True) for fn, future in parked if not future.done()]
+        if live:
+            self._pending.extend(live)
+        elif self.unwritable.active:
+            probed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            probed.add_done_callback(_seen)
+            self._pending.append((probe, probed, False))
+        else:
+            return
+        self._flush_soon()
+
+    def _writable_again(self) -> None:
+        self.unwritable.ended()
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        if self._parked:
+            parked, self._parked = self._parked, []
+            self._pending.extend((fn, future, True) for fn, future in parked)
+            self._flush_soon()
+
+    def _give_up_parked(self) -> None:
+        """At close: writes still parked fail (their work is re-done from the journal on
+        the next start, as after a crash)."""
+        if self._retry is not None:
+            self._retry.cancel()
+            self._retry = None
+        parked, self._parked = self._parked, []
+        reason = self.unwritable.reason or "the store closed"
+        for _, future in parked:
+            if not future.done():
+                future.set_exception(StoreUnwritable(reason))
 
     async def _close_connections(self) -> None:
         if self._reader is not None:
@@ -475,9 +594,9 @@ def _check_integrity(conn: sqlite3.Connection, path: Path) -> None:
         raise sqlite3.DatabaseError(f"integrity check failed: {'; '.join(problems)}")
 
 
-def _settle(batch: list[tuple[Any, asyncio.Future[Any]]], outcome: list[tuple[bool, Any]]) -> None:
+def _settle(batch: list[tuple[WriteFn, asyncio.Future[Any], bool]], outcome: Outcome) -> None:
     """Hand each writer of a committed (or failed) batch its own result."""
-    for (_, future), (ok, value) in zip(batch, outcome, strict=True):
+    for (_, future, _), (ok, value) in zip(batch, outcome, strict=True):
         if future.done():
             continue
         if ok:
@@ -511,55 +630,3 @@ def _read_snapshot(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], 
         return fn(conn)
     finally:
         conn.execute("COMMIT")
-
-
-def _commit_batch(
-    conn: sqlite3.Connection, fns: list[Callable[[sqlite3.Connection], Any]]
-) -> list[tuple[bool, Any]]:
-    """One transaction for the whole batch, without a savepoint per write (they were a
-    third of a batch's statements). Writes rarely fail; when one does, the batch is
-    rolled back and run again with a savepoint per write, so the failing write fails
-    alone (write functions are therefore re-runnable: they act through `conn` only)."""
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.Error as exc:
-        return [(False, exc)] * len(fns)
-    results: list[tuple[bool, Any]] = []
-    try:
-        for fn in fns:
-            results.append((True, fn(conn)))
-        conn.execute("COMMIT")
-    except Exception as exc:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        if len(fns) == 1:
-            return [(False, exc)]
-        return _commit_with_savepoints(conn, fns)
-    return results
-
-
-def _commit_with_savepoints(
-    conn: sqlite3.Connection, fns: list[Callable[[sqlite3.Connection], Any]]
-) -> list[tuple[bool, Any]]:
-    results: list[tuple[bool, Any]] = []
-    try:
-        conn.execute("BEGIN IMMEDIATE")
-    except sqlite3.Error as exc:
-        return [(False, exc)] * len(fns)
-    for fn in fns:
-        conn.execute("SAVEPOINT op")
-        try:
-            value = fn(conn)
-        except Exception as exc:
-            conn.execute("ROLLBACK TO op")
-            conn.execute("RELEASE op")
-            results.append((False, exc))
-        else:
-            conn.execute("RELEASE op")
-            results.append((True, value))
-    try:
-        conn.execute("COMMIT")
-    except sqlite3.Error as exc:
-        conn.execute("ROLLBACK")
-        return [(False, exc)] * len(fns)
-    return results

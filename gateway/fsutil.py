@@ -42,6 +42,21 @@ def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
     atomic_write(path, lambda file: file.write(data), mode)
 
 
+def overwrite_in_place(path: Path, data: bytes) -> None:
+    """Rewrite an existing small file in place: for when a full disk has no room for the
+    temp file `atomic_write` needs, as rewriting within the block the file already holds
+    takes no new one. Not atomic (a reader may catch it half-written), so only for files
+    whose readers cope with that, such as status.json."""
+    fd = os.open(path, os.O_WRONLY)  # no O_CREAT: a missing file would need a new block
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.pwrite(fd, view, len(data) - len(view)) :]
+        os.ftruncate(fd, len(data))
+    finally:
+        os.close(fd)
+
+
 def set_aside(path: Path, label: str = "corrupt") -> Path:
     """Rename a damaged file to `<name>.<label>-<UTC timestamp>` and return the new path."""
     stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")

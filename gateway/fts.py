@@ -31,6 +31,7 @@ import structlog
 
 from gateway.background import ThreadedSqliteTask
 from gateway.db import create_private_file
+from gateway.outage import Outage, StoreUnwritable
 
 if TYPE_CHECKING:
     from gateway.db import Database
@@ -105,7 +106,8 @@ def apply_log(conn: sqlite3.Connection, limit: int = ROUND_LIMIT) -> tuple[int, 
         conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('applied_seq', ?)", (hi,))
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        if conn.in_transaction:  # a full disk may have rolled it back already
+            conn.execute("ROLLBACK")
         raise
     return count, hi
 
@@ -140,15 +142,17 @@ class FtsIndexer(ThreadedSqliteTask):
 
     async def _run(self) -> None:
         failures = 0
+        # Searching is not worth a log line four times a second (a full disk): logged once
+        # a minute, retried after 0.5 s, 1 s, 2 s, ... up to a minute.
+        failing = Outage(log, "fts_index_failed", path=str(self.path))
         while True:
             try:
                 await self.catch_up()
                 failures = 0
+                failing.ended()
             except (sqlite3.Error, OSError) as exc:
-                # Searching is not worth a log line four times a second (a full disk):
-                # retry after 0.5 s, 1 s, 2 s, ... up to a minute.
                 failures += 1
-                log.warning("fts_index_failed", error=str(exc), path=str(self.path))
+                failing.failed(str(exc))
                 await self._reset()
             await asyncio.sleep(min(60.0, self.interval * 2**failures))
 
@@ -189,5 +193,7 @@ def _check_search_db(path: Path) -> None:
 
 
 def _log_failed_trim(future: asyncio.Future[None]) -> None:
-    if not future.cancelled() and future.exception() is not None:
-        log.warning("fts_log_trim_failed", error=str(future.exception()))
+    exc = None if future.cancelled() else future.exception()
+    # A disk that refuses writes is reported by the store; the next round trims again.
+    if exc is not None and not isinstance(exc, StoreUnwritable):
+        log.warning("fts_log_trim_failed", error=str(exc))

@@ -18,6 +18,7 @@ class Metrics:
     turns_cancelled_total: int = 0
     messages_received_total: int = 0
     messages_refused_total: int = 0
+    messages_unavailable_total: int = 0  # not accepted: the store could not write
     commands_total: int = 0
     replies_sent_total: int = 0
     send_errors_total: int = 0
@@ -51,6 +52,11 @@ class Metrics:
                 "messages_refused_total",
                 "Inbound messages refused",
                 lambda: self.messages_refused_total,
+            ),
+            (
+                "messages_unavailable_total",
+                "Inbound messages not accepted because the store could not write",
+                lambda: self.messages_unavailable_total,
             ),
             ("commands_total", "Chat commands handled", lambda: self.commands_total),
             ("replies_sent_total", "Reply chunks delivered", lambda: self.replies_sent_total),

@@ -19,6 +19,7 @@ import structlog
 
 from gateway.faults import crash_point
 from gateway.fsutil import atomic_write, set_aside
+from gateway.outage import Outage
 from gateway.session import SessionEntry
 
 log = structlog.get_logger(__name__)
@@ -163,6 +164,8 @@ class SessionsMirror:
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
         self._next_allowed = 0.0
+        # A full disk fails every retry alike: logged once a minute, not per attempt.
+        self._failing = Outage(log, "sessions_json_write_failed", path=str(json_path))
 
     def mark_dirty(self) -> None:
         self._dirty = True
@@ -193,11 +196,12 @@ class SessionsMirror:
                 await asyncio.to_thread(write_sessions_json, self.db_path, self.json_path)
             except (OSError, sqlite3.Error) as exc:
                 self._dirty = True
-                log.error("sessions_json_write_failed", path=str(self.json_path), error=str(exc))
+                self._failing.failed(str(exc))
                 raise
             except asyncio.CancelledError:
                 self._dirty = True  # the snapshot may not have landed; write it next time
                 raise
+            self._failing.ended()
             took = time.monotonic() - started
             self.writes += 1
             self._next_allowed = time.monotonic() + max(self.min_interval, BACKOFF_FACTOR * took)

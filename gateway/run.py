@@ -41,6 +41,7 @@ from gateway.agents import (
 )
 from gateway.faults import crash_point
 from gateway.metrics import Metrics
+from gateway.outage import StoreUnwritable
 from gateway.pairing import Pairing
 from gateway.queue import QueueFull, SessionQueue
 from gateway.recovery import Recovery
@@ -209,7 +210,9 @@ class GatewayRunner:
             await asyncio.gather(*late, return_exceptions=True)
             for key, task in workers.items():
                 if task in late:
-                    await self.store.mark_resume_pending(key, reason)
+                    # A full disk refuses the flag; the turn's marker re-runs it all the same.
+                    with contextlib.suppress(StoreUnwritable):
+                        await self.store.mark_resume_pending(key, reason)
                     log.warning("turn_interrupted_by_shutdown", session_key=key, reason=reason)
         for adapter in self.adapters.values():
             try:
@@ -238,7 +241,20 @@ class GatewayRunner:
     # --- inbound -------------------------------------------------------------------------
 
     async def handle_message(self, event: MessageEvent) -> Accepted:
-        """Accept one inbound message; returns at once, the turn runs in the background."""
+        """Accept one inbound message; returns at once, the turn runs in the background.
+
+        While the store cannot write (disk full, read-only) nothing is accepted: the
+        answer is UNAVAILABLE, and the platform or client sends the message again."""
+        try:
+            return await self._handle_message(event)
+        except StoreUnwritable as exc:
+            self.metrics.messages_unavailable_total += 1
+            return Accepted(
+                AcceptStatus.UNAVAILABLE,
+                detail=f"the store cannot write ({exc.reason}); nothing was accepted",
+            )
+
+    async def _handle_message(self, event: MessageEvent) -> Accepted:
         self.metrics.messages_received_total += 1
         if not self._accepting:
             self.metrics.messages_refused_total += 1
@@ -591,11 +607,17 @@ class GatewayRunner:
 
     def health(self) -> dict[str, Any]:
         adapters = {p.value: a.health() for p, a in self.adapters.items()}
-        ok = self._accepting and all(h.get("state") == "running" for h in adapters.values())
+        store = self.store.write_health()
+        ok = (
+            self._accepting
+            and store["state"] == "writable"
+            and all(h.get("state") == "running" for h in adapters.values())
+        )
         return {
             "status": "ok" if ok else "degraded",
             "accepting": self._accepting,
             "uptime_seconds": round(time.monotonic() - self._started_at, 1),
+            "store": store,
             "adapters": adapters,
         }
 
@@ -621,5 +643,9 @@ class GatewayRunner:
                     sum(q.depth for q in self._queues.values()),
                 ),
                 "agent_cache_size": ("Cached per-session agents", len(self.agents)),
+                "store_writable": (
+                    "1 while the store can write, 0 while the disk refuses (full, read-only)",
+                    int(self.store.write_health()["state"] == "writable"),
+                ),
             }
         )

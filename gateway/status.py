@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import json
 import os
 import time
@@ -19,8 +20,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from config import GatewayConfig, hermes_home
-from gateway.fsutil import atomic_write_bytes
+from gateway.fsutil import atomic_write_bytes, overwrite_in_place
+from gateway.outage import Outage
+
+log = structlog.get_logger("gateway.status")
 
 STATUS_FILE = "status.json"
 WRITE_INTERVAL_SECONDS = 5.0
@@ -29,13 +35,28 @@ EXIT_NOT_RUNNING = 3
 
 def write_status(home: Path, snapshot: dict[str, Any]) -> None:
     data = {**snapshot, "pid": os.getpid(), "written_at": time.time()}
-    atomic_write_bytes(home / STATUS_FILE, json.dumps(data, indent=1).encode())
+    encoded = json.dumps(data, indent=1).encode()
+    try:
+        atomic_write_bytes(home / STATUS_FILE, encoded)
+    except OSError as exc:
+        # A full disk has no room for the temp file, but `status` must still be able to
+        # tell the operator so: the old file's block takes the new content.
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT) or not (home / STATUS_FILE).exists():
+            raise
+        overwrite_in_place(home / STATUS_FILE, encoded)
 
 
 async def keep_status(home: Path, snapshot: Any, interval: float = WRITE_INTERVAL_SECONDS) -> None:
-    """Rewrite the status file from `snapshot()` until cancelled (off the event loop)."""
+    """Rewrite the status file from `snapshot()` until cancelled (off the event loop). A
+    disk that refuses the write (read-only) is logged once a minute and tried again."""
+    failing = Outage(log, "status_file_write_failed", path=str(home / STATUS_FILE))
     while True:
-        await asyncio.to_thread(write_status, home, snapshot())
+        try:
+            await asyncio.to_thread(write_status, home, snapshot())
+        except OSError as exc:
+            failing.failed(str(exc))
+        else:
+            failing.ended()
         await asyncio.sleep(interval)
 
 
@@ -89,6 +110,12 @@ def cmd_status(args: argparse.Namespace, config: GatewayConfig) -> int:
     print(f"  status: {health.get('status')}, uptime {health.get('uptime_seconds')} s")
     print(f"  agent: {status.get('agent')}")
     print(f"  running turns: {status.get('active_turns')}, queued: {status.get('queue_depth')}")
+    store = health.get("store", {})
+    if store.get("state", "writable") != "writable":
+        print(
+            f"  store: {store['state']} since {store.get('since')}: {store.get('reason')} "
+            f"({store.get('refused_writes')} writes refused)"
+        )
     for name, adapter in sorted(health.get("adapters", {}).items()):
         extra = f", last error: {adapter['last_error']}" if adapter.get("last_error") else ""
         reconnects = adapter.get("reconnects")

@@ -95,8 +95,10 @@ class SessionStore:
         await self.search_index.stop()
         try:
             await self._mirror.stop()
+        except (OSError, sqlite3.Error):
+            pass  # logged by the mirror (a full disk); sessions.json catches up next change
         finally:
-            await self._db.close()  # even when the final sessions.json write failed
+            await self._db.close()
 
     async def __aenter__(self) -> SessionStore:
         return await self.open()
@@ -165,19 +167,31 @@ class SessionStore:
         now = now or _utcnow()
         return reset_reason(entry.updated_at, self._policy_for(entry), now, self._tz) is not None
 
-    async def write(self, fn: Callable[[sqlite3.Connection], T], *, dirty: bool = True) -> T:
-        """Run a transaction on the store's database (for the journal's combined writes)."""
-        return await self._write(fn, dirty=dirty)
+    async def write(
+        self, fn: Callable[[sqlite3.Connection], T], *, dirty: bool = True, persist: bool = False
+    ) -> T:
+        """Run a transaction on the store's database (for the journal's combined writes).
+        `persist`: work already acknowledged, which waits out a disk that cannot take it
+        (see `Database.write_soon`)."""
+        return await self._write(fn, dirty=dirty, persist=persist)
 
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         return await self._db.read(fn)
 
-    def write_soon(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+    def write_soon(
+        self, fn: Callable[[sqlite3.Connection], T], *, persist: bool = False
+    ) -> asyncio.Future[T]:
         """A journal write nobody waits for (see `Database.write_soon`); not mirrored."""
-        return self._db.write_soon(fn)
+        return self._db.write_soon(fn, persist=persist)
 
-    async def _write(self, fn: Callable[[sqlite3.Connection], T], *, dirty: bool = True) -> T:
-        result = await self._db.write(fn)
+    def write_health(self) -> dict[str, Any]:
+        """Can the store write (`Database.write_health`)?"""
+        return self._db.write_health()
+
+    async def _write(
+        self, fn: Callable[[sqlite3.Connection], T], *, dirty: bool = True, persist: bool = False
+    ) -> T:
+        result = await self._db.write(fn, persist=persist)
         if dirty:
             self._mirror.mark_dirty()
         return result

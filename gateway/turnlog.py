@@ -62,7 +62,10 @@ class TurnLog:
     async def begin(self, event: MessageEvent, session_key: str, text: str) -> TurnStart:
         """Route to the session, store the user message and the turn marker, all at once."""
         begin = self._begin_tx(event, session_key, text, _encoded(event))
-        start = await self.store.write(lambda conn: begin(conn, list(event.inbox_ids)))
+        # The message was accepted already: a full disk delays its turn, never drops it.
+        start = await self.store.write(
+            lambda conn: begin(conn, list(event.inbox_ids)), persist=True
+        )
         crash_point("after_turn_begin")
         return start
 
@@ -192,7 +195,8 @@ class TurnLog:
                 now=now.timestamp(),
             )
 
-        ids = await self.store.write(tx)
+        # Waits out a full disk: the reply is sent only once it is recorded.
+        ids = await self.store.write(tx, persist=True)
         crash_point("after_transcript_write")
         return ids
 
@@ -252,8 +256,10 @@ class TurnLog:
         the window every platform without an idempotency key has between its
         acknowledgement and our mark, now one commit (about a millisecond) wide."""
         now = time.time()
+        # Persistent: a mark the disk refused would leave a delivered chunk to be re-sent.
         marked = self.store.write_soon(
-            lambda conn: journal.mark_sent(conn, delivery_id, platform_message_id, now)
+            lambda conn: journal.mark_sent(conn, delivery_id, platform_message_id, now),
+            persist=True,
         )
         marked.add_done_callback(_log_failed_mark)
         return marked

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from gateway.outage import StoreUnwritable
+
 if TYPE_CHECKING:
     from gateway.run import GatewayRunner
 
@@ -72,6 +74,8 @@ class Housekeeper:
             await asyncio.sleep(self.settings.expiry_interval_seconds)
             try:
                 await self.run_once()
+            except StoreUnwritable:
+                pass  # the store logs a disk that refuses writes; the next pass tries again
             except Exception:
                 log.exception("housekeeping_pass_failed")
 

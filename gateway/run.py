@@ -584,7 +584,7 @@ class GatewayRunner:
         }
 
     def status_snapshot(self) -> dict[str, Any]:
-        """What `hermes-gateway status` shows (written to status.json every few seconds)."""
+        """What `hermes-gateway status` shows (status.json, rewritten when this changes)."""
         state = "running" if self._accepting else "stopping" if self._draining else "starting"
         return {
             "state": state,

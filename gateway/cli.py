@@ -24,7 +24,7 @@ from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
 from gateway.db import DatabaseError
 from gateway.doctor import add_doctor_parser
-from gateway.logs import configure_logging
+from gateway.logs import LOG_LEVELS, configure_run_logging
 from gateway.pairing import add_pairing_parser
 from gateway.sdnotify import SystemdNotifier, run_watchdog
 from gateway.service import add_service_parser
@@ -137,7 +137,7 @@ async def serve(config: GatewayConfig, home: Path) -> int:
 
 
 def cmd_run(args: argparse.Namespace, config: GatewayConfig) -> int:
-    configure_logging(json_output=args.log_json)
+    configure_run_logging(config.logging, args.log_level, args.log_json)
     return asyncio.run(serve(config, hermes_home()))
 
 
@@ -252,6 +252,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", parents=[common], help="run the daemon in the foreground")
     run.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
+    run.add_argument(
+        "--log-level", type=str.lower, choices=LOG_LEVELS, help="overrides logging.level"
+    )
     run.set_defaults(handler=cmd_run)
 
     chat = sub.add_parser("chat", parents=[common], help="talk to the running daemon")

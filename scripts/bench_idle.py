@@ -36,6 +36,8 @@ if __package__ in (None, ""):
 
 from scripts.harness import Daemon
 
+ROOT = Path(__file__).resolve().parent.parent
+
 SAMPLE_SECONDS = 0.05
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -160,7 +162,9 @@ def _index_caught_up(daemon: Daemon, search: Path) -> bool:
 
 def run(window: float, settle: float, base: Path | None) -> IdleReport:
     workdir = Path(tempfile.mkdtemp(prefix="bench-idle-", dir=base))
-    daemon = Daemon(workdir / "home")
+    # This checkout's code, wherever the script is run from (`-m gateway.cli` would
+    # otherwise import whichever `gateway` the working directory or venv offers).
+    daemon = Daemon(workdir / "home", env={"PYTHONPATH": str(ROOT)})
     daemon.log_path = workdir / "daemon.log"  # the log is not the home's writes
     try:
         daemon.start()

@@ -123,13 +123,12 @@ def trim_log(conn: sqlite3.Connection, applied_seq: int) -> None:
 class FtsIndexer(ThreadedSqliteTask):
     """Runs `apply_log` rounds on a worker thread every `interval` seconds, when the
     gateway's writer committed since the last round (every message it logs commits
-    there): an idle gateway's indexer neither reads nor writes."""
+    there): an idle gateway's indexer neither reads nor writes, and looks once a second."""
 
     def __init__(self, db: Database, sessions_dir: Path, interval: float = 0.25) -> None:
-        super().__init__()
+        super().__init__(interval)
         self.db = db
         self.path = sessions_dir / SEARCH_DB
-        self.interval = interval
         self._lock = asyncio.Lock()  # one round at a time on the one connection
 
     async def catch_up(self) -> int:
@@ -151,7 +150,7 @@ class FtsIndexer(ThreadedSqliteTask):
         while True:
             commits = self.db.commits
             try:
-                if commits != seen:
+                if worked := commits != seen:
                     await self.catch_up()
                     seen = commits
                 failures = 0
@@ -161,7 +160,10 @@ class FtsIndexer(ThreadedSqliteTask):
                 failures += 1
                 log.warning("fts_index_failed", error=str(exc), path=str(self.path))
                 await self._reset()
-            await asyncio.sleep(min(60.0, self.interval * 2**failures))
+            if failures:
+                await asyncio.sleep(min(60.0, self.interval * 2**failures))
+            else:
+                await self._pause(worked)
 
     async def _round(self) -> tuple[int, bool]:
         async with self._lock:

@@ -10,6 +10,7 @@ fake Bot API, logging through the daemon's own configuration."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import logging
@@ -107,6 +108,28 @@ def test_each_turn_logs_one_line_without_its_text_and_a_reset_its_reason(
     (listening,) = events(lines, "adapter_connected")
     assert listening["platform"] == "http" and listening["listen"] == daemon.url
     assert events(lines, "adapter_stopped")[0]["platform"] == "http"
+
+
+def turn_running(daemon: Daemon) -> bool:
+    with contextlib.closing(daemon.db()) as conn:
+        return conn.execute("SELECT 1 FROM turns").fetchone() is not None
+
+
+def test_a_timed_out_and_a_stopped_turn_say_so(make_daemon: Callable[..., Daemon]) -> None:
+    daemon = make_daemon("agent:\n  delay_seconds: 1.0\n  gateway_timeout: 0.3\n")
+    daemon.post("slow", "take your time", message_id="m1")
+    (timed_out,) = daemon.wait_replies("slow", 1)
+    assert "did not answer" in timed_out["text"]
+    daemon.post("c1", "never mind", message_id="m2")
+    deadline = time.monotonic() + 10
+    while not turn_running(daemon):
+        assert time.monotonic() < deadline, "the turn never started"
+        time.sleep(0.02)
+    daemon.post("c1", "/stop", message_id="m3")
+    assert len(daemon.wait_replies("c1", 1)) == 1  # "Stopped. ..."
+    _, lines = stop_and_read_log(daemon)
+    outcomes = {turn["session_key"]: turn["outcome"] for turn in events(lines, "turn_done")}
+    assert outcomes == {"agent:main:http:dm:slow": "timeout", KEY: "cancelled"}
 
 
 def test_include_text_puts_the_message_and_the_reply_in_the_turn_line(

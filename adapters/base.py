@@ -17,6 +17,8 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
 
+import structlog
+
 # Re-exported so a platform module needs nothing but this module and its library.
 from config import (
     ChatPlatformConfig,
@@ -46,6 +48,16 @@ __all__ = [
     "utf16_len",
     "validate_id",
 ]
+
+log = structlog.get_logger("adapters")
+
+#: the log line of each connection state an adapter enters (see `set_state`)
+_STATE_EVENTS = {
+    "running": "adapter_connected",
+    "reconnecting": "adapter_disconnected",
+    "stopped": "adapter_stopped",
+    "failed": "adapter_failed",
+}
 
 
 @dataclass(slots=True)
@@ -191,15 +203,43 @@ class PlatformAdapter(ABC):
 
     # --- health ----------------------------------------------------------------------------
 
-    def set_state(self, state: str, error: str | None = None) -> None:
+    def set_state(self, state: str, error: str | None = None, **details: Any) -> None:
         """Record the adapter's real connection state: starting, running, reconnecting,
-        stopped or failed (shown by /healthz and `hermes-gateway status`)."""
-        if state == "reconnecting" and self.state != "reconnecting":
+        stopped or failed (shown by /healthz and `hermes-gateway status`), and log each
+        change once: adapter_connected (adapter_reconnected after a reconnect),
+        adapter_disconnected, adapter_stopped, adapter_failed. `details` go into the line."""
+        previous = self.state
+        if state == "reconnecting" and previous != "reconnecting":
             self.reconnects += 1
-        if state != self.state:
+        if state != previous:
             self.state, self.state_since = state, datetime.now(UTC)
         if error is not None:
             self.last_error = error
+        event = _STATE_EVENTS.get(state)
+        if event is None or state == previous:
+            return
+        fields: dict[str, Any] = {"platform": self.platform.value, **details}
+        if state == "running" and previous == "reconnecting":
+            log.info("adapter_reconnected", reconnects=self.reconnects, **fields)
+        elif state == "running" or state == "stopped":
+            log.info(event, **fields)
+        elif state == "reconnecting":
+            log.warning(event, error=error, reconnecting=True, **fields)
+        else:
+            log.error(event, error=error, **fields)
+
+    async def retry_pause(self, operation: str, attempt: int, delay: float, error: str) -> None:
+        """Wait `delay` seconds before retrying a platform call that failed, with one log
+        line per attempt (no traceback: the error message says what went wrong)."""
+        log.warning(
+            "platform_retry",
+            platform=self.platform.value,
+            operation=operation,
+            attempt=attempt,
+            delay_seconds=round(delay, 2),
+            error=error,
+        )
+        await asyncio.sleep(delay)
 
     def health(self) -> dict[str, Any]:
         return {
@@ -231,6 +271,7 @@ class PlatformAdapter(ABC):
         if src.user_id and await self.gateway.is_paired(self.platform.value, src.user_id):
             return True
         if src.chat_type == "dm" and src.user_id and access.unauthorized_dm_behavior == "pair":
+            self._log_denied(src, "pairing")
             code = await self.gateway.request_pairing(src)
             if code is None:
                 text = (
@@ -244,7 +285,20 @@ class PlatformAdapter(ABC):
                     f"hermes-gateway pairing approve {self.platform.value} {code}"
                 )
             await self.gateway.notify(src, text)
+            return False
+        self._log_denied(src, "ignored")
         return False
+
+    def _log_denied(self, src: SessionSource, action: str) -> None:
+        """One line per denied message (never its text): who, where, and what followed."""
+        log.info(
+            "access_denied",
+            platform=self.platform.value,
+            user_id=src.user_id,
+            chat_id=src.chat_id,
+            chat_type=src.chat_type,
+            action=action,
+        )
 
     def addressed_to_bot(
         self, source: SessionSource, *, mentioned: bool, replied_to_bot: bool

@@ -221,7 +221,6 @@ class DiscordAdapter(PlatformAdapter):
                 "check the network and platforms.discord.gateway_url"
             )
         self._connection.add_done_callback(self._connection_ended)
-        log.info("discord: connected as %s (%s)", self.client.user, self.client.user.id)
 
     async def stop(self) -> None:
         self._stopping = True
@@ -259,13 +258,12 @@ class DiscordAdapter(PlatformAdapter):
         self.bot_username = self.client.user.name
         self._ready.set()
         self._backoff.reset()
-        self.set_state("running")
+        self.set_state("running", user=f"{self.client.user} ({self.client.user.id})")
 
     def _disconnected(self) -> None:
         # Only a live connection that drops counts; discord.py retries on its own.
         if not self._stopping and self.state == "running":
-            log.warning("discord: gateway disconnected; discord.py reconnects")
-            self.set_state("reconnecting")
+            self.set_state("reconnecting", error="gateway disconnected; discord.py reconnects")
 
     def _connection_ended(self, task: asyncio.Task[None]) -> None:
         if self._stopping or task.cancelled():
@@ -273,19 +271,18 @@ class DiscordAdapter(PlatformAdapter):
         error = _describe(task)
         exc = task.exception()
         if _refusal(exc) is not None:  # a bad token or missing intent: retrying cannot help
-            log.error("discord: gateway connection ended for good (fix and restart): %s", error)
-            self.set_state("failed", error=error)
+            self.set_state("failed", error=error, action="fix the config and restart")
             return
         # Anything else (a payload discord.py could not parse ends its connect() loop) is
         # retried: a fresh connect() after a capped backoff.
-        log.warning("discord: gateway connection ended (%s); reconnecting", error)
         self.set_state("reconnecting", error=error)
         self._supervisor = asyncio.create_task(self._reconnect(), name="discord-reconnect")
 
     async def _reconnect(self) -> None:
         assert self.client is not None
         await self._close_socket()
-        await self._backoff.sleep()
+        delay = self._backoff.delay()
+        await self.retry_pause("connect", self._backoff.attempt, delay, self.last_error or "")
         if self._stopping:
             return
         self._connection = asyncio.create_task(

@@ -142,7 +142,7 @@ class HttpAdapter(PlatformAdapter):
         self.port = runner.addresses[0][1]
         self._runner = runner
         self._stopping = False
-        log.info("http_api_listening", url=self.url, token_required=bool(self.config.token))
+        self.set_state("running", listen=self.url, token_required=bool(self.config.token))
 
     async def stop(self) -> None:
         # Wake long-pollers first so the server's graceful shutdown does not wait on them.
@@ -152,6 +152,7 @@ class HttpAdapter(PlatformAdapter):
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
+            self.set_state("stopped")
 
     def health(self) -> dict[str, Any]:
         state = "running" if self._runner is not None and not self._stopping else "stopped"

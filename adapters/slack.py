@@ -166,7 +166,13 @@ class SlackAdapter(PlatformAdapter):
             await self._close()
             self.set_state("failed", error=str(exc))
             raise
-        self.set_state("running")
+        where = {"listen": f"{self.config.listen}:{self.port}{self.config.path}"}
+        self.set_state(
+            "running",
+            mode=self.config.mode,
+            bot_user_id=self.bot_user_id,
+            **(where if self.config.mode == "http" else {}),
+        )
 
     async def stop(self) -> None:
         await self._close()
@@ -250,7 +256,6 @@ class SlackAdapter(PlatformAdapter):
                 "check the network (outbound wss to Slack)"
             ) from None
         self._watcher = asyncio.create_task(self._watch_socket(client), name="slack-socket")
-        log.info("slack_socket_mode_connected bot_user_id=%s", self.bot_user_id)
 
     async def _start_http_server(self, app: AsyncApp) -> None:
         secret = str(self.config.signing_secret).encode()
@@ -296,9 +301,6 @@ class SlackAdapter(PlatformAdapter):
                 "change platforms.slack.port or platforms.slack.listen",
             ) from exc
         self.port = runner.addresses[0][1]
-        log.info(
-            "slack_events_listening listen=%s port=%s path=%s", listen, self.port, self.config.path
-        )
 
     async def _watch_socket(self, client: SocketModeClient) -> None:
         """Mirror the Socket Mode connection into the health state. The client replaces
@@ -313,10 +315,8 @@ class SlackAdapter(PlatformAdapter):
                 self.set_state("reconnecting")  # counts the reconnect
             if connected and self.state != "running":
                 self.set_state("running")
-                log.info("slack_socket_mode_reconnected reconnects=%d", self.reconnects)
             elif not connected and self.state == "running":
                 self.set_state("reconnecting", error="Socket Mode connection lost")
-                log.warning("slack_socket_mode_disconnected reconnecting=true")
 
     async def _close(self) -> None:
         if self._watcher is not None:

@@ -214,13 +214,13 @@ class TelegramAdapter(PlatformAdapter):
                 max_connections=1,  # one at a time: updates reach the gateway in order
             )
         self._connected = True
-        self.set_state("running")
-        log.info("telegram: connected as @%s (%s)", self.bot_username, self.config.mode)
+        self.set_state("running", bot=self.bot_username, mode=self.config.mode)
 
     async def _run(self) -> None:
         backoff = Backoff(initial=1.0, maximum=60.0)
         while not self._connected:
-            await backoff.sleep()
+            delay = backoff.delay()
+            await self.retry_pause("connect", backoff.attempt, delay, self.last_error or "")
             try:
                 await self._connect()
             except Exception as exc:
@@ -250,24 +250,27 @@ class TelegramAdapter(PlatformAdapter):
 
     async def _poll_forever(self) -> None:
         backoff = Backoff(initial=1.0, maximum=60.0)
+        failures = 0  # in a row, for the retry lines
         while True:
             try:
                 batch = await self._fetch_updates()
             except RetryAfter as exc:
-                self._connection_lost(exc)
-                await asyncio.sleep(min(_retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS))
+                failures += 1
+                delay = min(_retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS)
+                await self.retry_pause("poll", failures, delay, self._connection_lost(exc))
                 continue
             except InvalidToken as exc:  # revoked while running: retrying cannot help
                 self._failed(exc)
                 return
             except Exception as exc:  # network, timeout, 409 Conflict
-                self._connection_lost(exc)
-                await backoff.sleep()
+                failures += 1
+                error = self._connection_lost(exc)
+                await self.retry_pause("poll", failures, backoff.delay(), error)
                 continue
             if self.state != "running":
                 self.set_state("running")
-                log.info("telegram: polling again after %d reconnect(s)", self.reconnects)
             backoff.reset()
+            failures = 0
             try:
                 accepted_all = await self._accept_updates(batch)
             except Exception:
@@ -339,16 +342,17 @@ class TelegramAdapter(PlatformAdapter):
         stopping = accepted.status is AcceptStatus.REFUSED and accepted.session_key is None
         return not stopping and accepted.status is not AcceptStatus.UNAVAILABLE
 
-    def _connection_lost(self, exc: BaseException) -> None:
-        error = self._redact(f"{type(exc).__name__}: {exc}")
-        if self.state != "reconnecting":
-            log.warning("telegram: connection problem, retrying with backoff: %s", error)
+    def _connection_lost(self, exc: BaseException) -> str:
+        """Reconnecting (logged once, then one retry line per attempt); the error text."""
+        error = self._describe(exc)
         self.set_state("reconnecting", error)
+        return error
 
     def _failed(self, exc: BaseException) -> None:
-        error = self._redact(f"{type(exc).__name__}: {exc}")
-        log.error("telegram: giving up (fix the config and restart): %s", error)
-        self.set_state("failed", error)
+        self.set_state("failed", self._describe(exc), action="fix the config and restart")
+
+    def _describe(self, exc: BaseException) -> str:
+        return self._redact(f"{type(exc).__name__}: {exc}")
 
     # --- webhook -------------------------------------------------------------------------
 
@@ -528,16 +532,17 @@ class TelegramAdapter(PlatformAdapter):
             except RetryAfter as exc:
                 if attempts >= MAX_SEND_ATTEMPTS:
                     raise
-                await asyncio.sleep(min(_retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS))
+                delay = min(_retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS)
+                await self.retry_pause("send", attempts, delay, self._describe(exc))
             except ChatMigrated as exc:  # a group became a supergroup: same chat, new id
                 if attempts >= MAX_SEND_ATTEMPTS:
                     raise
                 chat_id = exc.new_chat_id
-            except NetworkError:
+            except NetworkError as exc:
                 network_errors += 1
                 if network_errors >= MAX_NETWORK_ATTEMPTS or attempts >= MAX_SEND_ATTEMPTS:
                     raise
-                await backoff.sleep()
+                await self.retry_pause("send", attempts, backoff.delay(), self._describe(exc))
 
     async def send_typing(self, target: SessionSource) -> None:
         if self._bot is None:

@@ -205,6 +205,22 @@ class HousekeepingConfig(BaseModel):
     finalize_max_attempts: int = Field(default=3, ge=1)
 
 
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+
+class LoggingConfig(BaseModel):
+    """What `run` logs and how. `--log-level` and `--log-json` on the command line win."""
+
+    model_config = _MODEL_CONFIG
+
+    level: LogLevel = "info"
+    # auto: JSON lines when stderr is not a terminal (systemd, pipes), console otherwise.
+    format: Literal["auto", "json", "console"] = "auto"
+    # Put the user's text and the reply in each turn's log line. Off: they are personal
+    # data, and the log goes where transcripts do not (journald, log shippers).
+    include_text: bool = False
+
+
 class GatewayConfig(BaseModel):
     """The whole of hermes.yaml. ``GatewayConfig()`` is the zero-config default."""
 
@@ -221,6 +237,7 @@ class GatewayConfig(BaseModel):
     platforms: PlatformsConfig = PlatformsConfig()
     storage: StorageConfig = StorageConfig()
     housekeeping: HousekeepingConfig = HousekeepingConfig()
+    logging: LoggingConfig = LoggingConfig()
     # Who may use admin commands (/restart), as "platform:user_id", e.g. "telegram:12345".
     admins: list[str] = Field(default_factory=list)
     # Set by load_config; the loader rejects it as a YAML key.

@@ -16,7 +16,6 @@ turns/s, p99 6.8-7.4 ms every 0.1 s, 7.3-14 ms every 0.25 s, 26-31 ms every 1 s)
 
 from __future__ import annotations
 
-import asyncio
 import sqlite3
 from collections.abc import Callable
 from pathlib import Path
@@ -33,14 +32,13 @@ WAL_SIZE_LIMIT = 64 * 1024 * 1024  # the WAL file is truncated to this after a r
 
 
 class Checkpointer(ThreadedSqliteTask):
-    """`commits()` counts the writer's commits: an idle gateway is not checkpointed (nor
-    woken) for nothing."""
+    """`commits()` counts the writer's commits: an idle gateway is not checkpointed for
+    nothing (and is looked at once a second, `ThreadedSqliteTask._pause`)."""
 
     def __init__(self, path: Path, commits: Callable[[], int], interval: float = 0.1) -> None:
-        super().__init__()
+        super().__init__(interval)
         self.path = path
         self.commits = commits
-        self.interval = interval
         self._seen = -1
         self._failing = Outage(log, "wal_checkpoint_failed", path=str(path))  # once a minute
 
@@ -51,12 +49,15 @@ class Checkpointer(ThreadedSqliteTask):
         self._start(self._run(), "wal-checkpoint")
 
     async def _run(self) -> None:
+        worked = True
         while True:
-            await asyncio.sleep(self.interval)
+            await self._pause(worked)
             conn = self._conn
             if conn is None:
                 return
-            if (commits := self.commits()) == self._seen:
+            commits = self.commits()
+            worked = commits != self._seen
+            if not worked:
                 continue
             self._seen = commits
             try:

@@ -31,7 +31,7 @@ from gateway.db import DatabaseError
 from gateway.doctor import add_doctor_parser
 from gateway.entries import load_session_row
 from gateway.homelock import HomeInUse, HomeLock
-from gateway.logs import configure_logging
+from gateway.logs import LOG_LEVELS, configure_run_logging
 from gateway.pairing import add_pairing_parser
 from gateway.sdnotify import SystemdNotifier, run_watchdog
 from gateway.service import add_service_parser
@@ -163,7 +163,7 @@ async def serve(config: GatewayConfig, home: Path) -> int:
 
 
 def cmd_run(args: argparse.Namespace, config: GatewayConfig) -> int:
-    configure_logging(json_output=args.log_json)
+    configure_run_logging(config.logging, args.log_level, args.log_json)
     home = hermes_home()
     try:  # before anything reads or writes state: one daemon per home
         lock = HomeLock.acquire(home)
@@ -322,6 +322,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", parents=[common], help="run the daemon in the foreground")
     run.add_argument("--log-json", action="store_true", default=None, help="JSON log lines")
+    run.add_argument(
+        "--log-level", type=str.lower, choices=LOG_LEVELS, help="overrides logging.level"
+    )
     run.set_defaults(handler=cmd_run)
 
     chat = sub.add_parser("chat", parents=[common], help="talk to the running daemon")

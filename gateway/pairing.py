@@ -27,10 +27,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import structlog
+
 from config import ChatPlatformConfig, GatewayConfig, PlatformsConfig, hermes_home
 from gateway import codec, journal
+from gateway.homelock import held_by
 from gateway.session import SessionSource
-from gateway.status import is_live, read_status
 from gateway.store import SessionStore
 
 # A-Z and 2-9 without I, O (and without 0, 1): nothing to confuse when read aloud.
@@ -45,6 +47,8 @@ PAIRING_PLATFORMS = tuple(
     if isinstance(field.annotation, type) and issubclass(field.annotation, ChatPlatformConfig)
 )
 APPROVED_NOTICE = "You're approved; send a message to start."
+
+log = structlog.get_logger("gateway.pairing")
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,11 +95,15 @@ class Pairing:
         """The user's pairing code; None when the platform has too many pending already.
 
         `target` is the DM to tell them in once the code is approved (the latest DM they
-        asked from)."""
+        asked from). Logs one line per request (not the code: `pairing list` shows it to
+        the operator), with `outcome` new_code, same_code (asked again while valid) or
+        too_many_pending."""
         now = time.time()
         target_json = codec.dumps(target.to_dict()) if target is not None else None
+        outcome = "new_code"
 
         def tx(conn: sqlite3.Connection) -> str | None:
+            nonlocal outcome
             conn.execute(
                 "DELETE FROM pairing_codes WHERE created_at < ?", (now - CODE_TTL_SECONDS,)
             )
@@ -105,12 +113,15 @@ class Pairing:
                 (target_json, platform, user_id),
             ).fetchone()
             if row:
+                outcome = "same_code"
                 return str(row[0])
             (pending,) = conn.execute(
                 "SELECT COUNT(*) FROM pairing_codes WHERE platform = ?", (platform,)
             ).fetchone()
             if pending >= MAX_PENDING_PER_PLATFORM:
+                outcome = "too_many_pending"
                 return None
+            outcome = "new_code"
             code = new_code()
             conn.execute(
                 "INSERT INTO pairing_codes (platform, code, user_id, user_name, created_at,"
@@ -119,7 +130,15 @@ class Pairing:
             )
             return code
 
-        return await self.store.write(tx, dirty=False)
+        code = await self.store.write(tx, dirty=False)
+        log.info(
+            "pairing_requested",
+            platform=platform,
+            user_id=user_id,
+            user_name=user_name,
+            outcome=outcome,
+        )
+        return code
 
     async def pending(self) -> list[PairingRequest]:
         cutoff = time.time() - CODE_TTL_SECONDS
@@ -254,12 +273,13 @@ def _tell(request: PairingRequest) -> str:
     """Have the running daemon send the approval notice now; say how the user learns."""
     if request.target is None:
         return "tell them they can start (their code predates approval notices)"
-    status = read_status(hermes_home())
-    if status is None or not is_live(status):
+    # The home's lock names the live daemon (a status file could name a reused pid).
+    holder = held_by(hermes_home())
+    if holder is None or holder.pid is None:
         return "they are told when the gateway next starts"
     try:
         # SIGUSR2: "send what is pending in the delivery ledger" (gateway.cli.serve).
-        os.kill(int(status["pid"]), signal.SIGUSR2)
+        os.kill(holder.pid, signal.SIGUSR2)
     except OSError:  # another user's daemon: its housekeeping pass sends it
         return "the gateway tells them within a few minutes"
     return "the gateway is telling them now"

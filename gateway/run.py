@@ -40,6 +40,7 @@ from gateway.agents import (
     describe_backend,
 )
 from gateway.faults import crash_point
+from gateway.logs import TurnLine
 from gateway.metrics import Metrics
 from gateway.outage import StoreUnwritable
 from gateway.pairing import Pairing
@@ -94,15 +95,17 @@ def _scrubbed(event: MessageEvent) -> MessageEvent:
 @dataclass(frozen=True, slots=True)
 class TurnOutcome:
     """What a turn produced: the agent's reply (None when it failed), the text the user
-    gets (the reply, or a short error), and the token usage."""
+    gets (the reply, or a short error), the token usage, and how it ended (the log's
+    `outcome`: ok, failed, timeout or error)."""
 
     reply: str | None
     text: str
     usage: TokenUsage | None = None
+    status: str = "ok"
 
     @classmethod
-    def failed(cls, text: str) -> TurnOutcome:
-        return cls(reply=None, text=text)
+    def failed(cls, text: str, status: str = "failed") -> TurnOutcome:
+        return cls(reply=None, text=text, status=status)
 
 
 class GatewayRunner:
@@ -436,34 +439,63 @@ class GatewayRunner:
         structlog.contextvars.bind_contextvars(session_key=key)
         started = time.monotonic()
         source = event.source
-        if begun is None:
-            begun = await self.turnlog.begin(event, key, self._turn_text(event))
-        entry = begun.entry
-        if begun.resumed:
-            log.info("turn_resumed", session_id=entry.session_id)
-        request = TurnRequest(
-            session_key=key,
-            session_id=entry.session_id,
-            text=begun.text,
-            history=tuple(begun.history),
-            system_prompt=self._system_prompt(build_session_context(source, self.config, entry)),
-            source=source,
-        )
-        typing = self._start_typing(source)
+        turn = TurnLine(source.platform.value, started)  # the log's one line for this turn
         try:
-            outcome = await self._call_agent(key, request)
+            if begun is None:
+                begun = await self.turnlog.begin(event, key, self._turn_text(event))
+            entry = begun.entry
+            turn.session_id = entry.session_id
+            if begun.resumed:
+                log.info("turn_resumed", session_id=entry.session_id)
+            elif begun.stored is None and entry.was_auto_reset:
+                await self._log_reset(key, entry)
+            request = TurnRequest(
+                session_key=key,
+                session_id=entry.session_id,
+                text=begun.text,
+                history=tuple(begun.history),
+                system_prompt=self._system_prompt(
+                    build_session_context(source, self.config, entry)
+                ),
+                source=source,
+            )
+            typing = self._start_typing(source)
+            try:
+                outcome = await self._call_agent(key, request)
+            finally:
+                if typing is not None:
+                    typing.cancel()
+            turn.usage = outcome.usage
+            if self.config.logging.include_text:
+                turn.texts = (begun.text, outcome.text)
+            chunks = self.split_reply(source, self._with_reset_notice(entry, outcome.text))
+            turn.chunks = len(chunks)
+            ids = await self.turnlog.finish(
+                key, begun, event, reply=outcome.reply, usage=outcome.usage, chunks=chunks
+            )
+            if outcome.reply is not None:
+                self.metrics.turns_total += 1
+                self.recovery.turn_succeeded(key)
+            self.metrics.observe_turn(time.monotonic() - started)
+            turn.sent = await self._send_recorded(
+                source, list(zip(ids, chunks, strict=True)), event.reply_to
+            )
+            turn.outcome = outcome.status
+        except asyncio.CancelledError:
+            turn.outcome = "cancelled"  # /stop, or a shutdown that could not wait
+            raise
         finally:
-            if typing is not None:
-                typing.cancel()
-        chunks = self.split_reply(source, self._with_reset_notice(entry, outcome.text))
-        ids = await self.turnlog.finish(
-            key, begun, event, reply=outcome.reply, usage=outcome.usage, chunks=chunks
+            turn.log(log)
+
+    async def _log_reset(self, key: str, entry: SessionEntry) -> None:
+        """One line per automatic reset: why, and which session it ended."""
+        log.info(
+            "session_reset",
+            reason=entry.auto_reset_reason,
+            old_session_id=await self.store.session_replaced_by(key, entry.session_id),
+            new_session_id=entry.session_id,
+            had_activity=entry.reset_had_activity,
         )
-        if outcome.reply is not None:
-            self.metrics.turns_total += 1
-            self.recovery.turn_succeeded(key)
-        self.metrics.observe_turn(time.monotonic() - started)
-        await self._send_recorded(source, list(zip(ids, chunks, strict=True)), event.reply_to)
 
     async def _call_agent(self, key: str, request: TurnRequest) -> TurnOutcome:
         """Run the agent; a failure becomes a short text for the user, never an exception."""
@@ -476,7 +508,8 @@ class GatewayRunner:
             self.metrics.turn_timeouts_total += 1
             log.warning("turn_timeout", timeout_seconds=timeout)
             return TurnOutcome.failed(
-                f"The agent did not answer within {timeout:g} seconds. Try again, or /new."
+                f"The agent did not answer within {timeout:g} seconds. Try again, or /new.",
+                "timeout",
             )
         except AgentError as exc:
             self.metrics.turn_errors_total += 1
@@ -486,7 +519,7 @@ class GatewayRunner:
             self.metrics.turn_errors_total += 1
             log.exception("turn_crashed", error_type=type(exc).__name__)
             return TurnOutcome.failed(
-                "Sorry, something went wrong while answering. The error was logged."
+                "Sorry, something went wrong while answering. The error was logged.", "error"
             )
         return TurnOutcome(reply=result.text, text=result.text, usage=result.usage)
 
@@ -622,7 +655,7 @@ class GatewayRunner:
         }
 
     def status_snapshot(self) -> dict[str, Any]:
-        """What `hermes-gateway status` shows (written to status.json every few seconds)."""
+        """What `hermes-gateway status` shows (status.json, rewritten when this changes)."""
         state = "running" if self._accepting else "stopping" if self._draining else "starting"
         return {
             "state": state,

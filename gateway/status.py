@@ -1,9 +1,11 @@
 """`$HERMES_HOME/status.json` and `hermes-gateway status`.
 
-The daemon rewrites the file every few seconds with its health (each adapter's real
-state, queue depth, running turns), and once more when it stops. `status` reads it,
-so it works whichever platforms are enabled, and tells a stale file (a daemon that
-died) from a live one by the pid and the file's age.
+The daemon looks at its health (each adapter's real state, queue depth, running turns)
+every few seconds and rewrites the file only when that changed, and once more when it
+stops. An idle daemon rewrites nothing: once a minute it only touches the file's mtime
+(a heartbeat, no data written). `status` reads the file, so it works whichever
+platforms are enabled, and tells a stale file (a daemon that died or hangs) from a live
+one by the pid and the last heartbeat.
 
 Exit codes of `status`: 0 running, 3 not running (like `systemctl status`).
 """
@@ -16,6 +18,7 @@ import errno
 import json
 import os
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -29,7 +32,10 @@ from gateway.outage import Outage
 log = structlog.get_logger("gateway.status")
 
 STATUS_FILE = "status.json"
-WRITE_INTERVAL_SECONDS = 5.0
+CHECK_INTERVAL_SECONDS = 5.0  # how often the daemon compares its health with the file
+HEARTBEAT_SECONDS = 60.0  # with nothing changed, the file's mtime is touched this often
+# Two heartbeats missed: the daemon is gone or hung, even if its pid lives.
+STALE_AFTER_SECONDS = 2 * HEARTBEAT_SECONDS + CHECK_INTERVAL_SECONDS
 EXIT_NOT_RUNNING = 3
 
 
@@ -46,13 +52,44 @@ def write_status(home: Path, snapshot: dict[str, Any]) -> None:
         overwrite_in_place(home / STATUS_FILE, encoded)
 
 
-async def keep_status(home: Path, snapshot: Any, interval: float = WRITE_INTERVAL_SECONDS) -> None:
-    """Rewrite the status file from `snapshot()` until cancelled (off the event loop). A
-    disk that refuses the write (read-only) is logged once a minute and tried again."""
+def _lasting(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The snapshot without the uptime, which changes every time it is taken (`status`
+    adds the time since `written_at` to the uptime the file holds)."""
+    health = snapshot.get("health")
+    if not isinstance(health, dict):
+        return snapshot
+    return {**snapshot, "health": {k: v for k, v in health.items() if k != "uptime_seconds"}}
+
+
+def _heartbeat(home: Path, snapshot: dict[str, Any]) -> None:
+    try:
+        os.utime(home / STATUS_FILE)
+    except FileNotFoundError:  # removed by hand: write it again
+        write_status(home, snapshot)
+
+
+async def keep_status(
+    home: Path,
+    snapshot: Callable[[], dict[str, Any]],
+    interval: float = CHECK_INTERVAL_SECONDS,
+    heartbeat: float = HEARTBEAT_SECONDS,
+) -> None:
+    """Keep the status file current from `snapshot()` until cancelled (off the event
+    loop): rewritten when something other than the uptime changed, touched every
+    `heartbeat` seconds otherwise. A disk that refuses the write (read-only) is logged
+    once a minute and tried again."""
     failing = Outage(log, "status_file_write_failed", path=str(home / STATUS_FILE))
+    written: dict[str, Any] | None = None
+    beat = time.monotonic()
     while True:
+        current = snapshot()
         try:
-            await asyncio.to_thread(write_status, home, snapshot())
+            if _lasting(current) != written:
+                await asyncio.to_thread(write_status, home, current)
+                written, beat = _lasting(current), time.monotonic()
+            elif time.monotonic() - beat >= heartbeat:
+                await asyncio.to_thread(_heartbeat, home, current)
+                beat = time.monotonic()
         except OSError as exc:
             failing.failed(str(exc))
         else:
@@ -61,11 +98,18 @@ async def keep_status(home: Path, snapshot: Any, interval: float = WRITE_INTERVA
 
 
 def read_status(home: Path) -> dict[str, Any] | None:
+    """The status file, with `seen_at`: its last write or heartbeat (Unix time)."""
+    path = home / STATUS_FILE
     try:
-        data = json.loads((home / STATUS_FILE).read_text())
+        data = json.loads(path.read_text())
+        mtime = path.stat().st_mtime
     except (FileNotFoundError, ValueError):
         return None
-    return data if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        return None
+    written = data.get("written_at")
+    data["seen_at"] = max(mtime, written) if isinstance(written, int | float) else mtime
+    return data
 
 
 def is_live(status: dict[str, Any]) -> bool:
@@ -80,7 +124,7 @@ def is_live(status: dict[str, Any]) -> bool:
         return False
     except PermissionError:
         pass  # alive, owned by another user
-    return time.time() - float(status.get("written_at", 0)) < 3 * WRITE_INTERVAL_SECONDS
+    return time.time() - float(status.get("seen_at", 0)) < STALE_AFTER_SECONDS
 
 
 def add_status_parser(subparsers: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -101,13 +145,16 @@ def cmd_status(args: argparse.Namespace, config: GatewayConfig) -> int:
     if status is None or not live:
         when = ""
         if status is not None:
-            last = datetime.fromtimestamp(float(status.get("written_at", 0)), UTC)
+            last = datetime.fromtimestamp(float(status.get("seen_at", 0)), UTC)
             when = f" (last seen {last:%Y-%m-%d %H:%M:%S} UTC, state {status.get('state')})"
         print(f"hermes-gateway is not running in {home}{when}")
         return EXIT_NOT_RUNNING
     health = status.get("health", {})
     print(f"hermes-gateway is running (pid {status['pid']}) in {home}")
-    print(f"  status: {health.get('status')}, uptime {health.get('uptime_seconds')} s")
+    uptime = health.get("uptime_seconds")
+    if isinstance(uptime, int | float):  # as of `written_at`; the daemon ran on since
+        uptime = round(uptime + time.time() - float(status.get("written_at", time.time())))
+    print(f"  status: {health.get('status')}, uptime {uptime} s")
     print(f"  agent: {status.get('agent')}")
     print(f"  running turns: {status.get('active_turns')}, queued: {status.get('queue_depth')}")
     store = health.get("store", {})

@@ -598,6 +598,20 @@ class SessionStore:
 
         return await self._db.read(query)
 
+    async def session_replaced_by(self, session_key: str, session_id: str) -> str | None:
+        """The session of this key that the reset starting `session_id` ended (for the
+        reset's log line): the one a reset ended most recently."""
+
+        def query(conn: sqlite3.Connection) -> str | None:
+            row = conn.execute(
+                "SELECT session_id FROM sessions WHERE session_key = ? AND session_id != ?"
+                " AND end_reason = ? ORDER BY ended_at DESC LIMIT 1",
+                (session_key, session_id, entries.END_RESET),
+            ).fetchone()
+            return row[0] if row else None
+
+        return await self._db.read(query)
+
     # --- transcripts -------------------------------------------------------------------
 
     async def append_to_transcript(

@@ -36,6 +36,7 @@ class Daemon:
         self.proc: subprocess.Popen[bytes] | None = None
         self.extra_env = env or {}
         self.log_path = home / "daemon.log"
+        self.run_args = ["--log-json"]  # what follows `run` on the command line
         home.mkdir(parents=True, exist_ok=True)
         (home / "hermes.yaml").write_text(
             f"platforms:\n  http:\n    enabled: true\n    port: {self.port}\n{settings}"
@@ -50,7 +51,7 @@ class Daemon:
         env.pop("HERMES_CONFIG", None)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gateway.cli", "run", "--log-json"],
+            [sys.executable, "-m", "gateway.cli", "run", *self.run_args],
             env=env,
             stdout=log,
             stderr=log,

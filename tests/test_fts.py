@@ -69,6 +69,27 @@ async def test_messages_are_findable_after_a_round_and_the_log_is_trimmed(
         assert await store.search_index.catch_up() == 0
 
 
+def file_states(sessions: Path) -> dict[str, tuple[int, int]]:
+    """Size and mtime of search.db and its -wal and -shm files."""
+    return {
+        path.name: (path.stat().st_size, path.stat().st_mtime_ns)
+        for path in fts.search_files(sessions)
+        if path.exists()
+    }
+
+
+async def test_a_round_with_nothing_new_writes_nothing(tmp_path: Path) -> None:
+    async with SessionStore(tmp_path, CONFIG) as store:
+        await store.search_index.stop()  # no background rounds: this test runs them
+        entry = await store.get_or_create_session(SOURCE)
+        await say(store, entry.session_id, "ibis")
+        assert await store.search_index.catch_up() == 1
+        before = file_states(tmp_path)
+        for _ in range(5):  # an idle gateway's rounds: nothing logged since
+            assert await store.search_index.catch_up() == 0
+        assert file_states(tmp_path) == before
+
+
 async def test_deleted_messages_leave_the_index_even_with_a_reused_id(tmp_path: Path) -> None:
     async with SessionStore(tmp_path, CONFIG) as store:
         entry = await store.get_or_create_session(SOURCE)

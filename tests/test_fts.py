@@ -181,7 +181,10 @@ async def test_a_version_4_database_moves_its_index_out(tmp_path: Path) -> None:
     conn.close()
 
     async with SessionStore(tmp_path, CONFIG) as store:
-        assert await store.read(lambda c: c.execute("PRAGMA user_version").fetchone()[0]) == SCHEMA_VERSION
+        assert (
+            await store.read(lambda c: c.execute("PRAGMA user_version").fetchone()[0])
+            == SCHEMA_VERSION
+        )
         tables = await store.read(
             lambda c: {row[0] for row in c.execute("SELECT name FROM sqlite_master")}
         )

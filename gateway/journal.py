@@ -252,9 +252,14 @@ def replies_after(
 
 
 def expire_outbound(conn: sqlite3.Connection, before: float, limit: int = EXPIRE_PAGE) -> int:
-    """Forget up to `limit` sent replies older than `before`; returns how many."""
+    """Forget up to `limit` sent replies older than `before`; returns how many.
+
+    The newest row is always kept: its id is the reply `seq` of the HTTP API, and SQLite
+    hands out max(id) + 1, so deleting it would let the next reply reuse a seq a client
+    already read past."""
     return conn.execute(
         "DELETE FROM outbound WHERE id IN (SELECT id FROM outbound"
-        " WHERE state = 'sent' AND created_at < ? LIMIT ?)",
+        " WHERE state = 'sent' AND created_at < ?"
+        " AND id < (SELECT max(id) FROM outbound) LIMIT ?)",
         (before, limit),
     ).rowcount

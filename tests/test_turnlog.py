@@ -83,6 +83,17 @@ async def test_a_session_replaced_during_the_turn_is_left_alone(store: SessionSt
     assert entry.total_tokens == 0  # the old session's turn does not count on the new one
 
 
+async def test_expire_never_lets_a_reply_seq_be_handed_out_again(store: SessionStore) -> None:
+    log = TurnLog(store)
+    ids = await log.record_reply(SOURCE, ["a", "b", "c"], None)
+    for delivery_id in ids:
+        await log.mark_sent(delivery_id, None)
+    await store.write(lambda conn: conn.execute("UPDATE outbound SET created_at = 0"))
+    assert await log.expire(1) == 2  # the newest stays: it holds the seq counter
+    [later] = await log.record_reply(SOURCE, ["d"], None)
+    assert later > max(ids)
+
+
 async def test_expire_forgets_old_finished_rows_page_by_page(
     store: SessionStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:

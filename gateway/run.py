@@ -10,7 +10,7 @@
 
 One turn runs per session key at a time; different keys run concurrently, at most
 `agent.max_concurrent_turns` agent calls at once. Every step that matters after a crash
-is one transaction in the journal (`gateway.turnlog`); `gateway.recovery` completes
+is one transaction in the journal (`gateway.store.turnlog`); `gateway.recovery` completes
 whatever a crash interrupted.
 """
 
@@ -30,7 +30,7 @@ import structlog
 from adapters.base import Accepted, AcceptStatus, MessageEvent, PlatformAdapter
 from config import GatewayConfig, hermes_home
 from gateway import commands
-from gateway.agents import (
+from gateway.agents.cache import (
     AgentCache,
     AgentError,
     AgentFactory,
@@ -40,9 +40,10 @@ from gateway.agents import (
     describe_backend,
 )
 from gateway.faults import crash_point
-from gateway.logs import TurnLine
-from gateway.metrics import Metrics
-from gateway.outage import StoreUnwritable
+from gateway.housekeeping import Housekeeper
+from gateway.ops.logs import TurnLine
+from gateway.ops.metrics import Metrics
+from gateway.ops.status import keep_status, write_status
 from gateway.pairing import Pairing
 from gateway.queue import QueueFull, SessionQueue
 from gateway.recovery import Recovery
@@ -60,10 +61,9 @@ from gateway.session import (
     validate_chat_id,
     validate_id,
 )
-from gateway.status import keep_status, write_status
-from gateway.store import SessionStore
-from gateway.turnlog import TurnLog, TurnStart
-from gateway.watcher import Housekeeper
+from gateway.store.outage import StoreUnwritable
+from gateway.store.session_store import SessionStore
+from gateway.store.turnlog import TurnLog, TurnStart
 
 log = structlog.get_logger("gateway.run")
 

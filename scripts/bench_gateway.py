@@ -62,12 +62,12 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
 from config import GatewayConfig
-from gateway import entries
 from gateway.fsutil import atomic_write_bytes
 from gateway.recovery import CLEAN_SHUTDOWN
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
-from gateway.store import SESSIONS_JSON, SessionStore
+from gateway.store import entries
+from gateway.store.session_store import SESSIONS_JSON, SessionStore
 from scripts.harness import Daemon
 
 USER_TEXT = "hello there, how are you today?"
@@ -490,7 +490,7 @@ async def run_gateway(home: Path, args: argparse.Namespace) -> dict[str, Any]:
 
 def worker_main(args: argparse.Namespace) -> int:
     """The in-process run, in a Python process of its own (its ru_maxrss is its own)."""
-    from gateway.logs import configure_logging
+    from gateway.ops.logs import configure_logging
 
     configure_logging(json_output=True)  # as `hermes-gateway run` does; to the worker log
     result = asyncio.run(run_gateway(Path(args.worker_home), args))

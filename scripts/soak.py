@@ -63,7 +63,7 @@ from scripts.load_http import (
 RSS_SLOPE_TARGET = 32.0  # MiB/hour
 LAG_P95_TARGET = 0.050  # seconds
 TURN_HISTOGRAM = "hermes_turn_latency_seconds"
-PAGE_CACHE_MIB = 32  # the daemon's PRAGMA cache_size (gateway/db.py)
+PAGE_CACHE_MIB = 32  # the daemon's PRAGMA cache_size (gateway/store/db.py)
 
 
 @dataclass

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from config import AgentConfig, ConfigError
-from gateway.agents import (
+from gateway.agents.cache import (
     AgentBackendError,
     AgentCache,
     AgentError,
@@ -22,7 +22,7 @@ from gateway.agents import (
     build_agent_factory,
     describe_backend,
 )
-from gateway.openai_agent import OpenAIAgent
+from gateway.agents.openai import OpenAIAgent
 from gateway.session import TokenUsage
 from tests.fakes.openai_server import FakeOpenAI
 
@@ -214,7 +214,7 @@ def user_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
     module.write_text(
         textwrap.dedent(
             """
-            from gateway.agents import TurnResult
+            from gateway.agents.cache import TurnResult
 
             class MyAgent:
                 def __init__(self, session_key, options):

@@ -38,11 +38,11 @@ from adapters.http import HttpAdapter
 from adapters.slack import SlackAdapter
 from adapters.telegram import TelegramAdapter
 from config import GatewayConfig
-from gateway.agents import TurnRequest, TurnResult
-from gateway.db import Database
-from gateway.outage import Outage, StoreUnwritable, unwritable_reason
+from gateway.agents.cache import TurnRequest, TurnResult
+from gateway.ops.status import write_status
 from gateway.run import GatewayRunner
-from gateway.status import write_status
+from gateway.store.db import Database
+from gateway.store.outage import Outage, StoreUnwritable, unwritable_reason
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.slack_api import FakeSlack, dm, post_event, redeliver
 from tests.fakes.telegram_api import FakeTelegram

@@ -10,11 +10,11 @@ from pathlib import Path
 
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
 from config import GatewayConfig
-from gateway.agents import TurnRequest, TurnResult
+from gateway.agents.cache import TurnRequest, TurnResult
 from gateway.recovery import RESTART_COUNTS, STUCK_NOTICE
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
-from gateway.store import SessionStore
+from gateway.store.session_store import SessionStore
 
 SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})

@@ -1,7 +1,7 @@
 """Agents: the protocol the runner talks to, the built-in backends and the per-session cache.
 
 Backends (``agent.backend``): ``echo`` (the zero-config default), ``openai`` (any
-OpenAI-compatible chat-completions endpoint, in `gateway.openai_agent`) and
+OpenAI-compatible chat-completions endpoint, in `gateway.agents.openai`) and
 ``module.path:factory`` for your own. A user factory is called as
 ``factory(session_key=str, options=dict)`` and must return an object with
 ``async run_turn(TurnRequest) -> TurnResult`` and ``async close()``.
@@ -160,8 +160,8 @@ def build_agent_factory(config: AgentConfig) -> AgentFactory:
     if config.backend == "echo":
         return lambda session_key: EchoAgent(config.delay_seconds)
     if config.backend == "openai":
-        # Imported here because gateway.openai_agent imports this module's types.
-        from gateway.openai_agent import OpenAIAgent
+        # Imported here because gateway.agents.openai imports this module's types.
+        from gateway.agents.openai import OpenAIAgent
 
         return lambda session_key: OpenAIAgent(
             base_url=config.base_url, model=config.model, api_key=config.api_key

@@ -1,7 +1,7 @@
 """`hermes-gateway doctor [--repair] [--json]`: check the state directory, fix what is safe.
 
 Each check yields one `Finding`. `--repair` (only while no gateway runs: it holds the
-home's lock, `gateway.homelock`, so none starts meanwhile) fixes the repairable ones,
+home's lock, `gateway.store.homelock`, so none starts meanwhile) fixes the repairable ones,
 most fundamental first, then checks again. A damaged `state.db` is never
 deleted: it is set aside as `state.db.corrupt-<time>`, a fresh database is built next to
 it from every row that can still be read, and the routing index is rebuilt from the
@@ -27,16 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from config import GatewayConfig, hermes_home
-from gateway import entries
-from gateway.db import SCHEMA_VERSION, Database
 from gateway.fsutil import fsync_dir, set_aside
-from gateway.fts import search_files
-from gateway.homelock import HomeInUse, HomeLock, held_by
-from gateway.mirror import IMPORT_CANNOT_RESTORE, write_sessions_json
+from gateway.ops.service import ENV_FILE
 from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
-from gateway.service import ENV_FILE
 from gateway.session import SessionEntry, SessionSource
-from gateway.store import SESSIONS_JSON, STATE_DB
+from gateway.store import entries
+from gateway.store.db import SCHEMA_VERSION, Database
+from gateway.store.fts import search_files
+from gateway.store.homelock import HomeInUse, HomeLock, held_by
+from gateway.store.mirror import IMPORT_CANNOT_RESTORE, write_sessions_json
+from gateway.store.session_store import SESSIONS_JSON, STATE_DB
 
 OK, WARN, ERROR = "ok", "warn", "error"
 STALE_TEMP_SECONDS = 60

@@ -7,7 +7,7 @@ own result only after its data is committed, but a busy gateway pays one COMMIT 
 batch instead of one per message. A failing write still fails alone: its batch is
 rolled back and run again with a savepoint per write.
 
-A disk that cannot take a write (full, read-only, failing: `gateway.outage`) fails the
+A disk that cannot take a write (full, read-only, failing: `gateway.store.outage`) fails the
 whole batch: each writer gets `StoreUnwritable`, nothing of it was committed. Writes of
 work already acknowledged to someone (`persist=True`: a turn of an accepted message, a
 delivery mark) are not failed but parked, and tried again every `retry_interval` seconds
@@ -42,15 +42,15 @@ from typing import Any, TypeVar
 import aiosqlite
 import structlog
 
-from gateway.batch import Outcome, commit_batch, probe, refusal
-from gateway.checkpoint import SAFETY_NET_PAGES, WAL_SIZE_LIMIT, Checkpointer
 from gateway.fsutil import fsync_dir
-from gateway.outage import Outage, StoreUnwritable
+from gateway.store.batch import Outcome, commit_batch, probe, refusal
+from gateway.store.checkpoint import SAFETY_NET_PAGES, WAL_SIZE_LIMIT, Checkpointer
+from gateway.store.outage import Outage, StoreUnwritable
 
 T = TypeVar("T")
 WriteFn = Callable[[sqlite3.Connection], Any]
 
-log = structlog.get_logger("gateway.db")
+log = structlog.get_logger("gateway.store.db")
 
 RETRY_SECONDS = 5.0  # while the disk cannot write: how often parked writes (or a probe) retry
 
@@ -177,7 +177,7 @@ _MIGRATIONS: dict[int, str] = {
         PRIMARY KEY (platform, user_id)
     ) WITHOUT ROWID;
     """,
-    # Full-text indexing in batches (gateway.fts): the insert trigger only notes the row.
+    # Full-text indexing in batches (gateway.store.fts): the insert trigger only notes the row.
     4: """
     CREATE TABLE fts_pending (id INTEGER PRIMARY KEY);
     DROP TRIGGER messages_fts_insert;
@@ -192,7 +192,7 @@ _MIGRATIONS: dict[int, str] = {
         DELETE FROM fts_pending WHERE id = old.id;
     END;
     """,
-    # The full-text index moves to search.db (gateway.fts); state.db only logs which
+    # The full-text index moves to search.db (gateway.store.fts); state.db only logs which
     # messages came and went. A new search.db is built from all messages.
     5: """
     CREATE TABLE fts_log (seq INTEGER PRIMARY KEY AUTOINCREMENT, id INTEGER NOT NULL);
@@ -507,7 +507,7 @@ def _open_writer(path: Path, *, checked: bool = False) -> sqlite3.Connection:
         if not checked:
             _check_integrity(conn, path)
         _migrate(conn)
-        # Checkpoints run beside the writer (gateway.checkpoint), not inside a commit.
+        # Checkpoints run beside the writer (gateway.store.checkpoint), not inside a commit.
         conn.execute(f"PRAGMA wal_autocheckpoint={SAFETY_NET_PAGES}")
         conn.execute(f"PRAGMA journal_size_limit={WAL_SIZE_LIMIT}")
     except BaseException:

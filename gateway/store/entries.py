@@ -1,8 +1,8 @@
 """Entry-row SQL: load and save routing entries, open and close `sessions` rows.
 
-Plain functions run by the database writer (see `gateway.db`), used by
-`gateway.store`. A reset ends the old session's row and starts a new one (seed section 6,
-effects 1-4).
+Plain functions run by the database writer (see `gateway.store.db`), used by
+`gateway.store.session_store`. A reset ends the old session's row and starts a new one
+(seed section 6, effects 1-4).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import sqlite3
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway import codec
 from gateway.session import SessionEntry, SessionSource
+from gateway.store import codec
 
 #: token and cost counters, in the column order of the `sessions` table
 COUNTERS = (

@@ -1,8 +1,8 @@
 """SessionStore: the durable session routing index and transcripts (seed section 3).
 
 SQLite (`state.db`) is the one source of truth. Each operation is one small transaction
-committed by the writer (`gateway.db`); a message touch is a single-row upsert, never a rewrite of
-all entries, so per-message cost does not grow with the number of sessions.
+committed by the writer (`gateway.store.db`); a message touch is a single-row upsert, never
+a rewrite of all entries, so per-message cost does not grow with the number of sessions.
 `sessions.json` is a coalesced mirror for people and tools that read the seed format.
 
 State-machine priority in `get_or_create_session`:
@@ -21,12 +21,17 @@ from typing import Any
 import structlog
 
 from config import GatewayConfig
-from gateway import codec, entries, transcript
-from gateway.db import Database, T
-from gateway.fts import FtsIndexer
-from gateway.mirror import SessionsMirror, check_sessions_json, log_imported, read_sessions_json
 from gateway.policy import last_daily_boundary, reset_reason
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
+from gateway.store import codec, entries, transcript
+from gateway.store.db import Database, T
+from gateway.store.fts import FtsIndexer
+from gateway.store.mirror import (
+    SessionsMirror,
+    check_sessions_json,
+    log_imported,
+    read_sessions_json,
+)
 
 log = structlog.get_logger(__name__)
 

@@ -23,12 +23,12 @@ from typing import Any
 import structlog
 
 from adapters.base import MessageEvent
-from gateway import entries, journal, transcript
 from gateway.faults import crash_point
 from gateway.session import SessionEntry, SessionSource, TokenUsage
-from gateway.store import SessionStore
+from gateway.store import entries, journal, transcript
+from gateway.store.session_store import SessionStore
 
-log = structlog.get_logger("gateway.turnlog")
+log = structlog.get_logger("gateway.store.turnlog")
 
 
 @dataclass(frozen=True, slots=True)

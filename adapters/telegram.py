@@ -54,6 +54,7 @@ from adapters.base import (
     split_message,
     utf16_len,
 )
+from gateway import command_syntax
 
 __all__ = ["COMMANDS", "TelegramAdapter", "to_markdown_v2"]
 
@@ -71,9 +72,6 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("undo", "Take back your last message and its reply"),
     ("help", "List the commands"),
 )
-# Commands the gateway understands without being in the menu (a bare one counts as
-# addressed to us in a group: Telegram's privacy mode delivers commands to every bot).
-_COMMAND_WORDS = frozenset(name for name, _ in COMMANDS) | {"q", "restart"}
 
 _CHAT_TYPES = {"private": "dm", "group": "group", "supergroup": "group", "channel": "channel"}
 _ALLOWED_UPDATES = ("message",)
@@ -450,7 +448,9 @@ class TelegramAdapter(PlatformAdapter):
         if command is not None:
             addressee = command.group(2)
             if addressee is None:
-                return command.group(1).lower() in _COMMAND_WORDS
+                # A bare command of ours (menu or not) counts as addressed to us in a group:
+                # Telegram's privacy mode delivers commands to every bot.
+                return command.group(1).lower() in command_syntax.NAMES
             return addressee.lower() == name.lower()
         kinds = [MessageEntityType.TEXT_MENTION]
         entities = (

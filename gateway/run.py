@@ -29,7 +29,7 @@ import structlog
 
 from adapters.base import Accepted, AcceptStatus, MessageEvent, PlatformAdapter
 from config import GatewayConfig, hermes_home
-from gateway import commands
+from gateway import command_syntax, commands
 from gateway.agents.cache import (
     AgentCache,
     AgentError,
@@ -144,7 +144,7 @@ class GatewayRunner:
         self._housekeeper = Housekeeper(self)
         self._accepting = False
         self._draining = False
-        self._held: list[tuple[str, MessageEvent, str, commands.Command | None]] | None = None
+        self._held: list[tuple[str, MessageEvent, str, command_syntax.Command | None]] | None = None
         self._started_at = time.monotonic()
         self._status_task: asyncio.Task[None] | None = None
 
@@ -277,7 +277,7 @@ class GatewayRunner:
         if not text:
             return Accepted(AcceptStatus.IGNORED, detail="empty message")
 
-        kind, command = commands.classify(text, adapter.bot_username if adapter else None)
+        kind, command = command_syntax.classify(text, adapter.bot_username if adapter else None)
         if kind == "queue":
             assert command is not None
             event = replace(event, text=command.args)
@@ -293,7 +293,7 @@ class GatewayRunner:
         return await self._dispatch(key, event, kind, command)
 
     async def _dispatch(
-        self, key: str, event: MessageEvent, kind: str, command: commands.Command | None
+        self, key: str, event: MessageEvent, kind: str, command: command_syntax.Command | None
     ) -> Accepted:
         if kind == "command" and command is not None:
             self.metrics.commands_total += 1

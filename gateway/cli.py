@@ -26,7 +26,7 @@ import structlog
 
 from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
-from gateway.agents.cache import build_agent_factory
+from gateway.agents.backends import build_agent_factory
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
 from gateway.ops.sdnotify import SystemdNotifier, run_watchdog

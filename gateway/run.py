@@ -30,15 +30,9 @@ import structlog
 from adapters.base import Accepted, AcceptStatus, MessageEvent, PlatformAdapter
 from config import GatewayConfig, hermes_home
 from gateway import command_syntax, commands
-from gateway.agents.cache import (
-    AgentCache,
-    AgentError,
-    AgentFactory,
-    TurnRequest,
-    agent_signature,
-    build_agent_factory,
-    describe_backend,
-)
+from gateway.agents.backends import agent_signature, build_agent_factory, describe_backend
+from gateway.agents.cache import AgentCache
+from gateway.agents.protocol import AgentError, AgentFactory, TurnRequest
 from gateway.faults import crash_point
 from gateway.housekeeping import Housekeeper
 from gateway.ops.logs import TurnLine

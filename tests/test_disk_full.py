@@ -38,7 +38,7 @@ from adapters.http import HttpAdapter
 from adapters.slack import SlackAdapter
 from adapters.telegram import TelegramAdapter
 from config import GatewayConfig
-from gateway.agents.cache import TurnRequest, TurnResult
+from gateway.agents.protocol import TurnRequest, TurnResult
 from gateway.ops.status import write_status
 from gateway.run import GatewayRunner
 from gateway.store.db import Database

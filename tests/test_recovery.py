@@ -10,7 +10,7 @@ from pathlib import Path
 
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
 from config import GatewayConfig
-from gateway.agents.cache import TurnRequest, TurnResult
+from gateway.agents.protocol import TurnRequest, TurnResult
 from gateway.recovery import RESTART_COUNTS, STUCK_NOTICE
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource

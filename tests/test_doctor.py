@@ -17,7 +17,7 @@ import pytest
 from config import GatewayConfig
 from gateway.ops.doctor import add_doctor_parser
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage
-from gateway.store.db import SCHEMA_VERSION
+from gateway.store.migrations import SCHEMA_VERSION
 from gateway.store.session_store import SessionStore
 
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})

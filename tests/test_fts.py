@@ -14,7 +14,7 @@ import pytest
 from config import GatewayConfig
 from gateway.session import Platform, SessionSource
 from gateway.store import fts
-from gateway.store.db import _MIGRATIONS, SCHEMA_VERSION, _split_sql
+from gateway.store.migrations import _MIGRATIONS, SCHEMA_VERSION, _split_sql
 from gateway.store.session_store import SessionStore
 
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})

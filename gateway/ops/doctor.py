@@ -32,9 +32,10 @@ from gateway.ops.service import ENV_FILE
 from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
 from gateway.session import SessionEntry, SessionSource
 from gateway.store import entries
-from gateway.store.db import SCHEMA_VERSION, Database
+from gateway.store.db import Database
 from gateway.store.fts import search_files
 from gateway.store.homelock import HomeInUse, HomeLock, held_by
+from gateway.store.migrations import SCHEMA_VERSION
 from gateway.store.mirror import IMPORT_CANNOT_RESTORE, write_sessions_json
 from gateway.store.session_store import SESSIONS_JSON, STATE_DB
 

@@ -273,7 +273,7 @@ class TurnLog:
     async def pending_outbound(self, min_age_seconds: float = 0) -> list[dict[str, Any]]:
         before = time.time() - min_age_seconds
         # On the writer, in line with the marks: the reader thread's snapshot could
-        # predate a mark whose chunk's claim (GatewayRunner._sending) is already released.
+        # predate a mark whose chunk's claim (Delivery._sending) is already released.
         return await self.store.write(
             lambda conn: journal.pending_outbound(conn, before), dirty=False
         )

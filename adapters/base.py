@@ -8,6 +8,7 @@ through `GatewayHandle`, so neither imports the other.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import re
 from abc import ABC, abstractmethod
@@ -388,6 +389,34 @@ class Backoff:
 
 #: longest a platform's 429 `retry_after` is honoured before the send is given up
 MAX_RETRY_AFTER_SECONDS = 300.0
+
+
+# --- secrets in library logs ------------------------------------------------------------------
+
+
+class RedactSecret(logging.Filter):
+    """Replaces a secret (a bot token) in the records of the named loggers, whatever
+    level they log at, from `install()` to `remove()`: for platform libraries that log
+    request URLs with the token in them."""
+
+    def __init__(self, secret: str, loggers: tuple[str, ...]) -> None:
+        super().__init__()
+        self.secret = secret
+        self.loggers = loggers
+
+    def install(self) -> None:
+        for name in self.loggers:
+            logging.getLogger(name).addFilter(self)
+
+    def remove(self) -> None:
+        for name in self.loggers:
+            logging.getLogger(name).removeFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.secret in message:
+            record.msg, record.args = message.replace(self.secret, "<token>"), None
+        return True
 
 
 # --- splitting ------------------------------------------------------------------------------

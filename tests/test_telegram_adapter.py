@@ -15,7 +15,8 @@ from typing import Any
 import pytest
 
 from adapters.base import utf16_len
-from adapters.telegram import COMMANDS, TelegramAdapter, to_markdown_v2
+from adapters.markdown import to_markdown_v2
+from adapters.telegram import COMMANDS, TelegramAdapter
 from config import GatewayConfig
 from gateway.pairing import Pairing
 from gateway.run import GatewayRunner

@@ -17,13 +17,16 @@ $(STAMP): pyproject.toml | $(BIN)/python
 run: $(STAMP)
 	$(BIN)/hermes-gateway run
 
+# lint-imports: the import contracts in pyproject.toml (imports flow one way).
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/python -m ruff format --check .
+	$(BIN)/lint-imports
 
 # Benchmarks (minutes, not part of `make test`); figures go to BENCHMARKS.md.
 bench: $(STAMP)

@@ -8,11 +8,12 @@ through `GatewayHandle`, so neither imports the other.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Protocol
@@ -27,7 +28,14 @@ from config import (
     SlackConfig,
     TelegramConfig,
 )
-from gateway.session import Platform, SessionSource, coerce_id, validate_id
+from gateway.session import (
+    Platform,
+    SessionSource,
+    coerce_id,
+    scrub_name,
+    scrub_text,
+    validate_id,
+)
 
 __all__ = [
     "MAX_RETRY_AFTER_SECONDS",
@@ -87,6 +95,21 @@ class MessageEvent:
         """The platform message an answer to this event threads onto (turn replies,
         command replies and refusals alike)."""
         return self.source.message_id or self.message_id
+
+    def scrubbed(self) -> MessageEvent:
+        """The event with its free-text fields made safe (ids are validated, not changed):
+        lone surrogates replaced in the text, control characters taken out of the names."""
+        src = self.source
+        names = {
+            name: cleaned
+            for name in ("chat_name", "user_name", "chat_topic")
+            if isinstance(value := getattr(src, name), str)
+            and (cleaned := scrub_name(value)) != value
+        }
+        text = scrub_text(self.text)
+        if not names and text == self.text:
+            return self  # the usual case: nothing to copy
+        return replace(self, text=text, source=replace(src, **names) if names else src)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -366,6 +389,34 @@ class Backoff:
 
 #: longest a platform's 429 `retry_after` is honoured before the send is given up
 MAX_RETRY_AFTER_SECONDS = 300.0
+
+
+# --- secrets in library logs ------------------------------------------------------------------
+
+
+class RedactSecret(logging.Filter):
+    """Replaces a secret (a bot token) in the records of the named loggers, whatever
+    level they log at, from `install()` to `remove()`: for platform libraries that log
+    request URLs with the token in them."""
+
+    def __init__(self, secret: str, loggers: tuple[str, ...]) -> None:
+        super().__init__()
+        self.secret = secret
+        self.loggers = loggers
+
+    def install(self) -> None:
+        for name in self.loggers:
+            logging.getLogger(name).addFilter(self)
+
+    def remove(self) -> None:
+        for name in self.loggers:
+            logging.getLogger(name).removeFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.secret in message:
+            record.msg, record.args = message.replace(self.secret, "<token>"), None
+        return True
 
 
 # --- splitting ------------------------------------------------------------------------------

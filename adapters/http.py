@@ -30,7 +30,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
 from config import HttpConfig
-from gateway import commands
+from gateway import command_syntax
 from gateway.session import (
     CHAT_TYPES,
     Platform,
@@ -219,7 +219,7 @@ class HttpAdapter(PlatformAdapter):
             return _error(503, "the gateway is not ready")
         event = _parse_message(body)
         busy = self.gateway.busy_sessions()
-        if busy >= self.config.max_busy_sessions and commands.starts_work(event.text):
+        if busy >= self.config.max_busy_sessions and command_syntax.starts_work(event.text):
             return self._shed(busy)
         if self._shedding:
             self._shedding = False

@@ -48,14 +48,17 @@ from adapters.base import (
     MessageEvent,
     Platform,
     PlatformAdapter,
+    RedactSecret,
     SendResult,
     SessionSource,
     TelegramConfig,
     split_message,
     utf16_len,
 )
+from adapters.markdown import markdown_v2_len, to_markdown_v2
+from gateway import command_syntax
 
-__all__ = ["COMMANDS", "TelegramAdapter", "to_markdown_v2"]
+__all__ = ["COMMANDS", "TelegramAdapter"]
 
 log = logging.getLogger("adapters.telegram")
 
@@ -71,9 +74,6 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("undo", "Take back your last message and its reply"),
     ("help", "List the commands"),
 )
-# Commands the gateway understands without being in the menu (a bare one counts as
-# addressed to us in a group: Telegram's privacy mode delivers commands to every bot).
-_COMMAND_WORDS = frozenset(name for name, _ in COMMANDS) | {"q", "restart"}
 
 _CHAT_TYPES = {"private": "dm", "group": "group", "supergroup": "group", "channel": "channel"}
 _ALLOWED_UPDATES = ("message",)
@@ -86,7 +86,7 @@ MAX_NETWORK_ATTEMPTS = 3
 #: extra read time for getUpdates beyond the long-poll itself (PTB adds poll_timeout to it)
 POLL_READ_GRACE_SECONDS = 10.0
 WEBHOOK_MAX_BODY_BYTES = 1 << 20
-# Loggers that print URLs with the bot token in them (filtered: see _RedactToken).
+# Loggers that print URLs with the bot token in them (filtered: see RedactSecret).
 _TOKEN_LOGGERS = ("httpx", "telegram.Bot")
 _COMMAND = re.compile(r"^/([A-Za-z0-9_]+)(?:@(\w+))?")
 
@@ -115,7 +115,7 @@ class TelegramAdapter(PlatformAdapter):
         self._connected = False
         self._task: asyncio.Task[None] | None = None
         self._webhook_runner: web.AppRunner | None = None
-        self._log_filter: _RedactToken | None = None
+        self._log_filter: RedactSecret | None = None
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -450,7 +450,9 @@ class TelegramAdapter(PlatformAdapter):
         if command is not None:
             addressee = command.group(2)
             if addressee is None:
-                return command.group(1).lower() in _COMMAND_WORDS
+                # A bare command of ours (menu or not) counts as addressed to us in a group:
+                # Telegram's privacy mode delivers commands to every bot.
+                return command.group(1).lower() in command_syntax.NAMES
             return addressee.lower() == name.lower()
         kinds = [MessageEntityType.TEXT_MENTION]
         entities = (
@@ -484,10 +486,10 @@ class TelegramAdapter(PlatformAdapter):
         limit = self.max_message_length
         chunks: list[str] = []
         for chunk in super().split(text):
-            if _rendered_len(chunk) <= limit:
+            if markdown_v2_len(chunk) <= limit:
                 chunks.append(chunk)
             else:
-                chunks.extend(split_message(chunk, limit, _rendered_len))
+                chunks.extend(split_message(chunk, limit, markdown_v2_len))
         return chunks
 
     async def send(
@@ -570,29 +572,13 @@ class TelegramAdapter(PlatformAdapter):
         httpx_log = logging.getLogger("httpx")
         if httpx_log.level == logging.NOTSET:
             httpx_log.setLevel(logging.WARNING)  # one line per long poll is noise anyway
-        self._log_filter = _RedactToken(token)
-        for name in _TOKEN_LOGGERS:
-            logging.getLogger(name).addFilter(self._log_filter)
+        self._log_filter = RedactSecret(token, _TOKEN_LOGGERS)
+        self._log_filter.install()
 
     def _remove_log_filter(self) -> None:
         if self._log_filter is not None:
-            for name in _TOKEN_LOGGERS:
-                logging.getLogger(name).removeFilter(self._log_filter)
+            self._log_filter.remove()
             self._log_filter = None
-
-
-class _RedactToken(logging.Filter):
-    """Replaces the bot token in a log record's message, whatever level it is logged at."""
-
-    def __init__(self, token: str) -> None:
-        super().__init__()
-        self.token = token
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = record.getMessage()
-        if self.token in message:
-            record.msg, record.args = message.replace(self.token, "<token>"), None
-        return True
 
 
 def _is_transient(exc: TelegramError) -> bool:
@@ -608,46 +594,3 @@ def _retry_after_seconds(exc: RetryAfter) -> float:
         warnings.simplefilter("ignore", PTBDeprecationWarning)
         value: int | float | timedelta = exc.retry_after
     return value.total_seconds() if isinstance(value, timedelta) else float(value)
-
-
-# --- MarkdownV2 ---------------------------------------------------------------------------
-
-# A fenced block (optional language on the opening line) or an inline code span.
-_CODE = re.compile(r"```([^\n`]*)\n(.*?)```|```(.*?)```|`([^`\n]+)`", re.DOTALL)
-_LANGUAGE = re.compile(r"[\w+#.-]+")
-_TEXT_SPECIAL = re.compile(r"([_*\[\]()~`>#+\-=|{}.!\\])")
-_CODE_SPECIAL = re.compile(r"([`\\])")
-
-
-def to_markdown_v2(text: str) -> str:
-    """`text` as MarkdownV2 that renders as the same text: every reserved character is
-    escaped, except that `inline code` and ``` fenced blocks ``` stay code.
-
-    Other markup (*bold*, links) is shown literally: agents' Markdown dialects differ and
-    a wrong guess would be a parse error."""
-    out: list[str] = []
-    at = 0
-    for match in _CODE.finditer(text):
-        out.append(_TEXT_SPECIAL.sub(r"\\\1", text[at : match.start()]))
-        info, body, bare, inline = match.groups()
-        if inline is not None:
-            out.append(f"`{_escape_code(inline)}`")
-        else:
-            if bare is not None:
-                info, body = "", bare
-            info = info.strip()
-            if info and not _LANGUAGE.fullmatch(info):
-                body, info = f"{info}\n{body}", ""  # not a language: keep it as code
-            # Always a newline after the opening fence, so no code line reads as a language.
-            out.append(f"```{info}\n{_escape_code(body)}```")
-        at = match.end()
-    out.append(_TEXT_SPECIAL.sub(r"\\\1", text[at:]))
-    return "".join(out)
-
-
-def _escape_code(code: str) -> str:
-    return _CODE_SPECIAL.sub(r"\\\1", code)
-
-
-def _rendered_len(text: str) -> int:
-    return utf16_len(to_markdown_v2(text))

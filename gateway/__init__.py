@@ -1,1 +1,1 @@
-"""hermes-gateway core: sessions, store, runner, recovery, commands, agents."""
+"""hermes-gateway core: the runner and the domain; the store, agents and ops in packages."""

@@ -26,18 +26,18 @@ import structlog
 
 from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
-from gateway.agents import build_agent_factory
-from gateway.db import DatabaseError
-from gateway.doctor import add_doctor_parser
-from gateway.entries import load_session_row
-from gateway.homelock import HomeInUse, HomeLock
-from gateway.logs import LOG_LEVELS, configure_run_logging
+from gateway.agents.backends import build_agent_factory
+from gateway.ops.doctor import add_doctor_parser
+from gateway.ops.logs import LOG_LEVELS, configure_run_logging
+from gateway.ops.sdnotify import SystemdNotifier, run_watchdog
+from gateway.ops.service import add_service_parser
+from gateway.ops.status import add_status_parser
 from gateway.pairing import add_pairing_parser
-from gateway.sdnotify import SystemdNotifier, run_watchdog
-from gateway.service import add_service_parser
-from gateway.status import add_status_parser
-from gateway.store import SessionStore
-from gateway.transcript import count_undone
+from gateway.store.db import DatabaseError
+from gateway.store.entries import load_session_row
+from gateway.store.homelock import HomeInUse, HomeLock
+from gateway.store.session_store import SessionStore
+from gateway.store.transcript import count_undone
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: drained for a restart; the service manager starts us again
 SESSION_ID_RE = re.compile(r"^\d{8}_\d{6}_[0-9a-f]{8}$")
@@ -268,7 +268,7 @@ def cmd_sessions(args: argparse.Namespace, config: GatewayConfig) -> int:
 
 
 def cmd_chat(args: argparse.Namespace, config: GatewayConfig) -> int:
-    from gateway.chat import main_chat
+    from gateway.ops.chat import main_chat
 
     if args.url is None:
         http = config.platforms.http

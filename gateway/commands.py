@@ -1,42 +1,23 @@
 """Chat commands: /new /reset /stop /queue /status /resume /retry /undo /help.
 
 Each handler gets the runner and the event and returns the text to send back (or None
-when the command answers through a turn of its own, like /retry). Unknown `/words` are
-not commands: they go to the agent as text.
+when the command answers through a turn of its own, like /retry). Which `/words` are
+commands, and how a message is taken, is `gateway.command_syntax`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
 from adapters.base import Accepted, AcceptStatus, MessageEvent
+from gateway.command_syntax import NAMES, Command
 from gateway.policy import next_reset_at
 
 if TYPE_CHECKING:
     from gateway.run import GatewayRunner
-
-
-@dataclass(frozen=True, slots=True)
-class Command:
-    name: str
-    args: str
-
-
-def parse_command(text: str, bot_username: str | None = None) -> Command | None:
-    """`/Name@bot args` -> Command('name', 'args'); None if not a known command for us."""
-    if not text.startswith("/"):
-        return None
-    word, _, args = text[1:].partition(" ")
-    word, _, addressee = word.partition("@")
-    name = word.lower()
-    if name not in HANDLERS:
-        return None
-    if addressee and bot_username and addressee.lower() != bot_username.lower():
-        return None  # addressed to another bot in the same group
-    return Command(name=name, args=args.strip())
 
 
 def _age(delta: timedelta) -> str:
@@ -199,29 +180,7 @@ HANDLERS: dict[str, Handler] = {
     "help": cmd_help,
     "restart": cmd_restart,
 }
-QUEUE_COMMANDS = frozenset({"queue", "q"})
-#: The commands that answer through a turn of their own; the others stop, inspect or
-#: switch a session, which a busy gateway still takes (/stop frees what a user holds).
-TURN_COMMANDS = frozenset({"retry"})
-
-
-def classify(text: str, bot_username: str | None = None) -> tuple[str, Command | None]:
-    """How the runner takes a (stripped) message: `turn` (plain text), `queue`
-    (`/queue TEXT`: a turn of its own later) or `command`, with the parsed command."""
-    command = parse_command(text, bot_username)
-    if command is None:
-        return "turn", None
-    if command.name in QUEUE_COMMANDS and command.args:
-        return "queue", command
-    return "command", command
-
-
-def starts_work(text: str, bot_username: str | None = None) -> bool:
-    """Would this message start or queue an agent turn (plain text, /queue TEXT, /retry)?"""
-    kind, command = classify(text.strip(), bot_username)
-    return kind != "command" or (command is not None and command.name in TURN_COMMANDS)
-
-
+assert HANDLERS.keys() == NAMES, "every command word has exactly one handler"
 HELP_TEXT = """Commands:
 /new, /reset — start a new session (the old one stays available to /resume)
 /stop — cancel the running reply, clear the queue; the next message starts fresh

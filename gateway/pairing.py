@@ -30,10 +30,10 @@ from typing import Any
 import structlog
 
 from config import ChatPlatformConfig, GatewayConfig, PlatformsConfig, hermes_home
-from gateway import codec, journal
-from gateway.homelock import held_by
 from gateway.session import SessionSource
-from gateway.store import SessionStore
+from gateway.store import codec, journal
+from gateway.store.homelock import held_by
+from gateway.store.session_store import SessionStore
 
 # A-Z and 2-9 without I, O (and without 0, 1): nothing to confuse when read aloud.
 ALPHABET = "ABCDEFGHJKLMNPQRSTUVWXYZ23456789"

@@ -1,4 +1,5 @@
-"""Reset-policy arithmetic: has a session gone idle or crossed its daily boundary?
+"""Reset-policy arithmetic: has a session gone idle or crossed its daily boundary? And
+the notice a user gets with the first reply after an automatic reset.
 
 Times are stored in UTC; the daily hour is evaluated in the configured time zone with
 `zoneinfo`, so the boundary moves with DST instead of drifting by an hour.
@@ -12,6 +13,12 @@ from typing import Literal
 from config import SessionResetPolicy
 
 ResetReason = Literal["idle", "daily"]
+
+RESET_NOTICES = {
+    "idle": "Your previous session ended after inactivity, so this is a fresh start.",
+    "daily": "Your previous session ended at the daily reset, so this is a fresh start.",
+    "suspended": "Your previous session was stopped, so this is a fresh start.",
+}
 
 
 def _boundary_on(day: date, at_hour: int, tz: tzinfo) -> datetime:
@@ -62,3 +69,10 @@ def next_reset_at(updated_at: datetime, policy: SessionResetPolicy, tz: tzinfo) 
     if policy.mode in ("daily", "both"):
         candidates.append(next_daily_boundary(updated_at, policy.at_hour, tz))
     return min(candidates) if candidates else None
+
+
+def reset_notice(reason: str | None) -> str:
+    """The line put before the first reply after an automatic reset (idle, daily, or a
+    suspended session's fresh start); an unknown reason reads as idle."""
+    why = RESET_NOTICES.get(reason or "", RESET_NOTICES["idle"])
+    return f"({why} /resume to go back.)"

@@ -5,12 +5,12 @@
                     transaction: `_accept_and_start`)
     session worker: turn -> next from the queue -> turn ... until the queue is empty
     turn:           begin (session, user message, marker) -> agent -> finish (reply,
-                    counters, ledger) -> send the recorded chunks (their "sent" marks
-                    ride along with a later commit)
+                    counters, ledger) -> send the recorded chunks (`gateway.delivery`;
+                    their "sent" marks ride along with a later commit)
 
 One turn runs per session key at a time; different keys run concurrently, at most
 `agent.max_concurrent_turns` agent calls at once. Every step that matters after a crash
-is one transaction in the journal (`gateway.turnlog`); `gateway.recovery` completes
+is one transaction in the journal (`gateway.store.turnlog`); `gateway.recovery` completes
 whatever a crash interrupted.
 """
 
@@ -29,21 +29,17 @@ import structlog
 
 from adapters.base import Accepted, AcceptStatus, MessageEvent, PlatformAdapter
 from config import GatewayConfig, hermes_home
-from gateway import commands
-from gateway.agents import (
-    AgentCache,
-    AgentError,
-    AgentFactory,
-    TurnRequest,
-    agent_signature,
-    build_agent_factory,
-    describe_backend,
-)
-from gateway.faults import crash_point
-from gateway.logs import TurnLine
-from gateway.metrics import Metrics
-from gateway.outage import StoreUnwritable
+from gateway import command_syntax, commands
+from gateway.agents.backends import agent_signature, build_agent_factory, describe_backend
+from gateway.agents.cache import AgentCache
+from gateway.agents.protocol import AgentError, AgentFactory, TurnRequest
+from gateway.delivery import Delivery
+from gateway.housekeeping import Housekeeper
+from gateway.ops.logs import TurnLine
+from gateway.ops.metrics import Metrics
+from gateway.ops.status import keep_status, write_status
 from gateway.pairing import Pairing
+from gateway.policy import reset_notice
 from gateway.queue import QueueFull, SessionQueue
 from gateway.recovery import Recovery
 from gateway.session import (
@@ -55,41 +51,16 @@ from gateway.session import (
     build_session_context,
     build_session_context_prompt,
     is_shared_multi_user_session,
-    scrub_name,
-    scrub_text,
     validate_chat_id,
     validate_id,
 )
-from gateway.status import keep_status, write_status
-from gateway.store import SessionStore
-from gateway.turnlog import TurnLog, TurnStart
-from gateway.watcher import Housekeeper
+from gateway.store.outage import StoreUnwritable
+from gateway.store.session_store import SessionStore
+from gateway.store.turnlog import TurnLog, TurnStart
 
 log = structlog.get_logger("gateway.run")
 
-TYPING_REFRESH_SECONDS = 4.0
 FinalizeHook = Callable[[SessionEntry], Awaitable[None]]
-
-RESET_NOTICES = {
-    "idle": "Your previous session ended after inactivity, so this is a fresh start.",
-    "daily": "Your previous session ended at the daily reset, so this is a fresh start.",
-    "suspended": "Your previous session was stopped, so this is a fresh start.",
-}
-
-
-def _scrubbed(event: MessageEvent) -> MessageEvent:
-    """The event with its free-text fields made safe (ids are validated, not changed):
-    lone surrogates replaced in the text, control characters taken out of the names."""
-    src = event.source
-    names = {
-        name: cleaned
-        for name in ("chat_name", "user_name", "chat_topic")
-        if isinstance(value := getattr(src, name), str) and (cleaned := scrub_name(value)) != value
-    }
-    text = scrub_text(event.text)
-    if not names and text == event.text:
-        return event  # the usual case: nothing to copy
-    return replace(event, text=text, source=replace(src, **names) if names else src)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +103,7 @@ class GatewayRunner:
             idle_ttl=config.agent.cache_idle_ttl_seconds,
         )
         self.metrics = Metrics()
+        self.delivery = Delivery(self.adapters, self.turnlog, self.metrics)
         self.finalize_hooks: list[FinalizeHook] = []
         self.restart_requested = asyncio.Event()
         self._signature = agent_signature(config.agent)
@@ -139,12 +111,11 @@ class GatewayRunner:
         self._queues: dict[str, SessionQueue] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._running: dict[str, MessageEvent] = {}
-        self._sending: set[int] = set()  # delivery ids being sent right now
         self._turn_slots = asyncio.Semaphore(config.agent.max_concurrent_turns)
         self._housekeeper = Housekeeper(self)
         self._accepting = False
         self._draining = False
-        self._held: list[tuple[str, MessageEvent, str, commands.Command | None]] | None = None
+        self._held: list[tuple[str, MessageEvent, str, command_syntax.Command | None]] | None = None
         self._started_at = time.monotonic()
         self._status_task: asyncio.Task[None] | None = None
 
@@ -269,7 +240,7 @@ class GatewayRunner:
             validate_id("message_id", event.message_id)
         except ValueError as exc:
             return Accepted(AcceptStatus.IGNORED, detail=str(exc))
-        event = _scrubbed(event)
+        event = event.scrubbed()
         adapter = self.adapters.get(event.source.platform)
         if adapter is not None and not await adapter.authorize(event):
             return Accepted(AcceptStatus.IGNORED, detail="not authorized")
@@ -277,7 +248,7 @@ class GatewayRunner:
         if not text:
             return Accepted(AcceptStatus.IGNORED, detail="empty message")
 
-        kind, command = commands.classify(text, adapter.bot_username if adapter else None)
+        kind, command = command_syntax.classify(text, adapter.bot_username if adapter else None)
         if kind == "queue":
             assert command is not None
             event = replace(event, text=command.args)
@@ -293,7 +264,7 @@ class GatewayRunner:
         return await self._dispatch(key, event, kind, command)
 
     async def _dispatch(
-        self, key: str, event: MessageEvent, kind: str, command: commands.Command | None
+        self, key: str, event: MessageEvent, kind: str, command: command_syntax.Command | None
     ) -> Accepted:
         if kind == "command" and command is not None:
             self.metrics.commands_total += 1
@@ -459,7 +430,7 @@ class GatewayRunner:
                 ),
                 source=source,
             )
-            typing = self._start_typing(source)
+            typing = self.delivery.start_typing(source)
             try:
                 outcome = await self._call_agent(key, request)
             finally:
@@ -468,7 +439,7 @@ class GatewayRunner:
             turn.usage = outcome.usage
             if self.config.logging.include_text:
                 turn.texts = (begun.text, outcome.text)
-            chunks = self.split_reply(source, self._with_reset_notice(entry, outcome.text))
+            chunks = self.delivery.split(source, self._with_reset_notice(entry, outcome.text))
             turn.chunks = len(chunks)
             ids = await self.turnlog.finish(
                 key, begun, event, reply=outcome.reply, usage=outcome.usage, chunks=chunks
@@ -477,7 +448,7 @@ class GatewayRunner:
                 self.metrics.turns_total += 1
                 self.recovery.turn_succeeded(key)
             self.metrics.observe_turn(time.monotonic() - started)
-            turn.sent = await self._send_recorded(
+            turn.sent = await self.delivery.send_recorded(
                 source, list(zip(ids, chunks, strict=True)), event.reply_to
             )
             turn.outcome = outcome.status
@@ -534,87 +505,22 @@ class GatewayRunner:
         policy = self.config.get_reset_policy(entry.platform or Platform.LOCAL, entry.chat_type)
         if not policy.notify:
             return reply
-        why = RESET_NOTICES.get(entry.auto_reset_reason or "", RESET_NOTICES["idle"])
-        return f"({why} /resume to go back.)\n\n{reply}"
+        return f"{reset_notice(entry.auto_reset_reason)}\n\n{reply}"
 
-    def _start_typing(self, source: SessionSource) -> asyncio.Task[None] | None:
-        """Keep a typing indicator up while the agent works, on platforms that have one
-        (no task per turn for those that do not, such as the HTTP API)."""
-        adapter = self.adapters.get(source.platform)
-        if adapter is None or type(adapter).send_typing is PlatformAdapter.send_typing:
-            return None
-        return asyncio.create_task(self._keep_typing(adapter, source))
-
-    async def _keep_typing(self, adapter: PlatformAdapter, source: SessionSource) -> None:
-        with contextlib.suppress(Exception):  # typing is cosmetic; never fail a turn on it
-            while True:
-                await adapter.send_typing(source)
-                await asyncio.sleep(TYPING_REFRESH_SECONDS)
-
-    # --- outbound ------------------------------------------------------------------------
+    # --- outbound (`gateway.delivery`) -----------------------------------------------------
 
     def split_reply(self, target: SessionSource, text: str) -> list[str]:
-        """`text` in chunks as the target's platform takes them."""
-        adapter = self.adapters.get(target.platform)
-        return adapter.split(text) if adapter is not None else [text]
+        return self.delivery.split(target, text)
 
     async def deliver(self, target: SessionSource, text: str, reply_to: str | None = None) -> int:
-        """Record a reply that answers no turn (commands, notices) and send it; with
-        `reply_to`, as an answer to that platform message."""
-        chunks = self.split_reply(target, text)
-        ids = await self.turnlog.record_reply(target, chunks, None, reply_to=reply_to)
-        return await self._send_recorded(target, list(zip(ids, chunks, strict=True)), reply_to)
+        return await self.delivery.deliver(target, text, reply_to)
 
-    async def _send_recorded(
-        self, target: SessionSource, chunks: list[tuple[int, str]], reply_to: str | None
-    ) -> int:
-        """Send recorded chunks in order, marking each once the platform acknowledged it.
-
-        A chunk that fails stays pending in the ledger (and the rest with it, to keep the
-        order); the next start or housekeeping pass sends it.
-        """
-        adapter = self.adapters.get(target.platform)
-        if adapter is None:
-            log.warning("no_adapter_for_reply", platform=target.platform.value)
-            return 0
-        # Claimed before the first await, so a housekeeping re-send never doubles them; a
-        # sent chunk stays claimed until its ledger mark is committed.
-        chunks = [(i, text) for i, text in chunks if i not in self._sending]
-        self._sending.update(i for i, _ in chunks)
-        sent = 0
-        try:
-            for delivery_id, chunk in chunks:
-                try:
-                    result = await adapter.send(target, chunk, reply_to, delivery_id=delivery_id)
-                except Exception as exc:
-                    self.metrics.send_errors_total += 1
-                    log.error("send_failed", platform=target.platform.value, error=str(exc))
-                    break
-                crash_point("before_ledger_mark")
-                marked = self.turnlog.mark_sent(delivery_id, result.message_id)
-                marked.add_done_callback(lambda _, i=delivery_id: self._sending.discard(i))
-                sent += 1
-                self.metrics.replies_sent_total += 1
-        finally:
-            self._sending.difference_update(i for i, _ in chunks[sent:])
-        return sent
+    async def resend_pending(self, min_age_seconds: float = 0) -> int:
+        return await self.delivery.resend_pending(min_age_seconds)
 
     def send_pending_soon(self) -> None:
         """SIGUSR2: another process recorded a reply (`pairing approve`'s notice)."""
         self._housekeeper.send_pending_soon()
-
-    async def resend_pending(self, min_age_seconds: float = 0) -> int:
-        """Send recorded chunks that were never acknowledged (after a crash, or refused by
-        the platform), once each. Periodic passes only take chunks older than
-        `min_age_seconds`, leaving fresh ones to the turn that is sending them."""
-        sent = 0
-        for row in await self.turnlog.pending_outbound(min_age_seconds):
-            sent += await self._send_recorded(
-                row["target"], [(row["id"], row["text"])], row["reply_to"]
-            )
-        if sent:
-            log.info("pending_replies_sent", count=sent)
-        return sent
 
     # --- GatewayHandle (what adapters may ask) --------------------------------------------
 

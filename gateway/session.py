@@ -2,7 +2,7 @@
 
 Owns `SessionSource`, `SessionEntry`, `SessionContext`, session-key building and the
 session-context prompt block. Nothing here touches disk; `SessionStore` (re-exported
-from `gateway.store`) does.
+from `gateway.store.session_store`) does.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from config import GatewayConfig
-    from gateway.store import SessionStore
+    from gateway.store.session_store import SessionStore
 
 __all__ = [
     "CHAT_TYPES",
@@ -512,10 +512,10 @@ def build_session_context_prompt(context: SessionContext, redact_pii: bool = Fal
 
 
 def __getattr__(name: str) -> Any:
-    # SessionStore lives in gateway.store (which imports this module); re-export it lazily
-    # so importing either module first works without an import cycle.
+    # SessionStore lives in gateway.store.session_store (which imports this module);
+    # re-export it lazily so importing either module first works without an import cycle.
     if name == "SessionStore":
-        from gateway.store import SessionStore
+        from gateway.store.session_store import SessionStore
 
         return SessionStore
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

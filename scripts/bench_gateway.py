@@ -9,10 +9,11 @@ Per size N, on a fresh HERMES home:
    process start until /healthz says accepting, median of a few runs, each stopped with
    SIGTERM;
 3. in-process: the real GatewayRunner (real store, echo agent, production settings) with
-   an in-process adapter (no network) in a fresh Python process, so its peak RSS is its
-   own. Closed loop: C chats, each sending its next message when its previous reply
-   arrived. Open loop: messages offered at a fixed rate. Latency is from the
-   `handle_message` call to the adapter's `send` of the reply's last chunk;
+   an in-process adapter (no network, scripts/gateway_driver.py) in a fresh Python
+   process, so its peak RSS is its own. Closed loop: C chats, each sending its next
+   message when its previous reply arrived. Open loop: messages offered at a fixed rate.
+   Latency is from the `handle_message` call to the adapter's `send` of the reply's last
+   chunk;
 4. naive baseline: the same closed loop against a store that rewrites all of
    sessions.json on every message (capped by time).
 
@@ -35,24 +36,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import math
 import os
 import platform
 import random
-import resource
 import shutil
-import signal
-import sqlite3
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -60,18 +53,20 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
-from config import GatewayConfig
-from gateway import entries
 from gateway.fsutil import atomic_write_bytes
 from gateway.recovery import CLEAN_SHUTDOWN
-from gateway.run import GatewayRunner
-from gateway.session import Platform, SessionSource
-from gateway.store import SESSIONS_JSON, SessionStore
-from scripts.harness import Daemon
+from gateway.session import SessionSource
+from gateway.store import entries
+from gateway.store.session_store import SESSIONS_JSON, SessionStore
+from scripts.gateway_driver import (
+    USER_TEXT,
+    gateway_config,
+    pick_key,
+    run_gateway,
+    source_for,
+)
+from scripts.harness import Daemon, home_env
 
-USER_TEXT = "hello there, how are you today?"
-REPLY_TIMEOUT_SECONDS = 30.0
 FILL_BATCH = 10_000
 HEADER = (
     f"{'sessions':>9} {'fill_s':>7} {'start_s':>7} {'turns/s':>8} {'cpu_us':>6} {'p50_ms':>7}"
@@ -86,51 +81,6 @@ TARGET_STARTUP_S = 1.0
 COLD = " from a cold page cache"
 BIG = 100_000
 SMALL = 1_000
-
-
-def source_for(i: int) -> SessionSource:
-    return SessionSource(
-        platform=Platform.LOCAL,
-        chat_id=f"bench-{i}",
-        chat_type="dm",
-        user_id=f"user-{i}",
-        user_name="bench",
-    )
-
-
-def gateway_config() -> GatewayConfig:
-    """Production defaults, the zero-config echo agent without delay."""
-    return GatewayConfig.model_validate({"agent": {"backend": "echo", "delay_seconds": 0}})
-
-
-def percentile(sorted_values: list[float], q: float) -> float:
-    """Nearest-rank percentile of an already sorted list (0 when empty)."""
-    if not sorted_values:
-        return 0.0
-    rank = max(1, math.ceil(q * len(sorted_values)))
-    return sorted_values[rank - 1]
-
-
-def latency_stats(latencies: list[float]) -> dict[str, float]:
-    values = sorted(latencies)
-    return {
-        "p50_ms": percentile(values, 0.50) * 1000,
-        "p99_ms": percentile(values, 0.99) * 1000,
-        "max_ms": (values[-1] if values else 0.0) * 1000,
-    }
-
-
-def pick_key(rng: random.Random, n: int, busy: set[int]) -> int:
-    """A random session index with no message in flight, marked busy at once (so a
-    message not yet sent cannot share its key); bounded: n > len(busy)."""
-    for _ in range(64):
-        i = rng.randrange(n)
-        if i not in busy:
-            break
-    else:
-        i = next(i for i in range(n) if i not in busy)
-    busy.add(i)
-    return i
 
 
 # --- 1. fill ------------------------------------------------------------------------------
@@ -174,22 +124,10 @@ def measure_startup(home: Path, timeout: float = 60.0) -> float:
     daemon = Daemon(home)
     started = time.perf_counter()
     daemon.start(wait_ready=False)
-    deadline = started + timeout
     try:
-        while True:
-            if daemon.proc is not None and daemon.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited early: {daemon.log_tail()}")
-            try:
-                if daemon.get("/healthz", timeout=1).get("accepting"):
-                    elapsed = time.perf_counter() - started
-                    break
-            except (OSError, urllib.error.URLError, ValueError):
-                pass
-            if time.perf_counter() > deadline:
-                raise TimeoutError(f"gateway not ready after {timeout}s: {daemon.log_tail()}")
-            time.sleep(0.005)
-        daemon.signal(signal.SIGTERM)
-        code = daemon.wait_exit(timeout=60)
+        daemon.wait_ready(timeout, interval=0.005)
+        elapsed = time.perf_counter() - started
+        code = daemon.stop(timeout=60)
         if code != 0:
             raise RuntimeError(f"gateway exited {code} after SIGTERM: {daemon.log_tail()}")
     finally:
@@ -206,291 +144,12 @@ def drop_page_cache() -> None:
         raise SystemExit(f"--cold needs root to drop the page cache: {exc}") from None
 
 
-# --- 3. in-process gateway ----------------------------------------------------------------
-
-
-class TimedConnection:
-    """The store's writer connection with the time of every SQL statement counted, by
-    statement: what SQLite itself costs a turn (`--split`). The rest goes to the real one."""
-
-    def __init__(self, conn: sqlite3.Connection) -> None:
-        self._conn = conn
-        self.by_statement: dict[str, list[float]] = {}  # SQL -> [seconds, count]
-
-    def execute(self, sql: str, *args: Any) -> sqlite3.Cursor:
-        started = time.perf_counter()
-        try:
-            return self._conn.execute(sql, *args)
-        finally:
-            spent = self.by_statement.setdefault(sql, [0.0, 0])
-            spent[0] += time.perf_counter() - started
-            spent[1] += 1
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
-
-
-class TurnSplit:
-    """Where a closed-loop turn's time goes (`--split`, a diagnosis: it slows turns a
-    little): the store's group-commit transactions and the SQLite statements inside
-    them, as wall time on the event loop's thread (which is busy nearly all the time, so
-    it compares with the process CPU per turn). Reaches into the store's private writer
-    on purpose, so that production code carries no timing hooks."""
-
-    def __init__(self, runner: Any) -> None:
-        database = runner.store._db
-        self.conn = TimedConnection(database._writer)
-        database._writer = self.conn
-        commit = database._commit_pending
-        self.batch_seconds = 0.0
-        self.batches = 0
-
-        def timed_commit() -> None:
-            started = time.perf_counter()
-            try:
-                commit()
-            finally:
-                self.batch_seconds += time.perf_counter() - started
-                self.batches += 1
-
-        database._commit_pending = timed_commit  # looked up per call by write_soon
-
-    def reset(self) -> None:
-        self.batch_seconds = 0.0
-        self.batches = 0
-        self.conn.by_statement.clear()
-
-    def per_turn(self, turns: int) -> dict[str, Any]:
-        turns = max(turns, 1)
-        spent = self.conn.by_statement.values()
-        by_statement = sorted(
-            (
-                {
-                    "sql": " ".join(sql.split())[:70],
-                    "us": seconds / turns * 1e6,
-                    "per_turn": n / turns,
-                }
-                for sql, (seconds, n) in self.conn.by_statement.items()
-            ),
-            key=lambda row: -row["us"],
-        )
-        return {
-            "store_us": self.batch_seconds / turns * 1e6,
-            "sql_us": sum(seconds for seconds, _ in spent) / turns * 1e6,
-            "statements": sum(n for _, n in spent) / turns,
-            "turns_per_batch": turns / max(self.batches, 1),
-            "by_statement": by_statement,
-        }
-
-
-@dataclass
-class Waiter:
-    future: asyncio.Future[float]
-    chunks_left: int
-
-
-class InProcessAdapter(PlatformAdapter):
-    """A platform inside the process: `send` records when a reply's last chunk arrived."""
-
-    platform = Platform.LOCAL
-
-    def __init__(self) -> None:
-        super().__init__(None)  # no access settings: every message is authorized
-        self.waiting: dict[str, Waiter] = {}
-        self.unexpected = 0
-
-    async def start(self) -> None:
-        self.set_state("running")
-
-    async def stop(self) -> None:
-        self.set_state("stopped")
-
-    def expect(self, message_id: str, text: str) -> asyncio.Future[float]:
-        future: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        self.waiting[message_id] = Waiter(future, len(self.split(f"echo: {text}")))
-        return future
-
-    def forget(self, message_id: str) -> None:
-        self.waiting.pop(message_id, None)
-
-    async def send(
-        self,
-        target: SessionSource,
-        text: str,
-        reply_to: str | None = None,
-        *,
-        delivery_id: int | None = None,
-    ) -> SendResult:
-        now = time.perf_counter()
-        waiter = self.waiting.get(reply_to) if reply_to is not None else None
-        if waiter is None:
-            self.unexpected += 1
-        else:
-            waiter.chunks_left -= 1
-            if waiter.chunks_left <= 0:
-                del self.waiting[reply_to]  # type: ignore[arg-type]
-                if not waiter.future.done():
-                    waiter.future.set_result(now)
-        return SendResult(message_id=f"local-{delivery_id}")
-
-
-class Driver:
-    """Sends bench messages through a runner and times their replies."""
-
-    def __init__(self, runner: Any, adapter: InProcessAdapter, n: int) -> None:
-        self.runner = runner
-        self.adapter = adapter
-        self.n = n
-        self.busy: set[int] = set()
-        self.freed = asyncio.Event()
-        self.seq = 0
-        self.run = f"{os.getpid()}.{time.time_ns()}"  # message ids never repeat on a home
-        self.errors: list[str] = []
-
-    async def one(self, phase: str, i: int) -> float | None:
-        """Send one message to session i (picked by `pick_key`, so marked busy until this
-        returns); its latency in seconds, None on failure."""
-        self.seq += 1
-        message_id = f"{self.run}-{phase}-{self.seq}"
-        event = MessageEvent(source=source_for(i), text=USER_TEXT, message_id=message_id)
-        future = self.adapter.expect(message_id, USER_TEXT)
-        try:
-            started = time.perf_counter()
-            accepted = await self.runner.handle_message(event)
-            # PENDING: the key's previous turn is still marking its reply sent; this
-            # message then gets the next turn of its own (nothing else waits on the key).
-            if accepted.status not in (AcceptStatus.STARTED, AcceptStatus.PENDING):
-                self.errors.append(f"{message_id}: {accepted.status} {accepted.detail or ''}")
-                return None
-            try:
-                replied = await asyncio.wait_for(future, REPLY_TIMEOUT_SECONDS)
-            except TimeoutError:
-                self.errors.append(f"{message_id}: no reply in {REPLY_TIMEOUT_SECONDS:g}s")
-                return None
-            return replied - started
-        finally:
-            self.busy.discard(i)
-            self.freed.set()
-            self.adapter.forget(message_id)
-
-    async def closed_loop(
-        self, phase: str, count: int, concurrency: int, seed: int, max_seconds: float
-    ) -> dict[str, Any]:
-        rng = random.Random(seed)
-        latencies: list[float] = []
-        issued = 0
-        deadline = time.perf_counter() + max_seconds
-
-        async def chat() -> None:
-            nonlocal issued
-            while issued < count and time.perf_counter() < deadline:
-                issued += 1
-                latency = await self.one(phase, pick_key(rng, self.n, self.busy))
-                if latency is not None:
-                    latencies.append(latency)
-
-        started, cpu_started = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(chat() for _ in range(concurrency)))
-        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-        return {
-            "messages": issued,
-            "replies": len(latencies),
-            "seconds": elapsed,
-            "turns_per_s": len(latencies) / elapsed if elapsed > 0 else 0.0,
-            # CPU of all threads (event loop, SQLite, mirror) per turn: steadier than
-            # turns/s on a busy machine; 1e6 / cpu_us is the one-CPU ceiling.
-            "cpu_us_per_turn": cpu / len(latencies) * 1e6 if latencies else 0.0,
-            "timed_out": issued < count,
-            **latency_stats(latencies),
-        }
-
-    async def open_loop(
-        self, phase: str, count: int, rate: float, seed: int, max_seconds: float
-    ) -> dict[str, Any]:
-        """Offer `count` messages at `rate`/s regardless of replies (late ones catch up)."""
-        rng = random.Random(seed)
-        latencies: list[float] = []
-        tasks: set[asyncio.Task[None]] = set()
-        max_lag = 0.0
-        saturated = 0
-
-        async def send(i: int) -> None:
-            latency = await self.one(phase, i)
-            if latency is not None:
-                latencies.append(latency)
-
-        started = time.perf_counter()
-        deadline = started + max_seconds
-        issued = 0
-        for k in range(count):
-            due = started + k / rate
-            delay = due - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            # Saturated (half the keys wait for a reply): hold back until one is free,
-            # so the keys stay distinct; the delay shows as schedule lag.
-            while len(self.busy) >= self.n // 2 and time.perf_counter() < deadline:
-                saturated += 1
-                self.freed.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.freed.wait(), 1.0)
-            now = time.perf_counter()
-            if now > deadline:
-                break
-            max_lag = max(max_lag, now - due)
-            task = asyncio.create_task(send(pick_key(rng, self.n, self.busy)))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-            issued += 1
-        await asyncio.gather(*list(tasks))
-        elapsed = time.perf_counter() - started
-        return {
-            "messages": issued,
-            "replies": len(latencies),
-            "seconds": elapsed,
-            "offered_per_s": rate,
-            "achieved_per_s": len(latencies) / elapsed if elapsed > 0 else 0.0,
-            "max_schedule_lag_ms": max_lag * 1000,
-            "saturated_waits": saturated,
-            "timed_out": issued < count,
-            **latency_stats(latencies),
-        }
-
-
-async def run_gateway(home: Path, args: argparse.Namespace) -> dict[str, Any]:
-    adapter = InProcessAdapter()
-    runner = GatewayRunner(gateway_config(), [adapter], agent_factory=None, home=home)
-    driver = Driver(runner, adapter, args.worker_sessions)
-    result: dict[str, Any] = {}
-    try:
-        await runner.start()
-        split = TurnSplit(runner) if args.split else None
-        if args.warmup:
-            await driver.closed_loop(
-                "warmup", args.warmup, args.concurrency, args.seed, args.max_seconds
-            )
-        if split is not None:
-            split.reset()
-        result["closed"] = await driver.closed_loop(
-            "closed", args.messages, args.concurrency, args.seed + 1, args.max_seconds
-        )
-        if split is not None:
-            result["closed"]["split"] = split.per_turn(result["closed"]["replies"])
-        result["open"] = await driver.open_loop(
-            "open", args.open_messages, args.rate, args.seed + 2, args.max_seconds
-        )
-    finally:
-        await runner.stop()
-    result["errors"] = driver.errors[:20]
-    result["error_count"] = len(driver.errors)
-    result["unexpected_sends"] = adapter.unexpected
-    result["rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return result
+# --- 3. in-process gateway, in a process of its own (scripts/gateway_driver.py) -----------
 
 
 def worker_main(args: argparse.Namespace) -> int:
     """The in-process run, in a Python process of its own (its ru_maxrss is its own)."""
-    from gateway.logs import configure_logging
+    from gateway.ops.logs import configure_logging
 
     configure_logging(json_output=True)  # as `hermes-gateway run` does; to the worker log
     result = asyncio.run(run_gateway(Path(args.worker_home), args))
@@ -526,11 +185,9 @@ def run_worker(home: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
         str(args.max_seconds),
         *(["--split"] if args.split else []),
     ]
-    env = {**os.environ, "HERMES_HOME": str(home)}
-    env.pop("HERMES_CONFIG", None)
     with log_path.open("wb") as log:
         code = subprocess.run(
-            command, env=env, stdout=log, stderr=log, timeout=3 * args.max_seconds + 120
+            command, env=home_env(home), stdout=log, stderr=log, timeout=3 * args.max_seconds + 120
         ).returncode
     if code != 0 or not result_path.exists():
         tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-30:])

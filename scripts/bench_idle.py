@@ -34,12 +34,11 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.harness import Daemon
+from scripts.harness import Daemon, cpu_seconds
 
 ROOT = Path(__file__).resolve().parent.parent
 
 SAMPLE_SECONDS = 0.05
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 FileState = tuple[int, int, int]  # size, mtime_ns, inode
 
@@ -60,14 +59,6 @@ def file_states(home: Path) -> dict[str, FileState]:
 def proc_io(pid: int) -> dict[str, int]:
     fields = Path(f"/proc/{pid}/io").read_text().split("\n")
     return {name: int(value) for name, value in (line.split(": ") for line in fields if line)}
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of the process (all threads). The command name (field 2) may hold
-    spaces, so the fields are counted after its closing parenthesis."""
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    rest = stat[stat.rindex(")") + 2 :].split()
-    return (int(rest[11]) + int(rest[12])) / CLOCK_TICKS
 
 
 @dataclass
@@ -100,7 +91,7 @@ class IdleReport:
 
 def measure_idle(pid: int, home: Path, window: float) -> IdleReport:
     """Watch `home` and the process `pid` for `window` seconds."""
-    io0, cpu0 = proc_io(pid), cpu_seconds(pid)
+    io0, cpu0 = proc_io(pid), cpu_seconds(f"/proc/{pid}/stat")
     first = previous = file_states(home)
     changes: dict[str, int] = {}
     started = time.monotonic()
@@ -112,7 +103,7 @@ def measure_idle(pid: int, home: Path, window: float) -> IdleReport:
                 changes[name] = changes.get(name, 0) + 1
         previous = now
     elapsed = time.monotonic() - started
-    io1, cpu1 = proc_io(pid), cpu_seconds(pid)
+    io1, cpu1 = proc_io(pid), cpu_seconds(f"/proc/{pid}/stat")
     growth = sum(max(0, state[0] - first.get(name, (0, 0, 0))[0]) for name, state in now.items())
     return IdleReport(
         window_seconds=elapsed,

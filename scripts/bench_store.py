@@ -25,7 +25,7 @@ from pathlib import Path
 
 from config import GatewayConfig
 from gateway.session import Platform, SessionSource, TokenUsage
-from gateway.store import SessionStore
+from gateway.store.session_store import SessionStore
 
 
 def source_for(i: int) -> SessionSource:

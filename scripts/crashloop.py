@@ -22,7 +22,6 @@ import argparse
 import json
 import random
 import re
-import signal
 import sys
 import tempfile
 import time
@@ -174,8 +173,7 @@ def run(args: argparse.Namespace) -> int:
                 dropped = dropped_by_guard(daemon)
             time.sleep(args.delay * 4 + 0.5)  # a duplicate would show up by now
             counts = answered_texts(daemon, chats)
-            daemon.signal(signal.SIGTERM)
-            exit_code = daemon.wait_exit()
+            exit_code = daemon.stop()
             check_files(daemon, ledger)
         finally:
             daemon.ensure_stopped()

@@ -1,13 +1,17 @@
-"""Run `hermes-gateway run` as a real subprocess and talk to it over its HTTP API.
+"""Run `hermes-gateway run` as a real subprocess, talk to it over its HTTP API, and
+measure it: nearest-rank percentiles, its Prometheus `/metrics`, CPU from /proc.
 
-Shared by the crash tests (tests/test_crash_recovery.py) and the crash-loop driver
-(scripts/crashloop.py). Everything stays on 127.0.0.1; every wait is bounded.
+Shared by the crash tests (tests/test_crash_recovery.py), the crash-loop driver, the
+benchmarks and the load and soak drivers in scripts/. Everything stays on 127.0.0.1;
+every wait is bounded.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -16,6 +20,8 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +30,14 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def home_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a gateway process on `home`: this one's, with HERMES_HOME set
+    and no HERMES_CONFIG (the home's hermes.yaml is the config)."""
+    env = {**os.environ, "HERMES_HOME": str(home), **(extra or {})}
+    env.pop("HERMES_CONFIG", None)
+    return env
 
 
 class Daemon:
@@ -47,12 +61,10 @@ class Daemon:
     def start(
         self, timeout: float = 20.0, wait_ready: bool = True, env: dict[str, str] | None = None
     ) -> None:
-        env = {**os.environ, "HERMES_HOME": str(self.home), **self.extra_env, **(env or {})}
-        env.pop("HERMES_CONFIG", None)
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "gateway.cli", "run", *self.run_args],
-            env=env,
+            env=home_env(self.home, {**self.extra_env, **(env or {})}),
             stdout=log,
             stderr=log,
         )
@@ -60,7 +72,8 @@ class Daemon:
         if wait_ready:
             self.wait_ready(timeout)
 
-    def wait_ready(self, timeout: float = 20.0) -> None:
+    def wait_ready(self, timeout: float = 20.0, interval: float = 0.05) -> None:
+        """Until /healthz says accepting, asking every `interval` seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc is not None and self.proc.poll() is not None:
@@ -69,9 +82,9 @@ class Daemon:
                 health = self.get("/healthz", timeout=1)
                 if health.get("accepting"):
                     return
-            except OSError:
+            except (OSError, ValueError):  # not listening yet, or a half-read answer
                 pass
-            time.sleep(0.05)
+            time.sleep(interval)
         raise TimeoutError(f"daemon not ready after {timeout}s: {self.log_tail()}")
 
     def kill9(self) -> None:
@@ -91,6 +104,11 @@ class Daemon:
         assert self.proc is not None
         return self.proc.wait(timeout=timeout)
 
+    def stop(self, timeout: float = 30.0) -> int:
+        """SIGTERM (the gateway drains), then its exit code."""
+        self.signal(signal.SIGTERM)
+        return self.wait_exit(timeout)
+
     def ensure_stopped(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
@@ -101,6 +119,29 @@ class Daemon:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
         except FileNotFoundError:
             return ""
+
+    def log_problems(self, limit: int = 5) -> tuple[Counter, list[str]]:
+        """Warning and error lines of the daemon's JSON log: counts by event, a few samples."""
+        counts: Counter = Counter()
+        samples: list[str] = []
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except FileNotFoundError:
+            return counts, samples
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if line.strip():
+                    counts["(non-JSON output)"] += 1
+                    if len(samples) < limit:
+                        samples.append(line[:300])
+                continue
+            if record.get("level") in ("warning", "error", "critical"):
+                counts[f"{record.get('level')}:{record.get('event')}"] += 1
+                if len(samples) < limit:
+                    samples.append(line[:300])
+        return counts, samples
 
     # --- HTTP ------------------------------------------------------------------------------
 
@@ -186,3 +227,82 @@ class Daemon:
 
 def is_connection_error(exc: BaseException) -> bool:
     return isinstance(exc, (urllib.error.URLError, ConnectionError, TimeoutError, OSError))
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], pct: float, *, ordered: bool = False) -> float:
+    """Nearest-rank percentile (`ordered`: `values` is sorted already); nan when empty."""
+    if not values:
+        return math.nan
+    if not ordered:
+        values = sorted(values)
+    rank = max(1, math.ceil(pct / 100 * len(values)))
+    return values[rank - 1]
+
+
+def fmt_ms(seconds: float) -> str:
+    if math.isnan(seconds):
+        return "n/a"
+    if math.isinf(seconds):
+        return "inf"
+    return f"{seconds * 1000:.2f}"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name or name{labels}: value} (comments skipped)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name, _, value = line.rpartition(" ")
+        try:
+            values[name] = float(value)
+        except ValueError:
+            continue
+    return values
+
+
+def histogram(metrics: dict[str, float], name: str) -> list[tuple[float, float]]:
+    """Cumulative buckets [(upper bound, count)] of histogram `name`, +Inf last."""
+    pattern = re.compile(rf'^{re.escape(name)}_bucket\{{le="([^"]+)"\}}$')
+    buckets = []
+    for key, value in metrics.items():
+        match = pattern.match(key)
+        if match:
+            buckets.append((float(match.group(1)), value))  # float("+Inf") is inf
+    return sorted(buckets)
+
+
+def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
+    """Prometheus-style estimate (linear within a bucket); nan without observations."""
+    if not buckets or buckets[-1][1] <= 0:
+        return math.nan
+    rank = q * buckets[-1][1]
+    lower, below = 0.0, 0.0
+    for upper, count in buckets:
+        if count >= rank:
+            if math.isinf(upper):
+                return lower  # beyond the last finite bound: that bound is all we know
+            if count == below:
+                return upper
+            return lower + (upper - lower) * (rank - below) / (count - below)
+        lower, below = upper, count
+    return lower
+
+
+def bucket_delta(
+    now: list[tuple[float, float]], before: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
+    """The observations between two scrapes of one histogram."""
+    old = dict(before)
+    return [(upper, count - old.get(upper, 0.0)) for upper, count in now]
+
+
+def cpu_seconds(stat_path: str | Path) -> float:
+    """utime + stime (seconds) from a /proc stat file (a process: all its threads; a
+    task: that thread). The command name may hold spaces, so the fields are counted
+    after its closing parenthesis."""
+    fields = Path(stat_path).read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

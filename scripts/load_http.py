@@ -59,14 +59,11 @@ import contextlib
 import json
 import math
 import os
-import re
-import signal
 import sys
 import tempfile
 import time
 from array import array
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,7 +74,20 @@ import aiohttp
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.harness import Daemon
+from scripts.harness import (
+    Daemon,
+    cpu_seconds,
+    fmt_ms,
+    parse_metrics,
+    percentile,
+)
+from scripts.load_report import (
+    print_fixed,
+    print_metrics,
+    print_table,
+    report_daemon_log,
+    step_ok,
+)
 
 ACCEPTED = frozenset({"started", "pending", "queued"})
 ECHO_PREFIX = "echo: "
@@ -89,82 +99,7 @@ POLL_WAIT = 10.0  # long-poll wait; an abandoned poll lingers server-side at mos
 UNSENT, SENT, ACCEPTED_STATE, ANSWERED = 0, 1, 2, 3
 
 
-# --- statistics ------------------------------------------------------------------------------
-
-
-def percentile(values: Sequence[float], pct: float, *, ordered: bool = False) -> float:
-    """Nearest-rank percentile (`ordered`: `values` is sorted already); nan when empty."""
-    if not values:
-        return math.nan
-    if not ordered:
-        values = sorted(values)
-    rank = max(1, math.ceil(pct / 100 * len(values)))
-    return values[rank - 1]
-
-
-def fmt_ms(seconds: float) -> str:
-    if math.isnan(seconds):
-        return "n/a"
-    if math.isinf(seconds):
-        return "inf"
-    return f"{seconds * 1000:.2f}"
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {name or name{labels}: value} (comments skipped)."""
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        name, _, value = line.rpartition(" ")
-        try:
-            values[name] = float(value)
-        except ValueError:
-            continue
-    return values
-
-
-def histogram(metrics: dict[str, float], name: str) -> list[tuple[float, float]]:
-    """Cumulative buckets [(upper bound, count)] of histogram `name`, +Inf last."""
-    pattern = re.compile(rf'^{re.escape(name)}_bucket\{{le="([^"]+)"\}}$')
-    buckets = []
-    for key, value in metrics.items():
-        match = pattern.match(key)
-        if match:
-            buckets.append((float(match.group(1)), value))  # float("+Inf") is inf
-    return sorted(buckets)
-
-
-def histogram_quantile(q: float, buckets: list[tuple[float, float]]) -> float:
-    """Prometheus-style estimate (linear within a bucket); nan without observations."""
-    if not buckets or buckets[-1][1] <= 0:
-        return math.nan
-    rank = q * buckets[-1][1]
-    lower, below = 0.0, 0.0
-    for upper, count in buckets:
-        if count >= rank:
-            if math.isinf(upper):
-                return lower  # beyond the last finite bound: that bound is all we know
-            if count == below:
-                return upper
-            return lower + (upper - lower) * (rank - below) / (count - below)
-        lower, below = upper, count
-    return lower
-
-
-def bucket_delta(
-    now: list[tuple[float, float]], before: list[tuple[float, float]]
-) -> list[tuple[float, float]]:
-    """The observations between two scrapes of one histogram."""
-    old = dict(before)
-    return [(upper, count - old.get(upper, 0.0)) for upper, count in now]
-
-
-def _stat_cpu(path: str) -> float:
-    """utime + stime (seconds) from a /proc stat file."""
-    with open(path) as f:
-        fields = f.read().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+# --- CPU -------------------------------------------------------------------------------------
 
 
 def cpu_snapshot(pid: int | None) -> dict[str, float]:
@@ -176,8 +111,8 @@ def cpu_snapshot(pid: int | None) -> dict[str, float]:
     if pid is None:
         return snap
     try:
-        snap["daemon"] = _stat_cpu(f"/proc/{pid}/stat")
-        snap["daemon_loop"] = _stat_cpu(f"/proc/{pid}/task/{pid}/stat")
+        snap["daemon"] = cpu_seconds(f"/proc/{pid}/stat")
+        snap["daemon_loop"] = cpu_seconds(f"/proc/{pid}/task/{pid}/stat")
         with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
             snap["daemon_loop_runq"] = int(f.read().split()[1]) / 1e9
     except (OSError, IndexError, ValueError):
@@ -449,95 +384,6 @@ def summary(run: Run, rate: float, seconds: float) -> dict[str, Any]:
     }
 
 
-def print_fixed(result: dict[str, Any]) -> None:
-    lat, rtt = result["latency"], result["post_rtt"]
-    print(
-        f"offered {result['offered_rate']:g} msgs/s for {result['seconds']:g} s over "
-        f"{result['chats']} chats: {result['scheduled']} messages"
-    )
-    print(
-        f"sent {result['sent']} ({result['sent_rate']:.1f}/s), shed by the client "
-        f"{result['shed']}, client schedule lag p99 {fmt_ms(result['schedule_lag_p99'])} ms"
-    )
-    cpu = result["cpu_percent"]
-    print(
-        f"CPU while sending: daemon {cpu['daemon']:.0f}% (event-loop thread "
-        f"{cpu['daemon_loop']:.0f}%, and it waited for a CPU {cpu['daemon_loop_runq']:.0f}% "
-        f"of the time), this client {cpu['client']:.0f}%"
-    )
-    print(
-        f"accepted {result['accepted']} ({result['accepted_rate']:.1f} msgs/s)  "
-        f"refused {result['refused']}  other {result['other_statuses'] or 0}  "
-        f"errors {result['errors'] or 0}"
-    )
-    print(f"POST round trip ms: p50={fmt_ms(rtt['p50'])} p99={fmt_ms(rtt['p99'])}")
-    print(
-        f"reply latency ms (POST sent -> reply visible to the long-poll): "
-        f"p50={fmt_ms(lat['p50'])} p90={fmt_ms(lat['p90'])} p99={fmt_ms(lat['p99'])} "
-        f"max={fmt_ms(lat['max'])} ({result['answered']} answered in "
-        f"{result['reply_messages']} replies)"
-    )
-    print(
-        f"replies missing: {result['missing']}  duplicated: {result['duplicated']}  "
-        f"unexpected: {result['unexpected']}  error replies: {result['error_replies']}  "
-        f"poll errors: {result['poll_errors'] or 0}"
-    )
-
-
-def step_ok(result: dict[str, Any], slo: float) -> bool:
-    return (
-        result["replies_rate"] >= 0.95 * result["offered_rate"] and result["p99_with_missing"] < slo
-    )
-
-
-def print_table(rows: list[dict[str, Any]], slo: float) -> None:
-    print(
-        f"{'offered/s':>9} {'sent/s':>7} {'shed':>5} {'accepted/s':>10} {'replies/s':>9} "
-        f"{'p50 ms':>8} {'p99 ms':>8} {'missing':>7} {'refused':>7} {'errors':>6} "
-        f"{'daemon%':>7} {'loop%':>5} {'runq%':>5} {'client%':>7}  ok"
-    )
-    for r in rows:
-        errors = sum(r["errors"].values())
-        cpu = r["cpu_percent"]
-        print(
-            f"{r['offered_rate']:>9g} {r['sent_rate']:>7.0f} {r['shed']:>5} "
-            f"{r['accepted_rate']:>10.0f} {r['replies_rate']:>9.0f} "
-            f"{fmt_ms(r['p50_with_missing']):>8} {fmt_ms(r['p99_with_missing']):>8} "
-            f"{r['missing']:>7} {r['refused']:>7} {errors:>6} {cpu['daemon']:>7.0f} "
-            f"{cpu['daemon_loop']:>5.0f} {cpu['daemon_loop_runq']:>5.0f} {cpu['client']:>7.0f}  "
-            f"{'yes' if step_ok(r, slo) else 'no'}"
-        )
-    print(
-        "  daemon% = daemon process CPU (100 = one core), loop% = its event-loop thread, "
-        "runq% = time that thread was runnable but waiting for a CPU, client% = this "
-        "script; all over the send window"
-    )
-
-
-def print_metrics(before: dict[str, float] | None, after: dict[str, float] | None) -> None:
-    if after is None:
-        print("daemon /metrics: unavailable")
-        return
-    before = before or {}
-
-    def delta(name: str) -> int:
-        return int(after.get(f"hermes_{name}", 0) - before.get(f"hermes_{name}", 0))
-
-    buckets = bucket_delta(
-        histogram(after, "hermes_turn_latency_seconds"),
-        histogram(before, "hermes_turn_latency_seconds"),
-    )
-    print(
-        f"daemon /metrics (this run): turns={delta('turns_total')} "
-        f"messages_received={delta('messages_received_total')} "
-        f"refused={delta('messages_refused_total')} turn_errors={delta('turn_errors_total')} "
-        f"timeouts={delta('turn_timeouts_total')} replies_sent={delta('replies_sent_total')} "
-        f"send_errors={delta('send_errors_total')}; turn latency (daemon's histogram, "
-        f"bucket estimate) p50={fmt_ms(histogram_quantile(0.5, buckets))} ms "
-        f"p99={fmt_ms(histogram_quantile(0.99, buckets))} ms"
-    )
-
-
 # --- driver ----------------------------------------------------------------------------------
 
 
@@ -603,39 +449,6 @@ def planned_seconds(args: argparse.Namespace) -> float:
     if args.saturate:
         return len(saturation_steps(args)) * (args.step_seconds + args.drain + POST_TIMEOUT + 1)
     return args.seconds + args.drain + POST_TIMEOUT + 1
-
-
-def daemon_problems(daemon: Daemon, limit: int = 5) -> tuple[Counter, list[str]]:
-    """Warning and error lines of the daemon's JSON log: counts by event, a few samples."""
-    counts: Counter = Counter()
-    samples: list[str] = []
-    try:
-        lines = daemon.log_path.read_text(errors="replace").splitlines()
-    except FileNotFoundError:
-        return counts, samples
-    for line in lines:
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if line.strip():
-                counts["(non-JSON output)"] += 1
-                if len(samples) < limit:
-                    samples.append(line[:300])
-            continue
-        if record.get("level") in ("warning", "error", "critical"):
-            counts[f"{record.get('level')}:{record.get('event')}"] += 1
-            if len(samples) < limit:
-                samples.append(line[:300])
-    return counts, samples
-
-
-def report_daemon_log(counts: dict[str, int], samples: list[str]) -> None:
-    if not counts:
-        print("daemon log: no warnings or errors")
-        return
-    print(f"daemon log: {sum(counts.values())} warning/error lines: {dict(counts)}")
-    for sample in samples:
-        print(f"  {sample}")
 
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -718,14 +531,13 @@ def main(argv: list[str] | None = None) -> int:
                 )
             report = asyncio.run(bounded(base, pid))
             if daemon is not None:
-                daemon.signal(signal.SIGTERM)
-                exit_code = daemon.wait_exit(timeout=40)
+                exit_code = daemon.stop(timeout=40)
         finally:
             if daemon is not None:
                 daemon.ensure_stopped()
         if daemon is not None:
             report["daemon_exit"] = exit_code
-            counts, samples = daemon_problems(daemon)
+            counts, samples = daemon.log_problems()
             report["daemon_log"], report["daemon_log_samples"] = dict(counts), samples
 
     bad = False

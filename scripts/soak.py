@@ -39,7 +39,6 @@ import http.client
 import json
 import math
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -50,8 +49,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from scripts.harness import Daemon
-from scripts.load_http import (
+from scripts.harness import (
+    Daemon,
     bucket_delta,
     fmt_ms,
     histogram,
@@ -63,7 +62,7 @@ from scripts.load_http import (
 RSS_SLOPE_TARGET = 32.0  # MiB/hour
 LAG_P95_TARGET = 0.050  # seconds
 TURN_HISTOGRAM = "hermes_turn_latency_seconds"
-PAGE_CACHE_MIB = 32  # the daemon's PRAGMA cache_size (gateway/db.py)
+PAGE_CACHE_MIB = 32  # the daemon's PRAGMA cache_size (gateway/store/db.py)
 
 
 @dataclass
@@ -270,8 +269,7 @@ def run(args: argparse.Namespace) -> int:
             final_metrics = probe.metrics()
             probe.close()
             if daemon.proc is not None and daemon.proc.poll() is None:
-                daemon.signal(signal.SIGTERM)
-                exit_code = daemon.wait_exit(timeout=40)
+                exit_code = daemon.stop(timeout=40)
             else:
                 exit_code = daemon.proc.returncode if daemon.proc else None
         finally:

@@ -19,7 +19,6 @@ import time_machine
 
 from adapters.base import Backoff, MessageEvent, PlatformAdapter, SendResult
 from config import GatewayConfig, TelegramConfig
-from gateway import journal
 from gateway.pairing import (
     ALPHABET,
     APPROVED_NOTICE,
@@ -30,7 +29,8 @@ from gateway.pairing import (
     cmd_pairing,
 )
 from gateway.session import Platform, SessionSource
-from gateway.store import SessionStore
+from gateway.store import journal
+from gateway.store.session_store import SessionStore
 from scripts.harness import Daemon
 from tests.fakes.telegram_api import FakeTelegram
 

@@ -12,17 +12,15 @@ from typing import Any
 import pytest
 
 from config import AgentConfig, ConfigError
-from gateway.agents import (
+from gateway.agents.backends import (
     AgentBackendError,
-    AgentCache,
-    AgentError,
-    TurnRequest,
-    TurnResult,
     agent_signature,
     build_agent_factory,
     describe_backend,
 )
-from gateway.openai_agent import OpenAIAgent
+from gateway.agents.cache import AgentCache
+from gateway.agents.openai import OpenAIAgent
+from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
 from gateway.session import TokenUsage
 from tests.fakes.openai_server import FakeOpenAI
 
@@ -214,7 +212,7 @@ def user_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[st
     module.write_text(
         textwrap.dedent(
             """
-            from gateway.agents import TurnResult
+            from gateway.agents.protocol import TurnResult
 
             class MyAgent:
                 def __init__(self, session_key, options):

@@ -20,8 +20,8 @@ import pytest
 from adapters.base import Accepted, AcceptStatus, MessageEvent
 from adapters.http import MAX_REPLIES_PER_POLL, HttpAdapter
 from config import HttpConfig
-from gateway import chat as chat_module
-from gateway.chat import chat, main_chat
+from gateway.ops import chat as chat_module
+from gateway.ops.chat import chat, main_chat
 from gateway.session import Platform, SessionSource
 from tests.fakes.ledger import FakeLedger
 

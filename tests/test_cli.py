@@ -19,7 +19,7 @@ import yaml
 
 from config import GatewayConfig
 from gateway.session import Platform, SessionSource
-from gateway.store import SessionStore
+from gateway.store.session_store import SessionStore
 
 
 def free_port() -> int:
@@ -325,7 +325,7 @@ def test_check_config_and_run_refuse_the_same_configs_in_one_line(
     assert key in line
     assert "Traceback" not in result.stdout + result.stderr
     # No state written (`run` holds the home's lock file from its first step; it is empty
-    # of state and never removed, see gateway.homelock).
+    # of state and never removed, see gateway.store.homelock).
     written = {p.name for p in tmp_path.iterdir()} - {"hermes.yaml", "gateway.lock"}
     assert written == set()
 
@@ -393,7 +393,7 @@ def test_run_serves_http_and_stops_cleanly_on_sigint(tmp_path: Path) -> None:
 
 
 def test_status_shows_each_adapters_reconnects_errors_and_refusals(tmp_path: Path) -> None:
-    from gateway.status import write_status
+    from gateway.ops.status import write_status
 
     home = tmp_path / "home"
     home.mkdir()

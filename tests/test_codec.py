@@ -1,4 +1,4 @@
-"""gateway.codec: orjson where it can, the standard library where orjson refuses."""
+"""gateway.store.codec: orjson where it can, the standard library where orjson refuses."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway import codec
+from gateway.store import codec
 
 JSON_VALUES = st.recursive(
     st.none()

@@ -24,6 +24,7 @@ from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
 from tests.fakes.agents import scripted
 from tests.fakes.discord_api import FakeDiscord
+from tests.waiting import wait_for
 
 TOKEN = "MTEwMA.fake-bot-token.Zq7Xk9"  # distinctive, so a leak into the logs is found
 ALICE = "42"  # in allowed_users
@@ -45,14 +46,6 @@ class Bot:
 
 
 MakeBot = Callable[..., Awaitable[Bot]]
-
-
-async def wait_for(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    for _ in range(int(within / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"condition not reached within {within} s")
 
 
 async def replies(dc: FakeDiscord, channel: str, count: int, within: float = 5.0) -> list[str]:

@@ -21,7 +21,6 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, ClassVar
@@ -38,14 +37,15 @@ from adapters.http import HttpAdapter
 from adapters.slack import SlackAdapter
 from adapters.telegram import TelegramAdapter
 from config import GatewayConfig
-from gateway.agents import TurnRequest, TurnResult
-from gateway.db import Database
-from gateway.outage import Outage, StoreUnwritable, unwritable_reason
+from gateway.agents.protocol import TurnRequest, TurnResult
+from gateway.ops.status import write_status
 from gateway.run import GatewayRunner
-from gateway.status import write_status
+from gateway.store.db import Database
+from gateway.store.outage import Outage, StoreUnwritable, unwritable_reason
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.slack_api import FakeSlack, dm, post_event, redeliver
 from tests.fakes.telegram_api import FakeTelegram
+from tests.waiting import wait_for
 
 # Rows this long spill onto overflow pages, so storing them needs pages the full
 # database does not have (short rows may still fit in the free room of existing pages).
@@ -90,18 +90,6 @@ class HeldAgent:
 
     async def close(self) -> None:
         pass
-
-
-async def wait_for(predicate: Callable[[], Any], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not await _truthy(predicate()):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached within {within} s")
-        await asyncio.sleep(0.02)
-
-
-async def _truthy(value: Any) -> bool:
-    return bool(await value) if isinstance(value, Awaitable) else bool(value)
 
 
 def log_events(logs: list[dict[str, Any]], prefix: str) -> list[str]:

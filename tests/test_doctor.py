@@ -1,4 +1,4 @@
-"""`hermes-gateway doctor` (gateway/doctor.py) on real homes built by a real SessionStore."""
+"""`hermes-gateway doctor` (gateway/ops/doctor.py) on real homes built by a real SessionStore."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from config import GatewayConfig
-from gateway.db import SCHEMA_VERSION
-from gateway.doctor import add_doctor_parser
+from gateway.ops.doctor import add_doctor_parser
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage
-from gateway.store import SessionStore
+from gateway.store.migrations import SCHEMA_VERSION
+from gateway.store.session_store import SessionStore
 
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})
 

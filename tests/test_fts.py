@@ -1,4 +1,4 @@
-"""The transcript full-text index lives in search.db (gateway.fts): every message that
+"""The transcript full-text index lives in search.db (gateway.store.fts): every message that
 exists is findable after a round, no message that is gone is, a crash or a lost
 search.db costs nothing but a rebuild, and older databases carry over."""
 
@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from config import GatewayConfig
-from gateway import fts
-from gateway.db import _MIGRATIONS, SCHEMA_VERSION, _split_sql
 from gateway.session import Platform, SessionSource
-from gateway.store import SessionStore
+from gateway.store import fts
+from gateway.store.migrations import _MIGRATIONS, SCHEMA_VERSION, _split_sql
+from gateway.store.session_store import SessionStore
 
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})
 SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")

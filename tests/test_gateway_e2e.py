@@ -17,7 +17,7 @@ import time_machine
 from adapters.base import Accepted, AcceptStatus, MessageEvent
 from adapters.http import HttpAdapter
 from config import GatewayConfig
-from gateway.agents import AgentError, TurnRequest, TurnResult
+from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage
 from tests.fakes.openai_server import FakeOpenAI

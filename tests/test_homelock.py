@@ -1,4 +1,4 @@
-"""One daemon per home (gateway/homelock.py): real daemons, real second runs on one home.
+"""One daemon per home (gateway/store/homelock.py): real daemons, real second runs on one home.
 
 Each test owns its home and ports and stops every process it starts.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.homelock import LOCK_FILE, HomeInUse, HomeLock, held_by
+from gateway.store.homelock import LOCK_FILE, HomeInUse, HomeLock, held_by
 from scripts.harness import Daemon
 
 pytestmark = pytest.mark.timeout(60)
@@ -117,7 +117,8 @@ def test_a_holder_killed_with_sigkill_leaves_a_file_that_blocks_nobody(tmp_path:
         [
             sys.executable,
             "-c",
-            "import sys, time; from pathlib import Path; from gateway.homelock import HomeLock;"
+            "import sys, time; from pathlib import Path;"
+            " from gateway.store.homelock import HomeLock;"
             f" lock = HomeLock.acquire(Path({str(home)!r})); print('held', flush=True);"
             " time.sleep(60)",
         ],

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gateway.status import STATUS_FILE, is_live, keep_status, read_status, write_status
+from gateway.ops.status import STATUS_FILE, is_live, keep_status, read_status, write_status
 from scripts.bench_idle import measure_idle, wait_settled
 from scripts.harness import Daemon
 

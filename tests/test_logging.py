@@ -26,7 +26,7 @@ import structlog
 
 from adapters.telegram import TelegramAdapter
 from config import ConfigError, GatewayConfig, load_config
-from gateway.logs import QUIET_LIBRARIES, configure_logging
+from gateway.ops.logs import QUIET_LIBRARIES, configure_logging
 from gateway.run import GatewayRunner
 from scripts.harness import Daemon
 from tests.fakes.agents import scripted

@@ -10,11 +10,12 @@ from pathlib import Path
 
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
 from config import GatewayConfig
-from gateway.agents import TurnRequest, TurnResult
+from gateway.agents.protocol import TurnRequest, TurnResult
 from gateway.recovery import RESTART_COUNTS, STUCK_NOTICE
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
-from gateway.store import SessionStore
+from gateway.store.session_store import SessionStore
+from tests.waiting import wait_for
 
 SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})
@@ -73,14 +74,6 @@ async def crash(runner: GatewayRunner) -> None:
     await asyncio.gather(*runner._workers.values(), return_exceptions=True)
     await runner._housekeeper.stop()
     await runner.store.close()
-
-
-async def wait_for(predicate, within: float = 5.0) -> None:
-    for _ in range(int(within / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 @contextlib.asynccontextmanager

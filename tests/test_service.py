@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from config import GatewayConfig
-from gateway.sdnotify import SystemdNotifier, run_watchdog
-from gateway.service import UNIT_NAME, add_service_parser, cmd_service, render_unit
+from gateway.ops.sdnotify import SystemdNotifier, run_watchdog
+from gateway.ops.service import UNIT_NAME, add_service_parser, cmd_service, render_unit
 
 PYTHON = "/opt/venv/bin/python"
 

@@ -30,7 +30,7 @@ from gateway.session import (
     validate_chat_id,
     validate_id,
 )
-from gateway.store import SessionStore
+from gateway.store.session_store import SessionStore
 
 
 def src(platform: str = "telegram", chat_id: str = "99", **kwargs: Any) -> SessionSource:
@@ -984,7 +984,7 @@ def test_prompt_includes_channel_topic(config: GatewayConfig) -> None:
 
 def test_session_store_is_lazily_re_exported() -> None:
     from gateway.session import SessionStore
-    from gateway.store import SessionStore as StoreSessionStore
+    from gateway.store.session_store import SessionStore as StoreSessionStore
 
     assert SessionStore is StoreSessionStore
 

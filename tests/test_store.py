@@ -1,4 +1,4 @@
-"""SessionStore (gateway/store.py) on real SQLite files: every operation and rule."""
+"""SessionStore (gateway/store/session_store.py) on real SQLite files: every operation and rule."""
 
 from __future__ import annotations
 
@@ -18,11 +18,11 @@ import pytest
 import structlog
 import time_machine
 
-import gateway.store as store_module
+import gateway.store.session_store as store_module
 from config import GatewayConfig
-from gateway.db import DatabaseError
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
-from gateway.store import SessionStore
+from gateway.store.db import DatabaseError
+from gateway.store.session_store import SessionStore
 
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 SESSION_ID = re.compile(r"^\d{8}_\d{6}_[0-9a-f]{8}$")
@@ -1281,7 +1281,7 @@ async def test_commits_reach_the_database_file_without_waiting_for_a_full_wal(
 
 
 def test_read_ahead_is_best_effort(tmp_path: Path) -> None:
-    from gateway.db import _read_ahead
+    from gateway.store.db import _read_ahead
 
     _read_ahead(tmp_path / "missing.db")  # nothing there, no WAL either
     _read_ahead(tmp_path)  # a directory: its read fails, which the check would report
@@ -1290,7 +1290,7 @@ def test_read_ahead_is_best_effort(tmp_path: Path) -> None:
 def test_read_ahead_reads_the_database_and_its_wal_without_sendfile(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gateway.db import _read_ahead
+    from gateway.store.db import _read_ahead
 
     path = tmp_path / "state.db"
     conn = sqlite3.connect(path, isolation_level=None)

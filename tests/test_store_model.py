@@ -33,7 +33,7 @@ from hypothesis.stateful import (
 
 from config import GatewayConfig
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage
-from gateway.store import SessionStore
+from gateway.store.session_store import SessionStore
 
 T = TypeVar("T")
 

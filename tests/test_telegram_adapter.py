@@ -15,13 +15,15 @@ from typing import Any
 import pytest
 
 from adapters.base import utf16_len
-from adapters.telegram import COMMANDS, TelegramAdapter, to_markdown_v2
+from adapters.markdown import to_markdown_v2
+from adapters.telegram import COMMANDS, TelegramAdapter
 from config import GatewayConfig
 from gateway.pairing import Pairing
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
 from tests.fakes.agents import scripted
 from tests.fakes.telegram_api import BOT_USER, FakeTelegram, parse_markdown_v2
+from tests.waiting import wait_for
 
 TOKEN = "123456:AAH-test-TOKEN_abcdefghijklmnopqrst"
 BOT = BOT_USER["username"]
@@ -90,14 +92,6 @@ async def make_gateway(tg: FakeTelegram, tmp_path: Path) -> AsyncIterator[MakeGa
     yield make
     for runner in made:
         await runner.stop()
-
-
-async def wait_for(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not reached within {within} s")
-        await asyncio.sleep(0.02)
 
 
 async def settle() -> None:

@@ -11,10 +11,10 @@ import pytest
 
 from adapters.base import MessageEvent
 from config import GatewayConfig
-from gateway import journal
 from gateway.session import Platform, SessionSource, TokenUsage
-from gateway.store import SessionStore
-from gateway.turnlog import TurnLog
+from gateway.store import journal
+from gateway.store.session_store import SessionStore
+from gateway.store.turnlog import TurnLog
 
 SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import ClassVar
 
-from gateway.agents import TurnRequest, TurnResult
+from gateway.agents.protocol import TurnRequest, TurnResult
 
 
 class ScriptedAgent:

@@ -15,8 +15,8 @@ import structlog
 
 from config import LoggingConfig
 from config.schema import LogLevel
-from gateway import codec
 from gateway.session import TokenUsage
+from gateway.store import codec
 
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)
 

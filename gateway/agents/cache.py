@@ -1,216 +1,24 @@
-"""Agents: the protocol the runner talks to, the built-in backends and the per-session cache.
+"""`AgentCache`: one agent per session key (LRU, idle TTL), never evicted mid-turn.
 
-Backends (``agent.backend``): ``echo`` (the zero-config default), ``openai`` (any
-OpenAI-compatible chat-completions endpoint, in `gateway.openai_agent`) and
-``module.path:factory`` for your own. A user factory is called as
-``factory(session_key=str, options=dict)`` and must return an object with
-``async run_turn(TurnRequest) -> TurnResult`` and ``async close()``.
-
-`AgentCache` keeps one agent per session key (LRU, idle TTL) and never evicts an agent
-while a turn is using it. Cancelling the task that awaits ``run_turn`` stops the turn.
+Cancelling the task that awaits ``run_turn`` stops the turn; the lease is released in
+its ``finally`` all the same.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import importlib
-import inspect
-import json
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any, Protocol
-from urllib.parse import urlsplit, urlunsplit
+from dataclasses import dataclass
 
 import structlog
 
-from config import AgentConfig, ConfigError
-from gateway.session import SessionSource, TokenUsage
+from gateway.agents.protocol import Agent, AgentFactory
 
-__all__ = [
-    "Agent",
-    "AgentBackendError",
-    "AgentCache",
-    "AgentError",
-    "AgentFactory",
-    "EchoAgent",
-    "TurnRequest",
-    "TurnResult",
-    "agent_signature",
-    "build_agent_factory",
-    "describe_backend",
-]
+__all__ = ["AgentCache", "AgentLease"]
 
 log = structlog.get_logger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class TurnRequest:
-    """One turn for an agent: the user's text plus what came before it."""
-
-    session_key: str
-    session_id: str
-    text: str  # this turn's user message ([sender]-prefixed in shared sessions)
-    history: tuple[dict[str, Any], ...]  # earlier transcript messages, oldest first
-    system_prompt: str  # session-context block (+ configured system prompt); may be ""
-    source: SessionSource | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class TurnResult:
-    text: str
-    usage: TokenUsage = field(default_factory=TokenUsage)
-
-
-class Agent(Protocol):
-    async def run_turn(self, request: TurnRequest) -> TurnResult: ...
-
-    async def close(self) -> None: ...
-
-
-class AgentError(RuntimeError):
-    """The backend failed; ``str()`` is a short, user-safe reason (never a key or token)."""
-
-
-class AgentBackendError(ConfigError, ValueError):
-    """``agent.backend`` names a module or factory that cannot be used (exit code 78)."""
-
-
-AgentFactory = Callable[[str], Agent]
-
-
-# --- backends ------------------------------------------------------------------------------
-
-
-def _word_count(content: Any) -> int:
-    return len(content.split()) if isinstance(content, str) else 0
-
-
-class EchoAgent:
-    """Replies ``echo: <text>``, optionally after ``delay_seconds`` (a stand-in slow model).
-
-    Usage is counted in words so token counters move deterministically.
-    """
-
-    def __init__(self, delay_seconds: float = 0.0) -> None:
-        self.delay_seconds = delay_seconds
-
-    async def run_turn(self, request: TurnRequest) -> TurnResult:
-        if self.delay_seconds > 0:
-            await asyncio.sleep(self.delay_seconds)
-        reply = f"echo: {request.text}"
-        input_tokens = _word_count(request.text) + sum(
-            _word_count(message.get("content")) for message in request.history
-        )
-        return TurnResult(reply, TokenUsage(input_tokens, _word_count(reply)))
-
-    async def close(self) -> None:
-        return None
-
-
-def _load_user_factory(backend: str) -> Callable[..., Any]:
-    module_name, _, attr = backend.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:
-        raise AgentBackendError(
-            f"agent.backend: cannot import module {module_name!r} "
-            f"({type(exc).__name__}: {exc}); check the name and that it is on PYTHONPATH"
-        ) from exc
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise AgentBackendError(
-            f"agent.backend: module {module_name!r} has no callable {attr!r}; "
-            "expected a function factory(session_key=..., options=...) returning an agent"
-        )
-    return factory
-
-
-def _user_factory(backend: str, options: dict[str, Any]) -> AgentFactory:
-    factory = _load_user_factory(backend)
-
-    def build(session_key: str) -> Agent:
-        try:
-            agent = factory(session_key=session_key, options=dict(options))
-        except Exception as exc:
-            log.exception("agent_factory_failed", backend=backend)
-            raise AgentError(f"the agent backend could not start ({type(exc).__name__})") from exc
-        if inspect.isawaitable(agent) or not all(
-            callable(getattr(agent, name, None)) for name in ("run_turn", "close")
-        ):
-            if inspect.iscoroutine(agent):
-                agent.close()  # never awaited; silence the "never awaited" warning
-            raise AgentError(
-                f"agent.backend {backend!r} returned {type(agent).__name__}, "
-                "not an object with async run_turn() and close()"
-            )
-        return agent
-
-    return build
-
-
-def build_agent_factory(config: AgentConfig) -> AgentFactory:
-    """A function session_key -> new Agent for ``config.backend``.
-
-    A ``module:factory`` backend is imported here, so a bad name fails at start-up with
-    `AgentBackendError` (a `ConfigError`) rather than at the first message.
-    """
-    if config.backend == "echo":
-        return lambda session_key: EchoAgent(config.delay_seconds)
-    if config.backend == "openai":
-        # Imported here because gateway.openai_agent imports this module's types.
-        from gateway.openai_agent import OpenAIAgent
-
-        return lambda session_key: OpenAIAgent(
-            base_url=config.base_url, model=config.model, api_key=config.api_key
-        )
-    return _user_factory(config.backend, config.options)
-
-
-def agent_signature(config: AgentConfig) -> str:
-    """A stable hash of the settings that shape an agent; a change means rebuild it.
-
-    The API key enters only as its own sha256, so the signature never reveals it.
-    """
-    key_hash = hashlib.sha256(config.api_key.encode()).hexdigest() if config.api_key else None
-    shape = {
-        "backend": config.backend,
-        "model": config.model,
-        "base_url": config.base_url,
-        "system_prompt": config.system_prompt,
-        "delay_seconds": config.delay_seconds,
-        "options": config.options,
-        "api_key_sha256": key_hash,
-    }
-    encoded = json.dumps(shape, sort_keys=True, default=repr).encode()
-    return hashlib.sha256(encoded).hexdigest()[:16]
-
-
-def _redacted_url(url: str) -> str:
-    parts = urlsplit(url)
-    if parts.username is None and parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"***@{host}:{parts.port}" if parts.port else f"***@{host}"
-    return urlunsplit(parts._replace(netloc=netloc))
-
-
-def describe_backend(config: AgentConfig) -> str:
-    """One line for the start-up log (never includes the API key)."""
-    if config.backend == "echo":
-        delay = f", delay {config.delay_seconds:g}s" if config.delay_seconds else ""
-        return f"echo (replies 'echo: <text>'{delay}; set agent.backend to use a real model)"
-    if config.backend == "openai":
-        key = "set" if config.api_key else "unset"
-        return (
-            f"openai model={config.model} base_url={_redacted_url(config.base_url)} api_key={key}"
-        )
-    return f"custom factory {config.backend} (options: {', '.join(sorted(config.options)) or '-'})"
-
-
-# --- cache ---------------------------------------------------------------------------------
 
 
 @dataclass(slots=True)

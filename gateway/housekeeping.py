@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from gateway.outage import StoreUnwritable
+from gateway.store.outage import StoreUnwritable
 
 if TYPE_CHECKING:
     from gateway.run import GatewayRunner
 
-log = structlog.get_logger("gateway.watcher")
+log = structlog.get_logger("gateway.housekeeping")
 
 RESEND_AFTER_SECONDS = 30.0
 

@@ -19,8 +19,8 @@ import structlog
 
 from gateway.faults import crash_point
 from gateway.fsutil import atomic_write, set_aside
-from gateway.outage import Outage
 from gateway.session import SessionEntry
+from gateway.store.outage import Outage
 
 log = structlog.get_logger(__name__)
 

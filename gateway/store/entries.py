@@ -1,8 +1,9 @@
-"""Entry-row SQL: load and save routing entries, open and close `sessions` rows.
+"""Entry-row SQL: load, save, list and prune routing entries; open, close and list the
+`sessions` rows.
 
-Plain functions run by the database writer (see `gateway.db`), used by
-`gateway.store`. A reset ends the old session's row and starts a new one (seed section 6,
-effects 1-4).
+Plain functions run by the database writer (see `gateway.store.db`), used by
+`gateway.store.session_store`. A reset ends the old session's row and starts a new one
+(seed section 6, effects 1-4).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import sqlite3
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway import codec
 from gateway.session import SessionEntry, SessionSource
+from gateway.store import codec
 
 #: token and cost counters, in the column order of the `sessions` table
 COUNTERS = (
@@ -218,3 +219,99 @@ def replace_session(
     start_session_row(conn, new)
     save_entry(conn, new)
     return new
+
+
+def mark_active_since(conn: sqlite3.Connection, cutoff: float, now: datetime) -> int:
+    """Mark entries touched since `cutoff` (epoch) resume_pending ("restart_interrupted"),
+    skipping those already pending or suspended; returns how many."""
+    rows = conn.execute(
+        "SELECT entry FROM session_entries WHERE active_minute >= ?"
+        " AND updated_at >= ? AND suspended = 0 AND resume_pending = 0",
+        (minute_of(cutoff), cutoff),
+    ).fetchall()
+    for (raw,) in rows:
+        entry = SessionEntry.from_dict(codec.loads(raw))
+        entry.resume_pending = True
+        entry.resume_reason = "restart_interrupted"
+        entry.last_resume_marked_at = now
+        save_entry(conn, entry)
+    return len(rows)
+
+
+def idle_keys(conn: sqlite3.Connection, cutoff: float) -> list[str]:
+    """Keys of the entries not touched since `cutoff` (epoch) and not suspended."""
+    return [
+        key
+        for (key,) in conn.execute(
+            "SELECT session_key FROM session_entries"
+            " WHERE active_minute <= ? AND updated_at < ? AND suspended = 0",
+            (minute_of(cutoff), cutoff),
+        )
+    ]
+
+
+def prune(conn: sqlite3.Connection, keys: list[str], cutoff: float, now: datetime) -> int:
+    """Drop the entries of `keys` still idle since `cutoff` (an entry may have been touched
+    since `idle_keys` found it), ending their sessions; returns how many."""
+    pruned = 0
+    for key in keys:
+        row = conn.execute(
+            "DELETE FROM session_entries WHERE session_key = ? AND updated_at < ?"
+            " AND suspended = 0 RETURNING entry",
+            (key, cutoff),
+        ).fetchone()
+        if row:
+            end_session_row(conn, SessionEntry.from_dict(codec.loads(row[0])), now, END_PRUNED)
+            pruned += 1
+    return pruned
+
+
+def list_entries(conn: sqlite3.Connection, since: float | None = None) -> list[SessionEntry]:
+    """All entries (or those touched since `since`, epoch), most recently active first."""
+    sql = "SELECT entry FROM session_entries"
+    params: tuple[Any, ...] = ()
+    if since is not None:
+        sql += " WHERE active_minute >= ? AND updated_at >= ?"
+        params = (minute_of(since), since)
+    sql += " ORDER BY updated_at DESC, session_key"
+    return [SessionEntry.from_dict(codec.loads(raw)) for (raw,) in conn.execute(sql, params)]
+
+
+def load_by_session_id(conn: sqlite3.Connection, session_id: str) -> SessionEntry | None:
+    """The entry whose current session is `session_id`, if any."""
+    row = conn.execute(
+        "SELECT entry FROM session_entries WHERE session_id = ?", (session_id,)
+    ).fetchone()
+    return SessionEntry.from_dict(codec.loads(row[0])) if row else None
+
+
+def session_history(conn: sqlite3.Connection, session_key: str, limit: int) -> list[dict[str, Any]]:
+    """The sessions of one key, newest first, with their active message counts."""
+    rows = conn.execute(
+        "SELECT s.session_id, s.started_at, s.ended_at, s.end_reason, s.title,"
+        " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id"
+        "  AND m.active = 1) FROM sessions s WHERE s.session_key = ?"
+        " ORDER BY s.started_at DESC, s.session_id DESC LIMIT ?",
+        (session_key, limit),
+    )
+    return [
+        {
+            "session_id": sid,
+            "started_at": datetime.fromtimestamp(started, UTC),
+            "ended_at": datetime.fromtimestamp(ended, UTC) if ended else None,
+            "end_reason": reason,
+            "title": title,
+            "message_count": count,
+        }
+        for sid, started, ended, reason, title, count in rows
+    ]
+
+
+def replaced_by(conn: sqlite3.Connection, session_key: str, session_id: str) -> str | None:
+    """The session of `session_key` (other than `session_id`) a reset ended last."""
+    row = conn.execute(
+        "SELECT session_id FROM sessions WHERE session_key = ? AND session_id != ?"
+        " AND end_reason = ? ORDER BY ended_at DESC LIMIT 1",
+        (session_key, session_id, END_RESET),
+    ).fetchone()
+    return row[0] if row else None

@@ -3,7 +3,7 @@ getting its own result, and what a disk that cannot write does to a batch.
 
 Writes rarely fail; when one does, the batch is rolled back and run again with a
 savepoint per write, so the failing write fails alone. A full, read-only or failing disk
-(`gateway.outage`) is nobody's fault in particular and may have cost SQLite the whole
+(`gateway.store.outage`) is nobody's fault in particular and may have cost SQLite the whole
 transaction: the batch is refused as a whole, each write with `StoreUnwritable`.
 """
 
@@ -14,7 +14,7 @@ import sqlite3
 from collections.abc import Callable
 from typing import Any
 
-from gateway.outage import StoreUnwritable, unwritable_reason
+from gateway.store.outage import StoreUnwritable, unwritable_reason
 
 Outcome = list[tuple[bool, Any]]  # per write: (True, result) or (False, exception)
 

@@ -1,7 +1,7 @@
 """`hermes-gateway doctor [--repair] [--json]`: check the state directory, fix what is safe.
 
 Each check yields one `Finding`. `--repair` (only while no gateway runs: it holds the
-home's lock, `gateway.homelock`, so none starts meanwhile) fixes the repairable ones,
+home's lock, `gateway.store.homelock`, so none starts meanwhile) fixes the repairable ones,
 most fundamental first, then checks again. A damaged `state.db` is never
 deleted: it is set aside as `state.db.corrupt-<time>`, a fresh database is built next to
 it from every row that can still be read, and the routing index is rebuilt from the
@@ -22,29 +22,23 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from config import GatewayConfig, hermes_home
-from gateway import entries
-from gateway.db import SCHEMA_VERSION, Database
 from gateway.fsutil import fsync_dir, set_aside
-from gateway.fts import search_files
-from gateway.homelock import HomeInUse, HomeLock, held_by
-from gateway.mirror import IMPORT_CANNOT_RESTORE, write_sessions_json
+from gateway.ops.service import ENV_FILE
 from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
-from gateway.service import ENV_FILE
-from gateway.session import SessionEntry, SessionSource
-from gateway.store import SESSIONS_JSON, STATE_DB
+from gateway.session import SessionEntry
+from gateway.store.fts import search_files
+from gateway.store.homelock import HomeInUse, HomeLock, held_by
+from gateway.store.migrations import SCHEMA_VERSION
+from gateway.store.mirror import IMPORT_CANNOT_RESTORE, write_sessions_json
+from gateway.store.salvage import create_database, salvage
+from gateway.store.session_store import SESSIONS_JSON, STATE_DB
 
 OK, WARN, ERROR = "ok", "warn", "error"
 STALE_TEMP_SECONDS = 60
-#: tables copied out of a damaged database, parents first; `turns` (in-flight markers of
-#: a damaged run) is not trusted, and the search index (search.db) is rebuilt by the
-#: gateway from the copied messages
-SALVAGED_TABLES = ("sessions", "session_entries", "messages", "inbox", "outbound")
-_SCAN_ORDER = {"sessions": "session_id", "session_entries": "session_key"}  # WITHOUT ROWID
 _ORPHAN_TURNS = (  # no table alias: DELETE does not take one
     "FROM turns WHERE NOT EXISTS (SELECT 1 FROM session_entries e"
     " WHERE e.session_key = turns.session_key)"
@@ -437,124 +431,7 @@ def run_repairs(paths: Paths) -> dict[str, str]:
     return done
 
 
-# --- rebuilding a damaged state.db --------------------------------------------------------
-
-
-def _copy_table(src: sqlite3.Connection, dst: sqlite3.Connection, table: str) -> str:
-    """Copy rows in storage order until the first unreadable one; returns a summary."""
-    names = [row[1] for row in dst.execute(f"PRAGMA table_info({table})")]
-    columns = ", ".join(names)
-    insert = f"INSERT OR IGNORE INTO {table} ({columns}) VALUES ({', '.join('?' * len(names))})"
-    copied = skipped = 0
-    stopped = ""
-    try:
-        rows = src.execute(
-            f"SELECT {columns} FROM {table} ORDER BY {_SCAN_ORDER.get(table, 'rowid')}"
-        )
-        while (row := rows.fetchone()) is not None:
-            try:
-                if dst.execute(insert, row).rowcount:
-                    copied += 1
-                else:
-                    skipped += 1
-            except sqlite3.IntegrityError:  # e.g. a message whose session row was lost
-                skipped += 1
-    except sqlite3.DatabaseError as exc:
-        stopped = f", then stopped: {exc}"
-    return f"{table} {copied}" + (f" ({skipped} skipped)" if skipped else "") + stopped
-
-
-def _restore_session_rows(conn: sqlite3.Connection, mirror: dict[str, SessionEntry]) -> int:
-    """Before messages are copied, every routing entry needs its `sessions` row: recreate
-    it for salvaged entries whose row was lost, and import mirror entries of keys nothing
-    was salvaged for (what the store does with a legacy sessions.json). Returns imports."""
-    for (raw,) in conn.execute("SELECT entry FROM session_entries").fetchall():
-        try:
-            entries.start_session_row(conn, SessionEntry.from_dict(json.loads(raw)))
-        except (TypeError, ValueError, KeyError, AttributeError):
-            continue
-    known = {key for (key,) in conn.execute("SELECT DISTINCT session_key FROM sessions")}
-    imported = 0
-    taken = "SELECT 1 FROM sessions WHERE session_id = ?"
-    for key, entry in mirror.items():
-        if key not in known and not conn.execute(taken, (entry.session_id,)).fetchone():
-            entries.start_session_row(conn, entry)
-            entries.save_entry(conn, entry)
-            imported += 1
-    return imported
-
-
-def _rebuild_entries(conn: sqlite3.Connection, mirror: dict[str, SessionEntry]) -> tuple[int, int]:
-    """An entry for each key whose entry was lost, pointing at its latest open session.
-
-    Keys whose sessions all ended were pruned (or lost their current row) and get none:
-    their next message starts a fresh session. Returns (rebuilt, of which from mirror).
-    """
-    rows = conn.execute(
-        f"SELECT session_key, session_id, origin, started_at, {', '.join(entries.COUNTERS)},"
-        " (SELECT MAX(created_at) FROM messages m WHERE m.session_id = s.session_id)"
-        " FROM sessions s WHERE ended_at IS NULL AND NOT EXISTS (SELECT 1 FROM"
-        " session_entries e WHERE e.session_key = s.session_key)"
-        " ORDER BY session_key, started_at DESC, session_id DESC"
-    ).fetchall()
-    done: set[str] = set()
-    from_mirror = 0
-    for key, session_id, origin, started_at, *counters, last_message in rows:
-        if key in done:
-            continue
-        entry = mirror.get(key)
-        if entry is not None and entry.session_id == session_id:
-            from_mirror += 1
-        else:
-            try:
-                entry = _entry_from_row(key, session_id, origin, started_at, last_message)
-            except (TypeError, ValueError, OverflowError, OSError):
-                continue  # a garbled row: that key starts afresh
-            for name, value in zip(entries.COUNTERS, counters, strict=True):
-                setattr(entry, name, value)
-        entries.save_entry(conn, entry)
-        done.add(key)
-    return len(done), from_mirror
-
-
-def _entry_from_row(
-    key: str, session_id: str, origin: str | None, started_at: float, last: float | None
-) -> SessionEntry:
-    """What `entries.fresh_entry` would have made for this session, touched at `last`."""
-    try:
-        source = SessionSource.from_dict(json.loads(origin)) if origin else None
-    except (TypeError, ValueError):
-        source = None
-    entry = entries.fresh_entry(key, source, datetime.fromtimestamp(started_at, UTC))
-    entry.session_id = session_id
-    entry.updated_at = datetime.fromtimestamp(last or started_at, UTC)
-    return entry
-
-
-async def _create_database(path: Path) -> None:
-    db = Database(path)  # the real schema and file modes
-    await db.open()
-    await db.close()
-
-
-def _salvage(source: Path, target: Path, mirror: dict[str, SessionEntry]) -> str:
-    src = _connect_ro(source)
-    dst = sqlite3.connect(target, isolation_level=None)
-    try:
-        dst.execute("PRAGMA foreign_keys=ON")
-        dst.execute("BEGIN")
-        copied = [_copy_table(src, dst, table) for table in SALVAGED_TABLES[:2]]
-        imported = _restore_session_rows(dst, mirror)
-        copied += [_copy_table(src, dst, table) for table in SALVAGED_TABLES[2:]]
-        rebuilt, from_mirror = _rebuild_entries(dst, mirror)
-        dst.execute("COMMIT")
-    finally:
-        src.close()
-        dst.close()
-    return (
-        f"rows salvaged: {'; '.join(copied)}. Routing entries rebuilt: {rebuilt}"
-        f" ({from_mirror} from sessions.json), imported from sessions.json: {imported}"
-    )
+# --- rebuilding a damaged state.db (the rows: `gateway.store.salvage`) ---------------------
 
 
 def rebuild_state_db(paths: Paths) -> str:
@@ -566,8 +443,12 @@ def rebuild_state_db(paths: Paths) -> str:
     mirror = _read_mirror(paths.sessions_json)
     fresh = paths.sessions / f".{STATE_DB}.tmp-rebuild-{os.getpid()}-{secrets.token_hex(4)}"
     try:
-        asyncio.run(_create_database(fresh))
-        summary = _salvage(paths.db, fresh, mirror)
+        asyncio.run(create_database(fresh))
+        source = _connect_ro(paths.db)
+        try:
+            summary = salvage(source, fresh, mirror)
+        finally:
+            source.close()
     except BaseException:
         for suffix in ("", "-wal", "-shm"):
             Path(f"{fresh}{suffix}").unlink(missing_ok=True)

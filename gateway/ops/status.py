@@ -27,9 +27,9 @@ import structlog
 
 from config import GatewayConfig, hermes_home
 from gateway.fsutil import atomic_write_bytes, overwrite_in_place
-from gateway.outage import Outage
+from gateway.store.outage import Outage
 
-log = structlog.get_logger("gateway.status")
+log = structlog.get_logger("gateway.ops.status")
 
 STATUS_FILE = "status.json"
 CHECK_INTERVAL_SECONDS = 5.0  # how often the daemon compares its health with the file

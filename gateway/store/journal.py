@@ -1,5 +1,5 @@
 """The durability journal: accepted inbound messages, in-flight turn markers, and the
-outbound delivery ledger (SQL run by the database writer, see `gateway.db`).
+outbound delivery ledger (SQL run by the database writer, see `gateway.store.db`).
 
 - `inbox`: every inbound message the gateway accepted, recorded in the same transaction
   that checks its platform message id for redelivery. A row stays `accepted` until the
@@ -17,8 +17,8 @@ from __future__ import annotations
 import sqlite3
 from typing import Any
 
-from gateway import codec
 from gateway.session import SessionSource
+from gateway.store import codec
 
 ACCEPTED, DONE, DROPPED = "accepted", "done", "dropped"
 PENDING, SENT = "pending", "sent"

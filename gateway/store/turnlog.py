@@ -23,12 +23,12 @@ from typing import Any
 import structlog
 
 from adapters.base import MessageEvent
-from gateway import entries, journal, transcript
 from gateway.faults import crash_point
 from gateway.session import SessionEntry, SessionSource, TokenUsage
-from gateway.store import SessionStore
+from gateway.store import entries, journal, transcript
+from gateway.store.session_store import SessionStore
 
-log = structlog.get_logger("gateway.turnlog")
+log = structlog.get_logger("gateway.store.turnlog")
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,7 +273,7 @@ class TurnLog:
     async def pending_outbound(self, min_age_seconds: float = 0) -> list[dict[str, Any]]:
         before = time.time() - min_age_seconds
         # On the writer, in line with the marks: the reader thread's snapshot could
-        # predate a mark whose chunk's claim (GatewayRunner._sending) is already released.
+        # predate a mark whose chunk's claim (Delivery._sending) is already released.
         return await self.store.write(
             lambda conn: journal.pending_outbound(conn, before), dirty=False
         )

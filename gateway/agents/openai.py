@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from gateway.agents import AgentError, TurnRequest, TurnResult
+from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
 from gateway.session import TokenUsage
 
 log = structlog.get_logger(__name__)

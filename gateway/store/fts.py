@@ -29,14 +29,14 @@ from urllib.parse import quote
 
 import structlog
 
-from gateway.background import ThreadedSqliteTask
-from gateway.db import create_private_file
-from gateway.outage import Outage, StoreUnwritable
+from gateway.store.background import ThreadedSqliteTask
+from gateway.store.db import create_private_file
+from gateway.store.outage import Outage, StoreUnwritable
 
 if TYPE_CHECKING:
-    from gateway.db import Database
+    from gateway.store.db import Database
 
-log = structlog.get_logger("gateway.fts")
+log = structlog.get_logger("gateway.store.fts")
 
 SEARCH_DB = "search.db"
 ROUND_LIMIT = 20_000  # log entries applied per transaction

@@ -1,6 +1,6 @@
 """Transcript SQL: append, load, rewrite and rewind the messages of one session.
 
-These are plain functions run by the database writer (see `gateway.db`). Deletes
+These are plain functions run by the database writer (see `gateway.store.db`). Deletes
 are soft (`active = 0`) so /undo and /retry keep an audit trail.
 """
 
@@ -10,7 +10,7 @@ import sqlite3
 import time
 from typing import Any
 
-from gateway import codec
+from gateway.store import codec
 
 ROLES = frozenset({"user", "assistant", "system", "tool"})
 

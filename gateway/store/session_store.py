@@ -1,8 +1,8 @@
 """SessionStore: the durable session routing index and transcripts (seed section 3).
 
 SQLite (`state.db`) is the one source of truth. Each operation is one small transaction
-committed by the writer (`gateway.db`); a message touch is a single-row upsert, never a rewrite of
-all entries, so per-message cost does not grow with the number of sessions.
+committed by the writer (`gateway.store.db`); a message touch is a single-row upsert, never
+a rewrite of all entries, so per-message cost does not grow with the number of sessions.
 `sessions.json` is a coalesced mirror for people and tools that read the seed format.
 
 State-machine priority in `get_or_create_session`:
@@ -21,12 +21,17 @@ from typing import Any
 import structlog
 
 from config import GatewayConfig
-from gateway import codec, entries, transcript
-from gateway.db import Database, T
-from gateway.fts import FtsIndexer
-from gateway.mirror import SessionsMirror, check_sessions_json, log_imported, read_sessions_json
 from gateway.policy import last_daily_boundary, reset_reason
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
+from gateway.store import codec, entries, transcript
+from gateway.store.db import Database, T
+from gateway.store.fts import FtsIndexer
+from gateway.store.mirror import (
+    SessionsMirror,
+    check_sessions_json,
+    log_imported,
+    read_sessions_json,
+)
 
 log = structlog.get_logger(__name__)
 
@@ -426,22 +431,7 @@ class SessionStore:
         """
         now = _utcnow()
         cutoff = (now - timedelta(seconds=max_age_seconds)).timestamp()
-
-        def tx(conn: sqlite3.Connection) -> int:
-            rows = conn.execute(
-                "SELECT entry FROM session_entries WHERE active_minute >= ?"
-                " AND updated_at >= ? AND suspended = 0 AND resume_pending = 0",
-                (entries.minute_of(cutoff), cutoff),
-            ).fetchall()
-            for (raw,) in rows:
-                entry = SessionEntry.from_dict(codec.loads(raw))
-                entry.resume_pending = True
-                entry.resume_reason = "restart_interrupted"
-                entry.last_resume_marked_at = now
-                entries.save_entry(conn, entry)
-            return len(rows)
-
-        return await self._write(tx)
+        return await self._write(lambda conn: entries.mark_active_since(conn, cutoff, now))
 
     async def prune_old_entries(self, max_age_days: int) -> int:
         """Drop routing entries idle for `max_age_days` (0 disables); transcripts stay.
@@ -452,41 +442,16 @@ class SessionStore:
             return 0
         now = _utcnow()
         cutoff = (now - timedelta(days=max_age_days)).timestamp()
-        candidates = await self._db.read(
-            lambda conn: [
-                key
-                for (key,) in conn.execute(
-                    "SELECT session_key FROM session_entries"
-                    " WHERE active_minute <= ? AND updated_at < ? AND suspended = 0",
-                    (entries.minute_of(cutoff), cutoff),
-                )
-            ]
-        )
+        candidates = await self._db.read(lambda conn: entries.idle_keys(conn, cutoff))
         doomed = [key for key in candidates if not self._has_active_processes(key)]
-        if not doomed:
-            return 0
-
-        def tx(conn: sqlite3.Connection, keys: list[str]) -> int:
-            pruned = 0
-            for key in keys:  # re-check: the entry may have been touched meanwhile
-                row = conn.execute(
-                    "DELETE FROM session_entries WHERE session_key = ? AND updated_at < ?"
-                    " AND suspended = 0 RETURNING entry",
-                    (key, cutoff),
-                ).fetchone()
-                if row:
-                    entries.end_session_row(
-                        conn, SessionEntry.from_dict(codec.loads(row[0])), now, entries.END_PRUNED
-                    )
-                    pruned += 1
-            return pruned
-
         # Page by page: writes run on the event loop's thread, so thousands of idle
         # sessions are dropped in short steps, not in one long write.
         pruned = 0
         for first in range(0, len(doomed), PRUNE_PAGE):
             keys = doomed[first : first + PRUNE_PAGE]
-            pruned += await self._write(lambda conn, keys=keys: tx(conn, keys))
+            pruned += await self._write(
+                lambda conn, keys=keys: entries.prune(conn, keys, cutoff, now)
+            )
         return pruned
 
     # --- queries -----------------------------------------------------------------------
@@ -543,29 +508,13 @@ class SessionStore:
 
     async def list_sessions(self, active_minutes: float | None = None) -> list[SessionEntry]:
         """All entries, most recently active first; optionally only the last N minutes."""
-        sql = "SELECT entry FROM session_entries"
-        params: tuple[Any, ...] = ()
+        since = None
         if active_minutes is not None:
             since = (_utcnow() - timedelta(minutes=active_minutes)).timestamp()
-            sql += " WHERE active_minute >= ? AND updated_at >= ?"
-            params = (entries.minute_of(since), since)
-        sql += " ORDER BY updated_at DESC, session_key"
-
-        def query(conn: sqlite3.Connection) -> list[SessionEntry]:
-            return [
-                SessionEntry.from_dict(codec.loads(raw)) for (raw,) in conn.execute(sql, params)
-            ]
-
-        return await self._db.read(query)
+        return await self._db.read(lambda conn: entries.list_entries(conn, since))
 
     async def lookup_by_session_id(self, session_id: str) -> SessionEntry | None:
-        def query(conn: sqlite3.Connection) -> SessionEntry | None:
-            row = conn.execute(
-                "SELECT entry FROM session_entries WHERE session_id = ?", (session_id,)
-            ).fetchone()
-            return SessionEntry.from_dict(codec.loads(row[0])) if row else None
-
-        return await self._db.read(query)
+        return await self._db.read(lambda conn: entries.load_by_session_id(conn, session_id))
 
     async def has_any_sessions(self) -> bool:
         """Whether any session was ever created (history, not just live entries)."""
@@ -576,41 +525,13 @@ class SessionStore:
     async def list_session_history(self, session_key: str, limit: int = 10) -> list[dict[str, Any]]:
         """Earlier and current sessions of one key, newest first (for /resume)."""
 
-        def query(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-            rows = conn.execute(
-                "SELECT s.session_id, s.started_at, s.ended_at, s.end_reason, s.title,"
-                " (SELECT COUNT(*) FROM messages m WHERE m.session_id = s.session_id"
-                "  AND m.active = 1) FROM sessions s WHERE s.session_key = ?"
-                " ORDER BY s.started_at DESC, s.session_id DESC LIMIT ?",
-                (session_key, limit),
-            )
-            return [
-                {
-                    "session_id": sid,
-                    "started_at": datetime.fromtimestamp(started, UTC),
-                    "ended_at": datetime.fromtimestamp(ended, UTC) if ended else None,
-                    "end_reason": reason,
-                    "title": title,
-                    "message_count": count,
-                }
-                for sid, started, ended, reason, title, count in rows
-            ]
-
-        return await self._db.read(query)
+        return await self._db.read(lambda conn: entries.session_history(conn, session_key, limit))
 
     async def session_replaced_by(self, session_key: str, session_id: str) -> str | None:
         """The session of this key that the reset starting `session_id` ended (for the
         reset's log line): the one a reset ended most recently."""
 
-        def query(conn: sqlite3.Connection) -> str | None:
-            row = conn.execute(
-                "SELECT session_id FROM sessions WHERE session_key = ? AND session_id != ?"
-                " AND end_reason = ? ORDER BY ended_at DESC LIMIT 1",
-                (session_key, session_id, entries.END_RESET),
-            ).fetchone()
-            return row[0] if row else None
-
-        return await self._db.read(query)
+        return await self._db.read(lambda conn: entries.replaced_by(conn, session_key, session_id))
 
     # --- transcripts -------------------------------------------------------------------
 

@@ -22,10 +22,10 @@ from pathlib import Path
 
 import structlog
 
-from gateway.background import ThreadedSqliteTask
-from gateway.outage import Outage
+from gateway.store.background import ThreadedSqliteTask
+from gateway.store.outage import Outage
 
-log = structlog.get_logger("gateway.checkpoint")
+log = structlog.get_logger("gateway.store.checkpoint")
 
 SAFETY_NET_PAGES = 10_000  # ~40 MiB of WAL before the writer checkpoints by itself
 WAL_SIZE_LIMIT = 64 * 1024 * 1024  # the WAL file is truncated to this after a reset

@@ -1,0 +1,54 @@
+"""The agent's Markdown as a platform renders it: Telegram's MarkdownV2 (`to_markdown_v2`).
+
+Pure text, no platform library: a helper the platform adapters share, like
+`adapters.base` (Slack's mrkdwn joins it when Slack replies are formatted).
+"""
+
+from __future__ import annotations
+
+import re
+
+from adapters.base import utf16_len
+
+__all__ = ["markdown_v2_len", "to_markdown_v2"]
+
+# A fenced block (optional language on the opening line) or an inline code span.
+_CODE = re.compile(r"```([^\n`]*)\n(.*?)```|```(.*?)```|`([^`\n]+)`", re.DOTALL)
+_LANGUAGE = re.compile(r"[\w+#.-]+")
+_TEXT_SPECIAL = re.compile(r"([_*\[\]()~`>#+\-=|{}.!\\])")
+_CODE_SPECIAL = re.compile(r"([`\\])")
+
+
+def to_markdown_v2(text: str) -> str:
+    """`text` as MarkdownV2 that renders as the same text: every reserved character is
+    escaped, except that `inline code` and ``` fenced blocks ``` stay code.
+
+    Other markup (*bold*, links) is shown literally: agents' Markdown dialects differ and
+    a wrong guess would be a parse error."""
+    out: list[str] = []
+    at = 0
+    for match in _CODE.finditer(text):
+        out.append(_TEXT_SPECIAL.sub(r"\\\1", text[at : match.start()]))
+        info, body, bare, inline = match.groups()
+        if inline is not None:
+            out.append(f"`{_escape_code(inline)}`")
+        else:
+            if bare is not None:
+                info, body = "", bare
+            info = info.strip()
+            if info and not _LANGUAGE.fullmatch(info):
+                body, info = f"{info}\n{body}", ""  # not a language: keep it as code
+            # Always a newline after the opening fence, so no code line reads as a language.
+            out.append(f"```{info}\n{_escape_code(body)}```")
+        at = match.end()
+    out.append(_TEXT_SPECIAL.sub(r"\\\1", text[at:]))
+    return "".join(out)
+
+
+def _escape_code(code: str) -> str:
+    return _CODE_SPECIAL.sub(r"\\\1", code)
+
+
+def markdown_v2_len(text: str) -> int:
+    """How long Telegram counts `text` once sent as MarkdownV2 (UTF-16 code units)."""
+    return utf16_len(to_markdown_v2(text))

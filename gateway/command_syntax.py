@@ -1,0 +1,56 @@
+"""Chat commands as text: which `/words` are commands, and how a message is taken.
+
+Pure parsing, no I/O: the runner (`gateway.commands` runs the handlers) and an adapter
+that must judge a message before it reaches the runner (the HTTP API sheds load by it)
+read a message the same way. Unknown `/words` are not commands: they go to the agent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: every command word the gateway answers (`gateway.commands.HANDLERS` has one each)
+NAMES = frozenset(
+    {"new", "reset", "stop", "queue", "q", "status", "resume", "retry", "undo", "help", "restart"}
+)
+QUEUE_COMMANDS = frozenset({"queue", "q"})
+#: The commands that answer through a turn of their own; the others stop, inspect or
+#: switch a session, which a busy gateway still takes (/stop frees what a user holds).
+TURN_COMMANDS = frozenset({"retry"})
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    name: str
+    args: str
+
+
+def parse_command(text: str, bot_username: str | None = None) -> Command | None:
+    """`/Name@bot args` -> Command('name', 'args'); None if not a known command for us."""
+    if not text.startswith("/"):
+        return None
+    word, _, args = text[1:].partition(" ")
+    word, _, addressee = word.partition("@")
+    name = word.lower()
+    if name not in NAMES:
+        return None
+    if addressee and bot_username and addressee.lower() != bot_username.lower():
+        return None  # addressed to another bot in the same group
+    return Command(name=name, args=args.strip())
+
+
+def classify(text: str, bot_username: str | None = None) -> tuple[str, Command | None]:
+    """How the runner takes a (stripped) message: `turn` (plain text), `queue`
+    (`/queue TEXT`: a turn of its own later) or `command`, with the parsed command."""
+    command = parse_command(text, bot_username)
+    if command is None:
+        return "turn", None
+    if command.name in QUEUE_COMMANDS and command.args:
+        return "queue", command
+    return "command", command
+
+
+def starts_work(text: str, bot_username: str | None = None) -> bool:
+    """Would this message start or queue an agent turn (plain text, /queue TEXT, /retry)?"""
+    kind, command = classify(text.strip(), bot_username)
+    return kind != "command" or (command is not None and command.name in TURN_COMMANDS)

@@ -1,0 +1,1 @@
+"""Operations: service unit, status, doctor, sd_notify, logs, metrics, terminal chat."""

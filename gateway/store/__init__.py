@@ -1,0 +1,1 @@
+"""The store: state.db, migrations, SessionStore, journal, transcripts, search index."""

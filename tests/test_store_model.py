@@ -202,7 +202,14 @@ def rewind_model(messages: list[dict[str, Any]], n: int) -> dict[str, Any]:
     undone = users[-n:]
     first = undone[0]
     content = messages[first]["content"]
-    target = content if isinstance(content, str) else json.dumps(content, ensure_ascii=False)
+    # Structured content comes back as its compact JSON text (what the store keeps in the
+    # content column), None as "".
+    if isinstance(content, str):
+        target = content
+    elif content is None:
+        target = ""
+    else:
+        target = json.dumps(content, ensure_ascii=False, separators=(",", ":"))
     result = {"rewound_count": len(messages) - first, "turns_undone": len(undone)}
     del messages[first:]
     return {**result, "target_text": target}

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gateway.store.entries import ENTRY_FROM, MERGED_ENTRY_SQL
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -218,7 +220,8 @@ class Daemon:
         conn = self.db()
         try:
             row = conn.execute(
-                "SELECT entry FROM session_entries WHERE session_key = ?", (session_key,)
+                f"SELECT {MERGED_ENTRY_SQL} FROM {ENTRY_FROM} WHERE e.session_key = ?",
+                (session_key,),
             ).fetchone()
         finally:
             conn.close()

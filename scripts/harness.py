@@ -25,8 +25,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gateway.store.entries import ENTRY_FROM, MERGED_ENTRY_SQL
-
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -220,8 +218,7 @@ class Daemon:
         conn = self.db()
         try:
             row = conn.execute(
-                f"SELECT {MERGED_ENTRY_SQL} FROM {ENTRY_FROM} WHERE e.session_key = ?",
-                (session_key,),
+                "SELECT entry FROM session_entries WHERE session_key = ?", (session_key,)
             ).fetchone()
         finally:
             conn.close()

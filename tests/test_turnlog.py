@@ -3,25 +3,18 @@ memory when nothing else changed it, and never over a change made during the tur
 
 from __future__ import annotations
 
-import asyncio
-import json
-import re
 import sqlite3
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from adapters.base import MessageEvent
 from config import GatewayConfig
-from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage
+from gateway.session import Platform, SessionSource, TokenUsage
 from gateway.store import journal
-from gateway.store.entries import COUNTERS
 from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog
-from tests.test_disk_full import BIG, SimulatedFullDisk
-from tests.waiting import wait_for
 
 SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})
@@ -132,91 +125,3 @@ async def test_expire_forgets_old_finished_rows_page_by_page(
         )
     )
     assert left == (["new", "open"], ["pending"])
-
-
-async def test_a_continuing_sessions_turn_writes_columns_not_the_entry_json(
-    store: SessionStore,
-) -> None:
-    log = TurnLog(store)
-    key = await run_turn(log, "one", "m1")
-    statements: list[str] = []
-    store._db.trace_writes(statements.append)
-    await run_turn(log, "two", "m2")
-    store._db.trace_writes(None)
-    touching = [sql for sql in statements if "session_entries" in sql]
-    assert touching and all(not re.search(r"\bentry\b", sql) for sql in touching), touching
-    # What is on disk (another connection, as after kill -9): the JSON lags, the columns
-    # hold both turns; every reader takes the columns.
-    conn = sqlite3.connect(store.db_path)
-    try:
-        (raw,) = conn.execute(
-            "SELECT entry FROM session_entries WHERE session_key = ?", (key,)
-        ).fetchone()
-    finally:
-        conn.close()
-    assert json.loads(raw)["total_tokens"] == 0
-    entry = await store.get_entry(key)
-    assert entry is not None and entry.total_tokens == 20 and entry.last_prompt_tokens == 7
-    [listed] = await store.list_sessions()
-    assert listed.total_tokens == 20 and listed.updated_at == entry.updated_at
-    found = await store.lookup_by_session_id(entry.session_id)
-    assert found is not None and found.total_tokens == 20
-    async with SessionStore(store.sessions_dir, CONFIG) as other:  # `sessions list`
-        [seen] = await other.list_sessions()
-    assert seen.total_tokens == 20 and seen.updated_at == entry.updated_at
-    await store.flush_mirror()
-    mirrored = json.loads(store.json_path.read_text())[key]
-    assert mirrored["total_tokens"] == 20 and mirrored["input_tokens"] == 14
-    assert SessionEntry.from_dict(mirrored) == entry
-    await store.close()  # at rest, the JSON itself is whole again
-    conn = sqlite3.connect(store.db_path)
-    try:
-        (raw,) = conn.execute(
-            "SELECT entry FROM session_entries WHERE session_key = ?", (key,)
-        ).fetchone()
-    finally:
-        conn.close()
-    assert SessionEntry.from_dict(json.loads(raw)) == entry
-
-
-async def test_a_refused_batch_leaves_no_uncommitted_entry_cached(store: SessionStore) -> None:
-    log = TurnLog(store)
-    key = store.session_key_for(SOURCE)
-    text = "x" * BIG  # needs pages a full disk does not have
-    event = MessageEvent(source=SOURCE, text=text, message_id="m1")
-    inbox_id = await log.accept(event, key, "turn")
-    assert inbox_id is not None
-    event = replace(event, inbox_ids=(inbox_id,))
-    store._db.retry_interval = 0.05
-    disk = SimulatedFullDisk(store._db)
-    disk.fill()
-    # Routed to a new session, then refused at the user message: parked, tried again.
-    begin = asyncio.create_task(log.begin(event, key, text))
-    await wait_for(lambda: store.write_health()["state"] == "unwritable")
-    disk.free()
-    start = await asyncio.wait_for(begin, 10)
-    assert start.written  # the new session is written now, not taken from the cache
-    await log.finish(key, start, event, reply="ok", usage=USAGE, chunks=["ok"])
-    entry = await store.get_entry(key)
-    assert entry is not None and entry.total_tokens == 10
-    assert [m["content"] for m in await store.load_transcript(entry.session_id)] == [text, "ok"]
-
-
-async def test_a_database_from_before_the_live_columns_keeps_its_counters(
-    tmp_path: Path,
-) -> None:
-    sessions = tmp_path / "sessions"
-    async with SessionStore(sessions, CONFIG) as store:
-        key = await run_turn(TurnLog(store), "one", "m1")
-        assert await store.update_session(key, 7, usage=USAGE)  # the JSON saved whole
-    conn = sqlite3.connect(sessions / "state.db")
-    # Back to schema 6: a current session's counters only in its entry's JSON.
-    conn.execute("ALTER TABLE sessions DROP COLUMN last_prompt_tokens")
-    conn.execute("ALTER TABLE sessions DROP COLUMN entry_lags")
-    conn.execute(f"UPDATE sessions SET {', '.join(f'{n} = 0' for n in COUNTERS)}")
-    conn.execute("PRAGMA user_version = 6")
-    conn.commit()
-    conn.close()
-    async with SessionStore(sessions, CONFIG) as store:
-        entry = await store.get_entry(key)
-    assert entry is not None and entry.total_tokens == 20 and entry.last_prompt_tokens == 7

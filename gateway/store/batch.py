@@ -46,18 +46,13 @@ def _rollback(conn: sqlite3.Connection) -> None:
 
 
 def commit_batch(
-    conn: sqlite3.Connection,
-    fns: list[Callable[[sqlite3.Connection], Any]],
-    on_rollback: Callable[[], None] | None = None,
+    conn: sqlite3.Connection, fns: list[Callable[[sqlite3.Connection], Any]]
 ) -> Outcome:
     """One transaction for the whole batch, without a savepoint per write (they were a
     third of a batch's statements). Writes rarely fail; when one does, the batch is
     rolled back and run again with a savepoint per write, so the failing write fails
     alone (write functions are therefore re-runnable: they act through `conn` only). A
-    disk that cannot write fails every write alike: the batch is refused as a whole.
-
-    `on_rollback` is called once such a batch is settled (after any re-run): whatever
-    its writes cached outside the database may not have been committed."""
+    disk that cannot write fails every write alike: the batch is refused as a whole."""
     _rollback(conn)
     try:
         conn.execute("BEGIN IMMEDIATE")
@@ -70,24 +65,14 @@ def commit_batch(
         conn.execute("COMMIT")
     except Exception as exc:
         _rollback(conn)
+        if len(fns) == 1 or unwritable_reason(exc) is not None:
+            return [(False, refusal(exc))] * len(fns)
         try:
-            return _after_failure(conn, fns, exc)
-        finally:
-            if on_rollback is not None:
-                on_rollback()
+            return _commit_with_savepoints(conn, fns)
+        except Exception as again:
+            _rollback(conn)
+            return [(False, refusal(again))] * len(fns)
     return results
-
-
-def _after_failure(
-    conn: sqlite3.Connection, fns: list[Callable[[sqlite3.Connection], Any]], exc: Exception
-) -> Outcome:
-    if len(fns) == 1 or unwritable_reason(exc) is not None:
-        return [(False, refusal(exc))] * len(fns)
-    try:
-        return _commit_with_savepoints(conn, fns)
-    except Exception as again:
-        _rollback(conn)
-        return [(False, refusal(again))] * len(fns)
 
 
 def _commit_with_savepoints(

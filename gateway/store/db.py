@@ -119,9 +119,6 @@ class Database:
         self._checkpointer: Checkpointer | None = None
         self._check: asyncio.Future[None] | None = None
         self.commits = 0  # batches committed (the checkpointer's change signal)
-        # Called when a batch was rolled back (`commit_batch`): the store forgets what
-        # its writes cached (`gateway.store.entry_cache`).
-        self.on_abort: Callable[[], None] = _nothing_to_forget
 
     def check_soon(self) -> None:
         """Start the integrity check of an existing database file now, on a worker thread,
@@ -254,9 +251,8 @@ class Database:
         fns = [fn for fn, _, _ in batch]
         changes = self._writer.total_changes
         try:
-            outcome = commit_batch(self._writer, fns, self.on_abort)
+            outcome = commit_batch(self._writer, fns)
         except Exception as exc:  # the connection itself failed
-            self.on_abort()
             outcome = [(False, refusal(exc))] * len(batch)
         refused = outcome[0][1] if outcome and isinstance(outcome[0][1], StoreUnwritable) else None
         if refused is None:
@@ -430,10 +426,6 @@ def _settle(batch: list[tuple[WriteFn, asyncio.Future[Any], bool]], outcome: Out
             future.set_result(value)
         else:
             future.set_exception(value)
-
-
-def _nothing_to_forget() -> None:
-    """`Database.on_abort` of a database whose writes cache nothing."""
 
 
 def _nothing(conn: sqlite3.Connection) -> None:

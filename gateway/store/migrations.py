@@ -9,26 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 7
-
-#: the live numbers of current sessions (migration 7) filled from their entry JSON: what
-#: a database from before held there (also used by `gateway.store.salvage`)
-LIVE_FROM_JSON = (
-    "UPDATE sessions SET "
-    + ", ".join(
-        f"{name} = coalesce(json_extract(e.entry, '$.{name}'), 0)"
-        for name in (
-            "input_tokens",
-            "output_tokens",
-            "cache_read_tokens",
-            "cache_write_tokens",
-            "total_tokens",
-            "estimated_cost_usd",
-            "last_prompt_tokens",
-        )
-    )
-    + " FROM session_entries e WHERE e.session_id = sessions.session_id"
-)
+SCHEMA_VERSION = 6
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 _MIGRATIONS: dict[int, str] = {
@@ -186,15 +167,6 @@ _MIGRATIONS: dict[int, str] = {
     6: """
     ALTER TABLE pairing_codes ADD COLUMN target TEXT;
     """,
-    # The current session's `sessions` row holds its live counters (they were in the
-    # entry JSON only): a turn writes them there instead of re-encoding the entry
-    # (`gateway.store.entries.LIVE`, issue 14); `entry_lags`: the entry JSON lags them.
-    7: """
-    ALTER TABLE sessions ADD COLUMN last_prompt_tokens INTEGER NOT NULL DEFAULT 0;
-    ALTER TABLE sessions ADD COLUMN entry_lags INTEGER NOT NULL DEFAULT 0;
-    """
-    + LIVE_FROM_JSON
-    + ";",
 }
 
 

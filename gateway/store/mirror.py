@@ -20,7 +20,6 @@ import structlog
 from gateway.faults import crash_point
 from gateway.fsutil import atomic_write, set_aside
 from gateway.session import SessionEntry
-from gateway.store.entries import ENTRY_FROM, MERGED_ENTRY_SQL
 from gateway.store.outage import Outage
 
 log = structlog.get_logger(__name__)
@@ -111,13 +110,12 @@ def check_sessions_json(path: Path) -> bool:
 
 
 MIRROR_PAGE = 2000
-# One page of `"key":{entry}` lines after a key. The stored entry JSON is copied with
-# the live columns (counters, updated_at) merged over it by SQLite, never decoded in
-# Python; json_quote makes any key a valid JSON string (non-ASCII stays UTF-8).
+# One page of `"key":{entry}` lines after a key. The stored entry JSON is copied as is;
+# json_quote makes any key a valid JSON string (non-ASCII stays UTF-8, as in entries).
 MIRROR_PAGE_SQL = (
     "SELECT group_concat(line, ',' || char(10)), count(*), max(session_key) FROM ("
-    f" SELECT e.session_key, json_quote(e.session_key) || ':' || {MERGED_ENTRY_SQL} AS line"
-    f" FROM {ENTRY_FROM} WHERE e.session_key > ? ORDER BY e.session_key LIMIT ?)"
+    " SELECT session_key, json_quote(session_key) || ':' || entry AS line"
+    " FROM session_entries WHERE session_key > ? ORDER BY session_key LIMIT ?)"
 )
 
 

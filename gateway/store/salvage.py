@@ -17,21 +17,17 @@ from pathlib import Path
 from gateway.session import SessionEntry, SessionSource
 from gateway.store import entries
 from gateway.store.db import Database
-from gateway.store.migrations import LIVE_FROM_JSON
 
 #: tables copied out of a damaged database, parents first; `turns` (in-flight markers of
 #: a damaged run) is not trusted, and the search index (search.db) is rebuilt by the
 #: gateway from the copied messages
 SALVAGED_TABLES = ("sessions", "session_entries", "messages", "inbox", "outbound")
-_SESSION_COLUMNS = "PRAGMA table_info(sessions)"
 _SCAN_ORDER = {"sessions": "session_id", "session_entries": "session_key"}  # WITHOUT ROWID
 
 
 def _copy_table(src: sqlite3.Connection, dst: sqlite3.Connection, table: str) -> str:
     """Copy rows in storage order until the first unreadable one; returns a summary."""
-    # The columns both have: a damaged file from an older schema lacks the newer ones.
-    known = {row[1] for row in src.execute(f"PRAGMA table_info({table})")}
-    names = [row[1] for row in dst.execute(f"PRAGMA table_info({table})") if row[1] in known]
+    names = [row[1] for row in dst.execute(f"PRAGMA table_info({table})")]
     columns = ", ".join(names)
     insert = f"INSERT OR IGNORE INTO {table} ({columns}) VALUES ({', '.join('?' * len(names))})"
     copied = skipped = 0
@@ -57,9 +53,9 @@ def _restore_session_rows(conn: sqlite3.Connection, mirror: dict[str, SessionEnt
     """Before messages are copied, every routing entry needs its `sessions` row: recreate
     it for salvaged entries whose row was lost, and import mirror entries of keys nothing
     was salvaged for (what the store does with a legacy sessions.json). Returns imports."""
-    for row in conn.execute(f"SELECT {entries.ENTRY_COLUMNS} FROM {entries.ENTRY_FROM}").fetchall():
+    for (raw,) in conn.execute("SELECT entry FROM session_entries").fetchall():
         try:
-            entries.start_session_row(conn, entries.entry_from_row(row))
+            entries.start_session_row(conn, SessionEntry.from_dict(json.loads(raw)))
         except (TypeError, ValueError, KeyError, AttributeError):
             continue
     known = {key for (key,) in conn.execute("SELECT DISTINCT session_key FROM sessions")}
@@ -134,8 +130,6 @@ def salvage(src: sqlite3.Connection, target: Path, mirror: dict[str, SessionEntr
         dst.execute("PRAGMA foreign_keys=ON")
         dst.execute("BEGIN")
         copied = [_copy_table(src, dst, table) for table in SALVAGED_TABLES[:2]]
-        if "last_prompt_tokens" not in {row[1] for row in src.execute(_SESSION_COLUMNS)}:
-            dst.execute(LIVE_FROM_JSON)  # an older file: live counters only in the JSON
         imported = _restore_session_rows(dst, mirror)
         copied += [_copy_table(src, dst, table) for table in SALVAGED_TABLES[2:]]
         rebuilt, from_mirror = _rebuild_entries(dst, mirror)

@@ -23,9 +23,8 @@ import structlog
 from config import GatewayConfig
 from gateway.policy import last_daily_boundary, reset_reason
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
-from gateway.store import entries, transcript
+from gateway.store import codec, entries, transcript
 from gateway.store.db import Database, T
-from gateway.store.entry_cache import EntryCache
 from gateway.store.fts import FtsIndexer
 from gateway.store.mirror import (
     SessionsMirror,
@@ -61,8 +60,6 @@ class SessionStore:
         self.db_path = self.sessions_dir / STATE_DB
         self.json_path = self.sessions_dir / SESSIONS_JSON
         self._db = Database(self.db_path)
-        self._entries = EntryCache()  # live entries of recent turns (entry_cache)
-        self._db.on_abort = self._entries.clear
         self.search_index = FtsIndexer(self._db, self.sessions_dir)
         self._mirror = SessionsMirror(
             self.json_path, self.db_path, config.storage.mirror_interval_seconds
@@ -102,9 +99,6 @@ class SessionStore:
             return
         await self.search_index.stop()
         try:
-            # At rest the entries are whole (their JSON as current as their columns).
-            if await self._db.write(entries.catch_up_json):
-                self._mirror.mark_dirty()
             await self._mirror.stop()
         except (OSError, sqlite3.Error):
             pass  # logged by the mirror (a full disk); sessions.json catches up next change
@@ -121,8 +115,8 @@ class SessionStore:
         """Write sessions.json now if anything changed (also done at close)."""
         await self._mirror.flush()
 
-    def _import_entries(self, conn: sqlite3.Connection, imported: dict[str, SessionEntry]) -> int:
-        self._entries.clear()
+    @staticmethod
+    def _import_entries(conn: sqlite3.Connection, imported: dict[str, SessionEntry]) -> int:
         for key, entry in imported.items():
             entry.session_key = key
             entries.start_session_row(conn, entry)
@@ -213,7 +207,6 @@ class SessionStore:
         """Load, change and save one entry; `change` returns False to leave it untouched."""
 
         def tx(conn: sqlite3.Connection) -> SessionEntry | None:
-            self._entries.drop(session_key)
             entry = entries.load_entry(conn, session_key)
             if entry is None or not change(entry):
                 return None
@@ -239,39 +232,33 @@ class SessionStore:
         return lambda conn: route(conn)[0]
 
     def route_for_turn_tx(
-        self, source: SessionSource, key: str | None = None
-    ) -> Callable[[sqlite3.Connection], tuple[SessionEntry, bool]]:
-        """Routing for a turn, which saves the entry when it ends (`settle_turn_tx`): a
-        session that simply continues is not saved here (no touch). Returns the entry (the
-        cached object: never change it) and whether this routing wrote it (a new or reset
-        session). `key`: the source's key, when the caller has it already."""
-        return self._routing_tx(source, False, touch=False, key=key)
+        self, source: SessionSource
+    ) -> Callable[[sqlite3.Connection], tuple[SessionEntry, str | None]]:
+        """Routing for a turn, which saves the entry when it ends: a session that simply
+        continues is not saved here (no touch), and its stored JSON text comes back so
+        the turn's end can save with one compare-and-set UPDATE. The text is None when
+        the entry was just written (new or reset session)."""
+        return self._routing_tx(source, False, touch=False)
 
     def _routing_tx(
-        self, source: SessionSource, force_new: bool, *, touch: bool, key: str | None = None
-    ) -> Callable[[sqlite3.Connection], tuple[SessionEntry, bool]]:
-        if key is None:
-            key = self._generate_session_key(source)
+        self, source: SessionSource, force_new: bool, *, touch: bool
+    ) -> Callable[[sqlite3.Connection], tuple[SessionEntry, str | None]]:
+        key = self._generate_session_key(source)
         now = _utcnow()
         policy = self.config.get_reset_policy(source.platform, source.chat_type)
         active = self._has_active_processes(key)
         tz = self._tz
-        cache = self._entries
 
-        def tx(conn: sqlite3.Connection) -> tuple[SessionEntry, bool]:
-            routed = route(conn)
-            cache.put(key, routed[0])
-            return routed
-
-        def route(conn: sqlite3.Connection) -> tuple[SessionEntry, bool]:
-            entry = cache.get(key) or entries.load_entry(conn, key)
-            if entry is None:
+        def tx(conn: sqlite3.Connection) -> tuple[SessionEntry, str | None]:
+            loaded = entries.load_entry_raw(conn, key)
+            if loaded is None:
                 new = entries.fresh_entry(key, source, now)
                 entries.start_session_row(conn, new)
                 entries.save_entry(conn, new)
-                return new, True
+                return new, None
+            entry, stored = loaded
             if force_new:
-                return entries.replace_session(conn, entry, source, now), True
+                return entries.replace_session(conn, entry, source, now), None
             if entry.suspended:
                 replaced = entries.replace_session(
                     conn,
@@ -282,7 +269,7 @@ class SessionStore:
                     auto_reset_reason="suspended",
                     reset_had_activity=entry.total_tokens > 0,
                 )
-                return replaced, True
+                return replaced, None
             if not entry.resume_pending and not active:
                 reason = reset_reason(entry.updated_at, policy, now, tz)
                 if reason is not None:
@@ -295,21 +282,14 @@ class SessionStore:
                         auto_reset_reason=reason,
                         reset_had_activity=entry.total_tokens > 0,
                     )
-                    return replaced, True
+                    return replaced, None
             if not touch:
-                return entry, False
-            entry = entry.copy()  # the cached object is never changed in place
+                return entry, stored
             entry.updated_at = now
             entries.save_entry(conn, entry)
-            return entry, True
+            return entry, None
 
         return tx
-
-    def settle_turn_tx(
-        self, key: str, begun: SessionEntry, settle: Callable[[SessionEntry], SessionEntry]
-    ) -> Callable[[sqlite3.Connection], None]:
-        """The entry's part of a turn's end (`EntryCache.settle_tx`)."""
-        return self._entries.settle_tx(key, begun, settle)
 
     # --- entry updates -----------------------------------------------------------------
 
@@ -351,7 +331,6 @@ class SessionStore:
         now = _utcnow()
 
         def tx(conn: sqlite3.Connection) -> SessionEntry | None:
-            self._entries.drop(session_key)
             old = entries.load_entry(conn, session_key)
             if old is None:
                 return None
@@ -374,7 +353,6 @@ class SessionStore:
         now = _utcnow()
 
         def tx(conn: sqlite3.Connection) -> SessionEntry | None:
-            self._entries.drop(session_key)
             entry = entries.load_entry(conn, session_key)
             row = entries.load_counters(conn, target_session_id, session_key)
             if entry is None or row is None:
@@ -453,12 +431,7 @@ class SessionStore:
         """
         now = _utcnow()
         cutoff = (now - timedelta(seconds=max_age_seconds)).timestamp()
-
-        def tx(conn: sqlite3.Connection) -> int:
-            self._entries.clear()
-            return entries.mark_active_since(conn, cutoff, now)
-
-        return await self._write(tx)
+        return await self._write(lambda conn: entries.mark_active_since(conn, cutoff, now))
 
     async def prune_old_entries(self, max_age_days: int) -> int:
         """Drop routing entries idle for `max_age_days` (0 disables); transcripts stay.
@@ -477,16 +450,9 @@ class SessionStore:
         for first in range(0, len(doomed), PRUNE_PAGE):
             keys = doomed[first : first + PRUNE_PAGE]
             pruned += await self._write(
-                lambda conn, keys=keys: self._prune(conn, keys, cutoff, now)
+                lambda conn, keys=keys: entries.prune(conn, keys, cutoff, now)
             )
         return pruned
-
-    def _prune(
-        self, conn: sqlite3.Connection, keys: list[str], cutoff: float, now: datetime
-    ) -> int:
-        for key in keys:
-            self._entries.drop(key)
-        return entries.prune(conn, keys, cutoff, now)
 
     # --- queries -----------------------------------------------------------------------
 
@@ -505,16 +471,26 @@ class SessionStore:
         if cutoff is None:
             return []
 
+        def query(after: tuple[int, str]) -> Callable[[sqlite3.Connection], list[Any]]:
+            return lambda conn: conn.execute(
+                "SELECT active_minute, session_key, entry FROM session_entries"
+                " WHERE active_minute <= ? AND (active_minute, session_key) > (?, ?)"
+                " AND expiry_finalized = 0 AND updated_at < ?"
+                " ORDER BY active_minute, session_key LIMIT ?",
+                (entries.minute_of(cutoff), *after, cutoff.timestamp(), page),
+            ).fetchall()
+
         expired: list[SessionEntry] = []
         after: tuple[int, str] = (-1, "")
         while len(expired) < limit:
-            rows = await self._db.read(
-                lambda conn, after=after: entries.idle_page(conn, cutoff.timestamp(), after, page)
-            )
-            expired += [entry for _, entry in rows if self._is_session_expired(entry, now)]
+            rows = await self._db.read(query(after))
+            for _, _, raw in rows:
+                entry = SessionEntry.from_dict(codec.loads(raw))
+                if self._is_session_expired(entry, now):
+                    expired.append(entry)
             if len(rows) < page:
                 break
-            after = rows[-1][0]
+            after = (rows[-1][0], rows[-1][1])
         return expired[:limit]
 
     def _expiry_cutoff(self, now: datetime) -> datetime | None:

@@ -25,7 +25,7 @@ import structlog
 from adapters.base import MessageEvent
 from gateway.faults import crash_point
 from gateway.session import SessionEntry, SessionSource, TokenUsage
-from gateway.store import journal, transcript
+from gateway.store import entries, journal, transcript
 from gateway.store.session_store import SessionStore
 
 log = structlog.get_logger("gateway.store.turnlog")
@@ -37,7 +37,7 @@ class TurnStart:
     history: list[dict[str, Any]]
     resumed: bool  # a re-run after a restart: the user message was stored before
     text: str  # the user message as stored (what the agent is asked)
-    written: bool = False  # the turn's start wrote the entry (a new or reset session)
+    stored: str | None = None  # the entry's JSON as stored, when the turn did not save it
     inbox_id: int | None = None  # set when the message was accepted in the same transaction
 
 
@@ -106,7 +106,7 @@ class TurnLog:
     def _begin_tx(
         self, event: MessageEvent, session_key: str, text: str, record: str
     ) -> Callable[[sqlite3.Connection, list[int]], TurnStart]:
-        route = self.store.route_for_turn_tx(event.source, session_key)
+        route = self.store.route_for_turn_tx(event.source)
         user_message: dict[str, Any] = {"role": "user", "content": text}
         if event.message_id:
             user_message["message_id"] = event.message_id
@@ -114,7 +114,7 @@ class TurnLog:
         limit = self.history_limit
 
         def tx(conn: sqlite3.Connection, inbox_ids: list[int]) -> TurnStart:
-            entry, written = route(conn)
+            entry, stored = route(conn)
             marker = journal.get_turn(conn, session_key) if event.resume else None
             if (
                 marker is not None
@@ -127,7 +127,7 @@ class TurnLog:
                 asked = transcript.load_row(conn, marker["user_message_id"])
                 content = asked.get("content") if asked else None
                 resumed_text = content if isinstance(content, str) else text
-                return TurnStart(entry, history, True, resumed_text, written)
+                return TurnStart(entry, history, True, resumed_text, stored)
             history = transcript.load_recent(conn, entry.session_id, limit)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
             journal.start_turn(
@@ -139,7 +139,7 @@ class TurnLog:
                 event=record,
                 now=now,
             )
-            return TurnStart(entry, history, False, text, written)
+            return TurnStart(entry, history, False, text, stored)
 
         return tx
 
@@ -173,14 +173,17 @@ class TurnLog:
                 entry.was_auto_reset = entry.is_fresh_reset = False
             return entry
 
-        # The common case: nothing touched the entry since `begin` routed to it, so only
-        # its live columns are written, from memory (no load, no decode, no encode).
-        save_entry = self.store.settle_turn_tx(session_key, start.entry, settle)
-
         def tx(conn: sqlite3.Connection) -> list[int]:
             if succeeded:
                 transcript.insert_message(conn, session_id, {"role": "assistant", "content": reply})
-            save_entry(conn)
+            # The common case: nothing touched the entry since `begin` read it, so it is
+            # saved from memory with one compare-and-set UPDATE (no load, no decode).
+            if start.stored is None or not entries.save_entry_if_unchanged(
+                conn, settle(start.entry.copy()), start.stored
+            ):
+                current = entries.load_entry(conn, session_key)
+                if current is not None and current.session_id == session_id:
+                    entries.save_entry(conn, settle(current))
             journal.close_inbox(conn, list(event.inbox_ids), journal.DONE, now.timestamp())
             journal.end_turn(conn, session_key)
             return journal.record_outbound(

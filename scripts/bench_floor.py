@@ -43,7 +43,6 @@ in a temporary directory that is removed afterwards.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import platform
@@ -56,7 +55,6 @@ import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import orjson  # the gateway's own JSON encoder (gateway.codec)
@@ -64,10 +62,10 @@ import orjson  # the gateway's own JSON encoder (gateway.codec)
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.session import Platform, SessionEntry, SessionSource, build_session_key
+from gateway.session import Platform, SessionEntry, build_session_key
+from gateway.store.db import _open_writer, create_database_file
+from scripts.gateway_driver import source_for
 
-#: where the gateway's database module lives, and where issue 13's layout may move it
-DB_MODULES = ("gateway.db", "gateway.store.db", "gateway.store.database")
 HISTORY = 40  # messages read per turn (and seeded per session that gets a turn)
 USER_TEXT = "hello there, how are you today?"  # as scripts/bench_gateway.py sends
 REPLY_TEXT = f"echo: {USER_TEXT}"
@@ -106,36 +104,10 @@ MARK_SENT = (
 )
 
 
-def database_module() -> ModuleType:
-    """The gateway module that creates and opens state.db, wherever the layout put it."""
-    for name in DB_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name is not None and name.startswith(exc.name):
-                continue  # this candidate does not exist; a missing dependency does raise
-            raise
-        if hasattr(module, "create_database_file") and hasattr(module, "_open_writer"):
-            return module
-    raise RuntimeError(f"no gateway module among {DB_MODULES} opens the database")
-
-
 def open_production_db(path: Path) -> sqlite3.Connection:
     """A new state database at `path`, opened as the gateway opens its writer."""
-    module = database_module()
-    module.create_database_file(path)
-    return module._open_writer(path)
-
-
-def source_for(i: int) -> SessionSource:
-    """Session i's chat, as scripts/bench_gateway.py addresses it."""
-    return SessionSource(
-        platform=Platform.LOCAL,
-        chat_id=f"bench-{i}",
-        chat_type="dm",
-        user_id=f"user-{i}",
-        user_name="bench",
-    )
+    create_database_file(path)
+    return _open_writer(path)
 
 
 def session_id_for(i: int, now: datetime) -> str:
@@ -310,12 +282,25 @@ def redelivery_refused(conn: sqlite3.Connection, chat_id: str, message_id: str) 
 
 
 def measure_floor(
-    size: int, turns: int, batch: int, workdir: Path, *, history: int = HISTORY, seed_value: int = 1
+    size: int,
+    turns: int,
+    batch: int,
+    workdir: Path,
+    *,
+    history: int = HISTORY,
+    read_limit: int | None = None,
+    seed_value: int = 1,
 ) -> dict[str, Any]:
     """Seed `size` sessions in a fresh production database under `workdir`, run `turns`
     minimal durable turns `batch` per commit, and return the figures (`floor_us`: process
-    CPU per turn) with the rows counted afterwards. The database is removed afterwards."""
-    if size < 1 or turns < 1 or batch < 1 or history < 0:
+    CPU per turn) with the rows counted afterwards. The database is removed afterwards.
+
+    `history` messages are seeded in every session that gets a turn; each turn reads up
+    to `read_limit` (default `history`) of its session's newest messages, seeded or
+    written by earlier turns of the run. `history=0, read_limit=100` is what the
+    gateway's closed loop does: sessions start empty, every turn asks for 100."""
+    limit = history if read_limit is None else read_limit
+    if size < 1 or turns < 1 or batch < 1 or history < 0 or limit < 0:
         raise ValueError("size, turns and batch must be positive, history not negative")
     directory = Path(tempfile.mkdtemp(prefix="floor-", dir=workdir))
     try:
@@ -326,7 +311,7 @@ def measure_floor(
             seed(conn, size, sorted(set(sessions)), history)
             seed_s = time.perf_counter() - seeded
             chats = {i: _chat(i) for i in set(sessions)}
-            timed = run_turns(conn, [chats[i] for i in sessions], batch, history)
+            timed = run_turns(conn, [chats[i] for i in sessions], batch, limit)
             rows = count_rows(conn)
             refused = redelivery_refused(conn, chats[sessions[0]][1], "floor-0")
         finally:
@@ -339,6 +324,7 @@ def measure_floor(
         "turns": turns,
         "batch": batch,
         "history": history,
+        "read_limit": limit,
         "statements_per_turn": STATEMENTS_PER_TURN,
         "seed_s": seed_s,
         "seeded_messages": len(set(sessions)) * history,

@@ -15,7 +15,18 @@ Per size N, on a fresh HERMES home:
    Latency is from the `handle_message` call to the adapter's `send` of the reply's last
    chunk;
 4. naive baseline: the same closed loop against a store that rewrites all of
-   sessions.json on every message (capped by time).
+   sessions.json on every message (capped by time);
+5. the floor (scripts/bench_floor.py, in this process): the least SQL a durable turn
+   can be, on plain sqlite3 with the gateway's own schema and pragmas. `cpu/floor` =
+   `cpu_us / floor_us` is the figure that holds across machines (issue 14).
+
+The floor is made to do what the closed loop does: the same number of sessions (N),
+the same number of turns (--messages) on keys drawn at random, every session starting
+with no messages and every turn reading up to `agent.history_limit` (100) of its
+session's newest messages, as the gateway's turn does (so both read the same history:
+about 40 messages per turn at 1,000 sessions by the end of a run, about none at
+100,000). The floor commits --concurrency turns at once (one commit per round of the
+closed loop's chats); it neither decodes what it reads nor runs an agent.
 
     .venv/bin/python scripts/bench_gateway.py                  # 1k, 10k, 100k
     taskset -c 0 .venv/bin/python scripts/bench_gateway.py     # pinned to one CPU
@@ -58,6 +69,7 @@ from gateway.recovery import CLEAN_SHUTDOWN
 from gateway.session import SessionSource
 from gateway.store import entries
 from gateway.store.session_store import SESSIONS_JSON, SessionStore
+from scripts.bench_floor import measure_floor
 from scripts.gateway_driver import (
     USER_TEXT,
     gateway_config,
@@ -69,10 +81,12 @@ from scripts.harness import Daemon, home_env
 
 FILL_BATCH = 10_000
 HEADER = (
-    f"{'sessions':>9} {'fill_s':>7} {'start_s':>7} {'turns/s':>8} {'cpu_us':>6} {'p50_ms':>7}"
+    f"{'sessions':>9} {'fill_s':>7} {'start_s':>7} {'turns/s':>8} {'cpu_us':>6} {'floor':>5}"
+    f" {'cpu/fl':>6} {'p50_ms':>7}"
     f" {'p99_ms':>7} {'max_ms':>7} {'rate/s':>7} {'o_p50':>6} {'o_p99':>6} {'o_max':>7}"
     f" {'rss_MiB':>7} {'naive/s':>8} {'ratio':>6}"
 )
+TARGET_FLOOR_RATIO = 3.0
 TARGET_TURNS = 5_000
 TARGET_RATIO = 0.8
 TARGET_P99_MS = 5.0
@@ -286,6 +300,23 @@ def run_naive(home: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+# --- 5. the floor --------------------------------------------------------------------------
+
+
+def run_floor(root: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The floor beside the gateway: N sessions, --messages turns, each reading up to the
+    gateway's `agent.history_limit` of what its session accumulated (see the docstring)."""
+    return measure_floor(
+        n,
+        args.messages,
+        args.concurrency,
+        root,
+        history=0,
+        read_limit=gateway_config().agent.history_limit,
+        seed_value=args.seed + 1,
+    )
+
+
 # --- report -------------------------------------------------------------------------------
 
 
@@ -300,6 +331,7 @@ def bench_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         startups.append(measure_startup(home))
     gateway = run_worker(home, n, args)
     naive = run_naive(home, n, args)
+    floor = run_floor(root, n, args)
     closed, opened = gateway["closed"], gateway["open"]
     row = {
         "sessions": n,
@@ -310,6 +342,10 @@ def bench_size(n: int, args: argparse.Namespace, root: Path) -> dict[str, Any]:
         "open": opened,
         "rss_bytes": gateway["rss_bytes"],
         "naive": naive,
+        "floor": floor,
+        "floor_us": floor["floor_us"],
+        "cpu_us": closed["cpu_us_per_turn"],
+        "cpu_per_floor": closed["cpu_us_per_turn"] / floor["floor_us"],
         "ratio": closed["turns_per_s"] / naive["turns_per_s"] if naive["turns_per_s"] else None,
         "error_count": gateway["error_count"],
         "errors": gateway["errors"],
@@ -325,7 +361,8 @@ def format_row(r: dict[str, Any]) -> str:
     ratio = f"{r['ratio']:.0f}x" if r["ratio"] is not None else "-"
     return (
         f"{r['sessions']:>9} {r['fill_s']:>7.1f} {r['startup_s']:>7.2f} {c['turns_per_s']:>8.0f}"
-        f" {c['cpu_us_per_turn']:>6.0f} {c['p50_ms']:>7.2f} {c['p99_ms']:>7.2f} {c['max_ms']:>7.1f}"
+        f" {c['cpu_us_per_turn']:>6.0f} {r['floor_us']:>5.0f} {r['cpu_per_floor']:>5.1f}x"
+        f" {c['p50_ms']:>7.2f} {c['p99_ms']:>7.2f} {c['max_ms']:>7.1f}"
         f" {o['achieved_per_s']:>7.0f} {o['p50_ms']:>6.2f} {o['p99_ms']:>6.2f} {o['max_ms']:>7.1f}"
         f" {r['rss_bytes'] / 2**20:>7.0f} {r['naive']['turns_per_s']:>8.1f} {ratio:>6}"
     )
@@ -352,7 +389,12 @@ def target_lines(rows: list[dict[str, Any]], rate: float, cold: bool = False) ->
     def verdict(ok: bool | None) -> str:
         return "n/a " if ok is None else "pass" if ok else "MISS"
 
-    lines = []
+    worst_floor = max(r["cpu_per_floor"] for r in rows)
+    lines = [
+        f"{verdict(worst_floor <= TARGET_FLOOR_RATIO)}  cpu_us <= {TARGET_FLOOR_RATIO:g}x"
+        " floor_us at every size: "
+        + ", ".join(f"{r['sessions']:,}: {r['cpu_per_floor']:.2f}x" for r in rows)
+    ]
     if big is None:
         lines.append(f"n/a   (targets are about {BIG:,} sessions; that size was not run)")
     else:
@@ -460,7 +502,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         "latencies: handle_message -> adapter.send of the last chunk; o_ = open loop;"
-        " cpu_us: process CPU per closed-loop turn (all threads)"
+        " cpu_us: process CPU per closed-loop turn (all threads); floor: floor_us, the"
+        " same turns as the least SQL a durable turn can be (scripts/bench_floor.py, same"
+        " sessions, same history read); cpu/fl: cpu_us / floor_us"
     )
     print(HEADER, flush=True)
     rows = []

@@ -50,3 +50,12 @@ def test_measure_floor_leaves_nothing_in_its_workdir(tmp_path: Path) -> None:
     assert result["commits"] == 4, result
     assert result["rows"]["outbound_sent"] == 20, result
     assert list(tmp_path.iterdir()) == []
+
+
+def test_measure_floor_as_the_gateway_bench_runs_it_reads_what_its_turns_wrote(
+    tmp_path: Path,
+) -> None:
+    # As bench_gateway runs it: empty sessions, each turn reading up to 100 messages.
+    result = measure_floor(5, 40, 8, tmp_path, history=0, read_limit=100)
+    assert result["seeded_messages"] == 0 and result["read_limit"] == 100, result
+    assert result["rows"]["messages"] == 80, result

@@ -32,6 +32,13 @@ def test_bench_gateway_quick_runs_and_prints_its_table() -> None:
     turns_per_s = row.split()[header.split().index("turns/s")]
     assert re.fullmatch(r"\d+", turns_per_s) and int(turns_per_s) > 0, row
     assert "targets:" in out
+    # The floor ran beside the gateway, on the same sessions: its CPU per turn and the
+    # ratio, which the targets lead with.
+    floor_us = row.split()[header.split().index("floor")]
+    ratio = row.split()[header.split().index("cpu/fl")]
+    assert re.fullmatch(r"\d+", floor_us) and int(floor_us) > 0, row
+    assert re.fullmatch(r"\d+\.\dx", ratio), row
+    assert re.search(r"cpu_us <= 3x floor_us at every size: 1,000: [\d.]+x", out), out
     # --split timed the store's own writer: a turn is at least its inbox row, two
     # transcript messages, the marker set and cleared, the entry and the ledger row.
     split = re.search(

@@ -20,24 +20,13 @@ import yaml
 from config import GatewayConfig
 from gateway.session import Platform, SessionSource
 from gateway.store.session_store import SessionStore
+from tests.commandline import cli
 
 
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
-
-
-def cli(home: Path, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HERMES_HOME": str(home)}
-    env.pop("HERMES_CONFIG", None)
-    return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
 
 
 def test_check_config_accepts_the_zero_config_default(tmp_path: Path) -> None:

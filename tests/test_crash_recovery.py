@@ -37,6 +37,18 @@ def make(daemons: list[Daemon], home: Path, settings: str = "", **kwargs) -> Dae
     return daemon
 
 
+def stopped_after_one_answer(daemons: list[Daemon], home: Path) -> Daemon:
+    """A daemon that answered one message in chat c1 and then stopped cleanly: a home
+    with a real state.db, transcript, mirror and ledger for a test to damage."""
+    daemon = make(daemons, home, slow_echo(0))
+    daemon.start()
+    daemon.post("c1", "hi", message_id="m1")
+    daemon.wait_replies("c1", 1)
+    daemon.signal(signal.SIGTERM)
+    assert daemon.wait_exit() == 0
+    return daemon
+
+
 def slow_echo(delay: float, drain: float = 60) -> str:
     return (
         f"agent:\n  backend: echo\n  delay_seconds: {delay}\n"
@@ -223,12 +235,7 @@ def test_reply_cursor_stays_valid_across_a_restart(daemons: list[Daemon], tmp_pa
 
 
 def test_a_damaged_state_db_exits_78_naming_the_file(daemons: list[Daemon], tmp_path: Path) -> None:
-    daemon = make(daemons, tmp_path / "home", slow_echo(0))
-    daemon.start()
-    daemon.post("c1", "hi", message_id="m1")
-    daemon.wait_replies("c1", 1)
-    daemon.signal(signal.SIGTERM)
-    assert daemon.wait_exit() == 0
+    daemon = stopped_after_one_answer(daemons, tmp_path / "home")
     db = daemon.home / "sessions" / "state.db"
     size = db.stat().st_size
     with db.open("r+b") as f:  # keep the header, wreck the pages after it
@@ -247,12 +254,7 @@ def test_a_state_db_that_is_empty_or_not_a_database_exits_78_and_changes_nothing
 ) -> None:
     # An empty file is an empty database to SQLite: the sessions.json mirror used to be
     # imported over it, silently losing every transcript and the duplicate memory.
-    daemon = make(daemons, tmp_path / "home", slow_echo(0))
-    daemon.start()
-    daemon.post("c1", "hi", message_id="m1")
-    daemon.wait_replies("c1", 1)
-    daemon.signal(signal.SIGTERM)
-    assert daemon.wait_exit() == 0
+    daemon = stopped_after_one_answer(daemons, tmp_path / "home")
     sessions = daemon.home / "sessions"
     (sessions / "state.db").write_bytes(content)
     mirror = (sessions / "sessions.json").read_bytes()
@@ -303,12 +305,7 @@ def test_a_missing_state_db_is_imported_from_sessions_json_with_a_warning(
 def test_a_damaged_sessions_json_is_set_aside_and_rewritten(
     daemons: list[Daemon], tmp_path: Path
 ) -> None:
-    daemon = make(daemons, tmp_path / "home", slow_echo(0))
-    daemon.start()
-    daemon.post("c1", "hi", message_id="m1")
-    daemon.wait_replies("c1", 1)
-    daemon.signal(signal.SIGTERM)
-    daemon.wait_exit()
+    daemon = stopped_after_one_answer(daemons, tmp_path / "home")
     mirror = daemon.home / "sessions" / "sessions.json"
     mirror.write_text('{"agent:main:http:dm:c1": {"broken"')
     daemon.start()

@@ -19,6 +19,7 @@ import pytest
 
 from gateway.store.homelock import LOCK_FILE, HomeInUse, HomeLock, held_by
 from scripts.harness import Daemon
+from tests.commandline import cli
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -42,18 +43,6 @@ def make(daemons: list[Daemon], home: Path, delay: float = 0) -> Daemon:
     daemon = Daemon(home, SETTINGS.format(delay=delay))
     daemons.append(daemon)
     return daemon
-
-
-def cli(home: Path, *args: str, timeout: float = 20) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "HERMES_HOME": str(home)}
-    env.pop("HERMES_CONFIG", None)
-    return subprocess.run(
-        [sys.executable, "-m", "gateway.cli", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=timeout,
-    )
 
 
 def files(home: Path) -> dict[str, bytes]:

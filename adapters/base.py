@@ -96,6 +96,20 @@ class MessageEvent:
         command replies and refusals alike)."""
         return self.source.message_id or self.message_id
 
+    def with_inbox_ids(self, inbox_ids: tuple[int, ...]) -> MessageEvent:
+        """The event bound to its inbox rows (a copy: the adapter's event stays as sent).
+        Built directly, not with `dataclasses.replace` (which looks the fields up on every
+        call): every turn makes one."""
+        return MessageEvent(
+            self.source,
+            self.text,
+            self.message_id,
+            self.received_at,
+            self.synthetic,
+            inbox_ids,
+            self.resume,
+        )
+
     def scrubbed(self) -> MessageEvent:
         """The event with its free-text fields made safe (ids are validated, not changed):
         lone surrogates replaced in the text, control characters taken out of the names."""

@@ -88,8 +88,11 @@ class Delivery:
                     log.error("send_failed", platform=target.platform.value, error=str(exc))
                     break
                 crash_point("before_ledger_mark")
-                marked = self.turnlog.mark_sent(delivery_id, result.message_id)
-                marked.add_done_callback(lambda _, i=delivery_id: self._sending.discard(i))
+                self.turnlog.mark_sent_later(
+                    delivery_id,
+                    result.message_id,
+                    lambda _, i=delivery_id: self._sending.discard(i),
+                )
                 sent += 1
                 self.metrics.replies_sent_total += 1
         finally:

@@ -257,7 +257,7 @@ class GatewayRunner:
         inbox_id = await self.turnlog.accept(event, key, kind, done=kind == "command")
         if inbox_id is None:
             return Accepted(AcceptStatus.DUPLICATE, session_key=key)
-        event = replace(event, inbox_ids=(inbox_id,))
+        event = event.with_inbox_ids((inbox_id,))
         if self._held is not None:
             self._held.append((key, event, kind, command))
             return Accepted(AcceptStatus.PENDING, session_key=key, detail="gateway is starting")
@@ -275,7 +275,9 @@ class GatewayRunner:
         """A message to an idle session: accept it and begin its turn in one transaction.
 
         The worker is registered first, so messages arriving meanwhile queue behind it."""
-        begun: asyncio.Future[TurnStart | None] = asyncio.get_running_loop().create_future()
+        begun: asyncio.Future[tuple[int, TurnStart] | None] = (
+            asyncio.get_running_loop().create_future()
+        )
         self._workers[key] = asyncio.create_task(
             self._session_worker(key, event, begun), name=f"session:{key}"
         )
@@ -289,9 +291,8 @@ class GatewayRunner:
             if not begun.done():
                 begun.set_result(None)
             return Accepted(AcceptStatus.DUPLICATE, session_key=key)
-        inbox_id, start = result
         if not begun.done():  # done: /stop cancelled the worker meanwhile
-            begun.set_result(replace(start, inbox_id=inbox_id))
+            begun.set_result(result)
         return Accepted(AcceptStatus.STARTED, session_key=key)
 
     async def submit(self, key: str, event: MessageEvent, *, fifo: bool = False) -> Accepted:
@@ -362,14 +363,15 @@ class GatewayRunner:
         self,
         key: str,
         event: MessageEvent | None,
-        begun: asyncio.Future[TurnStart | None] | None = None,
+        begun: asyncio.Future[tuple[int, TurnStart] | None] | None = None,
     ) -> None:
         try:
             start = None
             if begun is not None:  # accepted and begun by `_accept_and_start`
-                start = await begun
-                if start is not None:
-                    event = replace(event, inbox_ids=(start.inbox_id,))
+                accepted = await begun
+                if accepted is not None:
+                    inbox_id, start = accepted
+                    event = event.with_inbox_ids((inbox_id,))
                 else:
                     queue = self._queues.get(key)
                     event = queue.pop_next() if queue else None

@@ -223,11 +223,19 @@ class Driver:
             if accepted.status not in (AcceptStatus.STARTED, AcceptStatus.PENDING):
                 self.errors.append(f"{message_id}: {accepted.status} {accepted.detail or ''}")
                 return None
+            # A timer that cancels the wait, not `asyncio.wait_for` (a task and a timeout
+            # per message): the driver's own CPU counts in `cpu_us`, so it stays lean.
+            timer = asyncio.get_running_loop().call_later(REPLY_TIMEOUT_SECONDS, future.cancel)
             try:
-                replied = await asyncio.wait_for(future, REPLY_TIMEOUT_SECONDS)
-            except TimeoutError:
+                replied = await future
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the driver itself was cancelled, not the wait timed out
                 self.errors.append(f"{message_id}: no reply in {REPLY_TIMEOUT_SECONDS:g}s")
                 return None
+            finally:
+                timer.cancel()
             return replied - started
         finally:
             self.busy.discard(i)

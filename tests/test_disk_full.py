@@ -196,6 +196,45 @@ async def test_a_refused_batch_fails_new_writes_and_keeps_acknowledged_ones(
         await db.close()
 
 
+async def test_a_write_later_is_parked_like_a_persistent_write_and_settled_once(
+    tmp_path: Path,
+) -> None:
+    """The future-less write (a reply chunk's "sent" mark) keeps the persist semantics:
+    refused by a full disk it waits, and its callback runs once, when it commits."""
+    db = Database(tmp_path / "state.db")
+    await db.open()
+    db.retry_interval = 0.05
+    try:
+        await db.write(lambda conn: conn.execute("CREATE TABLE t (v TEXT)"))
+        disk = SimulatedFullDisk(db)
+        disk.fill()
+        settled: list[BaseException | None] = []
+        db.write_later(
+            lambda conn: conn.execute("INSERT INTO t VALUES (?)", ("mark" * BIG,)),
+            settled.append,
+            persist=True,
+        )
+        await asyncio.sleep(0.2)  # refused, parked, retried
+        assert settled == []
+        assert db.write_health()["waiting_writes"] == 1
+        disk.free()
+        await wait_for(lambda: settled)
+        assert settled == [None]
+        rows = await db.read(lambda conn: conn.execute("SELECT substr(v, 1, 4) FROM t").fetchall())
+        assert rows == [("mark",)]
+
+        # A write that fails on its own hands its error to the callback, and fails alone.
+        def broken(conn: sqlite3.Connection) -> None:
+            raise ValueError("not this one")
+
+        db.write_later(broken, settled.append)
+        neighbour = db.write_soon(lambda conn: conn.execute("INSERT INTO t VALUES ('next')"))
+        await neighbour
+        assert len(settled) == 2 and isinstance(settled[1], ValueError)
+    finally:
+        await db.close()
+
+
 # --- end to end, simulated: the HTTP API ----------------------------------------------------
 
 

@@ -108,8 +108,8 @@ class Database:
         self.path = path
         self._writer: sqlite3.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
-        self._pending: list[tuple[WriteFn, asyncio.Future[Any], bool]] = []  # fn, future, persist
-        self._parked: list[tuple[WriteFn, asyncio.Future[Any]]] = []  # refused, to retry
+        self._pending: list[tuple[WriteFn, Settles, bool]] = []  # fn, future, persist
+        self._parked: list[tuple[WriteFn, Settles]] = []  # refused, to retry
         self._flush: asyncio.Handle | None = None
         self._retry: asyncio.TimerHandle | None = None
         self.retry_interval = RETRY_SECONDS
@@ -209,6 +209,20 @@ class Database:
         self._flush_soon()
         return future
 
+    def write_later(
+        self,
+        fn: Callable[[sqlite3.Connection], object],
+        done: Callable[[BaseException | None], object],
+        *,
+        persist: bool = False,
+    ) -> None:
+        """`write_soon` without a future: `done(None)` (committed) or `done(error)` is
+        called from the group commit itself, with no trip through the event loop. For
+        the many small writes nobody awaits (a reply chunk's "sent" mark)."""
+        self._require_open()
+        self._pending.append((fn, Ack(done), persist))
+        self._flush_soon()
+
     def write_health(self) -> dict[str, Any]:
         """`{"state": "writable"}`, or why the disk refuses writes, since when and how many
         it refused (for /healthz and `hermes-gateway status`)."""
@@ -266,8 +280,8 @@ class Database:
         self._idle.set()
 
     def _park(
-        self, batch: list[tuple[WriteFn, asyncio.Future[Any], bool]], refused: StoreUnwritable
-    ) -> list[tuple[WriteFn, asyncio.Future[Any], bool]]:
+        self, batch: list[tuple[WriteFn, Settles, bool]], refused: StoreUnwritable
+    ) -> list[tuple[WriteFn, Settles, bool]]:
         """A batch the disk refused: note the outage, park the writes that must land, and
         return the others (their writers get the refusal)."""
         self.unwritable.failed(refused.reason, count=sum(fn is not probe for fn, _, _ in batch))
@@ -417,7 +431,39 @@ def _check_integrity(conn: sqlite3.Connection, path: Path) -> None:
         raise sqlite3.DatabaseError(f"integrity check failed: {'; '.join(problems)}")
 
 
-def _settle(batch: list[tuple[WriteFn, asyncio.Future[Any], bool]], outcome: Outcome) -> None:
+class Ack:
+    """What settles a `write_later`: the caller's callback, called once, in place of a
+    future (a future costs its creation and a loop pass per done-callback)."""
+
+    __slots__ = ("_callback", "_done")
+
+    def __init__(self, callback: Callable[[BaseException | None], object]) -> None:
+        self._callback = callback
+        self._done = False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, _value: object) -> None:
+        self._finish(None)
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._finish(exc)
+
+    def _finish(self, exc: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        try:
+            self._callback(exc)
+        except Exception:  # one caller's bug must not stop the others being settled
+            log.exception("write_callback_failed")
+
+
+Settles = asyncio.Future[Any] | Ack  # what a queued write's outcome is handed to
+
+
+def _settle(batch: list[tuple[WriteFn, Settles, bool]], outcome: Outcome) -> None:
     """Hand each writer of a committed (or failed) batch its own result."""
     for (_, future, _), (ok, value) in zip(batch, outcome, strict=True):
         if future.done():

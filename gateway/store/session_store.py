@@ -189,6 +189,16 @@ class SessionStore:
         """A journal write nobody waits for (see `Database.write_soon`); not mirrored."""
         return self._db.write_soon(fn, persist=persist)
 
+    def write_later(
+        self,
+        fn: Callable[[sqlite3.Connection], object],
+        done: Callable[[BaseException | None], object],
+        *,
+        persist: bool = False,
+    ) -> None:
+        """A journal write settled through `done`, not a future (`Database.write_later`)."""
+        self._db.write_later(fn, done, persist=persist)
+
     def write_health(self) -> dict[str, Any]:
         """Can the store write (`Database.write_health`)?"""
         return self._db.write_health()

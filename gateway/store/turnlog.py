@@ -249,20 +249,44 @@ class TurnLog:
         )
 
     def mark_sent(self, delivery_id: int, platform_message_id: str | None) -> asyncio.Future[None]:
-        """Acknowledge a sent chunk in the next group commit, without waiting for it.
+        """Acknowledge a sent chunk in the next group commit; the future settles once it
+        is committed (`mark_sent_later` is the same without a future)."""
+        marked = self.store.write_soon(
+            self._mark_tx(delivery_id, platform_message_id), persist=True
+        )
+        marked.add_done_callback(_log_failed_mark)
+        return marked
+
+    def mark_sent_later(
+        self,
+        delivery_id: int,
+        platform_message_id: str | None,
+        done: Callable[[BaseException | None], object],
+    ) -> None:
+        """Acknowledge a sent chunk in the next group commit, without waiting for it and
+        without a future: `done(None)` once committed, `done(error)` if it never is.
 
         Nothing after a send depends on the mark, so the turn does not wait a commit for
         it. A crash before it commits leaves the chunk pending and re-sent once at start:
         the window every platform without an idempotency key has between its
-        acknowledgement and our mark, now one commit (about a millisecond) wide."""
-        now = time.time()
+        acknowledgement and our mark, one commit (about a millisecond) wide."""
+
+        def settled(error: BaseException | None) -> None:
+            if error is not None:
+                _log_failed_mark_error(error)
+            done(error)
+
         # Persistent: a mark the disk refused would leave a delivered chunk to be re-sent.
-        marked = self.store.write_soon(
-            lambda conn: journal.mark_sent(conn, delivery_id, platform_message_id, now),
-            persist=True,
+        self.store.write_later(
+            self._mark_tx(delivery_id, platform_message_id), settled, persist=True
         )
-        marked.add_done_callback(_log_failed_mark)
-        return marked
+
+    @staticmethod
+    def _mark_tx(
+        delivery_id: int, platform_message_id: str | None
+    ) -> Callable[[sqlite3.Connection], None]:
+        now = time.time()
+        return lambda conn: journal.mark_sent(conn, delivery_id, platform_message_id, now)
 
     async def open_inbox(self) -> list[dict[str, Any]]:
         return await self.store.read(journal.open_inbox)
@@ -307,5 +331,9 @@ def _encoded(event: MessageEvent) -> str:
 
 def _log_failed_mark(marked: asyncio.Future[None]) -> None:
     if not marked.cancelled() and (exc := marked.exception()) is not None:
-        # The chunk stays pending and is re-sent at the next start.
-        log.error("ledger_mark_failed", error=str(exc))
+        _log_failed_mark_error(exc)
+
+
+def _log_failed_mark_error(exc: BaseException) -> None:
+    # The chunk stays pending and is re-sent at the next start.
+    log.error("ledger_mark_failed", error=str(exc))

@@ -57,6 +57,20 @@ class SessionQueue:
             return event
         return self._overflow.popleft() if self._overflow else None
 
+    def put_back(self, event: MessageEvent) -> None:
+        """Return a popped event to the front (its turn could not begin): it goes first,
+        merged ahead of a message that reached the slot meanwhile."""
+        if event in self._overflow or event is self._slot:
+            return
+        if self._slot is None:
+            self._slot = event
+            return
+        self._slot = replace(
+            self._slot,
+            text=f"{event.text}\n{self._slot.text}",
+            inbox_ids=event.inbox_ids + self._slot.inbox_ids,
+        )
+
     def inbox_ids(self) -> list[int]:
         """The inbox rows of everything waiting (to drop them with the queue)."""
         waiting = ([self._slot] if self._slot else []) + list(self._overflow)

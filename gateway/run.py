@@ -111,6 +111,8 @@ class GatewayRunner:
         self._queues: dict[str, SessionQueue] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._running: dict[str, MessageEvent] = {}
+        # The next turn of a key, begun in its previous turn's last transaction.
+        self._next_begun: dict[str, tuple[MessageEvent, TurnStart]] = {}
         self._turn_slots = asyncio.Semaphore(config.agent.max_concurrent_turns)
         self._housekeeper = Housekeeper(self)
         self._accepting = False
@@ -349,6 +351,9 @@ class GatewayRunner:
         running = self._running.get(key)
         if running is not None:
             dropped += list(running.inbox_ids)
+        begun_next = self._next_begun.pop(key, None)
+        if begun_next is not None:
+            dropped += list(begun_next[0].inbox_ids)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
@@ -386,10 +391,17 @@ class GatewayRunner:
                     log.exception("turn_internal_error", session_key=key)
                 start = None
                 if self._draining:
-                    break  # what is still queued stays accepted in the inbox for next start
+                    # What is still queued stays accepted in the inbox, and a turn begun
+                    # already keeps its marker: the next start runs both.
+                    break
+                begun_next = self._next_begun.pop(key, None)
+                if begun_next is not None:
+                    event, start = begun_next
+                    continue
                 queue = self._queues.get(key)
                 event = queue.pop_next() if queue else None
         finally:
+            self._next_begun.pop(key, None)
             self._running.pop(key, None)
             self._workers.pop(key, None)
             queue = self._queues.get(key)
@@ -443,9 +455,7 @@ class GatewayRunner:
                 turn.texts = (begun.text, outcome.text)
             chunks = self.delivery.split(source, self._with_reset_notice(entry, outcome.text))
             turn.chunks = len(chunks)
-            ids = await self.turnlog.finish(
-                key, begun, event, reply=outcome.reply, usage=outcome.usage, chunks=chunks
-            )
+            ids = await self._finish(key, begun, event, outcome, chunks)
             if outcome.reply is not None:
                 self.metrics.turns_total += 1
                 self.recovery.turn_succeeded(key)
@@ -459,6 +469,39 @@ class GatewayRunner:
             raise
         finally:
             turn.log(log)
+
+    async def _finish(
+        self,
+        key: str,
+        begun: TurnStart,
+        event: MessageEvent,
+        outcome: TurnOutcome,
+        chunks: list[str],
+    ) -> list[int]:
+        """Record the turn's end, and begin the key's next waiting turn in the same
+        transaction (it then runs without a begin of its own)."""
+        queue = self._queues.get(key)
+        waiting = queue.pop_next() if queue and not self._draining else None
+        then = (waiting, self._turn_text(waiting)) if waiting is not None else None
+        try:
+            ids, next_start = await self.turnlog.finish(
+                key,
+                begun,
+                event,
+                reply=outcome.reply,
+                usage=outcome.usage,
+                chunks=chunks,
+                then=then,
+            )
+        except BaseException:
+            if waiting is not None and queue is not None:
+                # Not begun (or begun and committed while this waited: its marker then
+                # runs it once, and the inbox row's state keeps it from running twice).
+                queue.put_back(waiting)
+            raise
+        if waiting is not None and next_start is not None:
+            self._next_begun[key] = (waiting, next_start)
+        return ids
 
     async def _log_reset(self, key: str, entry: SessionEntry) -> None:
         """One line per automatic reset: why, and which session it ended."""

@@ -177,6 +177,47 @@ async def test_queued_messages_each_get_their_own_turn_in_order(make_gateway: Ma
     ]
 
 
+async def test_a_waiting_turn_is_begun_in_the_last_transaction_of_the_turn_before(
+    make_gateway: MakeGateway,
+) -> None:
+    """Issue 14: at most two awaited transactions per turn. A message that waited behind
+    a turn is accepted on arrival; its turn begins in the running turn's finishing
+    transaction (never in one of its own), and its own finish ends it."""
+    gw = await make_gateway()
+    statements: list[str] = []
+    gw.runner.store._db.trace_writes(statements.append)
+    try:
+        assert (await gw.client.post("c1", "slow start"))["status"] == "started"
+        assert (await gw.client.post("c1", "/queue next one"))["status"] == "queued"
+        assert await gw.client.replies("c1", 2) == ["echo: slow start", "echo: next one"]
+    finally:
+        gw.runner.store._db.trace_writes(None)
+    transactions: list[list[str]] = []
+    for statement in statements:
+        words = " ".join(statement.split()).upper()
+        if words.startswith("BEGIN"):
+            transactions.append([])
+        elif transactions and words != "COMMIT":
+            transactions[-1].append(words)
+
+    def count(tx: list[str], prefix: str) -> int:
+        return sum(s.startswith(prefix) for s in tx)
+
+    begins = [tx for tx in transactions if count(tx, "INSERT INTO TURNS")]
+    assert len(begins) == 2  # one begin per turn
+    first_begin, second_begin = begins
+    # The first turn: accepted and begun together (its message found the session idle).
+    assert count(first_begin, "INSERT INTO INBOX") == 1
+    # The second turn began where the first ended: its marker written right after the
+    # first's was removed and the first's reply was recorded in the ledger.
+    assert count(second_begin, "DELETE FROM TURNS") == 1
+    assert count(second_begin, "INSERT INTO OUTBOUND") == 1
+    assert count(second_begin, "INSERT INTO INBOX") == 0
+    # No transaction other than those two wrote a turn marker or ran a begin's history read.
+    history_reads = [tx for tx in transactions if count(tx, "SELECT MESSAGE FROM MESSAGES")]
+    assert history_reads == begins
+
+
 async def test_queue_cap_refuses_explicitly(make_gateway: MakeGateway) -> None:
     gw = await make_gateway({"queue": {"max_depth": 2}})
     await gw.client.post("c1", "slow start")

@@ -71,3 +71,18 @@ def test_clear_drops_everything() -> None:
     queue.enqueue_fifo(ev("q"))
     assert queue.clear() == 2
     assert queue.pop_next() is None
+
+
+def test_a_popped_event_put_back_goes_first_even_past_a_newer_slot() -> None:
+    queue = SessionQueue(max_depth=5)
+    queue.enqueue_fifo(ev("queued"))
+    popped = MessageEvent(source=SOURCE, text="older", inbox_ids=(1,))
+    queue.put_back(popped)
+    assert drain(queue) == ["older", "queued"]
+
+    queue.enqueue_fifo(ev("queued"))
+    queue.enqueue_pending(MessageEvent(source=SOURCE, text="newer", inbox_ids=(2,)))
+    queue.put_back(popped)
+    slot = queue.pop_next()
+    assert slot is not None and slot.text == "older\nnewer" and slot.inbox_ids == (1, 2)
+    assert drain(queue) == ["queued"]

@@ -152,12 +152,22 @@ class TurnLog:
         reply: str | None,
         usage: TokenUsage | None,
         chunks: list[str],
-    ) -> list[int]:
-        """Record the turn's outcome and its reply chunks; returns their delivery ids.
+        then: tuple[MessageEvent, str] | None = None,
+    ) -> tuple[list[int], TurnStart | None]:
+        """Record the turn's outcome and its reply chunks; returns their delivery ids,
+        and the start of the `then` turn.
 
         `reply` is the assistant message for the transcript, None when the turn failed
         (the chunks then carry the error text; resume and reset flags stay set).
+        `then` (an accepted event waiting behind this turn, and its text as stored) is
+        begun in the same transaction: a queued message's turn costs no transaction of
+        its own (issue 14: at most two awaited transactions per turn).
         """
+        begin_next = None
+        if then is not None:
+            next_event, next_text = then
+            begin_next = self._begin_tx(next_event, session_key, next_text, _encoded(next_event))
+            next_inbox = list(next_event.inbox_ids)
         now = datetime.now(UTC)
         succeeded = reply is not None
         session_id = start.entry.session_id
@@ -173,7 +183,7 @@ class TurnLog:
                 entry.was_auto_reset = entry.is_fresh_reset = False
             return entry
 
-        def tx(conn: sqlite3.Connection) -> list[int]:
+        def tx(conn: sqlite3.Connection) -> tuple[list[int], TurnStart | None]:
             if succeeded:
                 transcript.insert_message(conn, session_id, {"role": "assistant", "content": reply})
             # The common case: nothing touched the entry since `begin` read it, so it is
@@ -186,7 +196,7 @@ class TurnLog:
                     entries.save_entry(conn, settle(current))
             journal.close_inbox(conn, list(event.inbox_ids), journal.DONE, now.timestamp())
             journal.end_turn(conn, session_key)
-            return journal.record_outbound(
+            ids = journal.record_outbound(
                 conn,
                 event.source,
                 chunks,
@@ -194,11 +204,14 @@ class TurnLog:
                 session_key=session_key,
                 now=now.timestamp(),
             )
+            return ids, None if begin_next is None else begin_next(conn, next_inbox)
 
         # Waits out a full disk: the reply is sent only once it is recorded.
-        ids = await self.store.write(tx, persist=True)
+        ids, next_start = await self.store.write(tx, persist=True)
         crash_point("after_transcript_write")
-        return ids
+        if next_start is not None:
+            crash_point("after_turn_begin")
+        return ids, next_start
 
     async def abandon(
         self,

@@ -26,8 +26,9 @@ import structlog
 
 from adapters.telegram import TelegramAdapter
 from config import ConfigError, GatewayConfig, load_config
-from gateway.ops.logs import QUIET_LIBRARIES, configure_logging
+from gateway.ops.logs import QUIET_LIBRARIES, TurnLine, configure_logging
 from gateway.run import GatewayRunner
+from gateway.session import TokenUsage
 from scripts.harness import Daemon
 from tests.fakes.agents import scripted
 from tests.fakes.telegram_api import FakeTelegram
@@ -289,3 +290,46 @@ def test_logging_settings_are_checked_by_key_path(tmp_path: Path, text: str, exp
     with pytest.raises(ConfigError) as error:
         load_config(path)
     assert expected in str(error.value)
+
+
+async def test_the_turn_line_written_directly_equals_the_one_the_chain_writes(
+    json_log: Callable[[], list[dict[str, Any]]],
+) -> None:
+    """`TurnLine` renders its line itself when the daemon's JSON chain is configured; the
+    line must be the chain's own, field for field, and in order with the chain's lines."""
+    structlog.contextvars.bind_contextvars(session_key=KEY)
+    try:
+        turn = TurnLine("http", time.monotonic())
+        turn.session_id, turn.outcome, turn.chunks, turn.sent = (
+            "20261124_000000_0a0b0c0d",
+            "ok",
+            2,
+            2,
+        )
+        turn.usage = TokenUsage(input_tokens=5, output_tokens=7)
+        logger = structlog.get_logger("gateway.run")
+        logger.info("before")
+        turn.log(logger)
+        direct = log_lines_now(json_log)[-1]
+        with structlog.testing.capture_logs() as captured:  # the chain's own route
+            turn.log(logger)
+    finally:
+        structlog.contextvars.unbind_contextvars("session_key")
+    lines = log_lines_now(json_log)
+    assert [line["event"] for line in lines] == ["before", "turn_done"]
+    [chained] = captured
+    assert direct.pop("timestamp").endswith("Z")
+    assert direct.pop("level") == chained.pop("log_level") == "info"
+    chained["session_key"] = KEY  # capture_logs leaves out the bound context
+    direct_duration, chained_duration = direct.pop("duration_ms"), chained.pop("duration_ms")
+    assert 0 <= direct_duration <= chained_duration
+    assert direct == chained
+
+
+def log_lines_now(json_log: Callable[[], list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The lines so far, including those the sink gathers until the loop pass ends."""
+    from gateway.ops import logs
+
+    assert logs._sink is not None
+    logs._sink.drain()
+    return json_log()

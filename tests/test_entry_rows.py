@@ -36,7 +36,7 @@ def varied_entries() -> list[SessionEntry]:
         chat_type="group",
         user_id="u-2",
         user_name="Zoë",
-        chat_name="Ünïcode \"quoted\" chat",
+        chat_name='Ünïcode "quoted" chat',
         thread_id="t-9",
     )
     return [
@@ -46,7 +46,7 @@ def varied_entries() -> list[SessionEntry]:
             created_at=base + timedelta(microseconds=123456),
             updated_at=base + timedelta(seconds=5, microseconds=999999),
             origin=group,
-            display_name="Ünïcode \"quoted\" chat",
+            display_name='Ünïcode "quoted" chat',
             platform=Platform.DISCORD,
             chat_type="group",
             input_tokens=120,

@@ -432,7 +432,7 @@ class GatewayRunner:
             turn.session_id = entry.session_id
             if begun.resumed:
                 log.info("turn_resumed", session_id=entry.session_id)
-            elif begun.stored is None and entry.was_auto_reset:
+            elif begun.fresh and entry.was_auto_reset:
                 await self._log_reset(key, entry)
             request = TurnRequest(
                 session_key=key,

@@ -15,7 +15,8 @@ transcript and in `fts_log`, session touched and counted, reply sent), in 8 stat
 
     1. inbox row, refused when its (platform, chat_id, message_id) came before (dedup);
        written `done` at once, since accept and finish share this one transaction
-    2. the session's entry touched (`updated_at`), which also routes key -> session id
+    2. the session's entry touched (`updated_at` of its hot row), which also routes
+       key -> session id
     3. the last 40 transcript messages read (fetched, not decoded: decoding is the caller's)
     4. the user message                                   (the fts_log trigger fires)
     5. the assistant message                              (the fts_log trigger fires)
@@ -27,8 +28,8 @@ Left out, because a turn in one transaction does not need them: the turn marker 
 the inbox row's separate accepted -> done step (the gateway needs both because the
 agent runs between its two transactions), and re-encoding the entry JSON.
 
-Sessions are seeded as the gateway's fill writes them (`sessions` row + entry row, the
-entry JSON built by the session model), in one transaction; every session that gets a
+Sessions are seeded as the gateway's fill writes them (`sessions` row, the entry's hot
+row and its cold row), in one transaction; every session that gets a
 turn also gets `--history` messages first, so every turn reads a full window.
 
     .venv/bin/python scripts/bench_floor.py                          # 1k, 10k, 100k
@@ -62,7 +63,7 @@ import orjson  # the gateway's own JSON encoder (gateway.codec)
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.session import Platform, SessionEntry, build_session_key
+from gateway.session import build_session_key
 from gateway.store.db import _open_writer, create_database_file
 from scripts.gateway_driver import source_for
 
@@ -118,28 +119,21 @@ def session_id_for(i: int, now: datetime) -> str:
 # --- seed ----------------------------------------------------------------------------------
 
 
-def _session_rows(size: int, now: datetime) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...]]]:
-    """(sessions row, session_entries row) per session, as `entries.start_session_row`
-    and `entries.save_entry` write a fresh entry. The entry JSON is the session model's
-    own, made once and re-addressed per session: a `SessionEntry` per session took most
-    of the time of seeding 100,000."""
+def _session_rows(
+    size: int, now: datetime
+) -> Iterator[tuple[tuple[Any, ...], tuple[Any, ...], tuple[Any, ...]]]:
+    """(sessions row, hot entry row, cold entry row) per session, as
+    `entries.start_session_row` and `entries.save_entry` write a fresh entry."""
     stamp = now.timestamp()
     minute = int(stamp // 60)
-    fresh = SessionEntry(
-        session_key="",
-        session_id="",
-        created_at=now,
-        updated_at=now,
-        platform=Platform.LOCAL,
-        chat_type="dm",
-    ).to_dict()
     for i in range(size):
         source = source_for(i)
-        key, sid, origin = build_session_key(source), session_id_for(i, now), source.to_dict()
-        entry = orjson.dumps({**fresh, "session_key": key, "session_id": sid, "origin": origin})
+        key, sid = build_session_key(source), session_id_for(i, now)
+        origin = orjson.dumps(source.to_dict()).decode()
         yield (
-            (sid, key, orjson.dumps(origin).decode(), stamp, 0, 0, 0, 0, 0, 0.0),
-            (key, sid, stamp, minute, 0, 0, 0, entry.decode()),
+            (sid, key, origin, stamp, 0, 0, 0, 0, 0, 0.0),
+            (key, sid, stamp, stamp, minute),
+            (key, origin, source.chat_name, source.platform.value, source.chat_type),
         )
 
 
@@ -166,12 +160,18 @@ def seed(conn: sqlite3.Connection, size: int, touched: list[int], history: int) 
         "INSERT INTO sessions (session_id, session_key, origin, started_at, input_tokens,"
         " output_tokens, cache_read_tokens, cache_write_tokens, total_tokens,"
         " estimated_cost_usd) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (session for session, _ in rows),
+        (session for session, _, _ in rows),
+    )
+    # In key order: appended, not scattered. The other columns keep their defaults.
+    conn.executemany(
+        "INSERT INTO session_entries (session_key, session_id, created_at, updated_at,"
+        " active_minute) VALUES (?, ?, ?, ?, ?)",
+        sorted(hot for _, hot, _ in rows),
     )
     conn.executemany(
-        "INSERT INTO session_entries (session_key, session_id, updated_at, active_minute,"
-        " suspended, resume_pending, expiry_finalized, entry) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-        sorted(entry for _, entry in rows),  # in key order: appended, not scattered
+        "INSERT INTO session_entry_docs (session_key, origin, display_name, platform,"
+        " chat_type) VALUES (?, ?, ?, ?, ?)",
+        sorted(cold for _, _, cold in rows),
     )
     del rows
     conn.executemany(MESSAGE, _history_rows(touched, history, now))

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gateway.store import entries
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -201,10 +203,9 @@ class Daemon:
     def transcript(self, session_key: str) -> list[tuple[str, str]]:
         conn = self.db()
         try:
-            (entry,) = conn.execute(
-                "SELECT entry FROM session_entries WHERE session_key = ?", (session_key,)
-            ).fetchone()
-            session_id = json.loads(entry)["session_id"]
+            entry = entries.load_entry(conn, session_key)
+            assert entry is not None, session_key
+            session_id = entry.session_id
             rows = conn.execute(
                 "SELECT role, content FROM messages WHERE session_id = ? AND active = 1"
                 " ORDER BY id",
@@ -217,12 +218,10 @@ class Daemon:
     def entry(self, session_key: str) -> dict | None:
         conn = self.db()
         try:
-            row = conn.execute(
-                "SELECT entry FROM session_entries WHERE session_key = ?", (session_key,)
-            ).fetchone()
+            entry = entries.load_entry(conn, session_key)
         finally:
             conn.close()
-        return json.loads(row[0]) if row else None
+        return entry.to_dict() if entry else None
 
 
 def is_connection_error(exc: BaseException) -> bool:

@@ -13,7 +13,7 @@ import sqlite3
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway.session import SessionEntry, SessionSource
+from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage
 from gateway.store import codec
 
 #: token and cost counters, in the column order of the `sessions` table
@@ -38,21 +38,98 @@ def new_session_id(now: datetime) -> str:
     return f"{now.astimezone(UTC):%Y%m%d_%H%M%S}_{secrets.token_hex(4)}"
 
 
+#: the hot row's columns a save writes besides session_key, session_id and active_minute,
+#: in the order `_hot_values` gives them
+_HOT = (
+    "created_at",
+    "updated_at",
+    "suspended",
+    "resume_pending",
+    "expiry_finalized",
+    "was_auto_reset",
+    "is_fresh_reset",
+    "reset_had_activity",
+    "auto_reset_reason",
+    "resume_reason",
+    "last_resume_marked_at",
+    "cost_status",
+    *COUNTERS,
+    "last_prompt_tokens",
+)
+_HOT_SET = ", ".join(f"{name} = ?" for name in _HOT)
+_HOT_UPSERT = (
+    f"INSERT INTO session_entries ({', '.join(_HOT)}, session_key, session_id, active_minute)"
+    f" VALUES ({', '.join('?' * (len(_HOT) + 3))}) ON CONFLICT(session_key) DO UPDATE SET"
+    " session_id = excluded.session_id, active_minute = excluded.active_minute, "
+    + ", ".join(f"{name} = excluded.{name}" for name in _HOT)
+)
+_COLD_UPSERT = (
+    "INSERT INTO session_entry_docs (session_key, origin, display_name, platform, chat_type)"
+    " VALUES (?, ?, ?, ?, ?) ON CONFLICT(session_key) DO UPDATE SET origin = excluded.origin,"
+    " display_name = excluded.display_name, platform = excluded.platform,"
+    " chat_type = excluded.chat_type"
+)
+#: a whole entry: hot row and cold row, in the field order of `SessionEntry`
+_SELECT_ENTRY = (
+    "SELECT h.session_key, h.session_id, h.created_at, h.updated_at, d.origin,"
+    f" d.display_name, d.platform, d.chat_type, {', '.join('h.' + c for c in COUNTERS)},"
+    " h.cost_status, h.last_prompt_tokens, h.was_auto_reset, h.auto_reset_reason,"
+    " h.reset_had_activity, h.is_fresh_reset, h.expiry_finalized, h.suspended,"
+    " h.resume_pending, h.resume_reason, h.last_resume_marked_at"
+    " FROM session_entries h LEFT JOIN session_entry_docs d ON d.session_key = h.session_key"
+)
+#: the hot fields of one key's entry, in the field order of `SessionEntry`, and the row's
+#: active_minute last
+_SELECT_HOT = (
+    f"SELECT session_id, created_at, updated_at, {_COUNTER_COLUMNS}, cost_status,"
+    " last_prompt_tokens, was_auto_reset, auto_reset_reason, reset_had_activity,"
+    " is_fresh_reset, expiry_finalized, suspended, resume_pending, resume_reason,"
+    " last_resume_marked_at, active_minute FROM session_entries WHERE session_key = ?"
+)
+_from_epoch = datetime.fromtimestamp
+
+
 def load_entry(conn: sqlite3.Connection, session_key: str) -> SessionEntry | None:
-    loaded = load_entry_raw(conn, session_key)
-    return loaded[0] if loaded else None
+    """The whole entry of `session_key` (hot row and cold row)."""
+    row = conn.execute(f"{_SELECT_ENTRY} WHERE h.session_key = ?", (session_key,)).fetchone()
+    return _entry_of(row) if row else None
 
 
-def load_entry_raw(conn: sqlite3.Connection, session_key: str) -> tuple[SessionEntry, str] | None:
-    """The entry and its stored JSON text (what `save_entry_if_unchanged` compares to)."""
-    row = conn.execute(
-        "SELECT entry FROM session_entries WHERE session_key = ?", (session_key,)
-    ).fetchone()
-    return (SessionEntry.from_dict(codec.loads(row[0])), row[0]) if row else None
+def load_hot(
+    conn: sqlite3.Connection, session_key: str, source: SessionSource
+) -> tuple[SessionEntry, int] | None:
+    """A turn's entry, from the hot row alone (one primary-key look-up, no JSON), and the
+    row's active_minute. `platform` and `chat_type` come from `source` (the key was built
+    from it); `origin` and `display_name`, which a turn neither reads nor changes, are None.
+    """
+    row = conn.execute(_SELECT_HOT, (session_key,)).fetchone()
+    if row is None:
+        return None
+    (sid, created, updated, i, o, cr, cw, total, cost, status, prompt, auto, reason,
+     activity, fresh, finalized, suspended, pending, resume, marked, minute) = row  # fmt: skip
+    entry = SessionEntry(
+        session_key, sid, _from_epoch(created, UTC), _from_epoch(updated, UTC), None, None,
+        source.platform, source.chat_type, i, o, cr, cw, total, cost, status, prompt,
+        bool(auto), reason, bool(activity), bool(fresh), bool(finalized), bool(suspended),
+        bool(pending), resume, None if marked is None else _from_epoch(marked, UTC),
+    )  # fmt: skip
+    return entry, minute
 
 
-def encode_entry(entry: SessionEntry) -> str:
-    return codec.dumps(entry.to_dict())
+def _entry_of(row: tuple[Any, ...]) -> SessionEntry:
+    """A `SessionEntry` from a row of `_SELECT_ENTRY`. A hot row without its cold row
+    (which every write makes together) reads as an entry of no known origin."""
+    (key, sid, created, updated, origin, display_name, platform, chat_type, i, o, cr, cw,
+     total, cost, status, prompt, auto, reason, activity, fresh, finalized, suspended,
+     pending, resume, marked) = row  # fmt: skip
+    return SessionEntry(
+        key, sid, _from_epoch(created, UTC), _from_epoch(updated, UTC),
+        SessionSource.from_dict(codec.loads(origin)) if origin else None, display_name,
+        Platform(platform) if platform else None, chat_type or "dm", i, o, cr, cw, total,
+        cost, status, prompt, bool(auto), reason, bool(activity), bool(fresh),
+        bool(finalized), bool(suspended), bool(pending), resume,
+        None if marked is None else _from_epoch(marked, UTC),
+    )  # fmt: skip
 
 
 def minute_of(moment: datetime | float) -> int:
@@ -62,63 +139,56 @@ def minute_of(moment: datetime | float) -> int:
 
 
 def save_entry(conn: sqlite3.Connection, entry: SessionEntry) -> None:
-    """Write one entry. The common case (same session id) is a single UPDATE that leaves
-    the session_id index alone and rewrites the `active_minute` index only when the
-    minute changed; a new or re-pointed key needs the full upsert."""
-    encoded = encode_entry(entry)
-    if _update_in_place(conn, entry, encoded, "session_id = ?", entry.session_id):
-        return
+    """Write one whole entry: its hot row and its cold row (for a new session, a reset, an
+    import: whatever may change origin, display name, platform or chat type)."""
+    save_hot(conn, entry)
+    origin = codec.dumps(entry.origin.to_dict()) if entry.origin else None
+    platform = entry.platform.value if entry.platform else None
     conn.execute(
-        "INSERT INTO session_entries"
-        " (updated_at, suspended, resume_pending, expiry_finalized, entry, session_key,"
-        " session_id, active_minute) VALUES (?, ?, ?, ?, ?, ?, ?, ?)"
-        " ON CONFLICT(session_key) DO UPDATE SET session_id = excluded.session_id,"
-        " updated_at = excluded.updated_at, active_minute = excluded.active_minute,"
-        " suspended = excluded.suspended, resume_pending = excluded.resume_pending,"
-        " expiry_finalized = excluded.expiry_finalized, entry = excluded.entry",
-        (*_row_values(entry, encoded), entry.session_id, minute_of(entry.updated_at)),
+        _COLD_UPSERT, (entry.session_key, origin, entry.display_name, platform, entry.chat_type)
     )
 
 
-def save_entry_if_unchanged(conn: sqlite3.Connection, entry: SessionEntry, stored: str) -> bool:
-    """Save `entry` only if its row still holds `stored` (the text it was loaded from):
-    one UPDATE instead of load + decode + save when nothing else changed the entry since.
-    False when something did; the caller then loads it again."""
-    return _update_in_place(conn, entry, encode_entry(entry), "entry = ?", stored)
-
-
-def _row_values(entry: SessionEntry, encoded: str) -> tuple[float, int, int, int, str, str]:
-    """updated_at, suspended, resume_pending, expiry_finalized, entry, session_key: the
-    columns both writes of an entry set, in the order their statements name them."""
-    return (
-        entry.updated_at.timestamp(),
-        int(entry.suspended),
-        int(entry.resume_pending),
-        int(entry.expiry_finalized),
-        encoded,
-        entry.session_key,
-    )
-
-
-def _update_in_place(
-    conn: sqlite3.Connection, entry: SessionEntry, encoded: str, guard: str, expected: str
-) -> bool:
-    """UPDATE the key's row where `guard` holds; False when no row matched."""
+def save_hot(conn: sqlite3.Connection, entry: SessionEntry) -> None:
+    """Write the hot row of an entry whose cold fields did not change. The common case
+    (same session id) is a single UPDATE that leaves the session_id index alone and
+    rewrites the `active_minute` index only when the minute changed; a new or re-pointed
+    key needs the full upsert."""
+    values = _hot_values(entry)
     row = conn.execute(
-        "UPDATE session_entries SET updated_at = ?, suspended = ?, resume_pending = ?,"
-        f" expiry_finalized = ?, entry = ? WHERE session_key = ? AND {guard}"
+        f"UPDATE session_entries SET {_HOT_SET} WHERE session_key = ? AND session_id = ?"
         " RETURNING active_minute",
-        (*_row_values(entry, encoded), expected),
+        (*values, entry.session_key, entry.session_id),
     ).fetchone()
-    if row is None:
-        return False
     minute = minute_of(entry.updated_at)
-    if row[0] != minute:
+    if row is None:
+        conn.execute(_HOT_UPSERT, (*values, entry.session_key, entry.session_id, minute))
+    elif row[0] != minute:
         conn.execute(
             "UPDATE session_entries SET active_minute = ? WHERE session_key = ?",
             (minute, entry.session_key),
         )
-    return True
+
+
+def _hot_values(entry: SessionEntry) -> tuple[Any, ...]:
+    """The values of `_HOT` for one entry."""
+    marked = entry.last_resume_marked_at
+    return (
+        entry.created_at.timestamp(),
+        entry.updated_at.timestamp(),
+        int(entry.suspended),
+        int(entry.resume_pending),
+        int(entry.expiry_finalized),
+        int(entry.was_auto_reset),
+        int(entry.is_fresh_reset),
+        int(entry.reset_had_activity),
+        entry.auto_reset_reason,
+        entry.resume_reason,
+        None if marked is None else marked.timestamp(),
+        entry.cost_status,
+        *counters_of(entry),
+        entry.last_prompt_tokens,
+    )
 
 
 def start_session_row(conn: sqlite3.Connection, entry: SessionEntry) -> None:
@@ -168,10 +238,16 @@ def end_session_row(
     The live counters are kept only in the entry while a session is current (one row
     write per turn instead of two); they reach the `sessions` row when the session ends.
     """
+    _end_session(conn, entry.session_id, counters_of(entry), now, reason)
+
+
+def _end_session(
+    conn: sqlite3.Connection, session_id: str, counters: tuple[Any, ...], now: datetime, reason: str
+) -> None:
     conn.execute(
         f"UPDATE sessions SET ended_at = ?, end_reason = ?, {_SET_COUNTERS}"
         " WHERE session_id = ? AND ended_at IS NULL",
-        (now.timestamp(), reason, *counters_of(entry), entry.session_id),
+        (now.timestamp(), reason, *counters, session_id),
     )
 
 
@@ -224,18 +300,48 @@ def replace_session(
 def mark_active_since(conn: sqlite3.Connection, cutoff: float, now: datetime) -> int:
     """Mark entries touched since `cutoff` (epoch) resume_pending ("restart_interrupted"),
     skipping those already pending or suspended; returns how many."""
-    rows = conn.execute(
-        "SELECT entry FROM session_entries WHERE active_minute >= ?"
-        " AND updated_at >= ? AND suspended = 0 AND resume_pending = 0",
-        (minute_of(cutoff), cutoff),
-    ).fetchall()
-    for (raw,) in rows:
-        entry = SessionEntry.from_dict(codec.loads(raw))
-        entry.resume_pending = True
-        entry.resume_reason = "restart_interrupted"
-        entry.last_resume_marked_at = now
-        save_entry(conn, entry)
-    return len(rows)
+    return conn.execute(
+        "UPDATE session_entries SET resume_pending = 1, resume_reason = 'restart_interrupted',"
+        " last_resume_marked_at = ? WHERE active_minute >= ? AND updated_at >= ?"
+        " AND suspended = 0 AND resume_pending = 0",
+        (now.timestamp(), minute_of(cutoff), cutoff),
+    ).rowcount
+
+
+def settle_turn(
+    conn: sqlite3.Connection,
+    session_key: str,
+    session_id: str,
+    now: float,
+    minute: int | None,
+    usage: TokenUsage | None,
+    succeeded: bool,
+) -> None:
+    """A turn's end, as one UPDATE of the hot row (nothing loaded, nothing encoded):
+    touched at `now`, the turn's usage added, and when it succeeded its resume and reset
+    flags consumed. `minute` is the new active_minute, None when the row holds it already
+    (its index is then left alone). Only while `session_id` is still the key's session: a
+    reset or switch since the turn began is left as it is."""
+    sets = ["updated_at = ?"]
+    params: list[Any] = [now]
+    if minute is not None:
+        sets.append("active_minute = ?")
+        params.append(minute)
+    if usage is not None:
+        sets += [f"{name} = {name} + ?" for name in COUNTERS]
+        params += [getattr(usage, name) for name in COUNTERS]
+        if usage.estimated_cost_usd:
+            sets.append("cost_status = 'estimated'")
+        sets.append("last_prompt_tokens = ?")
+        params.append(usage.input_tokens)
+    if succeeded:
+        sets.append(
+            "resume_pending = 0, resume_reason = NULL, was_auto_reset = 0, is_fresh_reset = 0"
+        )
+    conn.execute(
+        f"UPDATE session_entries SET {', '.join(sets)} WHERE session_key = ? AND session_id = ?",
+        (*params, session_key, session_id),
+    )
 
 
 def idle_keys(conn: sqlite3.Connection, cutoff: float) -> list[str]:
@@ -257,32 +363,46 @@ def prune(conn: sqlite3.Connection, keys: list[str], cutoff: float, now: datetim
     for key in keys:
         row = conn.execute(
             "DELETE FROM session_entries WHERE session_key = ? AND updated_at < ?"
-            " AND suspended = 0 RETURNING entry",
+            f" AND suspended = 0 RETURNING session_id, {_COUNTER_COLUMNS}",
             (key, cutoff),
         ).fetchone()
         if row:
-            end_session_row(conn, SessionEntry.from_dict(codec.loads(row[0])), now, END_PRUNED)
+            conn.execute("DELETE FROM session_entry_docs WHERE session_key = ?", (key,))
+            _end_session(conn, row[0], tuple(row[1:]), now, END_PRUNED)
             pruned += 1
     return pruned
 
 
 def list_entries(conn: sqlite3.Connection, since: float | None = None) -> list[SessionEntry]:
     """All entries (or those touched since `since`, epoch), most recently active first."""
-    sql = "SELECT entry FROM session_entries"
+    sql = _SELECT_ENTRY
     params: tuple[Any, ...] = ()
     if since is not None:
-        sql += " WHERE active_minute >= ? AND updated_at >= ?"
+        sql += " WHERE h.active_minute >= ? AND h.updated_at >= ?"
         params = (minute_of(since), since)
-    sql += " ORDER BY updated_at DESC, session_key"
-    return [SessionEntry.from_dict(codec.loads(raw)) for (raw,) in conn.execute(sql, params)]
+    sql += " ORDER BY h.updated_at DESC, h.session_key"
+    return [_entry_of(row) for row in conn.execute(sql, params)]
+
+
+def idle_page(
+    conn: sqlite3.Connection, cutoff: float, after: tuple[int, str], page: int
+) -> list[tuple[int, str, SessionEntry]]:
+    """(active_minute, key, entry) of up to `page` entries not finalized and untouched since
+    `cutoff` (epoch), in (active_minute, key) order after `after`."""
+    rows = conn.execute(
+        f"SELECT h.active_minute, {_SELECT_ENTRY.removeprefix('SELECT ')}"
+        " WHERE h.active_minute <= ? AND (h.active_minute, h.session_key) > (?, ?)"
+        " AND h.expiry_finalized = 0 AND h.updated_at < ?"
+        " ORDER BY h.active_minute, h.session_key LIMIT ?",
+        (minute_of(cutoff), *after, cutoff, page),
+    ).fetchall()
+    return [(row[0], row[1], _entry_of(row[1:])) for row in rows]
 
 
 def load_by_session_id(conn: sqlite3.Connection, session_id: str) -> SessionEntry | None:
     """The entry whose current session is `session_id`, if any."""
-    row = conn.execute(
-        "SELECT entry FROM session_entries WHERE session_id = ?", (session_id,)
-    ).fetchone()
-    return SessionEntry.from_dict(codec.loads(row[0])) if row else None
+    row = conn.execute(f"{_SELECT_ENTRY} WHERE h.session_id = ?", (session_id,)).fetchone()
+    return _entry_of(row) if row else None
 
 
 def session_history(conn: sqlite3.Connection, session_key: str, limit: int) -> list[dict[str, Any]]:

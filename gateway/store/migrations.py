@@ -8,11 +8,18 @@ between. A file newer than this code is refused, not downgraded.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
 
-SCHEMA_VERSION = 6
+from gateway.session import SessionEntry
+from gateway.store import codec
+
+SCHEMA_VERSION = 7
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
-_MIGRATIONS: dict[int, str] = {
+#: each a script of statements, or a function that runs its own on the open transaction
+_MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     1: """
     CREATE TABLE session_entries (
         session_key      TEXT PRIMARY KEY,
@@ -167,7 +174,136 @@ _MIGRATIONS: dict[int, str] = {
     6: """
     ALTER TABLE pairing_codes ADD COLUMN target TEXT;
     """,
+    # Issue 14: a turn no longer decodes and re-encodes the entry's JSON. What a turn reads
+    # and changes (times, flags, counters) gets columns of its own in a narrow hot row;
+    # what it never changes (origin, display name, platform, chat type) moves to a cold
+    # table written only when one of those changes. Python, not SQL: SQLite's date
+    # functions keep milliseconds, and the entries' ISO times carry microseconds.
+    7: lambda conn: _split_entries(conn),
 }
+
+#: the hot row's columns after session_key, in the order `_hot_values` gives them
+_V7_HOT = (
+    "session_id, created_at, updated_at, active_minute, suspended, resume_pending,"
+    " expiry_finalized, was_auto_reset, is_fresh_reset, reset_had_activity,"
+    " auto_reset_reason, resume_reason, last_resume_marked_at, cost_status,"
+    " input_tokens, output_tokens, cache_read_tokens, cache_write_tokens, total_tokens,"
+    " estimated_cost_usd, last_prompt_tokens"
+)
+_V7_TABLES = """
+    CREATE TABLE session_entries_v7 (
+        session_key           TEXT PRIMARY KEY,
+        session_id            TEXT NOT NULL,
+        created_at            REAL NOT NULL,
+        updated_at            REAL NOT NULL,
+        active_minute         INTEGER NOT NULL,
+        suspended             INTEGER NOT NULL DEFAULT 0,
+        resume_pending        INTEGER NOT NULL DEFAULT 0,
+        expiry_finalized      INTEGER NOT NULL DEFAULT 0,
+        was_auto_reset        INTEGER NOT NULL DEFAULT 0,
+        is_fresh_reset        INTEGER NOT NULL DEFAULT 0,
+        reset_had_activity    INTEGER NOT NULL DEFAULT 0,
+        auto_reset_reason     TEXT,
+        resume_reason         TEXT,
+        last_resume_marked_at REAL,
+        cost_status           TEXT NOT NULL DEFAULT 'unknown',
+        input_tokens          INTEGER NOT NULL DEFAULT 0,
+        output_tokens         INTEGER NOT NULL DEFAULT 0,
+        cache_read_tokens     INTEGER NOT NULL DEFAULT 0,
+        cache_write_tokens    INTEGER NOT NULL DEFAULT 0,
+        total_tokens          INTEGER NOT NULL DEFAULT 0,
+        estimated_cost_usd    REAL NOT NULL DEFAULT 0,
+        last_prompt_tokens    INTEGER NOT NULL DEFAULT 0
+    ) WITHOUT ROWID;
+    CREATE TABLE session_entry_docs (
+        session_key  TEXT PRIMARY KEY,
+        origin       TEXT,
+        display_name TEXT,
+        platform     TEXT,
+        chat_type    TEXT NOT NULL DEFAULT 'dm'
+    ) WITHOUT ROWID;
+"""
+_V7_AFTER = """
+    DROP TABLE session_entries;
+    ALTER TABLE session_entries_v7 RENAME TO session_entries;
+    CREATE INDEX session_entries_by_session_id ON session_entries(session_id);
+    CREATE INDEX session_entries_by_minute ON session_entries(active_minute);
+"""
+
+
+def _split_entries(conn: sqlite3.Connection) -> None:
+    """v6 -> v7: each entry's JSON becomes its hot row and its cold row, field for field.
+    An entry whose JSON does not parse (no turn of its key could have run either) keeps
+    what the v6 columns held, so its key still routes to its session."""
+    for statement in _split_sql(_V7_TABLES):
+        conn.execute(statement)
+    hot = f"INSERT INTO session_entries_v7 (session_key, {_V7_HOT}) VALUES ({', '.join('?' * 22)})"
+    cold = (
+        "INSERT INTO session_entry_docs (session_key, origin, display_name, platform,"
+        " chat_type) VALUES (?, ?, ?, ?, ?)"
+    )
+    rows = conn.execute(
+        "SELECT session_key, session_id, updated_at, suspended, resume_pending,"
+        " expiry_finalized, entry FROM session_entries"
+    )
+    for key, session_id, updated_at, suspended, resume_pending, finalized, raw in rows:
+        try:
+            entry = SessionEntry.from_dict(codec.loads(raw))
+        except (TypeError, ValueError, KeyError, AttributeError):
+            conn.execute(
+                "INSERT INTO session_entries_v7 (session_key, session_id, created_at,"
+                " updated_at, active_minute, suspended, resume_pending, expiry_finalized)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    key,
+                    session_id,
+                    updated_at,
+                    updated_at,
+                    int(updated_at // 60),
+                    suspended,
+                    resume_pending,
+                    finalized,
+                ),
+            )
+            continue
+        conn.execute(hot, (key, *_hot_values(entry)))
+        origin = codec.dumps(entry.origin.to_dict()) if entry.origin else None
+        platform = entry.platform.value if entry.platform else None
+        conn.execute(cold, (key, origin, entry.display_name, platform, entry.chat_type))
+    for statement in _split_sql(_V7_AFTER):
+        conn.execute(statement)
+
+
+def _epoch(moment: datetime | None) -> float | None:
+    return None if moment is None else moment.timestamp()
+
+
+def _hot_values(entry: SessionEntry) -> tuple[Any, ...]:
+    """The values of `_V7_HOT` for one entry (frozen here: a later schema must not change
+    what this migration writes)."""
+    return (
+        entry.session_id,
+        entry.created_at.timestamp(),
+        entry.updated_at.timestamp(),
+        int(entry.updated_at.timestamp() // 60),
+        int(entry.suspended),
+        int(entry.resume_pending),
+        int(entry.expiry_finalized),
+        int(entry.was_auto_reset),
+        int(entry.is_fresh_reset),
+        int(entry.reset_had_activity),
+        entry.auto_reset_reason,
+        entry.resume_reason,
+        _epoch(entry.last_resume_marked_at),
+        entry.cost_status,
+        entry.input_tokens,
+        entry.output_tokens,
+        entry.cache_read_tokens,
+        entry.cache_write_tokens,
+        entry.total_tokens,
+        entry.estimated_cost_usd,
+        entry.last_prompt_tokens,
+    )
 
 
 def migrate(conn: sqlite3.Connection) -> None:
@@ -180,8 +316,12 @@ def migrate(conn: sqlite3.Connection) -> None:
     for version in range(current + 1, SCHEMA_VERSION + 1):
         conn.execute("BEGIN IMMEDIATE")
         try:
-            for statement in _split_sql(_MIGRATIONS[version]):
-                conn.execute(statement)
+            step = _MIGRATIONS[version]
+            if callable(step):
+                step(conn)
+            else:
+                for statement in _split_sql(step):
+                    conn.execute(statement)
             conn.execute(f"PRAGMA user_version={version}")
             conn.execute("COMMIT")
         except BaseException:

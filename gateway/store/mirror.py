@@ -110,19 +110,65 @@ def check_sessions_json(path: Path) -> bool:
 
 
 MIRROR_PAGE = 2000
-# One page of `"key":{entry}` lines after a key. The stored entry JSON is copied as is;
-# json_quote makes any key a valid JSON string (non-ASCII stays UTF-8, as in entries).
+
+
+def _iso(column: str) -> str:
+    """SQL for `datetime.isoformat()` of a UTC epoch column: microseconds when there are
+    any, as Python writes them (strftime's %f stops at milliseconds, so the fraction is
+    printed separately; a fraction that rounds to a whole second carries into it)."""
+    micro = f"CAST(round(({column} - floor({column})) * 1000000) AS INTEGER)"
+    seconds = f"(CAST(floor({column}) AS INTEGER) + ({micro} = 1000000))"
+    fraction = f"({micro} % 1000000)"
+    return (
+        f"CASE WHEN {column} IS NULL THEN NULL ELSE"
+        f" strftime('%Y-%m-%dT%H:%M:%S', {seconds}, 'unixepoch')"
+        f" || CASE WHEN {fraction} THEN printf('.%06d', {fraction}) ELSE '' END"
+        " || '+00:00' END"
+    )
+
+
+def _flag(column: str) -> str:
+    return f"json(CASE WHEN {column} THEN 'true' ELSE 'false' END)"
+
+
+# One entry as `SessionEntry.to_dict` has it (same keys, same order), built from the hot
+# row and the cold row. The cost is printed with 17 digits (json_object's own REAL text
+# keeps 15, which does not read back as the same float).
+_ENTRY_JSON = (
+    "json_object("
+    "'session_key', h.session_key, 'session_id', h.session_id,"
+    f" 'created_at', {_iso('h.created_at')}, 'updated_at', {_iso('h.updated_at')},"
+    " 'origin', json(d.origin), 'display_name', d.display_name, 'platform', d.platform,"
+    " 'chat_type', coalesce(d.chat_type, 'dm'),"
+    " 'input_tokens', h.input_tokens, 'output_tokens', h.output_tokens,"
+    " 'cache_read_tokens', h.cache_read_tokens, 'cache_write_tokens', h.cache_write_tokens,"
+    " 'total_tokens', h.total_tokens,"
+    " 'estimated_cost_usd', json(printf('%!.17g', h.estimated_cost_usd)),"
+    " 'cost_status', h.cost_status, 'last_prompt_tokens', h.last_prompt_tokens,"
+    f" 'was_auto_reset', {_flag('h.was_auto_reset')},"
+    " 'auto_reset_reason', h.auto_reset_reason,"
+    f" 'reset_had_activity', {_flag('h.reset_had_activity')},"
+    f" 'is_fresh_reset', {_flag('h.is_fresh_reset')},"
+    f" 'expiry_finalized', {_flag('h.expiry_finalized')},"
+    f" 'suspended', {_flag('h.suspended')}, 'resume_pending', {_flag('h.resume_pending')},"
+    " 'resume_reason', h.resume_reason,"
+    f" 'last_resume_marked_at', {_iso('h.last_resume_marked_at')})"
+)
+# One page of `"key":{entry}` lines after a key; json_quote makes any key a valid JSON
+# string (non-ASCII stays UTF-8, as in entries).
 MIRROR_PAGE_SQL = (
     "SELECT group_concat(line, ',' || char(10)), count(*), max(session_key) FROM ("
-    " SELECT session_key, json_quote(session_key) || ':' || entry AS line"
-    " FROM session_entries WHERE session_key > ? ORDER BY session_key LIMIT ?)"
+    f" SELECT h.session_key, json_quote(h.session_key) || ':' || {_ENTRY_JSON} AS line"
+    " FROM session_entries h LEFT JOIN session_entry_docs d ON d.session_key = h.session_key"
+    " WHERE h.session_key > ? ORDER BY h.session_key LIMIT ?)"
 )
 
 
 def write_sessions_json(db_path: Path, json_path: Path) -> int:
     """Stream the routing index from a read snapshot of state.db into sessions.json
-    (seed format), atomically. Stored entry JSON is copied as is, never re-encoded, and
-    rows go to disk as they are read, so memory stays flat at any size. Returns the count.
+    (seed format), atomically. Each entry's JSON is built by SQLite from its columns,
+    never by Python, and rows go to disk as they are read, so memory stays flat at any
+    size. Returns the count.
     """
     conn = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
     count = 0

@@ -21,8 +21,19 @@ from gateway.store.db import Database
 #: tables copied out of a damaged database, parents first; `turns` (in-flight markers of
 #: a damaged run) is not trusted, and the search index (search.db) is rebuilt by the
 #: gateway from the copied messages
-SALVAGED_TABLES = ("sessions", "session_entries", "messages", "inbox", "outbound")
-_SCAN_ORDER = {"sessions": "session_id", "session_entries": "session_key"}  # WITHOUT ROWID
+SALVAGED_TABLES = (
+    "sessions",
+    "session_entries",
+    "session_entry_docs",
+    "messages",
+    "inbox",
+    "outbound",
+)
+_SCAN_ORDER = {  # WITHOUT ROWID
+    "sessions": "session_id",
+    "session_entries": "session_key",
+    "session_entry_docs": "session_key",
+}
 
 
 def _copy_table(src: sqlite3.Connection, dst: sqlite3.Connection, table: str) -> str:
@@ -53,11 +64,13 @@ def _restore_session_rows(conn: sqlite3.Connection, mirror: dict[str, SessionEnt
     """Before messages are copied, every routing entry needs its `sessions` row: recreate
     it for salvaged entries whose row was lost, and import mirror entries of keys nothing
     was salvaged for (what the store does with a legacy sessions.json). Returns imports."""
-    for (raw,) in conn.execute("SELECT entry FROM session_entries").fetchall():
+    for (key,) in conn.execute("SELECT session_key FROM session_entries").fetchall():
         try:
-            entries.start_session_row(conn, SessionEntry.from_dict(json.loads(raw)))
-        except (TypeError, ValueError, KeyError, AttributeError):
-            continue
+            entry = entries.load_entry(conn, key)
+        except (TypeError, ValueError, KeyError, AttributeError, OverflowError, OSError):
+            continue  # a garbled row (its origin, its times)
+        if entry is not None:
+            entries.start_session_row(conn, entry)
     known = {key for (key,) in conn.execute("SELECT DISTINCT session_key FROM sessions")}
     imported = 0
     taken = "SELECT 1 FROM sessions WHERE session_id = ?"
@@ -116,6 +129,31 @@ def _entry_from_row(
     return entry
 
 
+def _has_column(conn: sqlite3.Connection, table: str, column: str) -> bool:
+    try:
+        return any(row[1] == column for row in conn.execute(f"PRAGMA table_info({table})"))
+    except sqlite3.DatabaseError:
+        return False
+
+
+def _copy_v6_entries(src: sqlite3.Connection, dst: sqlite3.Connection) -> str:
+    """The entries of a database damaged before it reached schema 7 (one JSON text each),
+    in storage order until the first unreadable row; returns a summary."""
+    copied = skipped = 0
+    stopped = ""
+    try:
+        rows = src.execute("SELECT entry FROM session_entries ORDER BY session_key")
+        while (row := rows.fetchone()) is not None:
+            try:
+                entries.save_entry(dst, SessionEntry.from_dict(json.loads(row[0])))
+                copied += 1
+            except (TypeError, ValueError, KeyError, AttributeError, OverflowError):
+                skipped += 1
+    except sqlite3.DatabaseError as exc:
+        stopped = f", then stopped: {exc}"
+    return f"session_entries {copied}" + (f" ({skipped} skipped)" if skipped else "") + stopped
+
+
 async def create_database(path: Path) -> None:
     db = Database(path)  # the real schema and file modes
     await db.open()
@@ -129,9 +167,13 @@ def salvage(src: sqlite3.Connection, target: Path, mirror: dict[str, SessionEntr
     try:
         dst.execute("PRAGMA foreign_keys=ON")
         dst.execute("BEGIN")
-        copied = [_copy_table(src, dst, table) for table in SALVAGED_TABLES[:2]]
+        copied = [_copy_table(src, dst, table) for table in SALVAGED_TABLES[:1]]
+        if _has_column(src, "session_entries", "entry"):
+            copied.append(_copy_v6_entries(src, dst))
+        else:
+            copied += [_copy_table(src, dst, table) for table in SALVAGED_TABLES[1:3]]
         imported = _restore_session_rows(dst, mirror)
-        copied += [_copy_table(src, dst, table) for table in SALVAGED_TABLES[2:]]
+        copied += [_copy_table(src, dst, table) for table in SALVAGED_TABLES[3:]]
         rebuilt, from_mirror = _rebuild_entries(dst, mirror)
         dst.execute("COMMIT")
     finally:

@@ -23,7 +23,7 @@ import structlog
 from config import GatewayConfig
 from gateway.policy import last_daily_boundary, reset_reason
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
-from gateway.store import codec, entries, transcript
+from gateway.store import entries, transcript
 from gateway.store.db import Database, T
 from gateway.store.fts import FtsIndexer
 from gateway.store.mirror import (
@@ -220,7 +220,7 @@ class SessionStore:
             entry = entries.load_entry(conn, session_key)
             if entry is None or not change(entry):
                 return None
-            entries.save_entry(conn, entry)
+            entries.save_hot(conn, entry)  # the changes here touch no cold field
             return entry
 
         return await self._write(tx)
@@ -238,37 +238,55 @@ class SessionStore:
     ) -> Callable[[sqlite3.Connection], SessionEntry]:
         """The transaction body of `get_or_create_session`, for callers that combine it
         with more writes in one transaction."""
-        route = self._routing_tx(source, force_new, touch=True)
-        return lambda conn: route(conn)[0]
+        key, now = self._generate_session_key(source), _utcnow()
+        route = self._routing_tx(source, key, force_new, now)
+
+        def tx(conn: sqlite3.Connection) -> SessionEntry:
+            entry, fresh = route(conn, entries.load_entry(conn, key))
+            if not fresh:
+                entry.updated_at = now
+                entries.save_hot(conn, entry)
+            return entry
+
+        return tx
 
     def route_for_turn_tx(
         self, source: SessionSource
-    ) -> Callable[[sqlite3.Connection], tuple[SessionEntry, str | None]]:
-        """Routing for a turn, which saves the entry when it ends: a session that simply
-        continues is not saved here (no touch), and its stored JSON text comes back so
-        the turn's end can save with one compare-and-set UPDATE. The text is None when
-        the entry was just written (new or reset session)."""
-        return self._routing_tx(source, False, touch=False)
+    ) -> Callable[[sqlite3.Connection], tuple[SessionEntry, bool, int]]:
+        """Routing for a turn, which touches the entry when it ends: a session that simply
+        continues is read from its hot row alone (see `entries.load_hot`: origin and
+        display name are None) and not written here. Returns the entry, whether this
+        transaction wrote it (a new or reset session), and the row's active_minute."""
+        key = self._generate_session_key(source)
+        route = self._routing_tx(source, key, False, _utcnow())
+
+        def tx(conn: sqlite3.Connection) -> tuple[SessionEntry, bool, int]:
+            loaded = entries.load_hot(conn, key, source)
+            entry, fresh = route(conn, loaded[0] if loaded else None)
+            if fresh or loaded is None:
+                return entry, True, entries.minute_of(entry.updated_at)
+            return entry, False, loaded[1]
+
+        return tx
 
     def _routing_tx(
-        self, source: SessionSource, force_new: bool, *, touch: bool
-    ) -> Callable[[sqlite3.Connection], tuple[SessionEntry, str | None]]:
-        key = self._generate_session_key(source)
-        now = _utcnow()
+        self, source: SessionSource, key: str, force_new: bool, now: datetime
+    ) -> Callable[[sqlite3.Connection, SessionEntry | None], tuple[SessionEntry, bool]]:
+        """The state machine on a loaded entry (None: the key has none): the entry the
+        message belongs to, and whether a new session was written for it (new key, forced,
+        suspended or expired); a session that continues is not written here."""
         policy = self.config.get_reset_policy(source.platform, source.chat_type)
         active = self._has_active_processes(key)
         tz = self._tz
 
-        def tx(conn: sqlite3.Connection) -> tuple[SessionEntry, str | None]:
-            loaded = entries.load_entry_raw(conn, key)
-            if loaded is None:
+        def tx(conn: sqlite3.Connection, entry: SessionEntry | None) -> tuple[SessionEntry, bool]:
+            if entry is None:
                 new = entries.fresh_entry(key, source, now)
                 entries.start_session_row(conn, new)
                 entries.save_entry(conn, new)
-                return new, None
-            entry, stored = loaded
+                return new, True
             if force_new:
-                return entries.replace_session(conn, entry, source, now), None
+                return entries.replace_session(conn, entry, source, now), True
             if entry.suspended:
                 replaced = entries.replace_session(
                     conn,
@@ -279,7 +297,7 @@ class SessionStore:
                     auto_reset_reason="suspended",
                     reset_had_activity=entry.total_tokens > 0,
                 )
-                return replaced, None
+                return replaced, True
             if not entry.resume_pending and not active:
                 reason = reset_reason(entry.updated_at, policy, now, tz)
                 if reason is not None:
@@ -292,12 +310,8 @@ class SessionStore:
                         auto_reset_reason=reason,
                         reset_had_activity=entry.total_tokens > 0,
                     )
-                    return replaced, None
-            if not touch:
-                return entry, stored
-            entry.updated_at = now
-            entries.save_entry(conn, entry)
-            return entry, None
+                    return replaced, True
+            return entry, False
 
         return tx
 
@@ -383,7 +397,7 @@ class SessionStore:
             entry.suspended = entry.resume_pending = entry.expiry_finalized = False
             entry.was_auto_reset = entry.is_fresh_reset = False
             entry.resume_reason = None
-            entries.save_entry(conn, entry)
+            entries.save_hot(conn, entry)  # same origin and names: a new session id only
             return entry
 
         return await self._write(tx)
@@ -482,20 +496,13 @@ class SessionStore:
             return []
 
         def query(after: tuple[int, str]) -> Callable[[sqlite3.Connection], list[Any]]:
-            return lambda conn: conn.execute(
-                "SELECT active_minute, session_key, entry FROM session_entries"
-                " WHERE active_minute <= ? AND (active_minute, session_key) > (?, ?)"
-                " AND expiry_finalized = 0 AND updated_at < ?"
-                " ORDER BY active_minute, session_key LIMIT ?",
-                (entries.minute_of(cutoff), *after, cutoff.timestamp(), page),
-            ).fetchall()
+            return lambda conn: entries.idle_page(conn, cutoff.timestamp(), after, page)
 
         expired: list[SessionEntry] = []
         after: tuple[int, str] = (-1, "")
         while len(expired) < limit:
             rows = await self._db.read(query(after))
-            for _, _, raw in rows:
-                entry = SessionEntry.from_dict(codec.loads(raw))
+            for _, _, entry in rows:
                 if self._is_session_expired(entry, now):
                     expired.append(entry)
             if len(rows) < page:

@@ -33,11 +33,17 @@ log = structlog.get_logger("gateway.store.turnlog")
 
 @dataclass(frozen=True, slots=True)
 class TurnStart:
+    """What `begin` found and did. `entry` carries the hot fields only (see
+    `entries.load_hot`): `origin` and `display_name` are None, `platform` and `chat_type`
+    are the message's source's; a turn needs no more, and reading no more keeps its
+    routing one look-up without JSON. The whole entry is `SessionStore.get_entry`."""
+
     entry: SessionEntry
     history: list[dict[str, Any]]
     resumed: bool  # a re-run after a restart: the user message was stored before
     text: str  # the user message as stored (what the agent is asked)
-    stored: str | None = None  # the entry's JSON as stored, when the turn did not save it
+    fresh: bool = False  # begin wrote the entry: a new session (new key or reset)
+    active_minute: int | None = None  # the hot row's active_minute as begin read it
     inbox_id: int | None = None  # set when the message was accepted in the same transaction
 
 
@@ -114,7 +120,7 @@ class TurnLog:
         limit = self.history_limit
 
         def tx(conn: sqlite3.Connection, inbox_ids: list[int]) -> TurnStart:
-            entry, stored = route(conn)
+            entry, fresh, minute = route(conn)
             marker = journal.get_turn(conn, session_key) if event.resume else None
             if (
                 marker is not None
@@ -127,7 +133,7 @@ class TurnLog:
                 asked = transcript.load_row(conn, marker["user_message_id"])
                 content = asked.get("content") if asked else None
                 resumed_text = content if isinstance(content, str) else text
-                return TurnStart(entry, history, True, resumed_text, stored)
+                return TurnStart(entry, history, True, resumed_text, fresh, minute)
             history = transcript.load_recent(conn, entry.session_id, limit)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
             journal.start_turn(
@@ -139,7 +145,7 @@ class TurnLog:
                 event=record,
                 now=now,
             )
-            return TurnStart(entry, history, False, text, stored)
+            return TurnStart(entry, history, False, text, fresh, minute)
 
         return tx
 
@@ -171,29 +177,18 @@ class TurnLog:
         now = datetime.now(UTC)
         succeeded = reply is not None
         session_id = start.entry.session_id
-
-        def settle(entry: SessionEntry) -> SessionEntry:
-            entry.updated_at = now
-            if usage is not None:
-                entry.add_usage(usage)
-                entry.last_prompt_tokens = usage.input_tokens
-            if succeeded:
-                entry.resume_pending = False
-                entry.resume_reason = None
-                entry.was_auto_reset = entry.is_fresh_reset = False
-            return entry
+        minute = entries.minute_of(now)
+        if minute == start.active_minute:
+            minute = None  # the row has it: its index entry is not rewritten
 
         def tx(conn: sqlite3.Connection) -> tuple[list[int], TurnStart | None]:
             if succeeded:
                 transcript.insert_message(conn, session_id, {"role": "assistant", "content": reply})
-            # The common case: nothing touched the entry since `begin` read it, so it is
-            # saved from memory with one compare-and-set UPDATE (no load, no decode).
-            if start.stored is None or not entries.save_entry_if_unchanged(
-                conn, settle(start.entry.copy()), start.stored
-            ):
-                current = entries.load_entry(conn, session_key)
-                if current is not None and current.session_id == session_id:
-                    entries.save_entry(conn, settle(current))
+            # One UPDATE of the hot row, nothing loaded or encoded; a session reset since
+            # `begin` is left alone (its own entry is not this turn's to settle).
+            entries.settle_turn(
+                conn, session_key, session_id, now.timestamp(), minute, usage, succeeded
+            )
             journal.close_inbox(conn, list(event.inbox_ids), journal.DONE, now.timestamp())
             journal.end_turn(conn, session_key)
             ids = journal.record_outbound(

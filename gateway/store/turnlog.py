@@ -44,7 +44,6 @@ class TurnStart:
     text: str  # the user message as stored (what the agent is asked)
     fresh: bool = False  # begin wrote the entry: a new session (new key or reset)
     active_minute: int | None = None  # the hot row's active_minute as begin read it
-    inbox_id: int | None = None  # set when the message was accepted in the same transaction
 
 
 class TurnLog:

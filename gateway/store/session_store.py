@@ -251,13 +251,15 @@ class SessionStore:
         return tx
 
     def route_for_turn_tx(
-        self, source: SessionSource
+        self, source: SessionSource, key: str | None = None
     ) -> Callable[[sqlite3.Connection], tuple[SessionEntry, bool, int]]:
         """Routing for a turn, which touches the entry when it ends: a session that simply
         continues is read from its hot row alone (see `entries.load_hot`: origin and
         display name are None) and not written here. Returns the entry, whether this
-        transaction wrote it (a new or reset session), and the row's active_minute."""
-        key = self._generate_session_key(source)
+        transaction wrote it (a new or reset session), and the row's active_minute.
+        `key`: the source's session key, when the caller has it already."""
+        if key is None:
+            key = self._generate_session_key(source)
         route = self._routing_tx(source, key, False, _utcnow())
 
         def tx(conn: sqlite3.Connection) -> tuple[SessionEntry, bool, int]:

@@ -111,7 +111,7 @@ class TurnLog:
     def _begin_tx(
         self, event: MessageEvent, session_key: str, text: str, record: str
     ) -> Callable[[sqlite3.Connection, list[int]], TurnStart]:
-        route = self.store.route_for_turn_tx(event.source)
+        route = self.store.route_for_turn_tx(event.source, session_key)
         user_message: dict[str, Any] = {"role": "user", "content": text}
         if event.message_id:
             user_message["message_id"] = event.message_id

@@ -33,6 +33,7 @@ from gateway import command_syntax, commands
 from gateway.agents.backends import agent_signature, build_agent_factory, describe_backend
 from gateway.agents.cache import AgentCache
 from gateway.agents.protocol import AgentError, AgentFactory, TurnRequest
+from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
 from gateway.housekeeping import Housekeeper
 from gateway.ops.logs import TurnLine
@@ -114,6 +115,7 @@ class GatewayRunner:
         # The next turn of a key, begun in its previous turn's last transaction.
         self._next_begun: dict[str, tuple[MessageEvent, TurnStart]] = {}
         self._turn_slots = asyncio.Semaphore(config.agent.max_concurrent_turns)
+        self._deadlines = Deadlines(config.agent.gateway_timeout)
         self._housekeeper = Housekeeper(self)
         self._accepting = False
         self._draining = False
@@ -516,10 +518,20 @@ class GatewayRunner:
     async def _call_agent(self, key: str, request: TurnRequest) -> TurnOutcome:
         """Run the agent; a failure becomes a short text for the user, never an exception."""
         timeout = self.config.agent.gateway_timeout
+        task = asyncio.current_task()
+        assert task is not None
         try:
             async with self._turn_slots, self.agents.lease(key, self._signature) as agent:
-                async with asyncio.timeout(timeout):
+                self._deadlines.arm(task)
+                try:
                     result = await agent.run_turn(request)
+                except asyncio.CancelledError:
+                    # Ours (the deadline) unless someone else cancelled too (/stop).
+                    if self._deadlines.disarm(task) and task.uncancel() == 0:
+                        raise TimeoutError from None
+                    raise
+                finally:
+                    self._deadlines.disarm(task)
         except TimeoutError:
             self.metrics.turn_timeouts_total += 1
             log.warning("turn_timeout", timeout_seconds=timeout)

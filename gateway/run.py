@@ -116,6 +116,9 @@ class GatewayRunner:
         self._next_begun: dict[str, tuple[MessageEvent, TurnStart]] = {}
         self._turn_slots = asyncio.Semaphore(config.agent.max_concurrent_turns)
         self._deadlines = Deadlines(config.agent.gateway_timeout)
+        # What every turn's session context says of the config (it does not change).
+        self._platforms = tuple(config.connected_platforms())
+        self._homes = config.home_channels()
         self._housekeeper = Housekeeper(self)
         self._accepting = False
         self._draining = False
@@ -442,7 +445,9 @@ class GatewayRunner:
                 text=begun.text,
                 history=tuple(begun.history),
                 system_prompt=self._system_prompt(
-                    build_session_context(source, self.config, entry)
+                    build_session_context(
+                        source, self.config, entry, platforms=self._platforms, homes=self._homes
+                    )
                 ),
                 source=source,
             )

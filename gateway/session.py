@@ -423,12 +423,19 @@ class SessionContext:
 
 
 def build_session_context(
-    source: SessionSource, config: GatewayConfig, session_entry: SessionEntry | None = None
+    source: SessionSource,
+    config: GatewayConfig,
+    session_entry: SessionEntry | None = None,
+    *,
+    platforms: tuple[str, ...] | None = None,
+    homes: dict[str, str] | None = None,
 ) -> SessionContext:
+    """`platforms` and `homes`: the config's connected platforms and home channels, when
+    the caller keeps them (the runner: they are the same for every turn)."""
     return SessionContext(
         source=source,
-        connected_platforms=tuple(config.connected_platforms()),
-        home_channels=dict(config.home_channels()),
+        connected_platforms=tuple(config.connected_platforms()) if platforms is None else platforms,
+        home_channels=dict(config.home_channels()) if homes is None else homes,
         shared_multi_user_session=is_shared_multi_user_session(
             source,
             group_sessions_per_user=config.group_sessions_per_user,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 _MIGRATIONS: dict[int, str] = {
@@ -166,6 +166,20 @@ _MIGRATIONS: dict[int, str] = {
     # (a SessionSource as JSON; on Discord and Slack the DM's id is not the user's).
     6: """
     ALTER TABLE pairing_codes ADD COLUMN target TEXT;
+    """,
+    # issue 15: titles. A turn titles its session from the first user message
+    # (gateway.store.titles.make_title); sessions from before get theirs here, by the same
+    # rule: the first 40 characters, CR dropped, LF a space, trimmed, "..." when cut.
+    7: """
+    UPDATE sessions SET title = (
+        SELECT trim(replace(replace(substr(t, 1, 40), char(13), ''), char(10), ' '),
+                    ' ' || char(9, 10, 13))
+               || CASE WHEN length(t) > 40 THEN '...' ELSE '' END
+        FROM (SELECT trim(m.content, ' ' || char(9, 10, 13)) AS t FROM messages m
+              WHERE m.session_id = sessions.session_id AND m.active = 1 AND m.role = 'user'
+              ORDER BY m.id LIMIT 1)
+        WHERE t != ''
+    ) WHERE title IS NULL;
     """,
 }
 

@@ -18,10 +18,12 @@ What goes, and why that way:
   instead: finished inbox rows (`event`, which holds the message text) and sent
   replies (`text`) of the session's key recorded while the session could have been
   written to (from the end of the key's previous session to the end of this one, or
-  now), and the key's sent replies that name the session's id. That window may also
-  cover another session of the same chat (after /resume switched back and forth);
-  those lose only their delivery records, never their transcripts. Pending replies
-  are left to be delivered (a session cannot be deleted while its turn runs).
+  now), and the key's sent replies that name the session's id. Command replies are
+  recorded without a key, so those of the session's chat count as the key's. The
+  window may also cover another session of the same chat (after /resume switched back
+  and forth, or another user's in a shared group): those lose only delivery records,
+  never a transcript. Pending replies are left to be delivered (a session cannot be
+  deleted while its turn runs).
 
 Refused (`SessionBusy`) while a turn marker names the session: a running (or
 interrupted, not yet re-run) turn would write to it again.
@@ -116,13 +118,15 @@ def _scrub_journal(
         " AND accepted_at BETWEEN ? AND ? AND event != ?",
         (SCRUBBED_EVENT, key, lo, hi, SCRUBBED_EVENT),
     ).rowcount
-    # Through the (platform, chat_id, id) index when the session's chat is known.
+    # Command replies (/status names the session and its title) are recorded without a
+    # key: the chat's are included, through the (platform, chat_id, id) index.
     chat = _chat_of(origin)
-    by_chat = " AND platform = ? AND chat_id = ?" if chat else ""
+    whose = "platform = ? AND chat_id = ? AND coalesce(session_key, ?) = ?"
     outbound = conn.execute(
-        "UPDATE outbound SET text = '' WHERE session_key = ? AND state = 'sent'"
-        f" AND (created_at BETWEEN ? AND ? OR instr(text, ?) > 0) AND text != ''{by_chat}",
-        (key, lo, hi, session_id, *(chat or ())),
+        f"UPDATE outbound SET text = '' WHERE {whose if chat else 'session_key = ?'}"
+        " AND state = 'sent' AND (created_at BETWEEN ? AND ? OR instr(text, ?) > 0)"
+        " AND text != ''",
+        (*(chat + (key, key) if chat else (key,)), lo, hi, session_id),
     ).rowcount
     return inbox + outbound
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -162,6 +162,7 @@ async def test_first_message_titles_the_session_and_title_renames(gateway: Gatew
 async def test_a_session_without_messages_is_new_session(gateway: Gateway) -> None:
     await gateway.say("c1", "/new")
     status, listed = await gateway.http("GET", "/v1/sessions")
+    assert status == 200
     assert [s["title"] for s in listed["sessions"]] == ["New Session"]
 
 
@@ -486,9 +487,9 @@ async def test_cli_delete(gateway: Gateway) -> None:
     assert deleted.returncode == 0, deleted.stderr
     assert f"deleted session {session_id} (2 messages)" in deleted.stdout
     assert _tables_holding(gateway.home / "sessions" / "state.db", session_id) == []
-    assert (await gateway.runner.store.get_entry(KEY1)).session_id != session_id  # type: ignore[union-attr]
+    assert await gateway.session_id() != session_id
     status, found = await gateway.http("GET", "/v1/search", q="numbat")
-    assert found["results"] == []
+    assert status == 200 and found["results"] == []
     again = await asyncio.to_thread(cli, gateway.home, "sessions", "delete", session_id, "--yes")
     assert again.returncode == 1 and "no session" in again.stderr
 
@@ -505,9 +506,6 @@ async def test_forget_asks_then_deletes_the_current_session(gateway: Gateway) ->
     assert "Nothing found" in await gateway.say("c1", "/search axolotl")
     assert _tables_holding(gateway.home / "sessions" / "state.db", session_id) == []
     assert await gateway.say("c1", "fresh start") == "echo: fresh start"
-
-
-MakeCheck = Callable[[], Awaitable[None]]
 
 
 async def test_http_token_guards_the_new_endpoints(tmp_path: Path) -> None:

@@ -121,12 +121,14 @@ def _scrub_journal(
     # Command replies (/status names the session and its title) are recorded without a
     # key: the chat's are included, through the (platform, chat_id, id) index.
     chat = _chat_of(origin)
-    whose = "platform = ? AND chat_id = ? AND coalesce(session_key, ?) = ?"
+    whose, params = "session_key = ?", [key]
+    if chat is not None:
+        whose = "platform = ? AND chat_id = ? AND coalesce(session_key, ?) = ?"
+        params = [*chat, key, key]
     outbound = conn.execute(
-        f"UPDATE outbound SET text = '' WHERE {whose if chat else 'session_key = ?'}"
-        " AND state = 'sent' AND (created_at BETWEEN ? AND ? OR instr(text, ?) > 0)"
-        " AND text != ''",
-        (*(chat + (key, key) if chat else (key,)), lo, hi, session_id),
+        f"UPDATE outbound SET text = '' WHERE {whose} AND state = 'sent'"
+        " AND (created_at BETWEEN ? AND ? OR instr(text, ?) > 0) AND text != ''",
+        (*params, lo, hi, session_id),
     ).rowcount
     return inbox + outbound
 

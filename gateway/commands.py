@@ -138,7 +138,7 @@ async def cmd_resume(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
 
 def _title_matches(asked: str, found: list[tuple[str, str]]) -> str:
     if not found:
-        return f"No session {asked!r} in this chat (by id or title). /resume lists them."
+        return f"No earlier session {asked} in this chat (by id or title). /resume lists them."
     lines = [f"{len(found)} sessions match {asked!r}; /resume one of these ids:"]
     lines += [f"{session_id}  {title}" for session_id, title in found]
     return "\n".join(lines)

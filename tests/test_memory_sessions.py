@@ -183,9 +183,9 @@ async def test_resume_by_title_or_unique_prefix(gateway: Gateway) -> None:
     assert await gateway.session_id() == garden
     assert kitchen in await gateway.say("c1", "/resume budget for the kitchen")
     assert await gateway.session_id() == kitchen
-    assert "No session" in await gateway.say("c1", "/resume nothing like this")
+    assert "No earlier session" in await gateway.say("c1", "/resume nothing like this")
     # Another chat's titles are not this chat's.
-    assert "No session" in await gateway.say("c2", "/resume budget")
+    assert "No earlier session" in await gateway.say("c2", "/resume budget")
 
 
 # --- search ----------------------------------------------------------------------------

@@ -193,7 +193,7 @@ class GatewayHandle(Protocol):
         chat_id: str | None = None,
         limit: int = 5,
     ) -> list[dict[str, Any]]:
-        """Transcript hits, best first: `{session_id, session_key, title, message_id, role,
+        """Transcript hits, newest first: `{session_id, session_key, title, message_id, role,
         snippet, timestamp}`; only one key's, or one platform chat's, sessions when given."""
         ...
 

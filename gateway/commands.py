@@ -167,7 +167,7 @@ async def cmd_search(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
         return f"Nothing found for {cmd.args!r} in this chat's sessions."
     entry = await runner.store.get_entry(key)
     current = entry.session_id if entry else None
-    lines = [f"Found in this chat ({len(hits)} best):"]
+    lines = [f"Found in this chat ({len(hits)} newest):"]
     for n, hit in enumerate(hits, 1):
         where = "this session" if hit["session_id"] == current else f"/resume {hit['session_id']}"
         lines += [

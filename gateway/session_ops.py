@@ -46,7 +46,7 @@ class SessionOps:
         chat_id: str | None = None,
         limit: int = SEARCH_DEFAULT_LIMIT,
     ) -> list[dict[str, Any]]:
-        """Transcript hits, best first (`gateway.store.search.search`), within the scope:
+        """Transcript hits, newest first (`gateway.store.search.search`), within the scope:
         one chat's key, or one platform's chat, or (all None) every session."""
         scope = search.Scope(session_key=session_key, platform=platform, chat_id=chat_id)
         return await self.store.search_index.query(

@@ -185,6 +185,7 @@ async def test_resume_by_title_or_unique_prefix(gateway: Gateway) -> None:
     assert await gateway.session_id() == kitchen
     assert "No earlier session" in await gateway.say("c1", "/resume nothing like this")
     # Another chat's titles are not this chat's.
+    await gateway.say("c2", "hello")
     assert "No earlier session" in await gateway.say("c2", "/resume budget")
 
 

@@ -180,7 +180,32 @@ class GatewayHandle(Protocol):
 
     async def handle_message(self, event: MessageEvent) -> Accepted: ...
 
-    async def list_sessions(self) -> list[dict[str, Any]]: ...
+    async def list_sessions(self) -> list[dict[str, Any]]:
+        """Every routing entry (`SessionEntry.to_dict()`) plus its session's `title`."""
+        ...
+
+    async def search_sessions(
+        self,
+        query: str,
+        *,
+        session_key: str | None = None,
+        platform: str | None = None,
+        chat_id: str | None = None,
+        limit: int = 5,
+    ) -> list[dict[str, Any]]:
+        """Transcript hits, newest first: `{session_id, session_key, title, message_id, role,
+        snippet, timestamp}`; only one key's, or one platform chat's, sessions when given."""
+        ...
+
+    async def get_session(
+        self, session_id: str, after: int = 0, limit: int = 500
+    ) -> dict[str, Any] | None:
+        """A session's row and its messages with transcript id > `after` (`messages`)."""
+        ...
+
+    async def delete_session(self, session_id: str) -> dict[str, Any]:
+        """Delete a session and all it owns; `status`: deleted, not_found or busy."""
+        ...
 
     async def replies_after(
         self, platform: str, chat_id: str, after: int, limit: int

@@ -4,11 +4,20 @@
                                              (503 + Retry-After while the gateway is busy
                                              or its store cannot write: nothing accepted)
     GET  /v1/chats/{chat_id}/messages        replies after a cursor (?after=SEQ&wait=SECONDS)
-    GET  /v1/sessions                        the gateway's session entries
+    GET  /v1/sessions                        the gateway's session entries, with titles
+    GET  /v1/sessions/{session_id}           one session and a page of its messages
+                                             (?after=MESSAGE_ID&limit=N)
+    DELETE /v1/sessions/{session_id}         delete it and all it owns (409 while its
+                                             turn runs)
+    GET  /v1/search?q=WORDS                  transcript search (&chat_id=C: only that
+                                             HTTP chat's sessions; &limit=N)
     GET  /healthz                            gateway health (never needs the token)
     GET  /metrics                            Prometheus text format
 
 With `platforms.http.token` set, `/v1/...` and `/metrics` need `Authorization: Bearer`.
+The API is the operator's (like `hermes-gateway sessions ...`): it lists, reads,
+searches and deletes the sessions of every platform; `chat_id` narrows a search to one
+HTTP chat, for a client that serves one.
 Replies are read from the gateway's delivery ledger (`GatewayHandle.replies_after`), so
 they survive restarts and their `seq` (the ledger id) only grows: a client's cursor
 stays valid across a gateway restart.
@@ -47,6 +56,8 @@ log = structlog.get_logger("adapters.http")
 MAX_WAIT_SECONDS = 60.0
 MAX_REPLIES_PER_POLL = 500
 MAX_SEQ = 2**63 - 1  # reply numbers are SQLite integers: 64-bit signed
+SEARCH_LIMIT, MAX_SEARCH_LIMIT = 20, 100
+SESSION_PAGE, MAX_SESSION_PAGE = 100, 500
 _MESSAGE_FIELDS = (
     "chat_id",
     "user_id",
@@ -123,6 +134,9 @@ class HttpAdapter(PlatformAdapter):
                 web.post("/v1/messages", self._post_message),
                 web.get("/v1/chats/{chat_id}/messages", self._get_replies),
                 web.get("/v1/sessions", self._get_sessions),
+                web.get("/v1/sessions/{session_id}", self._get_session),
+                web.delete("/v1/sessions/{session_id}", self._delete_session),
+                web.get("/v1/search", self._search),
                 web.get("/healthz", self._get_health),
                 web.get("/metrics", self._get_metrics),
             ]
@@ -301,6 +315,58 @@ class HttpAdapter(PlatformAdapter):
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
         return web.json_response({"sessions": await self.gateway.list_sessions()})
+
+    async def _get_session(self, request: web.Request) -> web.Response:
+        """A session and up to `limit` (1-500, default 100) of its messages after transcript
+        id `after`; `next` is the `after` of the following page."""
+        session_id = request.match_info["session_id"]
+        _check_id("session_id", session_id)
+        after = _int_param(request, "after", 0, 0, MAX_SEQ)
+        limit = _int_param(request, "limit", SESSION_PAGE, 1, MAX_SESSION_PAGE)
+        if self.gateway is None:
+            return _error(503, "the gateway is not ready")
+        session = await self.gateway.get_session(session_id, after, limit)
+        if session is None:
+            return _error(404, f"no session {session_id}")
+        messages = session["messages"]
+        session["next"] = messages[-1]["id"] if messages else after
+        return web.json_response(session)
+
+    async def _delete_session(self, request: web.Request) -> web.Response:
+        session_id = request.match_info["session_id"]
+        _check_id("session_id", session_id)
+        if self.gateway is None:
+            return _error(503, "the gateway is not ready")
+        done = await self.gateway.delete_session(session_id)
+        if done["status"] == "not_found":
+            return _error(404, f"no session {session_id}")
+        if done["status"] == "busy":
+            return _error(409, f"a turn is running in session {session_id}; try again later")
+        return web.json_response(
+            {key: done[key] for key in ("session_id", "session_key", "messages", "new_session_id")}
+        )
+
+    async def _search(self, request: web.Request) -> web.Response:
+        """Transcript search: `q` (any text), `chat_id` (one HTTP chat's sessions), `limit`
+        (1-100, default 20)."""
+        query = _query_value(request, "q")
+        if query is None:
+            raise BadRequest("query parameter q is required")
+        if not _is_encodable(query):
+            raise BadRequest("query parameter q contains an unpaired surrogate")
+        chat_id = _query_value(request, "chat_id")
+        if chat_id is not None:
+            _check_id("chat_id", chat_id)
+        limit = _int_param(request, "limit", SEARCH_LIMIT, 1, MAX_SEARCH_LIMIT)
+        if self.gateway is None:
+            return _error(503, "the gateway is not ready")
+        results = await self.gateway.search_sessions(
+            query,
+            platform=None if chat_id is None else self.platform.value,
+            chat_id=chat_id,
+            limit=limit,
+        )
+        return web.json_response({"results": results})
 
     async def _get_health(self, request: web.Request) -> web.Response:
         if self.gateway is None:

@@ -31,12 +31,14 @@ from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
 from gateway.ops.sdnotify import SystemdNotifier, run_watchdog
 from gateway.ops.service import add_service_parser
+from gateway.ops.sessions import add_sessions_subcommands, run_sessions_command
 from gateway.ops.status import add_status_parser
 from gateway.pairing import add_pairing_parser
 from gateway.store.db import DatabaseError
 from gateway.store.entries import load_session_row
 from gateway.store.homelock import HomeInUse, HomeLock
 from gateway.store.session_store import SessionStore
+from gateway.store.titles import titles_for
 from gateway.store.transcript import count_undone
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: drained for a restart; the service manager starts us again
@@ -190,20 +192,22 @@ def _entry_row(entry: Any) -> dict[str, Any]:
 
 async def _sessions_list(store: SessionStore, args: argparse.Namespace) -> int:
     entries = await store.list_sessions(active_minutes=args.active_minutes)
+    titles = await store.read(lambda conn: titles_for(conn, (e.session_id for e in entries)))
     rows = [_entry_row(e) for e in entries]
     if args.json:
-        print(json.dumps([e.to_dict() for e in entries], indent=2))
+        listed = [{**e.to_dict(), "title": titles[e.session_id]} for e in entries]
+        print(json.dumps(listed, indent=2))
         return 0
     if not rows:
         print("no sessions")
         return 0
-    print(f"{'UPDATED (UTC)':20} {'SESSION ID':25} {'TOKENS':>8}  KEY  [FLAGS]")
+    print(f"{'UPDATED (UTC)':20} {'SESSION ID':25} {'TOKENS':>8}  KEY  [FLAGS]  TITLE")
     for row in rows:
         updated = datetime.fromisoformat(row["updated_at"]).astimezone(UTC)
         flags = f"  [{row['flags']}]" if row["flags"] else ""
         print(
             f"{updated:%Y-%m-%d %H:%M:%S}  {row['session_id']:25} {row['total_tokens']:>8}"
-            f"  {row['session_key']}{flags}"
+            f"  {row['session_key']}{flags}  {titles[row['session_id']]}"
         )
     return 0
 
@@ -255,7 +259,9 @@ async def _sessions_show(store: SessionStore, args: argparse.Namespace) -> int:
 
 
 def cmd_sessions(args: argparse.Namespace, config: GatewayConfig) -> int:
-    handler = _sessions_list if args.sessions_command == "list" else _sessions_show
+    handler = {"list": _sessions_list, "show": _sessions_show}.get(
+        args.sessions_command, run_sessions_command
+    )
 
     async def run() -> int:
         async with SessionStore(sessions_dir(hermes_home()), config) as store:
@@ -346,6 +352,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = sessions_sub.add_parser("show", parents=[common], help="an entry and its transcript")
     show.add_argument("key_or_id", metavar="KEY_OR_ID")
     show.add_argument("--json", action="store_true")
+    add_sessions_subcommands(sessions_sub, [common])
     sessions.set_defaults(handler=cmd_sessions)
 
     add_doctor_parser(sub, [common])

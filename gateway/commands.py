@@ -1,4 +1,5 @@
-"""Chat commands: /new /reset /stop /queue /status /resume /retry /undo /help.
+"""Chat commands: /new /reset /stop /queue /status /resume /retry /undo /help, and the
+session memory commands /title /search /forget (issue 15).
 
 Each handler gets the runner and the event and returns the text to send back (or None
 when the command answers through a turn of its own, like /retry). Which `/words` are
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING
 from adapters.base import Accepted, AcceptStatus, MessageEvent
 from gateway.command_syntax import NAMES, Command
 from gateway.policy import next_reset_at
+from gateway.store import titles
 
 if TYPE_CHECKING:
     from gateway.run import GatewayRunner
@@ -82,8 +84,10 @@ async def cmd_status(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
         local = reset_at.astimezone(runner.config.tzinfo())
         reset_text = f"{local:%Y-%m-%d %H:%M %Z} (in {_age(max(reset_at - now, timedelta()))})"
     flags = [n for n in ("suspended", "resume_pending") if getattr(entry, n)]
+    title = await runner.store.read(lambda conn: titles.title_of(conn, entry.session_id))
     lines = [
         f"Session: {entry.session_id}",
+        f"Title: {titles.shown(title)}",
         f"Key: {key}",
         f"Age: {_age(now - entry.created_at)} (last active {_age(now - entry.updated_at)} ago)",
         f"Messages: {messages}",
@@ -108,22 +112,92 @@ async def cmd_resume(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
         ]
         if not history:
             return "No earlier sessions to resume."
-        lines = ["Earlier sessions (newest first); /resume SESSION_ID to switch:"]
+        lines = ["Earlier sessions (newest first); /resume SESSION_ID or TITLE to switch:"]
         for h in history:
-            title = f" — {h['title']}" if h["title"] else ""
             lines.append(
                 f"{h['session_id']}  {h['started_at']:%Y-%m-%d %H:%M} UTC"
-                f"  {h['message_count']} messages{title}"
+                f"  {h['message_count']} messages — {titles.shown(h['title'])}"
             )
         return "\n".join(lines)
     if runner.is_busy(key):
         return "A turn is running; /stop it first, then /resume."
-    switched = await runner.store.switch_session(key, cmd.args.split()[0])
+    target = cmd.args.split()[0]
+    if not await runner.store.read(lambda conn: titles.is_session_of(conn, key, target)):
+        # Not a session id of this chat: a title, or the unique start of one.
+        found = await runner.store.read(lambda conn: titles.find(conn, key, cmd.args))
+        if len(found) != 1:
+            return _title_matches(cmd.args, found)
+        target = found[0][0]
+    switched = await runner.store.switch_session(key, target)
     if switched is None:
-        return f"No earlier session {cmd.args.split()[0]} in this chat. /resume lists them."
+        return f"No earlier session {target} in this chat. /resume lists them."
     await runner.agents.evict(key)
     count = await runner.store.count_messages(switched.session_id)
     return f"Resumed session {switched.session_id} ({count} messages)."
+
+
+def _title_matches(asked: str, found: list[tuple[str, str]]) -> str:
+    if not found:
+        return f"No earlier session {asked} in this chat (by id or title). /resume lists them."
+    lines = [f"{len(found)} sessions match {asked!r}; /resume one of these ids:"]
+    lines += [f"{session_id}  {title}" for session_id, title in found]
+    return "\n".join(lines)
+
+
+async def cmd_title(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    entry = await runner.store.get_entry(key)
+    if entry is None:
+        return "No session yet. Say something to start one."
+    if not cmd.args:
+        title = await runner.store.read(lambda conn: titles.title_of(conn, entry.session_id))
+        return f"Title: {titles.shown(title)}. /title TEXT renames this session."
+    title = titles.clean_title(cmd.args)
+    if not title:
+        return "Usage: /title TEXT (a name for this session)"
+    await runner.store.write(lambda conn: titles.rename(conn, entry.session_id, title))
+    return f"Renamed this session to {title!r}."
+
+
+async def cmd_search(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    if not cmd.args:
+        return "Usage: /search WORDS (searches this chat's sessions; WORD* finds by prefix)"
+    # This chat's sessions only: the key scopes the search, never another chat or user.
+    hits = await runner.search_sessions(cmd.args, session_key=key, limit=5)
+    if not hits:
+        return f"Nothing found for {cmd.args!r} in this chat's sessions."
+    entry = await runner.store.get_entry(key)
+    current = entry.session_id if entry else None
+    lines = [f"Found in this chat ({len(hits)} newest):"]
+    for n, hit in enumerate(hits, 1):
+        where = "this session" if hit["session_id"] == current else f"/resume {hit['session_id']}"
+        lines += [
+            f"{n}. {hit['title']} — {hit['timestamp'][:10]} ({hit['role']}) · {where}",
+            f"   {hit['snippet']}",
+        ]
+    return "\n".join(lines)
+
+
+async def cmd_forget(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    entry = await runner.store.get_entry(key)
+    if entry is None:
+        return "No session yet, nothing to forget."
+    if runner.is_busy(key):
+        return "A turn is running; /stop it first, then /forget."
+    if cmd.args.lower() != "yes":
+        count = await runner.store.count_messages(entry.session_id)
+        title = await runner.store.read(lambda conn: titles.title_of(conn, entry.session_id))
+        return (
+            f"This deletes the current session ({titles.shown(title)!r}, {count} messages) "
+            "for good: its messages, search entries and everything else kept of it. "
+            "Send /forget yes to do it."
+        )
+    done = await runner.delete_session(entry.session_id)
+    if done["status"] == "busy":
+        return "A turn is running; /stop it first, then /forget."
+    if done["status"] != "deleted":
+        return "That session is gone already."
+    # The reply names no id or title: it is kept in the delivery ledger afterwards.
+    return f"Forgot this session ({done['messages']} messages). Your next message starts anew."
 
 
 async def cmd_retry(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
@@ -179,6 +253,9 @@ HANDLERS: dict[str, Handler] = {
     "undo": cmd_undo,
     "help": cmd_help,
     "restart": cmd_restart,
+    "title": cmd_title,
+    "search": cmd_search,
+    "forget": cmd_forget,
 }
 assert HANDLERS.keys() == NAMES, "every command word has exactly one handler"
 HELP_TEXT = """Commands:
@@ -186,7 +263,10 @@ HELP_TEXT = """Commands:
 /stop — cancel the running reply, clear the queue; the next message starts fresh
 /queue TEXT (/q) — run TEXT as its own turn after the current one
 /status — session id, age, messages, tokens, queue, next automatic reset
-/resume [SESSION_ID] — list earlier sessions of this chat, or switch back to one
+/resume [SESSION_ID or TITLE] — list earlier sessions of this chat, or switch back to one
+/title [TEXT] — show or rename this session's title
+/search WORDS — find messages in this chat's sessions (WORD* by prefix)
+/forget — delete this session for good (asks first: /forget yes)
 /retry — ask again: re-run your last message
 /undo [N] — take back your last N messages and their replies
 /restart — restart the gateway (admins only)

@@ -55,6 +55,7 @@ from gateway.session import (
     validate_chat_id,
     validate_id,
 )
+from gateway.session_ops import SessionOps
 from gateway.store.outage import StoreUnwritable
 from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog, TurnStart
@@ -80,7 +81,9 @@ class TurnOutcome:
         return cls(reply=None, text=text, status=status)
 
 
-class GatewayRunner:
+class GatewayRunner(SessionOps):
+    """(`SessionOps`: list, search, read and delete stored sessions.)"""
+
     def __init__(
         self,
         config: GatewayConfig,
@@ -585,9 +588,6 @@ class GatewayRunner:
         self._housekeeper.send_pending_soon()
 
     # --- GatewayHandle (what adapters may ask) --------------------------------------------
-
-    async def list_sessions(self) -> list[dict[str, Any]]:
-        return [entry.to_dict() for entry in await self.store.list_sessions()]
 
     async def replies_after(
         self, platform: str, chat_id: str, after: int, limit: int

@@ -23,8 +23,9 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 from urllib.parse import quote
 
 import structlog
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from gateway.store.db import Database
 
 log = structlog.get_logger("gateway.store.fts")
+T = TypeVar("T")
 
 SEARCH_DB = "search.db"
 ROUND_LIMIT = 20_000  # log entries applied per transaction
@@ -142,6 +144,16 @@ class FtsIndexer(ThreadedSqliteTask):
             total += count
             if done:
                 return total
+
+    async def query(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`fn` on search.db (state.db attached read-only as `st`), on the worker thread,
+        once the index has caught up with everything committed before the call (the
+        searches of `gateway.store.search`)."""
+        await self.catch_up()
+        async with self._lock:
+            if self._conn is None:
+                self._conn = await self._in_thread(connect, self.path, self.db.path)
+            return await self._in_thread(fn, self._conn)
 
     def start(self) -> None:
         self._start(self._run(), "fts-indexer")

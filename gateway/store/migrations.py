@@ -15,7 +15,7 @@ from typing import Any
 from gateway.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -180,6 +180,20 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     # table written only when one of those changes. Python, not SQL: SQLite's date
     # functions keep milliseconds, and the entries' ISO times carry microseconds.
     7: lambda conn: _split_entries(conn),
+    # Issue 15: titles. A turn titles its session from the first user message
+    # (gateway.store.titles.make_title); sessions from before get theirs here, by the same
+    # rule: the first 40 characters, CR dropped, LF a space, trimmed, "..." when cut.
+    8: """
+    UPDATE sessions SET title = (
+        SELECT trim(replace(replace(substr(t, 1, 40), char(13), ''), char(10), ' '),
+                    ' ' || char(9, 10, 13))
+               || CASE WHEN length(t) > 40 THEN '...' ELSE '' END
+        FROM (SELECT trim(m.content, ' ' || char(9, 10, 13)) AS t FROM messages m
+              WHERE m.session_id = sessions.session_id AND m.active = 1 AND m.role = 'user'
+              ORDER BY m.id LIMIT 1)
+        WHERE t != ''
+    ) WHERE title IS NULL;
+    """,
 }
 
 #: the hot row's columns after session_key, in the order `_hot_values` gives them

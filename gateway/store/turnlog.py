@@ -25,7 +25,7 @@ import structlog
 from adapters.base import MessageEvent
 from gateway.faults import crash_point
 from gateway.session import SessionEntry, SessionSource, TokenUsage
-from gateway.store import entries, journal, transcript
+from gateway.store import entries, journal, titles, transcript
 from gateway.store.session_store import SessionStore
 
 log = structlog.get_logger("gateway.store.turnlog")
@@ -135,6 +135,11 @@ class TurnLog:
                 return TurnStart(entry, history, True, resumed_text, fresh, minute)
             history = transcript.load_recent(conn, entry.session_id, limit)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
+            if not history:
+                # The session's first user message titles it (issue 15): decided from the
+                # history this transaction read anyway, so a turn that continues a session
+                # costs no statement; the UPDATE keeps a title already set (/title).
+                titles.set_first_title(conn, entry.session_id, text)
             journal.start_turn(
                 conn,
                 session_key=session_key,

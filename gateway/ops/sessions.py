@@ -1,0 +1,133 @@
+"""`hermes-gateway sessions search | export | delete`: the operator's view of every
+session's transcript (issue 15). `list` and `show` live in `gateway.cli`.
+
+These open the store like `sessions list` does, beside a running daemon or without one:
+SQLite serialises the writes, and a delete is refused while a turn marker (`turns`)
+names the session, which the daemon writes in the transaction that starts a turn.
+Exit codes: 0 done, 1 no such session, refused, or nothing found to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from gateway.store import archive, purge, search
+from gateway.store.session_store import SessionStore
+
+FORMATS = ("json", "markdown")
+
+
+def add_sessions_subcommands(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
+    found = sub.add_parser("search", parents=parents, help="search every session's transcript")
+    found.add_argument("query", nargs="+", metavar="QUERY", help="words (WORD* by prefix)")
+    found.add_argument("--platform", default=None, help="only sessions started on it")
+    found.add_argument("--user", default=None, help="only sessions started by this user id")
+    found.add_argument("--limit", type=_positive, default=20, help="at most N hits (20)")
+    found.add_argument("--json", action="store_true")
+    export = sub.add_parser("export", parents=parents, help="one session and all its messages")
+    export.add_argument("session_id", metavar="SESSION_ID")
+    export.add_argument("--format", choices=FORMATS, default="json")
+    export.add_argument("-o", "--output", type=Path, default=None, help="file (default stdout)")
+    delete = sub.add_parser("delete", parents=parents, help="delete a session and all it owns")
+    delete.add_argument("session_id", metavar="SESSION_ID")
+    delete.add_argument("--yes", action="store_true", help="do not ask")
+
+
+def _positive(text: str) -> int:
+    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= search.MAX_RESULTS:
+        raise argparse.ArgumentTypeError(f"must be a whole number 1-{search.MAX_RESULTS}")
+    return int(text)
+
+
+async def run_sessions_command(store: SessionStore, args: argparse.Namespace) -> int:
+    handlers = {"search": _search, "export": _export, "delete": _delete}
+    return await handlers[args.sessions_command](store, args)
+
+
+async def _search(store: SessionStore, args: argparse.Namespace) -> int:
+    text = " ".join(args.query)
+    scope = search.Scope(platform=args.platform, user_id=args.user)
+    hits = await store.search_index.query(lambda conn: search.search(conn, text, scope, args.limit))
+    if args.json:
+        print(json.dumps(hits, indent=2, ensure_ascii=False))
+        return 0
+    if not hits:
+        print(f"nothing found for {text!r}")
+        return 0
+    for hit in hits:
+        when = datetime.fromisoformat(hit["timestamp"]).astimezone(UTC)
+        print(f"{when:%Y-%m-%d %H:%M}  {hit['session_id']}  {hit['title']}")
+        print(f"    [{hit['role']}] {hit['snippet']}")
+        print(f"    {hit['session_key']}  (message {hit['message_id']})")
+    return 0
+
+
+async def _export(store: SessionStore, args: argparse.Namespace) -> int:
+    doc = await store.read(lambda conn: archive.export_session(conn, args.session_id))
+    if doc is None:
+        print(f"no session {args.session_id!r}", file=sys.stderr)
+        return 1
+    if args.format == "json":
+        text = json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+    else:
+        text = archive.to_markdown(doc)
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    await asyncio.to_thread(_write_private, args.output, text)
+    print(f"exported {len(doc['messages'])} messages to {args.output}", file=sys.stderr)
+    return 0
+
+
+async def _delete(store: SessionStore, args: argparse.Namespace) -> int:
+    session_id = args.session_id
+    meta = await store.read(lambda conn: archive.session_meta(conn, session_id))
+    if meta is None:
+        print(f"no session {session_id!r}", file=sys.stderr)
+        return 1
+    if not args.yes and not _confirmed(meta):
+        print("not deleted (pass --yes to delete without asking)", file=sys.stderr)
+        return 1
+    now = datetime.now(UTC)
+    try:
+        done = await store.write(lambda conn: purge.delete_session(conn, session_id, now))
+    except purge.SessionBusy:
+        print(
+            f"session {session_id} has a turn running (or interrupted, to be re-run at the "
+            "next start); not deleted, try again once it finished",
+            file=sys.stderr,
+        )
+        return 1
+    if done is None:
+        print(f"no session {session_id!r}", file=sys.stderr)
+        return 1
+    # Let search.db forget the messages now, not at the daemon's next round.
+    await store.search_index.catch_up()
+    print(f"deleted session {session_id} ({done['messages']} messages)")
+    if done["new_session_id"] is not None:
+        print(f"{done['session_key']} now continues in a new session {done['new_session_id']}")
+    return 0
+
+
+def _write_private(path: Path, text: str) -> None:
+    # A transcript is private: the file is the owner's alone, like state.db.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with open(fd, "w", encoding="utf-8") as out:
+        out.write(text)
+
+
+def _confirmed(meta: dict[str, Any]) -> bool:
+    if not sys.stdin.isatty():
+        return False
+    answer = input(
+        f"Delete session {meta['session_id']} ({meta['title']!r}, {meta['session_key']}) "
+        "and all its messages for good? [y/N] "
+    )
+    return answer.strip().lower() in ("y", "yes")

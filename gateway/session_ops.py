@@ -1,0 +1,89 @@
+"""What the runner offers on stored sessions besides turns (issue 15): list with titles,
+search transcripts, read one session, delete one. The HTTP API reaches these through
+`adapters.base.GatewayHandle`; the chat commands /search and /forget through the runner.
+
+A mixin of `GatewayRunner` (it needs the runner's store, busy sessions and agent cache)
+kept in a file of its own so the runner's file stays about turns.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from gateway.store import archive, purge, search, titles
+
+if TYPE_CHECKING:
+    from gateway.agents.cache import AgentCache
+    from gateway.store.session_store import SessionStore
+
+SEARCH_DEFAULT_LIMIT = 5
+
+
+class SessionOps:
+    """Mixed into `GatewayRunner`; uses its `store`, `agents` and `is_busy`."""
+
+    store: SessionStore
+    agents: AgentCache
+
+    def is_busy(self, key: str) -> bool:
+        raise NotImplementedError  # GatewayRunner's own
+
+    async def list_sessions(self) -> list[dict[str, Any]]:
+        """Every routing entry (`SessionEntry.to_dict()`) with its session's `title`."""
+        listed = await self.store.list_sessions()
+        shown = await self.store.read(
+            lambda conn: titles.titles_for(conn, (e.session_id for e in listed))
+        )
+        return [{**e.to_dict(), "title": shown[e.session_id]} for e in listed]
+
+    async def search_sessions(
+        self,
+        query: str,
+        *,
+        session_key: str | None = None,
+        platform: str | None = None,
+        chat_id: str | None = None,
+        limit: int = SEARCH_DEFAULT_LIMIT,
+    ) -> list[dict[str, Any]]:
+        """Transcript hits, newest first (`gateway.store.search.search`), within the scope:
+        one chat's key, or one platform's chat, or (all None) every session."""
+        scope = search.Scope(session_key=session_key, platform=platform, chat_id=chat_id)
+        return await self.store.search_index.query(
+            lambda conn: search.search(conn, query, scope, limit)
+        )
+
+    async def get_session(
+        self, session_id: str, after: int = 0, limit: int = archive.PAGE_MAX
+    ) -> dict[str, Any] | None:
+        """One session's row and a page of its messages; None when unknown."""
+
+        def read(conn: Any) -> dict[str, Any] | None:
+            meta = archive.session_meta(conn, session_id)
+            if meta is None:
+                return None
+            return {**meta, "messages": archive.messages_page(conn, session_id, after, limit)}
+
+        return await self.store.read(read)
+
+    async def delete_session(self, session_id: str) -> dict[str, Any]:
+        """Delete a session and all it owns (`gateway.store.purge`). `status` is
+        `deleted`, `not_found`, or `busy` (a turn runs in it: nothing was deleted)."""
+        meta = await self.store.read(lambda conn: archive.session_meta(conn, session_id))
+        if meta is None:
+            return {"status": "not_found", "session_id": session_id}
+        key = meta["session_key"]
+        entry = await self.store.get_entry(key)
+        busy = {"status": "busy", "session_id": session_id, "session_key": key}
+        if entry is not None and entry.session_id == session_id and self.is_busy(key):
+            return busy
+        now = datetime.now(UTC)
+        try:
+            done = await self.store.write(lambda conn: purge.delete_session(conn, session_id, now))
+        except purge.SessionBusy:
+            return busy
+        if done is None:
+            return {"status": "not_found", "session_id": session_id}
+        if done["new_session_id"] is not None:
+            await self.agents.evict(key)  # its context held the deleted messages
+        return {"status": "deleted", **done}

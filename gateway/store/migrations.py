@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sqlite3
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 _MIGRATIONS: dict[int, str] = {
@@ -166,6 +166,19 @@ _MIGRATIONS: dict[int, str] = {
     # (a SessionSource as JSON; on Discord and Slack the DM's id is not the user's).
     6: """
     ALTER TABLE pairing_codes ADD COLUMN target TEXT;
+    """,
+    # issue 15: summary checkpoints
+    # One per session (gateway.store.summary_checkpoints): the rolling summary of its
+    # active messages up to covered_up_to, written by compare-and-swap on epoch.
+    7: """
+    CREATE TABLE summary_checkpoints (
+        session_id    TEXT PRIMARY KEY REFERENCES sessions(session_id) ON DELETE CASCADE,
+        epoch         INTEGER NOT NULL,
+        covered_up_to INTEGER NOT NULL DEFAULT 0,
+        summary       TEXT,
+        messages      INTEGER NOT NULL DEFAULT 0,
+        updated_at    REAL NOT NULL
+    ) WITHOUT ROWID;
     """,
 }
 

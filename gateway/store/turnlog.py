@@ -23,9 +23,10 @@ from typing import Any
 import structlog
 
 from adapters.base import MessageEvent
+from gateway.context.strategy import Loaded, Plan
 from gateway.faults import crash_point
 from gateway.session import SessionEntry, SessionSource, TokenUsage
-from gateway.store import entries, journal, transcript
+from gateway.store import entries, journal, transcript, turn_context
 from gateway.store.session_store import SessionStore
 
 log = structlog.get_logger("gateway.store.turnlog")
@@ -34,17 +35,23 @@ log = structlog.get_logger("gateway.store.turnlog")
 @dataclass(frozen=True, slots=True)
 class TurnStart:
     entry: SessionEntry
-    history: list[dict[str, Any]]
+    history: list[dict[str, Any]]  # the transcript rows read (context.messages)
     resumed: bool  # a re-run after a restart: the user message was stored before
     text: str  # the user message as stored (what the agent is asked)
     stored: str | None = None  # the entry's JSON as stored, when the turn did not save it
     inbox_id: int | None = None  # set when the message was accepted in the same transaction
+    context: Loaded = Loaded()  # what the context strategy read (rows, summary checkpoint)
 
 
 class TurnLog:
-    def __init__(self, store: SessionStore, history_limit: int = 100) -> None:
+    def __init__(
+        self, store: SessionStore, history_limit: int = 100, plan: Plan | None = None
+    ) -> None:
         self.store = store
         self.history_limit = history_limit
+        # What `begin` reads of the transcript (gateway.context.strategy); by default the
+        # newest `history_limit` messages.
+        self.plan = plan or Plan.newest(history_limit)
 
     async def accept(
         self, event: MessageEvent, session_key: str, kind: str, *, done: bool = False
@@ -111,7 +118,7 @@ class TurnLog:
         if event.message_id:
             user_message["message_id"] = event.message_id
         now = time.time()
-        limit = self.history_limit
+        plan = self.plan
 
         def tx(conn: sqlite3.Connection, inbox_ids: list[int]) -> TurnStart:
             entry, stored = route(conn)
@@ -121,14 +128,16 @@ class TurnLog:
                 and marker["session_id"] == entry.session_id
                 and marker["user_message_id"] is not None
             ):
-                history = transcript.load_recent(
-                    conn, entry.session_id, limit, before=marker["user_message_id"]
+                loaded = turn_context.load(
+                    conn, entry.session_id, plan, before=marker["user_message_id"]
                 )
                 asked = transcript.load_row(conn, marker["user_message_id"])
                 content = asked.get("content") if asked else None
                 resumed_text = content if isinstance(content, str) else text
-                return TurnStart(entry, history, True, resumed_text, stored)
-            history = transcript.load_recent(conn, entry.session_id, limit)
+                history = list(loaded.messages)
+                return TurnStart(entry, history, True, resumed_text, stored, context=loaded)
+            loaded = turn_context.load(conn, entry.session_id, plan)
+            history = list(loaded.messages)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
             journal.start_turn(
                 conn,
@@ -139,7 +148,7 @@ class TurnLog:
                 event=record,
                 now=now,
             )
-            return TurnStart(entry, history, False, text, stored)
+            return TurnStart(entry, history, False, text, stored, context=loaded)
 
         return tx
 

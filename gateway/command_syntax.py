@@ -11,7 +11,20 @@ from dataclasses import dataclass
 
 #: every command word the gateway answers (`gateway.commands.HANDLERS` has one each)
 NAMES = frozenset(
-    {"new", "reset", "stop", "queue", "q", "status", "resume", "retry", "undo", "help", "restart"}
+    {
+        "new",
+        "reset",
+        "stop",
+        "queue",
+        "q",
+        "status",
+        "resume",
+        "retry",
+        "undo",
+        "compress",
+        "help",
+        "restart",
+    }
 )
 QUEUE_COMMANDS = frozenset({"queue", "q"})
 #: The commands that answer through a turn of their own; the others stop, inspect or

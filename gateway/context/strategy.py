@@ -77,15 +77,19 @@ class Loaded:
     full: bool = False  # the read hit its row limit: older unsummarized rows exist
 
 
-@dataclass(slots=True)
+NOTHING_LOADED = Loaded()
+
+
+@dataclass(frozen=True, slots=True)
 class Prepared:
-    """A turn's history as sent, and what it cost (estimated, uncalibrated tokens)."""
+    """A turn's history as sent, and what it weighs (estimated, uncalibrated tokens)."""
 
     history: tuple[dict[str, Any], ...]
-    sent_tokens: int  # system prompt + history + user text
+    sent_tokens: int  # system prompt + summary + history sent + user text
+    system_tokens: int
+    fixed_tokens: int  # system prompt + summary: what every turn of the session carries
     unsummarized_tokens: int  # every loaded row, sent or not, + the user text
     dropped: int  # loaded rows that did not fit
-    summary_tokens: int = 0
 
 
 def units(messages: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
@@ -129,19 +133,21 @@ def summary_message(summary: str) -> dict[str, Any]:
 def prepare(
     plan: Plan, loaded: Loaded, *, system_prompt: str, text: str, factor: float = 1.0
 ) -> Prepared:
-    """The history to send: fitted to the budget by the calibrated estimate."""
-    fixed = message_tokens({"content": system_prompt}) + message_tokens({"content": text})
+    """The history to send: the summary (if any), then the newest whole units of the
+    loaded rows that fit what the budget leaves (by the calibrated estimate)."""
+    system = message_tokens({"content": system_prompt}) if system_prompt else 0
+    asked = message_tokens({"content": text})
     summary = summary_message(loaded.summary) if loaded.summary else None
-    summary_tokens = message_tokens(summary) if summary is not None else 0
+    fixed = system + (message_tokens(summary) if summary is not None else 0)
     costs = [message_tokens(m) for m in loaded.messages]
-    room = int(plan.budget / factor) - fixed - summary_tokens
+    room = int(plan.budget / factor) - fixed - asked
     start = fit_suffix(loaded.messages, costs, room) if room > 0 else len(costs)
     kept = loaded.messages[start:]
-    history = (summary, *kept) if summary is not None else kept
     return Prepared(
-        history=tuple(history),
-        sent_tokens=fixed + summary_tokens + sum(costs[start:]),
-        unsummarized_tokens=sum(costs) + message_tokens({"content": text}),
+        history=(summary, *kept) if summary is not None else tuple(kept),
+        sent_tokens=fixed + asked + sum(costs[start:]),
+        system_tokens=system,
+        fixed_tokens=fixed,
+        unsummarized_tokens=sum(costs) + asked,
         dropped=start,
-        summary_tokens=summary_tokens,
     )

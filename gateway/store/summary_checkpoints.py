@@ -74,7 +74,8 @@ def on_rewind(conn: sqlite3.Connection, session_id: str, first_undone: int, now:
     conn.execute(
         "INSERT INTO summary_checkpoints (session_id, epoch, covered_up_to, summary, messages,"
         " updated_at) VALUES (?, 1, 0, NULL, 0, ?)"
-        " ON CONFLICT (session_id) DO UPDATE SET epoch = epoch + 1, updated_at = excluded.updated_at,"
+        " ON CONFLICT (session_id) DO UPDATE SET epoch = epoch + 1,"
+        " updated_at = excluded.updated_at,"
         " covered_up_to = CASE WHEN covered_up_to >= ? THEN 0 ELSE covered_up_to END,"
         " summary = CASE WHEN covered_up_to >= ? THEN NULL ELSE summary END,"
         " messages = CASE WHEN covered_up_to >= ? THEN 0 ELSE messages END",

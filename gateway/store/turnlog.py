@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 
 from adapters.base import MessageEvent
-from gateway.context.strategy import Loaded, Plan
+from gateway.context.strategy import NOTHING_LOADED, Loaded, Plan
 from gateway.faults import crash_point
 from gateway.session import SessionEntry, SessionSource, TokenUsage
 from gateway.store import entries, journal, transcript, turn_context
@@ -40,7 +40,7 @@ class TurnStart:
     text: str  # the user message as stored (what the agent is asked)
     stored: str | None = None  # the entry's JSON as stored, when the turn did not save it
     inbox_id: int | None = None  # set when the message was accepted in the same transaction
-    context: Loaded = Loaded()  # what the context strategy read (rows, summary checkpoint)
+    context: Loaded = NOTHING_LOADED  # what the context strategy read (rows, summary checkpoint)
 
 
 class TurnLog:

@@ -21,7 +21,7 @@ MESSAGE_OVERHEAD = 4  # role and separators, per message (as chat templates add 
 # wild one is a backend that does not count (echo counts words): bounded both ways.
 MIN_SAMPLE_TOKENS = 64
 MIN_FACTOR, MAX_FACTOR = 0.5, 3.0
-SMOOTHING = 0.5  # weight of the newest observation
+SMOOTHING = 0.5  # weight of a newest observation below the factor
 
 
 def text_tokens(text: str) -> int:
@@ -64,7 +64,10 @@ class Calibration:
             return self.factor(session_id)
         old = self.factor(session_id)
         seen = reported / raw_estimate
-        new = min(MAX_FACTOR, max(MIN_FACTOR, (1 - SMOOTHING) * old + SMOOTHING * seen))
+        # Up at once, down slowly: an estimate too low overflows the model's window, one
+        # too high only sends a little less history.
+        new = seen if seen > old else old + SMOOTHING * (seen - old)
+        new = min(MAX_FACTOR, max(MIN_FACTOR, new))
         self._factors[session_id] = new
         self._factors.move_to_end(session_id)
         while len(self._factors) > self.max_sessions:

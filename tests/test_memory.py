@@ -92,8 +92,7 @@ class Gateway:
         sid = await self.session_id()
         rows = await self.runner.store.read(
             lambda conn: conn.execute(
-                "SELECT id, message FROM messages WHERE session_id = ? AND active = 1"
-                " ORDER BY id",
+                "SELECT id, message FROM messages WHERE session_id = ? AND active = 1 ORDER BY id",
                 (sid,),
             ).fetchall()
         )

@@ -56,8 +56,11 @@ def test_bench_gateway_quick_runs_and_prints_its_table() -> None:
 @pytest.mark.timeout(120)
 def test_bench_context_runs_and_prints_each_case() -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_context.py"), "--messages", "500"]
-        + ["--runs", "5"],
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_context.py"),
+            *("--messages", "500", "--runs", "5"),
+        ],
         cwd=ROOT,
         capture_output=True,
         text=True,

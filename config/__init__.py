@@ -4,6 +4,7 @@ from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
 from config.schema import (
     AgentConfig,
     ChatPlatformConfig,
+    ContextConfig,
     DiscordConfig,
     GatewayConfig,
     HousekeepingConfig,
@@ -25,6 +26,7 @@ __all__ = [
     "AgentConfig",
     "ChatPlatformConfig",
     "ConfigError",
+    "ContextConfig",
     "DiscordConfig",
     "GatewayConfig",
     "HousekeepingConfig",

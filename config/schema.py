@@ -16,7 +16,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 _MODEL_CONFIG = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -46,6 +46,37 @@ class ResetByType(BaseModel):
     thread: SessionResetPolicy | None = None
 
 
+class ContextConfig(BaseModel):
+    """What a turn sends the model of its session's transcript (`agent.context`).
+
+    The transcript keeps every message; the strategy decides what is loaded. ``window``:
+    the newest messages that fit the token budget, at most ``max_messages``. ``summary``:
+    the session's latest rolling summary (one system message) plus the messages after
+    it, newest first as they fit; a summary is rewritten in the background when the
+    unsummarized part passes ``trigger_ratio`` of the budget, condensing the oldest
+    messages until it is at most ``target_ratio``. Either way `agent.history_limit` is
+    the hard cap on transcript rows a turn reads."""
+
+    model_config = _MODEL_CONFIG
+
+    strategy: Literal["window", "summary"] = "summary"
+    # The model's context size in tokens (estimated: about 4 characters a token,
+    # calibrated per session by the prompt_tokens the model reports).
+    window_tokens: int = Field(default=32000, ge=512)
+    max_messages: int = Field(default=40, ge=1)  # window strategy: at most this many
+    min_messages: int = Field(default=4, ge=1)  # summary: unsummarized messages to start
+    trigger_ratio: float = Field(default=0.80, gt=0, le=1)
+    target_ratio: float = Field(default=0.50, gt=0, lt=1)
+
+    @field_validator("target_ratio")
+    @classmethod
+    def _below_trigger(cls, value: float, info: ValidationInfo) -> float:
+        trigger = info.data.get("trigger_ratio")
+        if trigger is not None and value >= trigger:
+            raise ValueError(f"must be below trigger_ratio ({trigger:g})")
+        return value
+
+
 _FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
 
@@ -71,7 +102,9 @@ class AgentConfig(BaseModel):
     options: dict[str, Any] = Field(default_factory=dict)
     # How many of the latest transcript messages a turn hands the agent as history; the
     # whole transcript stays stored. Bounds the per-turn cost of long conversations.
+    # It is the hard cap whatever `context.strategy` says (window: min(max_messages, it)).
     history_limit: int = Field(default=100, ge=0)
+    context: ContextConfig = ContextConfig()
     # Per-session agent instances are cached (LRU) to keep prompt caches warm.
     cache_max_size: int = Field(default=128, ge=1)
     cache_idle_ttl_seconds: float = Field(default=3600.0, gt=0)

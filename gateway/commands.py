@@ -1,5 +1,5 @@
 """Chat commands: /new /reset /stop /queue /status /resume /retry /undo /help, and the
-session memory commands /title /search /forget (issue 15).
+session memory commands /title /search /forget /compress (issue 15).
 
 Each handler gets the runner and the event and returns the text to send back (or None
 when the command answers through a turn of its own, like /retry). Which `/words` are
@@ -235,6 +235,28 @@ async def cmd_undo(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Co
     )
 
 
+async def cmd_compress(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    """Condense the session's unsummarized messages into its rolling summary now."""
+    if runner.is_busy(key):
+        return "A turn is running in this session; /compress once it has answered."
+    entry = await runner.store.get_entry(key)
+    if entry is None:
+        return "No session yet, nothing to compress."
+    if runner.memory.plan.strategy != "summary":
+        return (
+            "This agent sends the newest messages that fit (agent.context.strategy: window);"
+            " /compress needs the summary strategy."
+        )
+    done = await runner.memory.compress(key, entry.session_id, cmd.args or None)
+    if done is None:
+        return "The gateway is stopping; nothing was condensed."
+    if done.stale:
+        return "The conversation changed while it was condensed (/undo?); try /compress again."
+    if not done.messages:
+        return "Nothing to condense: every message is in the summary already."
+    return f"Condensed {done.messages:,} messages into {done.chars:,} characters."
+
+
 async def cmd_help(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
     return HELP_TEXT
 
@@ -251,6 +273,7 @@ HANDLERS: dict[str, Handler] = {
     "resume": cmd_resume,
     "retry": cmd_retry,
     "undo": cmd_undo,
+    "compress": cmd_compress,
     "help": cmd_help,
     "restart": cmd_restart,
     "title": cmd_title,
@@ -269,6 +292,7 @@ HELP_TEXT = """Commands:
 /forget — delete this session for good (asks first: /forget yes)
 /retry — ask again: re-run your last message
 /undo [N] — take back your last N messages and their replies
+/compress [FOCUS] — condense this session's history into its summary now
 /restart — restart the gateway (admins only)
 /help — this list
 Messages sent while a reply is running are combined into the next turn."""

@@ -33,9 +33,11 @@ from gateway import command_syntax, commands
 from gateway.agents.backends import agent_signature, build_agent_factory, describe_backend
 from gateway.agents.cache import AgentCache
 from gateway.agents.protocol import AgentError, AgentFactory, TurnRequest
+from gateway.context.strategy import Plan
 from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
 from gateway.housekeeping import Housekeeper
+from gateway.memory.summaries import Memory
 from gateway.ops.logs import TurnLine
 from gateway.ops.metrics import Metrics
 from gateway.ops.status import keep_status, write_status
@@ -98,7 +100,8 @@ class GatewayRunner(SessionOps):
         # Not `is_busy`: the turn that asks for its session is itself the busy worker, and
         # that must not block the reset policy. The watcher skips busy keys on its own.
         self.store = SessionStore(self.home / "sessions", config)
-        self.turnlog = TurnLog(self.store, history_limit=config.agent.history_limit)
+        plan = Plan.from_config(config.agent)  # what a turn loads (agent.context)
+        self.turnlog = TurnLog(self.store, history_limit=config.agent.history_limit, plan=plan)
         self.recovery = Recovery(self)
         self.pairing = Pairing(self.store)
         self.agents = AgentCache(
@@ -106,6 +109,7 @@ class GatewayRunner(SessionOps):
             max_size=config.agent.cache_max_size,
             idle_ttl=config.agent.cache_idle_ttl_seconds,
         )
+        self.memory = Memory(self.store, plan, lambda key: self.agents.lease(key, self._signature))
         self.metrics = Metrics()
         self.delivery = Delivery(self.adapters, self.turnlog, self.metrics)
         self.finalize_hooks: list[FinalizeHook] = []
@@ -204,6 +208,7 @@ class GatewayRunner(SessionOps):
             except Exception:
                 log.exception("adapter_stop_failed", platform=adapter.platform.value)
         await self._housekeeper.stop()
+        await self.memory.close()  # summaries in flight: cancelled, none half written
         if self._status_task is not None:
             self._status_task.cancel()
             await asyncio.gather(self._status_task, return_exceptions=True)
@@ -442,16 +447,20 @@ class GatewayRunner(SessionOps):
                 log.info("turn_resumed", session_id=entry.session_id)
             elif begun.fresh and entry.was_auto_reset:
                 await self._log_reset(key, entry)
+            system_prompt = self._system_prompt(
+                build_session_context(
+                    source, self.config, entry, platforms=self._platforms, homes=self._homes
+                )
+            )
+            context = self.memory.prepare(
+                entry.session_id, begun.context, system_prompt, begun.text
+            )
             request = TurnRequest(
                 session_key=key,
                 session_id=entry.session_id,
                 text=begun.text,
-                history=tuple(begun.history),
-                system_prompt=self._system_prompt(
-                    build_session_context(
-                        source, self.config, entry, platforms=self._platforms, homes=self._homes
-                    )
-                ),
+                history=context.history,
+                system_prompt=system_prompt,
                 source=source,
             )
             typing = self.delivery.start_typing(source)
@@ -474,6 +483,9 @@ class GatewayRunner(SessionOps):
                 source, list(zip(ids, chunks, strict=True)), event.reply_to
             )
             turn.outcome = outcome.status
+            self.memory.after_turn(  # may start a summary, in the background
+                key, entry.session_id, begun.context, context, outcome.usage, outcome.reply
+            )
         except asyncio.CancelledError:
             turn.outcome = "cancelled"  # /stop, or a shutdown that could not wait
             raise

@@ -33,6 +33,7 @@ closed loop's chats); it neither decodes what it reads nor runs an agent.
     .venv/bin/python scripts/bench_gateway.py --quick          # 1k, seconds (the tests)
     .venv/bin/python scripts/bench_gateway.py --split          # also: where a turn's time goes
     .venv/bin/python scripts/bench_gateway.py --cold           # start-up as after a boot (root)
+    .venv/bin/python scripts/bench_gateway.py --strategy window  # the window context strategy
 
 Keys are random among the N sessions; a key with a message in flight is not picked again
 until its reply arrived, so every message gets its own turn and its own reply (two
@@ -198,6 +199,8 @@ def run_worker(home: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
         "--max-seconds",
         str(args.max_seconds),
         *(["--split"] if args.split else []),
+        "--strategy",
+        args.strategy,
     ]
     with log_path.open("wb") as log:
         code = subprocess.run(
@@ -459,6 +462,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="also time the store's transactions and SQLite's statements per turn (slower)",
     )
+    parser.add_argument(
+        "--strategy",
+        choices=("summary", "window"),
+        default="summary",
+        help="agent.context.strategy of the gateway under test (default: summary, the default)",
+    )
     parser.add_argument("--json", type=Path, help="also write all figures to this file")
     for hidden in ("--worker-home", "--worker-result"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
@@ -494,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         f"python {platform.python_version()}, {cpus} CPUs ({usable} usable by this process),"
         f" {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, load {os.getloadavg()[0]:.2f}"
     )
+    print(f"context strategy: {args.strategy} (--strategy; compare the two by cpu_us)")
     print(
         f"closed loop: {args.messages} messages, {args.concurrency} chats, {args.warmup} warm-up;"
         f" open loop: {args.open_messages} messages at {args.rate:g}/s;"

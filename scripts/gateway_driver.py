@@ -42,9 +42,12 @@ def source_for(i: int) -> SessionSource:
     )
 
 
-def gateway_config() -> GatewayConfig:
-    """Production defaults, the zero-config echo agent without delay."""
-    return GatewayConfig.model_validate({"agent": {"backend": "echo", "delay_seconds": 0}})
+def gateway_config(strategy: str = "summary") -> GatewayConfig:
+    """Production defaults, the zero-config echo agent without delay, and the context
+    strategy asked for (`agent.context.strategy`, by default the default: summary)."""
+    return GatewayConfig.model_validate(
+        {"agent": {"backend": "echo", "delay_seconds": 0, "context": {"strategy": strategy}}}
+    )
 
 
 def latency_stats(latencies: list[float]) -> dict[str, float]:
@@ -332,7 +335,8 @@ class Driver:
 
 async def run_gateway(home: Path, args: argparse.Namespace) -> dict[str, Any]:
     adapter = InProcessAdapter()
-    runner = GatewayRunner(gateway_config(), [adapter], agent_factory=None, home=home)
+    config = gateway_config(getattr(args, "strategy", "summary"))
+    runner = GatewayRunner(config, [adapter], agent_factory=None, home=home)
     driver = Driver(runner, adapter, args.worker_sessions)
     result: dict[str, Any] = {}
     try:

@@ -51,3 +51,29 @@ def test_bench_gateway_quick_runs_and_prints_its_table() -> None:
     assert 0 < sql_us <= store_us, split.group(0)
     assert float(statements) >= 8, split.group(0)
     assert "INSERT INTO messages" in out, out
+
+
+@pytest.mark.timeout(120)
+def test_bench_context_runs_and_prints_each_case() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_context.py"),
+            *("--messages", "500", "--runs", "5"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"{out}\n{proc.stderr}"
+    sent = {}
+    for case in ("window", "summary, none", "summary, checkpoint"):
+        line = next((line for line in out.splitlines() if line.startswith(case + " ")), None)
+        assert line is not None, out
+        sent[case] = int(line.split()[-1])
+    # What each strategy sends of the 500 messages: the window's 40, the summary's
+    # history_limit (100) before a checkpoint, and after one the summary + 60 newer.
+    assert sent == {"window": 40, "summary, none": 100, "summary, checkpoint": 61}
+    assert re.search(r"a turn's context loads in [\d.]+ ms", out), out

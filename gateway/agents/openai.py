@@ -1,7 +1,8 @@
 """The ``openai`` backend: any OpenAI-compatible ``POST {base_url}/chat/completions``.
 
 Works with OpenAI, Ollama, vLLM, llama.cpp and OpenRouter. No streaming and no tools:
-one request per turn. 429 and 5xx answers are retried twice, honouring ``Retry-After``.
+one request per turn, and one per rolling summary (`summarize`). 429 and 5xx answers
+are retried twice, honouring ``Retry-After``.
 The turn timeout is the runner's job, so requests have no total timeout here.
 """
 
@@ -16,7 +17,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
+from gateway.agents.protocol import AgentError, SummaryRequest, TurnRequest, TurnResult
+from gateway.context.condense import transcript_text
 from gateway.session import TokenUsage
 
 log = structlog.get_logger(__name__)
@@ -52,6 +54,31 @@ def build_messages(request: TurnRequest) -> list[dict[str, Any]]:
     return messages
 
 
+SUMMARY_INSTRUCTIONS = (
+    "You maintain the running summary of a conversation between a user and an assistant."
+    " Rewrite the summary so far to take in the new messages. Keep facts, names, numbers,"
+    " decisions, the user's preferences and open questions; drop small talk. Write plain"
+    " prose or short bullets, in the conversation's language, without any preamble."
+)
+
+
+def summary_messages(request: SummaryRequest) -> list[dict[str, Any]]:
+    """The chat request that asks the model for the updated summary."""
+    words = max(request.max_chars // 6, 50)
+    instructions = f"{SUMMARY_INSTRUCTIONS} Use at most {words} words."
+    if request.focus:
+        instructions += f" Focus on: {request.focus}"
+    parts = []
+    if request.previous:
+        parts.append(f"Summary so far:\n{request.previous}")
+    parts.append(f"New messages:\n{transcript_text(request.messages)}")
+    parts.append("Write the updated summary.")
+    return [
+        {"role": "system", "content": instructions},
+        {"role": "user", "content": "\n\n".join(parts)},
+    ]
+
+
 class OpenAIAgent:
     """Chat completions over aiohttp; one ClientSession per agent, opened on first use."""
 
@@ -71,7 +98,16 @@ class OpenAIAgent:
         self._host = urlsplit(base_url).netloc.rpartition("@")[2]  # for errors: no userinfo
 
     async def run_turn(self, request: TurnRequest) -> TurnResult:
-        body = {"model": self.model, "messages": build_messages(request)}
+        return await self._complete({"model": self.model, "messages": build_messages(request)})
+
+    async def summarize(self, request: SummaryRequest) -> str:
+        """The rolling summary, rewritten by the model to take in `request.messages`."""
+        result = await self._complete(
+            {"model": self.model, "messages": summary_messages(request), "temperature": 0}
+        )
+        return result.text.strip()[: request.max_chars]
+
+    async def _complete(self, body: dict[str, Any]) -> TurnResult:
         for attempt in range(len(self._backoff) + 1):
             status, headers, payload = await self._post(body)
             retryable = status == 429 or status >= 500

@@ -2,7 +2,9 @@
 
 An agent is any object with ``async run_turn(TurnRequest) -> TurnResult`` and
 ``async close()``; cancelling the task that awaits ``run_turn`` stops the turn. A failure
-the user may read about is an `AgentError`.
+the user may read about is an `AgentError`. An agent backed by a model may also offer
+``async summarize(SummaryRequest) -> str`` (`Summarizing`): the rolling summaries of the
+summary context strategy are then written by that model, else extracted without one.
 """
 
 from __future__ import annotations
@@ -13,7 +15,15 @@ from typing import Any, Protocol
 
 from gateway.session import SessionSource, TokenUsage
 
-__all__ = ["Agent", "AgentError", "AgentFactory", "TurnRequest", "TurnResult"]
+__all__ = [
+    "Agent",
+    "AgentError",
+    "AgentFactory",
+    "Summarizing",
+    "SummaryRequest",
+    "TurnRequest",
+    "TurnResult",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +42,22 @@ class TurnRequest:
 class TurnResult:
     text: str
     usage: TokenUsage = field(default_factory=TokenUsage)
+
+
+@dataclass(frozen=True, slots=True)
+class SummaryRequest:
+    """Condense `messages` (oldest first) into the session's summary so far."""
+
+    session_key: str
+    session_id: str
+    previous: str | None  # the rolling summary the messages follow, if any
+    messages: tuple[dict[str, Any], ...]
+    max_chars: int  # the answer is cut to this
+    focus: str | None = None  # /compress FOCUS: what the summary should keep
+
+
+class Summarizing(Protocol):
+    async def summarize(self, request: SummaryRequest) -> str: ...
 
 
 class Agent(Protocol):

@@ -15,7 +15,7 @@ from typing import Any
 from gateway.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -193,6 +193,19 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
               ORDER BY m.id LIMIT 1)
         WHERE t != ''
     ) WHERE title IS NULL;
+    """,
+    # Issue 15: summary checkpoints. One per session (gateway.store.summary_checkpoints):
+    # the rolling summary of its active messages up to covered_up_to, written by
+    # compare-and-swap on epoch.
+    9: """
+    CREATE TABLE summary_checkpoints (
+        session_id    TEXT PRIMARY KEY REFERENCES sessions(session_id) ON DELETE CASCADE,
+        epoch         INTEGER NOT NULL,
+        covered_up_to INTEGER NOT NULL DEFAULT 0,
+        summary       TEXT,
+        messages      INTEGER NOT NULL DEFAULT 0,
+        updated_at    REAL NOT NULL
+    ) WITHOUT ROWID;
     """,
 }
 

@@ -19,8 +19,9 @@ from gateway.store import entries
 from gateway.store.db import Database
 
 #: tables copied out of a damaged database, parents first; `turns` (in-flight markers of
-#: a damaged run) is not trusted, and the search index (search.db) is rebuilt by the
-#: gateway from the copied messages
+#: a damaged run) is not trusted, the search index (search.db) is rebuilt by the
+#: gateway from the copied messages, and so are the rolling summaries
+#: (`summary_checkpoints`: the summary strategy writes them again as sessions grow)
 SALVAGED_TABLES = (
     "sessions",
     "session_entries",

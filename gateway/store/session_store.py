@@ -23,7 +23,7 @@ import structlog
 from config import GatewayConfig
 from gateway.policy import last_daily_boundary, reset_reason
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
-from gateway.store import entries, transcript
+from gateway.store import entries, summary_checkpoints, transcript
 from gateway.store.db import Database, T
 from gateway.store.fts import FtsIndexer
 from gateway.store.mirror import (
@@ -570,7 +570,7 @@ class SessionStore:
         """Replace the whole active transcript, all or nothing (/retry, /undo, /compress)."""
         copies = [dict(transcript.validate_message(m)) for m in messages]
         return await self._write(
-            lambda conn: transcript.rewrite(conn, session_id, copies), dirty=False
+            lambda conn: summary_checkpoints.rewrite(conn, session_id, copies), dirty=False
         )
 
     async def load_transcript(self, session_id: str) -> list[dict[str, Any]]:
@@ -583,4 +583,7 @@ class SessionStore:
         """Soft-delete the last `n` user turns; `{rewound_count, turns_undone, target_text}`."""
         if n < 1:
             raise ValueError("n must be at least 1")
-        return await self._write(lambda conn: transcript.rewind(conn, session_id, n), dirty=False)
+        # The summary checkpoint follows in the same transaction (issue 15).
+        return await self._write(
+            lambda conn: summary_checkpoints.rewind(conn, session_id, n), dirty=False
+        )

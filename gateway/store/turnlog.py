@@ -23,9 +23,10 @@ from typing import Any
 import structlog
 
 from adapters.base import MessageEvent
+from gateway.context.strategy import NOTHING_LOADED, Loaded, Plan
 from gateway.faults import crash_point
 from gateway.session import SessionEntry, SessionSource, TokenUsage
-from gateway.store import entries, journal, titles, transcript
+from gateway.store import entries, journal, titles, transcript, turn_context
 from gateway.store.session_store import SessionStore
 
 log = structlog.get_logger("gateway.store.turnlog")
@@ -39,17 +40,23 @@ class TurnStart:
     routing one look-up without JSON. The whole entry is `SessionStore.get_entry`."""
 
     entry: SessionEntry
-    history: list[dict[str, Any]]
+    history: list[dict[str, Any]]  # the transcript rows read (context.messages)
     resumed: bool  # a re-run after a restart: the user message was stored before
     text: str  # the user message as stored (what the agent is asked)
     fresh: bool = False  # begin wrote the entry: a new session (new key or reset)
     active_minute: int | None = None  # the hot row's active_minute as begin read it
+    context: Loaded = NOTHING_LOADED  # what the context strategy read (rows, summary checkpoint)
 
 
 class TurnLog:
-    def __init__(self, store: SessionStore, history_limit: int = 100) -> None:
+    def __init__(
+        self, store: SessionStore, history_limit: int = 100, plan: Plan | None = None
+    ) -> None:
         self.store = store
         self.history_limit = history_limit
+        # What `begin` reads of the transcript (gateway.context.strategy); by default the
+        # newest `history_limit` messages.
+        self.plan = plan or Plan.newest(history_limit)
 
     async def accept(
         self, event: MessageEvent, session_key: str, kind: str, *, done: bool = False
@@ -116,7 +123,7 @@ class TurnLog:
         if event.message_id:
             user_message["message_id"] = event.message_id
         now = time.time()
-        limit = self.history_limit
+        plan = self.plan
 
         def tx(conn: sqlite3.Connection, inbox_ids: list[int]) -> TurnStart:
             entry, fresh, minute = route(conn)
@@ -126,14 +133,16 @@ class TurnLog:
                 and marker["session_id"] == entry.session_id
                 and marker["user_message_id"] is not None
             ):
-                history = transcript.load_recent(
-                    conn, entry.session_id, limit, before=marker["user_message_id"]
+                loaded = turn_context.load(
+                    conn, entry.session_id, plan, before=marker["user_message_id"]
                 )
                 asked = transcript.load_row(conn, marker["user_message_id"])
                 content = asked.get("content") if asked else None
                 resumed_text = content if isinstance(content, str) else text
-                return TurnStart(entry, history, True, resumed_text, fresh, minute)
-            history = transcript.load_recent(conn, entry.session_id, limit)
+                history = list(loaded.messages)
+                return TurnStart(entry, history, True, resumed_text, fresh, minute, loaded)
+            loaded = turn_context.load(conn, entry.session_id, plan)
+            history = list(loaded.messages)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
             if not history:
                 # The session's first user message titles it (issue 15): decided from the
@@ -149,7 +158,7 @@ class TurnLog:
                 event=record,
                 now=now,
             )
-            return TurnStart(entry, history, False, text, fresh, minute)
+            return TurnStart(entry, history, False, text, fresh, minute, loaded)
 
         return tx
 

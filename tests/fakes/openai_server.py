@@ -3,6 +3,8 @@
 Speaks the real wire format (``POST /v1/chat/completions``, ``chat.completion`` JSON,
 OpenAI-style ``{"error": {...}}`` bodies) and records every request. Faults are queued
 and each applies to one request: ``fail_next``, ``delay_next``, ``malformed_next``.
+``hold(predicate)`` keeps the requests it matches waiting until its event is set, and
+``usage`` may be a function of the request (a stand-in tokenizer counting the prompt).
 
     async with FakeOpenAI(expected_key="sk-test") as fake:
         agent = OpenAIAgent(base_url=fake.base_url, model="m", api_key="sk-test")
@@ -48,13 +50,15 @@ class FakeOpenAI:
         *,
         expected_key: str | None = None,
         reply: Callable[[dict[str, Any]], str] | None = None,
-        usage: dict[str, Any] | None = None,
+        usage: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None,
     ) -> None:
         self.expected_key = expected_key
         self.reply: Callable[[dict[str, Any]], str] = reply or (
             lambda body: "fake: " + last_user_content(body)
         )
-        self.usage: dict[str, Any] = usage or {"prompt_tokens": 7, "completion_tokens": 3}
+        self.usage = usage or {"prompt_tokens": 7, "completion_tokens": 3}
+        self.held: list[dict[str, Any]] = []  # bodies of requests waiting on a hold
+        self._holds: list[tuple[Callable[[dict[str, Any]], bool], asyncio.Event]] = []
         self.requests: list[dict[str, Any]] = []
         self.base_url = ""
         self._faults: deque[_Fault] = deque()
@@ -101,6 +105,12 @@ class FakeOpenAI:
         """Answer the next request 200 with a body that is not JSON."""
         self._faults.append(_Fault(malformed=True))
 
+    def hold(self, predicate: Callable[[dict[str, Any]], bool]) -> asyncio.Event:
+        """Requests whose body matches wait (in `held`) until the returned event is set."""
+        release = asyncio.Event()
+        self._holds.append((predicate, release))
+        return release
+
     # --- handler -------------------------------------------------------------------------
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -116,6 +126,10 @@ class FakeOpenAI:
                 "headers": {h: request.headers.get(h) for h in _RECORDED_HEADERS},
             }
         )
+        for predicate, release in self._holds:
+            if isinstance(body, dict) and predicate(body) and not release.is_set():
+                self.held.append(body)
+                await release.wait()
         fault = self._faults.popleft() if self._faults else _Fault()
         if fault.delay:
             await asyncio.sleep(fault.delay)
@@ -137,7 +151,7 @@ class FakeOpenAI:
         return web.json_response(self._completion(body))
 
     def _completion(self, body: dict[str, Any]) -> dict[str, Any]:
-        usage = dict(self.usage)
+        usage = dict(self.usage(body) if callable(self.usage) else self.usage)
         usage.setdefault("total_tokens", usage["prompt_tokens"] + usage["completion_tokens"])
         return {
             "id": f"chatcmpl-fake{next(self._ids)}",

@@ -1,0 +1,153 @@
+"""The context strategies: what of a session's transcript one turn sends the model.
+
+    window   the newest messages that fit the token budget, at most
+             min(context.max_messages, agent.history_limit)
+    summary  the latest rolling summary (one system message), then the newest messages
+             after the rows it covers that fit the budget, at most agent.history_limit
+
+The store reads (`gateway.store.turn_context`, inside the turn's begin transaction);
+this module decides, on what was read, with no I/O. A tool call is never split from
+its results: an assistant message with `tool_calls` and the `tool` messages after it
+are one unit, sent whole or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from config import AgentConfig
+from gateway.context.tokens import message_tokens
+
+SUMMARY_PREFIX = "Rolling session summary:\n"
+MAX_REPLY_RESERVE = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The agent's context settings, as the turn path uses them."""
+
+    strategy: str  # "window" | "summary"
+    rows: int  # transcript rows a turn reads at most
+    window_tokens: int
+    min_messages: int
+    trigger_ratio: float
+    target_ratio: float
+
+    @classmethod
+    def from_config(cls, agent: AgentConfig) -> Plan:
+        context = agent.context
+        rows = agent.history_limit
+        if context.strategy == "window":
+            rows = min(rows, context.max_messages)
+        return cls(
+            strategy=context.strategy,
+            rows=rows,
+            window_tokens=context.window_tokens,
+            min_messages=context.min_messages,
+            trigger_ratio=context.trigger_ratio,
+            target_ratio=context.target_ratio,
+        )
+
+    @classmethod
+    def newest(cls, rows: int) -> Plan:
+        """The newest `rows` messages, with the default window (what a bare TurnLog reads)."""
+        return cls.from_config(AgentConfig(history_limit=rows)).with_strategy("window", rows)
+
+    def with_strategy(self, strategy: str, rows: int) -> Plan:
+        return replace(self, strategy=strategy, rows=rows)
+
+    @property
+    def budget(self) -> int:
+        """Tokens a prompt may take: the window less what the reply needs."""
+        return self.window_tokens - min(self.window_tokens // 8, MAX_REPLY_RESERVE)
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """What the begin transaction read for a turn: transcript rows (oldest first, with
+    their ids) after the checkpoint it found, and that checkpoint."""
+
+    ids: tuple[int, ...] = ()
+    messages: tuple[dict[str, Any], ...] = ()
+    summary: str | None = None
+    covered_up_to: int = 0  # the summary stands for the active rows with id <= this
+    epoch: int = 0
+    full: bool = False  # the read hit its row limit: older unsummarized rows exist
+
+
+NOTHING_LOADED = Loaded()
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A turn's history as sent, and what it weighs (estimated, uncalibrated tokens)."""
+
+    history: tuple[dict[str, Any], ...]
+    sent_tokens: int  # system prompt + summary + history sent + user text
+    system_tokens: int
+    fixed_tokens: int  # system prompt + summary: what every turn of the session carries
+    unsummarized_tokens: int  # every loaded row, sent or not, + the user text
+    dropped: int  # loaded rows that did not fit
+
+
+def units(messages: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
+    """[start, end) index ranges of the messages that go together, oldest first.
+
+    `tool` messages join the assistant message with tool_calls before them; tool results
+    whose call is not in `messages` (cut off by the read) form no unit and are dropped."""
+    spans: list[tuple[int, int]] = []
+    i, n = 0, len(messages)
+    while i < n:
+        message = messages[i]
+        if message.get("role") == "tool":
+            i += 1  # an orphan result: its call is older than what was read
+            continue
+        end = i + 1
+        if message.get("role") == "assistant" and message.get("tool_calls"):
+            while end < n and messages[end].get("role") == "tool":
+                end += 1
+        spans.append((i, end))
+        i = end
+    return spans
+
+
+def fit_suffix(messages: Sequence[dict[str, Any]], costs: Sequence[int], budget: int) -> int:
+    """The index of the first message of the longest run of whole units, ending with the
+    newest, whose costs sum to at most `budget` (len(messages) when none fits)."""
+    start, used = len(messages), 0
+    for first, end in reversed(units(messages)):
+        cost = sum(costs[first:end])
+        if used + cost > budget:
+            break
+        used += cost
+        start = first
+    return start
+
+
+def summary_message(summary: str) -> dict[str, Any]:
+    return {"role": "system", "content": SUMMARY_PREFIX + summary}
+
+
+def prepare(
+    plan: Plan, loaded: Loaded, *, system_prompt: str, text: str, factor: float = 1.0
+) -> Prepared:
+    """The history to send: the summary (if any), then the newest whole units of the
+    loaded rows that fit what the budget leaves (by the calibrated estimate)."""
+    system = message_tokens({"content": system_prompt}) if system_prompt else 0
+    asked = message_tokens({"content": text})
+    summary = summary_message(loaded.summary) if loaded.summary else None
+    fixed = system + (message_tokens(summary) if summary is not None else 0)
+    costs = [message_tokens(m) for m in loaded.messages]
+    room = int(plan.budget / factor) - fixed - asked
+    start = fit_suffix(loaded.messages, costs, room) if room > 0 else len(costs)
+    kept = loaded.messages[start:]
+    return Prepared(
+        history=(summary, *kept) if summary is not None else tuple(kept),
+        sent_tokens=fixed + asked + sum(costs[start:]),
+        system_tokens=system,
+        fixed_tokens=fixed,
+        unsummarized_tokens=sum(costs) + asked,
+        dropped=start,
+    )

@@ -1,0 +1,264 @@
+"""`Memory`: what a turn sends the model, and the rolling summaries behind it.
+
+On the turn's path (`prepare`, `after_turn`) it only computes: the strategy fits what
+the begin transaction read (`gateway.store.turn_context`) to the token budget, and
+after the reply the estimate is calibrated by the prompt size the model reported. When
+the summary strategy's unsummarized history passes `trigger_ratio` of the budget (and
+has `min_messages`), a background task condenses its oldest messages until it is at
+most `target_ratio`, one chunk and one checkpoint per round:
+
+- never on the reply's path: a task, started after the reply is sent;
+- bounded: `MAX_CONCURRENT` summaries at once gateway-wide, `MAX_ROUNDS` rounds each,
+  at most `MAX_SCHEDULED` sessions waiting (more are asked again at their next turn);
+- one at a time per session (`/compress` waits for a running one, then runs);
+- cancelled at shutdown (`close`), before the store closes;
+- race-safe: each checkpoint is written by epoch compare-and-swap
+  (`gateway.store.summary_checkpoints.write`); a round that lost the race stops.
+
+The text comes from the agent's own model when it offers `summarize` (the `openai`
+backend), else, or when the model fails, from the extractive condensed-turns list.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from gateway.agents.protocol import SummaryRequest
+from gateway.context import condense
+from gateway.context.strategy import Loaded, Plan, Prepared, prepare, units
+from gateway.context.tokens import CHARS_PER_TOKEN, Calibration, message_tokens, text_tokens
+from gateway.session import TokenUsage
+from gateway.store import summary_checkpoints
+from gateway.store.session_store import SessionStore
+
+log = structlog.get_logger("gateway.memory")
+
+MAX_CONCURRENT = 2
+MAX_ROUNDS = 8
+MAX_SCHEDULED = 256
+CHUNK_ROWS = 400  # oldest unsummarized rows a round looks at
+SUMMARY_TIMEOUT = 300.0  # seconds for the model's summary before the extractive one
+
+Lease = Callable[[str], AbstractAsyncContextManager[Any]]
+
+
+@dataclass(frozen=True, slots=True)
+class Condensed:
+    """What a summary run did: messages condensed, the summary's length at the end, and
+    whether it stopped because a newer epoch (another summary, an /undo) won."""
+
+    messages: int
+    chars: int
+    stale: bool = False
+
+
+class Memory:
+    def __init__(self, store: SessionStore, plan: Plan, lease: Lease | None = None) -> None:
+        self.store = store
+        self.plan = plan
+        self.lease = lease  # the session's agent, for its model's summaries
+        self.calibration = Calibration()
+        self._tasks: dict[str, asyncio.Task[Condensed]] = {}
+        self._slots = asyncio.Semaphore(MAX_CONCURRENT)
+        self._closed = False
+
+    # --- the turn's path -----------------------------------------------------------------
+
+    def prepare(self, session_id: str, loaded: Loaded, system_prompt: str, text: str) -> Prepared:
+        """The turn's history (the summary first, if any), fitted to the budget."""
+        factor = self.calibration.factor(session_id)
+        return prepare(self.plan, loaded, system_prompt=system_prompt, text=text, factor=factor)
+
+    def after_turn(
+        self,
+        key: str,
+        session_id: str,
+        loaded: Loaded,
+        prepared: Prepared,
+        usage: TokenUsage | None,
+        reply: str | None,
+    ) -> None:
+        """Learn the session's token factor; start a summary if the history grew past the
+        trigger. Computes only: whatever it starts runs in the background."""
+        if usage is not None and usage.input_tokens > 0:
+            self.calibration.observe(session_id, prepared.sent_tokens, usage.input_tokens)
+        if self.plan.strategy != "summary" or reply is None:
+            return
+        if len(loaded.messages) + 2 < self.plan.min_messages:
+            return
+        tokens = prepared.fixed_tokens + prepared.unsummarized_tokens
+        tokens += message_tokens({"content": reply})
+        factor = self.calibration.factor(session_id)
+        if tokens * factor > self.plan.trigger_ratio * self.plan.budget:
+            self.schedule(key, session_id, prepared.system_tokens)
+
+    # --- summaries -----------------------------------------------------------------------
+
+    def schedule(self, key: str, session_id: str, system_tokens: int = 0) -> bool:
+        """Start a background summary of the session unless one runs (or too many wait)."""
+        if self._closed or session_id in self._tasks or len(self._tasks) >= MAX_SCHEDULED:
+            return False
+        self._spawn(session_id, self._summarize(key, session_id, system_tokens))
+        return True
+
+    async def compress(self, key: str, session_id: str, focus: str | None) -> Condensed | None:
+        """/compress: condense every unsummarized message now (after a running summary of
+        the session). None when the gateway stopped it."""
+        while (running := self._tasks.get(session_id)) is not None:
+            await asyncio.wait([running])
+        if self._closed:
+            return None
+        task = self._spawn(session_id, self._summarize(key, session_id, 0, focus, everything=True))
+        await asyncio.wait([task])
+        return None if task.cancelled() else task.result()
+
+    def running(self, session_id: str) -> bool:
+        return session_id in self._tasks
+
+    async def close(self) -> None:
+        """Cancel the summaries in flight (a checkpoint is all or nothing: none is half
+        written) and wait for them."""
+        self._closed = True
+        tasks = list(self._tasks.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def _spawn(self, session_id: str, work: Any) -> asyncio.Task[Condensed]:
+        task = asyncio.create_task(work, name=f"summary:{session_id}")
+        self._tasks[session_id] = task
+        task.add_done_callback(lambda done: self._finished(session_id, done))
+        return task
+
+    def _finished(self, session_id: str, task: asyncio.Task[Condensed]) -> None:
+        if self._tasks.get(session_id) is task:
+            del self._tasks[session_id]
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("summary_failed", session_id=session_id, error=repr(exc))
+
+    async def _summarize(
+        self,
+        key: str,
+        session_id: str,
+        system_tokens: int,
+        focus: str | None = None,
+        *,
+        everything: bool = False,
+    ) -> Condensed:
+        condensed = chars = 0
+        async with self._slots:
+            for round_ in range(MAX_ROUNDS):
+                work = await self.store.read(
+                    lambda conn: summary_checkpoints.unsummarized(conn, session_id, CHUNK_ROWS)
+                )
+                count = self._pick(session_id, work, system_tokens, everything, round_ == 0)
+                if count == 0:
+                    break
+                checkpoint = work.checkpoint
+                previous = checkpoint.summary if checkpoint is not None else None
+                text = await self._condense(key, session_id, previous, work.messages[:count], focus)
+                epoch = checkpoint.epoch if checkpoint is not None else 0
+                before = checkpoint.messages if checkpoint is not None and previous else 0
+                covered = work.ids[count - 1]
+                written = await self.store.write(
+                    lambda conn, text=text, covered=covered, epoch=epoch, total=before + count: (
+                        summary_checkpoints.write(
+                            conn,
+                            session_id,
+                            expected_epoch=epoch,
+                            covered_up_to=covered,
+                            summary=text,
+                            messages=total,
+                            now=time.time(),
+                        )
+                    ),
+                    dirty=False,
+                )
+                if not written:
+                    log.info("summary_discarded", session_id=session_id, reason="epoch moved")
+                    return Condensed(condensed, chars, stale=True)
+                condensed += count
+                chars = len(text)
+                log.info(
+                    "summary_written",
+                    session_id=session_id,
+                    condensed=count,
+                    covered_up_to=covered,
+                    chars=chars,
+                    epoch=epoch + 1,
+                )
+        return Condensed(condensed, chars)
+
+    def _pick(
+        self,
+        session_id: str,
+        work: summary_checkpoints.Unsummarized,
+        system_tokens: int,
+        everything: bool,
+        first: bool,
+    ) -> int:
+        """How many of the oldest unsummarized messages this round condenses (whole
+        units only): all of them for /compress, else enough to bring the history down to
+        `target_ratio`, at most half a budget of them (one model request's worth), and
+        never the newest unit."""
+        spans = units(work.messages)
+        if spans and len(work.messages) < work.total_messages:
+            spans = spans[:-1]  # the read may have cut the last unit's tool results
+        if not spans:
+            return 0
+        if everything:
+            return spans[-1][1]
+        plan, factor = self.plan, self.calibration.factor(session_id)
+        summary = work.checkpoint.summary if work.checkpoint is not None else None
+        fixed = system_tokens + (text_tokens(summary) if summary else 0)
+        total = fixed + -(-work.total_chars // CHARS_PER_TOKEN) + 4 * work.total_messages
+        ratio = plan.trigger_ratio if first else plan.target_ratio
+        if total * factor <= ratio * plan.budget:
+            return 0
+        if first and work.total_messages < plan.min_messages:
+            return 0
+        excess = total - plan.target_ratio * plan.budget / factor
+        chunk = plan.budget / 2 / factor
+        take = removed = 0
+        for start, end in spans[:-1]:
+            cost = sum(message_tokens(m) for m in work.messages[start:end])
+            if take and removed + cost > chunk:
+                break
+            take, removed = end, removed + cost
+            if removed >= excess:
+                break
+        return take
+
+    def max_summary_chars(self) -> int:
+        """A summary takes at most half of what the target leaves the history."""
+        return int(self.plan.budget * self.plan.target_ratio / 2) * CHARS_PER_TOKEN
+
+    async def _condense(
+        self,
+        key: str,
+        session_id: str,
+        previous: str | None,
+        messages: Sequence[dict[str, Any]],
+        focus: str | None,
+    ) -> str:
+        limit = self.max_summary_chars()
+        if self.lease is not None:
+            request = SummaryRequest(key, session_id, previous, tuple(messages), limit, focus)
+            try:
+                async with self.lease(key) as agent:
+                    summarize = getattr(agent, "summarize", None)
+                    if callable(summarize):
+                        async with asyncio.timeout(SUMMARY_TIMEOUT):
+                            text = await summarize(request)
+                        if isinstance(text, str) and text.strip():
+                            return text.strip()[:limit]
+            except Exception as exc:  # the model failing: the extractive summary instead
+                log.warning("summary_model_failed", session_id=session_id, error=str(exc))
+        return condense.extractive(previous, messages, limit, focus)

@@ -214,7 +214,7 @@ async def test_a_waiting_turn_is_begun_in_the_last_transaction_of_the_turn_befor
     assert count(second_begin, "INSERT INTO OUTBOUND") == 1
     assert count(second_begin, "INSERT INTO INBOX") == 0
     # No transaction other than those two wrote a turn marker or ran a begin's history read.
-    history_reads = [tx for tx in transactions if count(tx, "SELECT MESSAGE FROM MESSAGES")]
+    history_reads = [tx for tx in transactions if count(tx, "SELECT ID, MESSAGE FROM MESSAGES")]
     assert history_reads == begins
 
 

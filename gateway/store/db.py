@@ -234,7 +234,9 @@ class Database:
             "reason": outage.reason,
             "since": outage.since.isoformat(),
             "refused_writes": outage.failures,
-            "waiting_writes": len(self._parked),
+            # Parked, or back in the queue for their next try (`_retry_parked`).
+            "waiting_writes": len(self._parked)
+            + sum(1 for _, settles, persist in self._pending if persist and not settles.done()),
         }
 
     def trace_writes(self, callback: Callable[[str], object] | None) -> None:

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from config import ConfigError, load_config
+from config import AgentConfig, ConfigError, load_config
 from gateway.context import condense
-from gateway.context.strategy import Plan
+from gateway.context.strategy import Loaded, Plan, prepare
 from gateway.context.tokens import MAX_FACTOR, MIN_FACTOR, Calibration
 
 
@@ -100,3 +100,21 @@ def test_extractive_summary_keeps_a_models_summary_and_the_focus() -> None:
     assert lines[1] == "(focus: otters)"
     assert len(lines[3]) > len(lines[4])  # the message on the focus keeps more of itself
     assert lines[4].endswith("...")
+
+
+def test_a_history_that_fits_is_sent_whole_but_never_opens_with_an_orphan_tool_result() -> None:
+    """The fast path (everything fits) must send what the unit walk would: a tool result
+    whose call is older than the rows read is left out, the rest kept in order."""
+    plan = Plan.from_config(AgentConfig())
+    call = {"role": "assistant", "content": None, "tool_calls": [{"id": "t1"}]}
+    rows = (
+        {"role": "tool", "tool_call_id": "t0", "content": "orphan"},
+        {"role": "user", "content": "hi"},
+        call,
+        {"role": "tool", "tool_call_id": "t1", "content": "result"},
+        {"role": "assistant", "content": "done"},
+    )
+    sent = prepare(plan, Loaded(messages=rows), system_prompt="sys", text="next").history
+    assert sent == rows[1:]
+    whole = prepare(plan, Loaded(messages=rows[1:]), system_prompt="sys", text="next")
+    assert whole.history == rows[1:] and whole.dropped == 0

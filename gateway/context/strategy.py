@@ -140,14 +140,18 @@ def prepare(
     summary = summary_message(loaded.summary) if loaded.summary else None
     fixed = system + (message_tokens(summary) if summary is not None else 0)
     costs = [message_tokens(m) for m in loaded.messages]
+    total = sum(costs)
     room = int(plan.budget / factor) - fixed - asked
-    start = fit_suffix(loaded.messages, costs, room) if room > 0 else len(costs)
+    if total <= room and not (loaded.messages and loaded.messages[0].get("role") == "tool"):
+        start = 0  # the usual turn: everything fits (what `fit_suffix` finds, without its walk)
+    else:
+        start = fit_suffix(loaded.messages, costs, room) if room > 0 else len(costs)
     kept = loaded.messages[start:]
     return Prepared(
         history=(summary, *kept) if summary is not None else tuple(kept),
-        sent_tokens=fixed + asked + sum(costs[start:]),
+        sent_tokens=fixed + asked + (total if start == 0 else sum(costs[start:])),
         system_tokens=system,
         fixed_tokens=fixed,
-        unsummarized_tokens=sum(costs) + asked,
+        unsummarized_tokens=total + asked,
         dropped=start,
     )

@@ -163,9 +163,9 @@ def test_a_lasting_outage_is_logged_once_a_minute_not_per_failure() -> None:
 # --- the group commit ---------------------------------------------------------------------
 
 
-async def test_a_refused_batch_fails_new_writes_and_keeps_acknowledged_ones(
-    tmp_path: Path,
-) -> None:
+@pytest.fixture
+async def full_disk_db(tmp_path: Path) -> AsyncIterator[tuple[Database, SimulatedFullDisk]]:
+    """A database with a table `t`, on a disk that is full (`disk.free()` ends that)."""
     db = Database(tmp_path / "state.db")
     await db.open()
     db.retry_interval = 0.05
@@ -173,66 +173,65 @@ async def test_a_refused_batch_fails_new_writes_and_keeps_acknowledged_ones(
         await db.write(lambda conn: conn.execute("CREATE TABLE t (v TEXT)"))
         disk = SimulatedFullDisk(db)
         disk.fill()
-        rows = "SELECT substr(v, 1, 4) FROM t"
-        # One pass of the loop: both writes go into one batch, which the disk refuses.
-        new = db.write_soon(lambda conn: conn.execute("INSERT INTO t VALUES (?)", ("new" * BIG,)))
-        kept = db.write_soon(
-            lambda conn: conn.execute("INSERT INTO t VALUES (?)", ("kept" * BIG,)), persist=True
-        )
-        with pytest.raises(StoreUnwritable, match=r"^disk full: database or disk is full$"):
-            await new
-        await asyncio.sleep(0.2)  # a few retries of the parked write, all refused
-        assert not kept.done()
-        assert await db.read(lambda conn: conn.execute(rows).fetchall()) == []  # reads work
-        health = db.write_health()
-        assert health["state"] == "unwritable" and health["waiting_writes"] == 1
-        assert health["reason"] == "disk full: database or disk is full"
-
-        disk.free()
-        await asyncio.wait_for(kept, 5)
-        assert await db.read(lambda conn: conn.execute(rows).fetchall()) == [("kept",)]
-        assert db.write_health() == {"state": "writable"}
+        yield db, disk
     finally:
         await db.close()
+
+
+async def test_a_refused_batch_fails_new_writes_and_keeps_acknowledged_ones(
+    full_disk_db: tuple[Database, SimulatedFullDisk],
+) -> None:
+    db, disk = full_disk_db
+    rows = "SELECT substr(v, 1, 4) FROM t"
+    # One pass of the loop: both writes go into one batch, which the disk refuses.
+    new = db.write_soon(lambda conn: conn.execute("INSERT INTO t VALUES (?)", ("new" * BIG,)))
+    kept = db.write_soon(
+        lambda conn: conn.execute("INSERT INTO t VALUES (?)", ("kept" * BIG,)), persist=True
+    )
+    with pytest.raises(StoreUnwritable, match=r"^disk full: database or disk is full$"):
+        await new
+    await asyncio.sleep(0.2)  # a few retries of the parked write, all refused
+    assert not kept.done()
+    assert await db.read(lambda conn: conn.execute(rows).fetchall()) == []  # reads work
+    health = db.write_health()
+    assert health["state"] == "unwritable" and health["waiting_writes"] == 1
+    assert health["reason"] == "disk full: database or disk is full"
+
+    disk.free()
+    await asyncio.wait_for(kept, 5)
+    assert await db.read(lambda conn: conn.execute(rows).fetchall()) == [("kept",)]
+    assert db.write_health() == {"state": "writable"}
 
 
 async def test_a_write_later_is_parked_like_a_persistent_write_and_settled_once(
-    tmp_path: Path,
+    full_disk_db: tuple[Database, SimulatedFullDisk],
 ) -> None:
     """The future-less write (a reply chunk's "sent" mark) keeps the persist semantics:
     refused by a full disk it waits, and its callback runs once, when it commits."""
-    db = Database(tmp_path / "state.db")
-    await db.open()
-    db.retry_interval = 0.05
-    try:
-        await db.write(lambda conn: conn.execute("CREATE TABLE t (v TEXT)"))
-        disk = SimulatedFullDisk(db)
-        disk.fill()
-        settled: list[BaseException | None] = []
-        db.write_later(
-            lambda conn: conn.execute("INSERT INTO t VALUES (?)", ("mark" * BIG,)),
-            settled.append,
-            persist=True,
-        )
-        await asyncio.sleep(0.2)  # refused, parked, retried
-        assert settled == []
-        assert db.write_health()["waiting_writes"] == 1
-        disk.free()
-        await wait_for(lambda: settled)
-        assert settled == [None]
-        rows = await db.read(lambda conn: conn.execute("SELECT substr(v, 1, 4) FROM t").fetchall())
-        assert rows == [("mark",)]
+    db, disk = full_disk_db
+    settled: list[BaseException | None] = []
+    db.write_later(
+        lambda conn: conn.execute("INSERT INTO t VALUES (?)", ("mark" * BIG,)),
+        settled.append,
+        persist=True,
+    )
+    await asyncio.sleep(0.2)  # refused, parked, retried
+    assert settled == []
+    assert db.write_health()["waiting_writes"] == 1
+    disk.free()
+    await wait_for(lambda: settled)
+    assert settled == [None]
+    rows = await db.read(lambda conn: conn.execute("SELECT substr(v, 1, 4) FROM t").fetchall())
+    assert rows == [("mark",)]
 
-        # A write that fails on its own hands its error to the callback, and fails alone.
-        def broken(conn: sqlite3.Connection) -> None:
-            raise ValueError("not this one")
+    # A write that fails on its own hands its error to the callback, and fails alone.
+    def broken(conn: sqlite3.Connection) -> None:
+        raise ValueError("not this one")
 
-        db.write_later(broken, settled.append)
-        neighbour = db.write_soon(lambda conn: conn.execute("INSERT INTO t VALUES ('next')"))
-        await neighbour
-        assert len(settled) == 2 and isinstance(settled[1], ValueError)
-    finally:
-        await db.close()
+    db.write_later(broken, settled.append)
+    neighbour = db.write_soon(lambda conn: conn.execute("INSERT INTO t VALUES ('next')"))
+    await neighbour
+    assert len(settled) == 2 and isinstance(settled[1], ValueError)
 
 
 # --- end to end, simulated: the HTTP API ----------------------------------------------------

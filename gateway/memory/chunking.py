@@ -43,7 +43,11 @@ def chunk_text(text: str, size: int = CHUNK_SIZE, overlap: int = CHUNK_OVERLAP) 
         chunks.append(text[start:end].strip())
         if end >= len(text):
             break
-        start = max(end - overlap, start + 1)
+        nxt = max(end - overlap, start + 1)
+        if text[nxt - 1] != " ":  # mid-word: begin at the next word instead
+            space = text.find(" ", nxt, end)
+            nxt = space + 1 if space != -1 else nxt
+        start = nxt
     return [chunk for chunk in chunks if chunk]
 
 

@@ -92,8 +92,7 @@ class OpenAIEmbedder:
         `memory.dimensions`). Raises EmbeddingError."""
         size = (await self.embed(["dimension check"])).shape[1]
         if self.dimensions is None:
-            self.dimensions = size
-            self.model_id = f"openai:{self.model}:{size}"
+            self.dimensions = size  # model_id stays: a start without the server is the same
         elif size != self.dimensions:
             raise EmbeddingError(
                 f"{self.url} returned vectors of {size} dimensions for model {self.model!r};"

@@ -166,12 +166,24 @@ def apply_logs(conn: sqlite3.Connection, settings: IndexSettings) -> RoundResult
             messages, message_seq, messages_more = _apply_messages(conn, settings)
         else:
             messages, message_seq, messages_more = _drop_transcripts(conn), None, False
+        purged = _meta(conn, "purged")
+        _set_meta(conn, "purged", None)
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
+    if purged:
+        forget_tokens(conn)
     return RoundResult(notes + messages, message_seq, note_seq, notes_more or messages_more)
+
+
+def forget_tokens(conn: sqlite3.Connection) -> None:
+    """Merge the full-text index into one segment: FTS5 keeps a deleted row's words in
+    its segments until they are merged (this SQLite predates 'secure-delete'). Run after
+    messages were purged (a session deleted) and after forgetting a user; a note's
+    delete or update leaves its old words to the next automatic merge."""
+    conn.execute("INSERT INTO chunks_fts(chunks_fts) VALUES ('optimize')")
 
 
 def _log_state(
@@ -309,6 +321,8 @@ def _index_message(
             for text in chunk_text(content, settings.chunk_size, settings.chunk_overlap):
                 _link_chunk(conn, namespace, session_id, message_id, text, created)
     _drop_orphans(conn, old)
+    if row is None and old:  # purged from state.db: its words leave the index too
+        _set_meta(conn, "purged", 1)
 
 
 def _link_chunk(
@@ -460,6 +474,7 @@ def forget_namespaces(conn: sqlite3.Connection, namespaces: list[str]) -> int:
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
+    forget_tokens(conn)
     return count
 
 

@@ -443,7 +443,8 @@ class Recall:
         if agent_id is None:
             count += await self.indexer.run(_forget_all_agents, platform, user_id)
         self.indexer.cache.clear()
-        await self.store.search_index.catch_up()  # search.db forgets the messages now
+        # search.db forgets the messages now, their words included (see index.forget_tokens).
+        await self.store.search_index.query(_forget_search_tokens)
         if busy:
             raise purge.SessionBusy(
                 "a turn is running in session(s) " + ", ".join(busy) + "; they were kept"
@@ -508,6 +509,10 @@ def _hybrid(
         text_weight=text_weight,
         min_similarity=min_similarity,
     )
+
+
+def _forget_search_tokens(conn: sqlite3.Connection) -> None:
+    conn.execute("INSERT INTO messages_fts(messages_fts) VALUES ('optimize')")
 
 
 def _forget_all_agents(conn: sqlite3.Connection, platform: str, user_id: str) -> int:

@@ -6,6 +6,7 @@ server on 127.0.0.1, and the command line as a subprocess."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sqlite3
 from collections.abc import AsyncIterator
@@ -60,7 +61,7 @@ def test_chunks_are_640_characters_overlapping_by_96() -> None:
     text = " ".join(f"w{i:04d}" for i in range(400))  # 2,399 characters, words of 5
     chunks = chunk_text(text)
     assert len(chunks) > 3 and all(len(chunk) <= 640 for chunk in chunks)
-    for left, right in zip(chunks, chunks[1:], strict=False):
+    for left, right in itertools.pairwise(chunks):
         assert right[:84] in left[-96:]  # 14 whole words of the left one's tail
         assert right.split(" ", 1)[0] in left.split(" ")
     assert " ".join(chunks).split()[-1] == "w0399"
@@ -370,7 +371,7 @@ async def test_memory_cli_lists_exports_and_forgets_a_user(gateway: Gateway) -> 
     memory = sessions / MEMORY_DB
     assert _rows_holding(memory, "alice") == []
     assert _count(memory, "vectors") == _count(memory, "chunks") == 3  # Bob: note, 2 messages
-    assert [h.text for h in await recall.search(BOB, "wombat")][0].startswith("bob")
+    assert next(h.text for h in await recall.search(BOB, "wombat")).startswith("bob")
     assert await recall.search(ALICE, "wombat") == []
     assert await recall.list_notes(ALICE) == []
 

@@ -76,6 +76,8 @@ CREATE INDEX IF NOT EXISTS chunk_sources_by_chunk ON chunk_sources(chunk_id);
 CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(
     text, content='chunks', content_rowid='id'
 );
+-- Per word, how many chunks hold it: recall leaves out the words too common to rank by.
+CREATE VIRTUAL TABLE IF NOT EXISTS chunks_vocab USING fts5vocab(chunks_fts, 'row');
 CREATE TABLE IF NOT EXISTS vectors (
     seq       INTEGER PRIMARY KEY AUTOINCREMENT,
     chunk_id  INTEGER NOT NULL UNIQUE,
@@ -421,12 +423,12 @@ def requeue_other_models(conn: sqlite3.Connection, model_id: str) -> int:
 def pending_chunks(
     conn: sqlite3.Connection, limit: int, namespace: str | None = None
 ) -> list[tuple[int, str]]:
+    # CROSS JOIN: from the (mostly empty) queue to its chunks, never the other way round.
+    sql = "SELECT c.id, c.text FROM pending_vectors p CROSS JOIN chunks c ON c.id = p.chunk_id"
     if namespace is None:
-        sql = "SELECT c.id, c.text FROM pending_vectors p JOIN chunks c ON c.id = p.chunk_id"
         return conn.execute(f"{sql} ORDER BY p.chunk_id LIMIT ?", (limit,)).fetchall()
     return conn.execute(
-        "SELECT c.id, c.text FROM pending_vectors p JOIN chunks c ON c.id = p.chunk_id"
-        " WHERE c.namespace = ? ORDER BY p.chunk_id LIMIT ?",
+        f"{sql} WHERE c.namespace = ? ORDER BY p.chunk_id LIMIT ?",
         (namespace, limit),
     ).fetchall()
 

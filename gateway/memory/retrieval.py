@@ -21,8 +21,11 @@ times are read from state.db's `notes`, the data of record.
 
 from __future__ import annotations
 
+import re
 import sqlite3
+import unicodedata
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +35,9 @@ from gateway.store import codec
 
 CANDIDATES = 64  # per signal, before the merge
 CACHE_BYTES = 512 * 1024 * 1024  # vectors held in memory across namespaces
+MAX_POSTINGS = 5_000  # chunks a text search may rank (see text_query)
+_WORD = re.compile(r"\w+")
+_MATH = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recall-math")
 
 
 @dataclass(slots=True)
@@ -131,13 +137,34 @@ class Scored:
     updated_at: float
 
 
-def text_query(text: str) -> str | None:
-    """Any text as an FTS5 query that cannot be a syntax error: each word a quoted
-    phrase, ORed (bm25 ranks chunks with more and rarer words first); None: no word."""
-    words = [word for word in text.split() if any(ch.isalnum() for ch in word)]
+def query_words(text: str) -> list[str]:
+    """The query's words as the index's tokenizer (unicode61) sees them, once each."""
+    return list(dict.fromkeys(_WORD.findall(unicodedata.normalize("NFKC", text).casefold())))
+
+
+def text_query(conn: sqlite3.Connection, text: str) -> str | None:
+    """The words worth ranking by, as an FTS5 query that cannot be a syntax error: each
+    a quoted phrase, ORed (bm25 ranks chunks with more and rarer words first). None: no
+    word, or only words too common to say anything.
+
+    bm25 scores every chunk that holds any of the words, and a word found in a large
+    share of the index ("the", "is") costs the most and weighs the least (its IDF is
+    near 0). So the rarest words are kept while the chunks holding them add up to at
+    most MAX_POSTINGS, the rarest one always, unless it alone is held by more."""
+    words = query_words(text)
     if not words:
         return None
-    return " OR ".join('"' + word.replace('"', '""') + '"' for word in words)
+    marks = ", ".join("?" * len(words))
+    held = dict(conn.execute(f"SELECT term, doc FROM chunks_vocab WHERE term IN ({marks})", words))
+    kept, total = [], 0
+    for word in sorted(words, key=lambda w: held.get(w, 0)):
+        total += held.get(word, 0)
+        if total > MAX_POSTINGS:
+            break
+        kept.append(word)
+    if not kept:
+        return None
+    return " OR ".join('"' + word.replace('"', '""') + '"' for word in kept)
 
 
 def _tag_filter(tags: tuple[str, ...]) -> tuple[str, list[Any]]:
@@ -154,7 +181,7 @@ def _tag_filter(tags: tuple[str, ...]) -> tuple[str, list[Any]]:
 def text_scores(
     conn: sqlite3.Connection, namespace: str, query: str, tags: tuple[str, ...]
 ) -> dict[int, float]:
-    match = text_query(query)
+    match = text_query(conn, query)
     if match is None:
         return {}
     where, params = _tag_filter(tags)
@@ -167,39 +194,47 @@ def text_scores(
     return dict(rows)
 
 
-def vector_scores(
+def vector_rows(
     conn: sqlite3.Connection,
     cache: VectorCache,
     namespace: str,
     model: str,
     query_vec: np.ndarray | None,
     tags: tuple[str, ...],
-    min_similarity: float,
-) -> dict[int, float]:
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The SQL half of vector scoring: the namespace's (chunk ids, vectors), narrowed to
+    the tagged chunks when tags are given; None when there is nothing to score."""
     if query_vec is None:
-        return {}
+        return None
     ids, matrix = cache.get(conn, namespace, model)
     if not len(ids) or matrix.shape[1] != query_vec.shape[0]:
-        return {}
+        return None
     if tags:
         where, params = _tag_filter(tags)
-        allowed = np.fromiter(
-            (
-                r[0]
-                for r in conn.execute(
-                    f"SELECT c.id FROM chunks c WHERE c.namespace = ?{where}", (namespace, *params)
-                )
-            ),
-            np.int64,
-        )
+        found = conn.execute(f"SELECT c.id FROM chunks c WHERE c.namespace = ?{where}",
+                             (namespace, *params))
+        allowed = np.fromiter((r[0] for r in found), np.int64)
         rows = np.flatnonzero(np.isin(ids, allowed))
         if not len(rows):
-            return {}
+            return None
         ids, matrix = ids[rows], matrix[rows]
+    return ids, matrix
+
+
+def vector_scores(
+    rows: tuple[np.ndarray, np.ndarray] | None, query_vec: np.ndarray | None, min_similarity: float
+) -> dict[int, float]:
+    """The numpy half: cosine of every row (unit vectors: a dot product), the best
+    CANDIDATES of those at or above `min_similarity`."""
+    if rows is None or query_vec is None:
+        return {}
+    ids, matrix = rows
     sims = matrix @ query_vec
     top = min(CANDIDATES, len(sims))
     best = np.argpartition(sims, -top)[-top:]
-    return {int(ids[i]): float(sims[i]) for i in best if sims[i] >= min_similarity and sims[i] > 0}
+    return {
+        int(ids[i]): float(sims[i]) for i in best if sims[i] >= min_similarity and sims[i] > 0
+    }
 
 
 def normalized(scores: dict[int, float]) -> dict[int, float]:
@@ -227,12 +262,12 @@ def hybrid(
     min_similarity: float,
 ) -> list[Scored]:
     """The namespace's best `k` chunks for the query, one per note."""
+    rows = vector_rows(conn, cache, namespace, model, query_vec, tags) if vector_weight else None
+    # The matrix product releases the GIL: it runs on a thread of its own while SQLite
+    # (which releases it too) ranks the text on this one.
+    scoring = _MATH.submit(vector_scores, rows, query_vec, min_similarity)
     text = normalized(text_scores(conn, namespace, query, tags)) if text_weight > 0 else {}
-    vector = (
-        normalized(vector_scores(conn, cache, namespace, model, query_vec, tags, min_similarity))
-        if vector_weight > 0
-        else {}
-    )
+    vector = normalized(scoring.result())
     merged = {
         chunk_id: vector_weight * vector.get(chunk_id, 0.0) + text_weight * text.get(chunk_id, 0.0)
         for chunk_id in text.keys() | vector.keys()

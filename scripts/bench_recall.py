@@ -28,10 +28,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from config import GatewayConfig  # noqa: E402
-from gateway.memory.recall import Namespace, Recall  # noqa: E402
-from gateway.store import codec  # noqa: E402
-from gateway.store.session_store import SessionStore  # noqa: E402
+from config import GatewayConfig
+from gateway.memory.recall import Namespace, Recall
+from gateway.store import codec
+from gateway.store.session_store import SessionStore
 
 VOCABULARY = [f"w{i}" for i in range(20_000)]
 WEIGHTS = [1.0 / (rank + 1) for rank in range(len(VOCABULARY))]

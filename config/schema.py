@@ -219,6 +219,58 @@ class PlatformsConfig(BaseModel):
     http: HttpConfig = HttpConfig()
 
 
+class MemoryWeights(BaseModel):
+    """How hybrid recall merges its two signals, each min-max normalized to [0, 1]."""
+
+    model_config = _MODEL_CONFIG
+
+    vector: float = Field(default=0.7, ge=0, le=1)
+    text: float = Field(default=0.3, ge=0, le=1)
+
+    @field_validator("text")
+    @classmethod
+    def _some_weight(cls, value: float, info: ValidationInfo) -> float:
+        if value == 0 and info.data.get("vector") == 0:
+            raise ValueError("at least one of vector and text must weigh more than 0")
+        return value
+
+
+class MemoryConfig(BaseModel):
+    """Long-term memory (gateway.memory): notes and the user's past transcripts, indexed
+    in memory.db for full text and by vector, recalled per user and agent.
+
+    ``embedding: hash`` is the zero-config default: a deterministic hashing of the words,
+    no model, no semantic similarity (the same words score alike, a paraphrase does not).
+    ``openai``: ``POST {base_url}/embeddings`` on any OpenAI-compatible server; base_url
+    and api_key default to the agent's (``agent.base_url``, ``agent.api_key``)."""
+
+    model_config = _MODEL_CONFIG
+
+    embedding: Literal["hash", "openai"] = "hash"
+    base_url: str | None = None  # openai: None uses agent.base_url
+    model: str = "text-embedding-3-small"  # openai: the embedding model
+    api_key: str | None = Field(default=None, repr=False)  # openai: None uses agent.api_key
+    # openai: the vector size the server must return (checked once at start); None
+    # takes what it returns.
+    dimensions: int | None = Field(default=None, ge=1, le=8192)
+    hash_dimensions: int = Field(default=256, ge=16, le=4096)
+    # Index the user's past transcripts (besides notes), in the background. Off: recall
+    # finds notes only, and the indexer reads nothing.
+    index_transcripts: bool = True
+    weights: MemoryWeights = MemoryWeights()
+    chunk_size: int = Field(default=640, ge=64, le=8192)
+    chunk_overlap: int = Field(default=96, ge=0)
+    request_timeout_seconds: float = Field(default=30.0, gt=0)
+
+    @field_validator("chunk_overlap")
+    @classmethod
+    def _overlap_below_size(cls, value: int, info: ValidationInfo) -> int:
+        size = info.data.get("chunk_size")
+        if size is not None and value >= size:
+            raise ValueError(f"must be less than chunk_size ({size})")
+        return value
+
+
 class StorageConfig(BaseModel):
     model_config = _MODEL_CONFIG
 
@@ -271,6 +323,7 @@ class GatewayConfig(BaseModel):
     storage: StorageConfig = StorageConfig()
     housekeeping: HousekeepingConfig = HousekeepingConfig()
     logging: LoggingConfig = LoggingConfig()
+    memory: MemoryConfig = MemoryConfig()
     # Who may use admin commands (/restart), as "platform:user_id", e.g. "telegram:12345".
     admins: list[str] = Field(default_factory=list)
     # Set by load_config; the loader rejects it as a YAML key.

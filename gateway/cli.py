@@ -29,6 +29,7 @@ from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_co
 from gateway.agents.backends import build_agent_factory
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
+from gateway.ops.memory import add_memory_parser, run_memory_command
 from gateway.ops.sdnotify import SystemdNotifier, run_watchdog
 from gateway.ops.service import add_service_parser
 from gateway.ops.sessions import add_sessions_subcommands, run_sessions_command
@@ -270,6 +271,14 @@ def cmd_sessions(args: argparse.Namespace, config: GatewayConfig) -> int:
     return asyncio.run(run())
 
 
+def cmd_memory(args: argparse.Namespace, config: GatewayConfig) -> int:
+    async def run() -> int:
+        async with SessionStore(sessions_dir(hermes_home()), config) as store:
+            return await run_memory_command(store, config, args)
+
+    return asyncio.run(run())
+
+
 # --- parser -----------------------------------------------------------------------------
 
 
@@ -355,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_sessions_subcommands(sessions_sub, [common])
     sessions.set_defaults(handler=cmd_sessions)
 
+    add_memory_parser(sub, [common])
+    sub.choices["memory"].set_defaults(handler=cmd_memory)
     add_doctor_parser(sub, [common])
     add_pairing_parser(sub, [common])
     add_status_parser(sub, [common])

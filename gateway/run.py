@@ -37,6 +37,7 @@ from gateway.context.strategy import Plan
 from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
 from gateway.housekeeping import Housekeeper
+from gateway.memory.recall import Recall
 from gateway.memory.summaries import Memory
 from gateway.ops.logs import TurnLine
 from gateway.ops.metrics import Metrics
@@ -110,6 +111,8 @@ class GatewayRunner(SessionOps):
             idle_ttl=config.agent.cache_idle_ttl_seconds,
         )
         self.memory = Memory(self.store, plan, lambda key: self.agents.lease(key, self._signature))
+        # Long-term memory: notes and hybrid recall (the memory tools, `hermes-gateway memory`).
+        self.recall = Recall(self.store, config)
         self.metrics = Metrics()
         self.delivery = Delivery(self.adapters, self.turnlog, self.metrics)
         self.finalize_hooks: list[FinalizeHook] = []
@@ -149,6 +152,7 @@ class GatewayRunner(SessionOps):
         """
         self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
         await self.store.open()
+        await self.recall.start()  # its indexer catches up in the background
         await self.recovery.prepare()
         self._held = []
         self._accepting = True
@@ -213,6 +217,7 @@ class GatewayRunner(SessionOps):
             self._status_task.cancel()
             await asyncio.gather(self._status_task, return_exceptions=True)
         await self.agents.close_all()
+        await self.recall.close()
         await self.store.close()
         if self.recovery.marked:
             write_status(self.home, {**self.status_snapshot(), "state": "stopped"})

@@ -8,6 +8,8 @@ kept in a file of its own so the runner's file stays about turns.
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +17,7 @@ from gateway.store import archive, purge, search, titles
 
 if TYPE_CHECKING:
     from gateway.agents.cache import AgentCache
+    from gateway.memory.recall import Recall
     from gateway.store.session_store import SessionStore
 
 SEARCH_DEFAULT_LIMIT = 5
@@ -25,6 +28,7 @@ class SessionOps:
 
     store: SessionStore
     agents: AgentCache
+    recall: Recall
 
     def is_busy(self, key: str) -> bool:
         raise NotImplementedError  # GatewayRunner's own
@@ -86,4 +90,8 @@ class SessionOps:
             return {"status": "not_found", "session_id": session_id}
         if done["new_session_id"] is not None:
             await self.agents.evict(key)  # its context held the deleted messages
+        # The session's chunks and vectors leave memory.db now, not at the indexer's next
+        # round (state.db's log has them either way; a failure here is caught up later).
+        with contextlib.suppress(sqlite3.Error, OSError):
+            await self.recall.indexer.catch_up(embed=False)
         return {"status": "deleted", **done}

@@ -199,6 +199,7 @@ def run_worker(home: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
         "--max-seconds",
         str(args.max_seconds),
         *(["--split"] if args.split else []),
+        *(["--worker-no-index"] if getattr(args, "worker_no_index", False) else []),
         "--strategy",
         args.strategy,
     ]
@@ -472,6 +473,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for hidden in ("--worker-home", "--worker-result"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--worker-sessions", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-no-index", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--recall",
+        action="store_true",
+        help="only long-term memory: recall p50/p99 over 100,000 chunks (--recall-chunks)"
+        " and the closed loop's per-turn cost with transcript indexing on vs off",
+    )
+    parser.add_argument("--recall-chunks", type=int, default=100_000, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = {
@@ -493,10 +502,43 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def recall_section(args: argparse.Namespace) -> int:
+    """Long-term memory (issue 16): recall latency, and what indexing costs a turn."""
+    from scripts import bench_recall
+
+    recall_args = bench_recall.parse_args(["--chunks", str(args.recall_chunks)])
+    result = bench_recall.run(recall_args)
+    print(
+        f"recall over {result['chunks']} chunks of one user: p50 {result['p50_ms']:.1f} ms,"
+        f" p99 {result['p99_ms']:.1f} ms, max {result['max_ms']:.1f} ms"
+        f" ({recall_args.queries} queries; indexing them took {result['index_s']:.1f} s)"
+    )
+    n = min(args.sizes)
+    root = Path(tempfile.mkdtemp(prefix="bench-recall-turns-"))
+    try:
+        for indexing in (False, True):
+            args.worker_no_index = not indexing
+            home = root / f"home-{indexing}"
+            home.mkdir(mode=0o700)
+            asyncio.run(fill_home(home, n))
+            closed = run_worker(home, n, args)["closed"]
+            print(
+                f"closed loop, {n} sessions, transcript indexing {'on ' if indexing else 'off'}:"
+                f" cpu_us/turn {closed['cpu_us_per_turn']:.0f},"
+                f" p50 {closed['p50_ms']:.2f} ms, p99 {closed['p99_ms']:.2f} ms,"
+                f" {closed['turns_per_s']:.0f} turns/s"
+            )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker_home is not None:
         return worker_main(args)
+    if args.recall:
+        return recall_section(args)
     cpus = os.cpu_count()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
     print(

@@ -42,11 +42,15 @@ def source_for(i: int) -> SessionSource:
     )
 
 
-def gateway_config(strategy: str = "summary") -> GatewayConfig:
+def gateway_config(strategy: str = "summary", index_transcripts: bool = True) -> GatewayConfig:
     """Production defaults, the zero-config echo agent without delay, and the context
-    strategy asked for (`agent.context.strategy`, by default the default: summary)."""
+    strategy asked for (`agent.context.strategy`, by default the default: summary);
+    `index_transcripts` False turns long-term memory's transcript indexing off."""
     return GatewayConfig.model_validate(
-        {"agent": {"backend": "echo", "delay_seconds": 0, "context": {"strategy": strategy}}}
+        {
+            "agent": {"backend": "echo", "delay_seconds": 0, "context": {"strategy": strategy}},
+            "memory": {"index_transcripts": index_transcripts},
+        }
     )
 
 
@@ -335,7 +339,9 @@ class Driver:
 
 async def run_gateway(home: Path, args: argparse.Namespace) -> dict[str, Any]:
     adapter = InProcessAdapter()
-    config = gateway_config(getattr(args, "strategy", "summary"))
+    config = gateway_config(
+        getattr(args, "strategy", "summary"), not getattr(args, "worker_no_index", False)
+    )
     runner = GatewayRunner(config, [adapter], agent_factory=None, home=home)
     driver = Driver(runner, adapter, args.worker_sessions)
     result: dict[str, Any] = {}

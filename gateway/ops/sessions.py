@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from gateway.memory.recall import Recall
 from gateway.store import archive, purge, search
 from gateway.store.session_store import SessionStore
 
@@ -108,8 +109,14 @@ async def _delete(store: SessionStore, args: argparse.Namespace) -> int:
     if done is None:
         print(f"no session {session_id!r}", file=sys.stderr)
         return 1
-    # Let search.db forget the messages now, not at the daemon's next round.
+    # Let search.db and memory.db forget the messages now, not at the daemon's next round.
     await store.search_index.catch_up()
+    recall = Recall(store, store.config)
+    try:
+        await recall.indexer.prepare()
+        await recall.indexer.catch_up(embed=False)
+    finally:
+        await recall.close()
     print(f"deleted session {session_id} ({done['messages']} messages)")
     if done["new_session_id"] is not None:
         print(f"{done['session_key']} now continues in a new session {done['new_session_id']}")

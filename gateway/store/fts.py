@@ -120,8 +120,13 @@ def apply_log(conn: sqlite3.Connection, limit: int = ROUND_LIMIT) -> tuple[int, 
 
 
 def trim_log(conn: sqlite3.Connection, applied_seq: int) -> None:
-    """Writer side: forget log entries the index has applied."""
-    conn.execute("DELETE FROM fts_log WHERE seq <= ?", (applied_seq,))
+    """Writer side: forget log entries the index has applied, and every other reader of
+    the log (`log_readers`: the memory indexer, gateway.memory.index) too."""
+    conn.execute(
+        "DELETE FROM fts_log WHERE seq <= min(?, coalesce((SELECT min(applied)"
+        " FROM log_readers), ?))",
+        (applied_seq, applied_seq),
+    )
 
 
 class FtsIndexer(ThreadedSqliteTask):

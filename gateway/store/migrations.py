@@ -15,7 +15,7 @@ from typing import Any
 from gateway.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -206,6 +206,38 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         messages      INTEGER NOT NULL DEFAULT 0,
         updated_at    REAL NOT NULL
     ) WITHOUT ROWID;
+    """,
+    # Issue 16: long-term memory (gateway.memory). Notes are the user's data of record,
+    # here; their chunks, full-text index and vectors live in memory.db, an index rebuilt
+    # from this file. `note_log` tells the indexer which notes changed (notes are written
+    # by the memory tools and the CLI, never in a turn's transaction). `log_readers`: how
+    # far each reader of `fts_log` besides search.db got (the memory indexer), so the
+    # log is trimmed only behind all of them.
+    10: """
+    CREATE TABLE notes (
+        note_id    TEXT PRIMARY KEY,
+        namespace  TEXT NOT NULL,
+        agent_id   TEXT NOT NULL,
+        platform   TEXT NOT NULL,
+        user_id    TEXT NOT NULL,
+        content    TEXT NOT NULL,
+        tags       TEXT NOT NULL DEFAULT '[]',
+        created_at REAL NOT NULL,
+        updated_at REAL NOT NULL
+    ) WITHOUT ROWID;
+    CREATE INDEX notes_by_namespace ON notes(namespace, updated_at);
+    CREATE INDEX notes_by_user ON notes(platform, user_id);
+    CREATE TABLE note_log (seq INTEGER PRIMARY KEY AUTOINCREMENT, note_id TEXT NOT NULL);
+    CREATE TRIGGER notes_log_insert AFTER INSERT ON notes BEGIN
+        INSERT INTO note_log(note_id) VALUES (new.note_id);
+    END;
+    CREATE TRIGGER notes_log_update AFTER UPDATE ON notes BEGIN
+        INSERT INTO note_log(note_id) VALUES (new.note_id);
+    END;
+    CREATE TRIGGER notes_log_delete AFTER DELETE ON notes BEGIN
+        INSERT INTO note_log(note_id) VALUES (old.note_id);
+    END;
+    CREATE TABLE log_readers (name TEXT PRIMARY KEY, applied INTEGER NOT NULL) WITHOUT ROWID;
     """,
 }
 

@@ -183,6 +183,11 @@ class SessionStore:
     async def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         return await self._db.read(fn)
 
+    @property
+    def commits(self) -> int:
+        """Transactions committed so far (background indexers' change signal)."""
+        return self._db.commits
+
     def write_soon(
         self, fn: Callable[[sqlite3.Connection], T], *, persist: bool = False
     ) -> asyncio.Future[T]:

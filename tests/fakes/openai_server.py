@@ -13,6 +13,7 @@ and each applies to one request: ``fail_next``, ``delay_next``, ``malformed_next
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import json
 import time
@@ -64,11 +65,17 @@ class FakeOpenAI:
         self._faults: deque[_Fault] = deque()
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
+        # POST /v1/embeddings: a text found here gets this vector; any other text a
+        # deterministic one of `embedding_dimensions` (from its hash), so a test steers
+        # which texts are near each other.
+        self.embeddings: dict[str, list[float]] = {}
+        self.embedding_dimensions = 8
 
     async def start(self) -> str:
         """Bind a free port on 127.0.0.1; returns the base URL (``http://127.0.0.1:N/v1``)."""
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat_completions)
+        app.router.add_post("/v1/embeddings", self._embeddings)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -112,6 +119,36 @@ class FakeOpenAI:
         return release
 
     # --- handler -------------------------------------------------------------------------
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests.append(
+            {
+                "path": request.path,
+                "json": body,
+                "headers": {h: request.headers.get(h) for h in _RECORDED_HEADERS},
+            }
+        )
+        fault = self._faults.popleft() if self._faults else _Fault()
+        sent = request.headers.get("Authorization", "").removeprefix("Bearer ")
+        if self.expected_key is not None and sent != self.expected_key:
+            return web.json_response({"error": {"message": "bad key"}}, status=401)
+        if fault.status != 200:
+            return web.json_response({"error": {"message": fault.message}}, status=fault.status)
+        texts = body["input"] if isinstance(body["input"], list) else [body["input"]]
+        data = [
+            {"object": "embedding", "index": i, "embedding": self._vector(text)}
+            for i, text in enumerate(texts)
+        ]
+        return web.json_response(
+            {"object": "list", "data": data, "model": body.get("model"), "usage": {}}
+        )
+
+    def _vector(self, text: str) -> list[float]:
+        if text in self.embeddings:
+            return self.embeddings[text]
+        digest = hashlib.sha256(text.encode()).digest()
+        return [(digest[i % len(digest)] - 127.5) / 127.5 for i in range(self.embedding_dimensions)]
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()

@@ -1,0 +1,158 @@
+"""Embedding backends: text -> float32 unit vectors (rows of a numpy array).
+
+`hash` (the zero-config default): each word (lowercased, \\w+) is hashed (blake2b) to a
+dimension and a sign, and the counts are L2-normalized: the "hashing trick". No model,
+deterministic, no semantic similarity: texts score alike when they share words, a
+paraphrase in other words does not, and the same text always gives the same vector.
+(The seed hashes the whole text to one random vector; hashing words instead keeps the
+vector signal from being noise whenever the text is not repeated exactly.)
+
+`openai`: `POST {base_url}/embeddings` on any OpenAI-compatible server (OpenAI, Ollama,
+vLLM, llama.cpp), in batches; the vector size is checked once at start (`check`).
+The API key goes in the Authorization header only, never in a log line or an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Sequence
+from typing import Protocol
+
+import aiohttp
+import numpy as np
+
+from config import GatewayConfig
+
+_WORD = re.compile(r"\w+")
+BATCH = 64  # texts per /embeddings request
+
+
+class EmbeddingError(RuntimeError):
+    """The embedding backend failed (unreachable, refused, or a malformed answer)."""
+
+
+class Embedder(Protocol):
+    #: what the vectors are, stored beside each one: a change re-embeds in the background
+    model_id: str
+    #: cosine below which a vector match is no candidate (hash: shared-word noise)
+    min_similarity: float
+
+    async def check(self) -> None: ...
+    async def embed(self, texts: Sequence[str]) -> np.ndarray: ...
+    async def close(self) -> None: ...
+
+
+class HashEmbedder:
+    min_similarity = 0.1  # a hash collision of two unrelated words scores ~1/sqrt(dim)
+
+    def __init__(self, dimensions: int = 256) -> None:
+        self.dimensions = dimensions
+        self.model_id = f"hash-words:{dimensions}"
+
+    async def check(self) -> None:
+        return None
+
+    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+        return self.embed_sync(texts)
+
+    def embed_sync(self, texts: Sequence[str]) -> np.ndarray:
+        out = np.zeros((len(texts), self.dimensions), dtype=np.float32)
+        for row, text in enumerate(texts):
+            for word in _WORD.findall(text.lower()):
+                digest = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest())
+                out[row, digest % self.dimensions] += 1.0 if digest >> 63 else -1.0
+        return unit_rows(out)
+
+    async def close(self) -> None:
+        return None
+
+
+class OpenAIEmbedder:
+    min_similarity = 0.0
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        api_key: str | None,
+        dimensions: int | None = None,
+        timeout: float = 30.0,
+    ) -> None:
+        self.url = base_url.rstrip("/") + "/embeddings"
+        self.model = model
+        self.dimensions = dimensions
+        self.model_id = f"openai:{model}" + (f":{dimensions}" if dimensions else "")
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = aiohttp.ClientTimeout(total=timeout)
+        self._session: aiohttp.ClientSession | None = None
+
+    async def check(self) -> None:
+        """Once at start: one request, its vector size pinned (or compared with
+        `memory.dimensions`). Raises EmbeddingError."""
+        size = (await self.embed(["dimension check"])).shape[1]
+        if self.dimensions is None:
+            self.dimensions = size  # model_id stays: a start without the server is the same
+        elif size != self.dimensions:
+            raise EmbeddingError(
+                f"{self.url} returned vectors of {size} dimensions for model {self.model!r};"
+                f" memory.dimensions says {self.dimensions}"
+            )
+
+    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+        rows: list[np.ndarray] = []
+        for start in range(0, len(texts), BATCH):
+            rows.append(await self._request(list(texts[start : start + BATCH])))
+        if not rows:
+            return np.zeros((0, self.dimensions or 0), dtype=np.float32)
+        out = np.vstack(rows)
+        if self.dimensions is not None and out.shape[1] != self.dimensions:
+            raise EmbeddingError(
+                f"{self.url} returned {out.shape[1]} dimensions, expected {self.dimensions}"
+            )
+        return unit_rows(out)
+
+    async def _request(self, texts: list[str]) -> np.ndarray:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self._timeout)
+        body = {"model": self.model, "input": texts}
+        try:
+            async with self._session.post(self.url, json=body, headers=self._headers) as resp:
+                if resp.status != 200:
+                    detail = (await resp.text())[:200]
+                    raise EmbeddingError(f"{self.url} answered {resp.status}: {detail}")
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            raise EmbeddingError(f"{self.url}: {type(exc).__name__}: {exc}") from None
+        try:
+            items = sorted(data["data"], key=lambda item: item["index"])
+            out = np.asarray([item["embedding"] for item in items], dtype=np.float32)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise EmbeddingError(f"{self.url}: malformed answer ({exc})") from None
+        if out.ndim != 2 or out.shape[0] != len(texts):
+            raise EmbeddingError(f"{self.url}: {len(texts)} texts sent, {out.shape[0]} vectors")
+        return out
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def unit_rows(matrix: np.ndarray) -> np.ndarray:
+    """Rows scaled to length 1 (a zero row stays zero): a dot product is then cosine."""
+    norms = np.linalg.norm(matrix, axis=1, keepdims=True)
+    return np.divide(matrix, norms, out=np.zeros_like(matrix), where=norms > 0)
+
+
+def build_embedder(config: GatewayConfig) -> HashEmbedder | OpenAIEmbedder:
+    memory = config.memory
+    if memory.embedding == "hash":
+        return HashEmbedder(memory.hash_dimensions)
+    return OpenAIEmbedder(
+        base_url=memory.base_url or config.agent.base_url,
+        model=memory.model,
+        api_key=memory.api_key if memory.api_key is not None else config.agent.api_key,
+        dimensions=memory.dimensions,
+        timeout=memory.request_timeout_seconds,
+    )

@@ -1,0 +1,484 @@
+"""The memory index: memory.db beside state.db, with every note's and every eligible
+transcript message's chunks, their full-text index (FTS5) and their vectors.
+
+Why a file of its own (like search.db, gateway.store.fts): it is derived. Notes (the
+`notes` table) and messages live in state.db; memory.db can always be rebuilt from them,
+and indexing it never holds the write lock a turn needs. A turn's transaction gains
+nothing: the messages' changes are read from state.db's existing `fts_log`, the notes'
+from `note_log` (written by note saves, never by a turn).
+
+How it stays exact (the functions here run on a worker thread, on memory.db with
+state.db attached read-only as `st`): a round, in one memory.db transaction, reads the
+log entries after the `applied_*` numbers kept in `meta`, re-indexes every message or
+note they name as it is now (or drops it, when it is gone), and stores the new numbers.
+A crash repeats a round at most; a repeated round changes nothing. The index tells
+state.db how far it got (`log_readers`), and `fts_log` is trimmed only behind that. A
+new memory.db, or one whose numbers do not continue state.db's logs (state.db rebuilt
+or restored), is rebuilt: every note at once, messages a page per round.
+
+Vectors are a second phase (`pending_vectors`): chunks are searchable by text at once
+and gain their vector when the embedding backend answers (a remote one may be down). A
+vector carries the embedder's `model_id`; starting with another embedder queues every
+chunk again, and only vectors of the current one are ever scored.
+
+Which transcripts: a session's messages of role user and assistant, when its origin
+names a user and it is not shared by several users (a group chat's common session):
+one person's words go to that person's memory. Namespace:
+`memory:{agent_id}:{platform}:{user_id}`, the agent id read from the session key.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import quote
+
+import numpy as np
+
+from gateway.memory.chunking import chunk_text, content_hash
+from gateway.session import SessionSource, is_shared_multi_user_session
+from gateway.store import codec
+from gateway.store.db import create_private_file
+
+MEMORY_DB = "memory.db"
+LOG_READER = "memory"  # our row in state.db's log_readers
+NOTE_PAGE = 2_000  # note log entries per round
+MESSAGE_PAGE = 5_000  # message log entries (or rebuilt messages) per round
+INDEXED_ROLES = ("user", "assistant")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS chunks (
+    id         INTEGER PRIMARY KEY,
+    namespace  TEXT NOT NULL,
+    kind       TEXT NOT NULL,
+    note_id    TEXT,
+    session_id TEXT,
+    hash       TEXT NOT NULL,
+    text       TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS chunks_by_namespace ON chunks(namespace, kind);
+CREATE INDEX IF NOT EXISTS chunks_by_note ON chunks(note_id) WHERE note_id IS NOT NULL;
+CREATE UNIQUE INDEX IF NOT EXISTS chunks_dedup ON chunks(session_id, hash)
+    WHERE session_id IS NOT NULL;
+CREATE TABLE IF NOT EXISTS chunk_tags (
+    tag TEXT NOT NULL, chunk_id INTEGER NOT NULL, PRIMARY KEY (tag, chunk_id)
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS chunk_sources (
+    message_id INTEGER NOT NULL, chunk_id INTEGER NOT NULL, PRIMARY KEY (message_id, chunk_id)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS chunk_sources_by_chunk ON chunk_sources(chunk_id);
+CREATE VIRTUAL TABLE IF NOT EXISTS chunks_fts USING fts5(
+    text, content='chunks', content_rowid='id'
+);
+-- Per word, how many chunks hold it: recall leaves out the words too common to rank by.
+CREATE VIRTUAL TABLE IF NOT EXISTS chunks_vocab USING fts5vocab(chunks_fts, 'row');
+CREATE TABLE IF NOT EXISTS vectors (
+    seq       INTEGER PRIMARY KEY AUTOINCREMENT,
+    chunk_id  INTEGER NOT NULL UNIQUE,
+    namespace TEXT NOT NULL,
+    model     TEXT NOT NULL,
+    vec       BLOB NOT NULL
+);
+CREATE INDEX IF NOT EXISTS vectors_by_namespace ON vectors(namespace, model, seq);
+CREATE TABLE IF NOT EXISTS pending_vectors (chunk_id INTEGER PRIMARY KEY);
+-- Vectors ever deleted (meta 'vector_deletes'): while it stays put, a cached matrix is
+-- only extended by the vectors added after it (gateway.memory.retrieval).
+INSERT OR IGNORE INTO meta (key, value) VALUES ('vector_deletes', 0);
+CREATE TRIGGER IF NOT EXISTS chunks_insert AFTER INSERT ON chunks BEGIN
+    INSERT INTO chunks_fts(rowid, text) VALUES (new.id, new.text);
+    INSERT OR IGNORE INTO pending_vectors(chunk_id) VALUES (new.id);
+END;
+CREATE TRIGGER IF NOT EXISTS chunks_delete AFTER DELETE ON chunks BEGIN
+    INSERT INTO chunks_fts(chunks_fts, rowid, text) VALUES ('delete', old.id, old.text);
+    DELETE FROM chunk_tags WHERE chunk_id = old.id;
+    DELETE FROM chunk_sources WHERE chunk_id = old.id;
+    DELETE FROM vectors WHERE chunk_id = old.id;
+    DELETE FROM pending_vectors WHERE chunk_id = old.id;
+END;
+CREATE TRIGGER IF NOT EXISTS vectors_delete AFTER DELETE ON vectors BEGIN
+    UPDATE meta SET value = value + 1 WHERE key = 'vector_deletes';
+END;
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexSettings:
+    chunk_size: int = 640
+    chunk_overlap: int = 96
+    index_transcripts: bool = True
+    group_sessions_per_user: bool = True
+    thread_sessions_per_user: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RoundResult:
+    work: int  # notes and messages (re)indexed, chunks dropped
+    message_seq: int | None  # fts_log applied up to (None: transcripts not indexed)
+    note_seq: int  # note_log applied up to
+    more: bool  # a page was full: another round has work
+
+
+def memory_files(sessions_dir: Path) -> list[Path]:
+    base = sessions_dir / MEMORY_DB
+    return [base, base.with_name(base.name + "-wal"), base.with_name(base.name + "-shm")]
+
+
+def connect(memory_path: Path, state_path: Path) -> sqlite3.Connection:
+    """memory.db for writing, with state.db attached read-only as `st`."""
+    create_private_file(memory_path)
+    conn = sqlite3.connect(
+        f"file:{quote(str(memory_path))}", uri=True, isolation_level=None, check_same_thread=False
+    )
+    try:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.execute("PRAGMA busy_timeout=5000")
+        conn.executescript(_SCHEMA)
+        conn.execute("ATTACH DATABASE ? AS st", (f"file:{quote(str(state_path))}?mode=ro",))
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _meta(conn: sqlite3.Connection, key: str) -> int | str | None:
+    row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    return row[0] if row else None
+
+
+def _set_meta(conn: sqlite3.Connection, key: str, value: object) -> None:
+    if value is None:
+        conn.execute("DELETE FROM meta WHERE key = ?", (key,))
+    else:
+        conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)", (key, value))
+
+
+def apply_logs(conn: sqlite3.Connection, settings: IndexSettings) -> RoundResult:
+    """One round (see the module docstring), in one transaction."""
+    conn.execute("BEGIN IMMEDIATE")  # two processes (daemon, CLI) may index at once
+    try:
+        notes, note_seq, notes_more = _apply_notes(conn, settings)
+        if settings.index_transcripts:
+            messages, message_seq, messages_more = _apply_messages(conn, settings)
+        else:
+            messages, message_seq, messages_more = _drop_transcripts(conn), None, False
+        purged = _meta(conn, "purged")
+        _set_meta(conn, "purged", None)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    if purged:
+        forget_tokens(conn)
+    return RoundResult(notes + messages, message_seq, note_seq, notes_more or messages_more)
+
+
+def forget_tokens(conn: sqlite3.Connection) -> None:
+    """Merge the full-text index into one segment: FTS5 keeps a deleted row's words in
+    its segments until they are merged (this SQLite predates 'secure-delete'). Run after
+    messages were purged (a session deleted) and after forgetting a user; a note's
+    delete or update leaves its old words to the next automatic merge."""
+    conn.execute("INSERT INTO chunks_fts(chunks_fts) VALUES ('optimize')")
+
+
+def _log_state(
+    conn: sqlite3.Connection, table: str, applied_key: str
+) -> tuple[int, int | None, bool]:
+    """(last sequence number handed out, applied, whether to rebuild)."""
+    last = conn.execute(
+        "SELECT coalesce((SELECT seq FROM st.sqlite_sequence WHERE name = ?), 0)", (table,)
+    ).fetchone()[0]
+    first = conn.execute(f"SELECT min(seq) FROM st.{table}").fetchone()[0]
+    applied = _meta(conn, applied_key)
+    assert applied is None or isinstance(applied, int)
+    rebuild = applied is None or last < applied or (first or last + 1) > applied + 1
+    return last, applied, rebuild
+
+
+def _apply_notes(conn: sqlite3.Connection, settings: IndexSettings) -> tuple[int, int, bool]:
+    last, applied, rebuild = _log_state(conn, "note_log", "note_seq")
+    if rebuild:
+        conn.execute("DELETE FROM chunks WHERE kind = 'note'")
+        ids = [row[0] for row in conn.execute("SELECT note_id FROM st.notes")]
+        hi, more = last, False
+    else:
+        assert applied is not None
+        hi = min(last, applied + NOTE_PAGE)
+        more = hi < last
+        ids = [
+            row[0]
+            for row in conn.execute(
+                "SELECT DISTINCT note_id FROM st.note_log WHERE seq > ? AND seq <= ?", (applied, hi)
+            )
+        ]
+    for note_id in ids:
+        _index_note(conn, note_id, settings)
+    if hi != applied:
+        _set_meta(conn, "note_seq", hi)
+    return len(ids), hi, more
+
+
+def _index_note(conn: sqlite3.Connection, note_id: str, settings: IndexSettings) -> None:
+    conn.execute("DELETE FROM chunks WHERE note_id = ?", (note_id,))
+    row = conn.execute(
+        "SELECT namespace, content, tags, created_at, updated_at FROM st.notes WHERE note_id = ?",
+        (note_id,),
+    ).fetchone()
+    if row is None:
+        return
+    namespace, content, tags, created, updated = row
+    for text in chunk_text(content, settings.chunk_size, settings.chunk_overlap):
+        chunk_id = conn.execute(
+            "INSERT INTO chunks (namespace, kind, note_id, hash, text, created_at, updated_at)"
+            " VALUES (?, 'note', ?, ?, ?, ?, ?)",
+            (namespace, note_id, content_hash(text), text, created, updated),
+        ).lastrowid
+        conn.executemany(
+            "INSERT OR IGNORE INTO chunk_tags (tag, chunk_id) VALUES (?, ?)",
+            [(tag, chunk_id) for tag in codec.loads(tags)],
+        )
+
+
+def _apply_messages(conn: sqlite3.Connection, settings: IndexSettings) -> tuple[int, int, bool]:
+    last, applied, rebuild = _log_state(conn, "fts_log", "message_seq")
+    work = 0
+    if rebuild:
+        work += conn.execute("DELETE FROM chunks WHERE kind = 'transcript'").rowcount
+        _set_meta(conn, "rebuild_after", 0)  # message id the rebuild has indexed up to
+        applied = last
+        _set_meta(conn, "message_seq", last)
+    assert applied is not None
+    sessions: dict[str, str | None] = {}
+    cursor = _meta(conn, "rebuild_after")
+    rebuilding = cursor is not None
+    if rebuilding:
+        ids = [
+            row[0]
+            for row in conn.execute(
+                "SELECT id FROM st.messages WHERE id > ? ORDER BY id LIMIT ?",
+                (cursor, MESSAGE_PAGE),
+            )
+        ]
+        for message_id in ids:
+            _index_message(conn, message_id, sessions, settings)
+        work += len(ids)
+        _set_meta(conn, "rebuild_after", ids[-1] if len(ids) == MESSAGE_PAGE else None)
+    hi = min(last, applied + MESSAGE_PAGE)
+    if hi > applied:
+        touched = [
+            row[0]
+            for row in conn.execute(
+                "SELECT DISTINCT id FROM st.fts_log WHERE seq > ? AND seq <= ?", (applied, hi)
+            )
+        ]
+        for message_id in touched:
+            _index_message(conn, message_id, sessions, settings)
+        work += len(touched)
+        _set_meta(conn, "message_seq", hi)
+    more = hi < last or _meta(conn, "rebuild_after") is not None
+    return work, hi, more
+
+
+def _drop_transcripts(conn: sqlite3.Connection) -> int:
+    """Transcript indexing is off: its chunks go (once), and the log is not followed
+    (the next start with it on rebuilds them)."""
+    if _meta(conn, "message_seq") is None:
+        return 0
+    _set_meta(conn, "message_seq", None)
+    _set_meta(conn, "rebuild_after", None)
+    return conn.execute("DELETE FROM chunks WHERE kind = 'transcript'").rowcount
+
+
+def _index_message(
+    conn: sqlite3.Connection,
+    message_id: int,
+    sessions: dict[str, str | None],
+    settings: IndexSettings,
+) -> None:
+    """Index the message as it is now: its old chunk links go; a chunk no message links
+    any more goes; its text (when indexable) is chunked and linked again."""
+    old = [
+        row[0]
+        for row in conn.execute(
+            "DELETE FROM chunk_sources WHERE message_id = ? RETURNING chunk_id", (message_id,)
+        )
+    ]
+    row = conn.execute(
+        "SELECT session_id, role, content, active, created_at FROM st.messages WHERE id = ?",
+        (message_id,),
+    ).fetchone()
+    if row is not None and row[1] in INDEXED_ROLES and row[3]:
+        session_id, _, content, _, created = row
+        if session_id not in sessions:
+            sessions[session_id] = _session_namespace(conn, session_id, settings)
+        namespace = sessions[session_id]
+        if namespace is not None:
+            for text in chunk_text(content, settings.chunk_size, settings.chunk_overlap):
+                _link_chunk(conn, namespace, session_id, message_id, text, created)
+    _drop_orphans(conn, old)
+    if row is None and old:  # purged from state.db: its words leave the index too
+        _set_meta(conn, "purged", 1)
+
+
+def _link_chunk(
+    conn: sqlite3.Connection,
+    namespace: str,
+    session_id: str,
+    message_id: int,
+    text: str,
+    created: float,
+) -> None:
+    digest = content_hash(text)
+    found = conn.execute(
+        "SELECT id FROM chunks WHERE session_id = ? AND hash = ?", (session_id, digest)
+    ).fetchone()
+    if found is None:
+        chunk_id = conn.execute(
+            "INSERT INTO chunks (namespace, kind, session_id, hash, text, created_at, updated_at)"
+            " VALUES (?, 'transcript', ?, ?, ?, ?, ?)",
+            (namespace, session_id, digest, text, created, created),
+        ).lastrowid
+    else:  # the same text again in this session: one chunk, now also this message's
+        chunk_id = found[0]
+        conn.execute(
+            "UPDATE chunks SET updated_at = max(updated_at, ?) WHERE id = ?", (created, chunk_id)
+        )
+    conn.execute(
+        "INSERT OR IGNORE INTO chunk_sources (message_id, chunk_id) VALUES (?, ?)",
+        (message_id, chunk_id),
+    )
+
+
+def _drop_orphans(conn: sqlite3.Connection, chunk_ids: Iterable[int]) -> None:
+    for chunk_id in chunk_ids:
+        conn.execute(
+            "DELETE FROM chunks WHERE id = ? AND kind = 'transcript'"
+            " AND NOT EXISTS (SELECT 1 FROM chunk_sources WHERE chunk_id = ?)",
+            (chunk_id, chunk_id),
+        )
+
+
+def _session_namespace(
+    conn: sqlite3.Connection, session_id: str, settings: IndexSettings
+) -> str | None:
+    row = conn.execute(
+        "SELECT session_key, origin FROM st.sessions WHERE session_id = ?", (session_id,)
+    ).fetchone()
+    if row is None or not row[1]:
+        return None
+    return transcript_namespace(row[0], codec.loads(row[1]), settings)
+
+
+def transcript_namespace(key: str, origin: object, settings: IndexSettings) -> str | None:
+    """The memory a session's transcript belongs to, or None (no single user)."""
+    if not isinstance(origin, dict) or not key.startswith("agent:"):
+        return None
+    try:
+        source = SessionSource.from_dict(origin)
+    except (KeyError, TypeError, ValueError):
+        return None
+    if not source.user_id or is_shared_multi_user_session(
+        source,
+        group_sessions_per_user=settings.group_sessions_per_user,
+        thread_sessions_per_user=settings.thread_sessions_per_user,
+    ):
+        return None
+    agent_id = key.split(":", 2)[1]
+    platform = getattr(source.platform, "value", source.platform)
+    return f"memory:{agent_id}:{platform}:{source.user_id}"
+
+
+# --- vectors ---------------------------------------------------------------------------
+
+
+def requeue_other_models(conn: sqlite3.Connection, model_id: str) -> int:
+    """At start: when the embedder changed, every chunk is queued to be embedded again
+    (its old vector stays, unscored, until the new one replaces it)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        count = 0
+        if _meta(conn, "model") != model_id:
+            count = conn.execute(
+                "INSERT OR IGNORE INTO pending_vectors (chunk_id)"
+                " SELECT id FROM chunks WHERE id NOT IN"
+                " (SELECT chunk_id FROM vectors WHERE model = ?)",
+                (model_id,),
+            ).rowcount
+            _set_meta(conn, "model", model_id)
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    return count
+
+
+def pending_chunks(
+    conn: sqlite3.Connection, limit: int, namespace: str | None = None
+) -> list[tuple[int, str]]:
+    # CROSS JOIN: from the (mostly empty) queue to its chunks, never the other way round.
+    sql = "SELECT c.id, c.text FROM pending_vectors p CROSS JOIN chunks c ON c.id = p.chunk_id"
+    if namespace is None:
+        return conn.execute(f"{sql} ORDER BY p.chunk_id LIMIT ?", (limit,)).fetchall()
+    return conn.execute(
+        f"{sql} WHERE c.namespace = ? ORDER BY p.chunk_id LIMIT ?",
+        (namespace, limit),
+    ).fetchall()
+
+
+def store_vectors(
+    conn: sqlite3.Connection, chunk_ids: list[int], vectors: np.ndarray, model_id: str
+) -> None:
+    """Vectors (float32, little-endian) for chunks still there; they leave the queue."""
+    data = np.ascontiguousarray(vectors, dtype="<f4")
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for chunk_id, vec in zip(chunk_ids, data, strict=True):
+            row = conn.execute("SELECT namespace FROM chunks WHERE id = ?", (chunk_id,)).fetchone()
+            if row is not None:
+                old = conn.execute(
+                    "SELECT model FROM vectors WHERE chunk_id = ?", (chunk_id,)
+                ).fetchone()
+                if old is not None:
+                    conn.execute("DELETE FROM vectors WHERE chunk_id = ?", (chunk_id,))
+                conn.execute(
+                    "INSERT INTO vectors (chunk_id, namespace, model, vec) VALUES (?, ?, ?, ?)",
+                    (chunk_id, row[0], model_id, vec.tobytes()),
+                )
+            conn.execute("DELETE FROM pending_vectors WHERE chunk_id = ?", (chunk_id,))
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+# --- forgetting ------------------------------------------------------------------------
+
+
+def forget_namespaces(conn: sqlite3.Connection, namespaces: list[str]) -> int:
+    """Every chunk (with its full-text entry, tags, sources and vector) of these
+    memories, now; returns how many chunks went."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        count = 0
+        for namespace in namespaces:
+            count += conn.execute("DELETE FROM chunks WHERE namespace = ?", (namespace,)).rowcount
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+    forget_tokens(conn)
+    return count
+
+
+def now() -> float:
+    return time.time()

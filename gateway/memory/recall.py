@@ -1,0 +1,530 @@
+"""Long-term recall (issue 16): notes per user and agent, and hybrid search over them and
+the user's past transcripts. `runner.recall` is a `Recall`; the agent's memory tools
+and the operator's `hermes-gateway memory` commands call it.
+
+A namespace is `memory:{agent_id}:{platform}:{user_id}`: every read and write names one,
+and nothing of another namespace is scored, listed, changed or told apart from "no such
+note". Notes are stored in state.db (`notes`, the data of record); their chunks, the
+transcripts' chunks and all vectors in memory.db (gateway.memory.index), which the
+indexer keeps up in the background and which a search first brings up to date.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import sqlite3
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+import structlog
+
+from gateway.memory import index
+from gateway.memory.chunking import normalize_tags
+from gateway.memory.embeddings import EmbeddingError, build_embedder
+from gateway.memory.retrieval import Scored, VectorCache, hybrid, tags_of
+from gateway.session import SessionSource
+from gateway.store import codec, purge
+from gateway.store.background import ThreadedSqliteTask
+from gateway.store.outage import Outage, StoreUnwritable
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from config import GatewayConfig
+    from gateway.memory.embeddings import HashEmbedder, OpenAIEmbedder
+    from gateway.store.session_store import SessionStore
+
+log = structlog.get_logger("gateway.memory.recall")
+T = TypeVar("T")
+
+MAX_NOTE_CHARS = 8_000
+MAX_K = 50
+EMBED_BATCH = 256  # chunks embedded per step of the background indexer
+_NOTE_ID = re.compile(r"^note-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """One user's memory with one agent: `memory:{agent_id}:{platform}:{user_id}`."""
+
+    agent_id: str
+    platform: str
+    user_id: str
+
+    @classmethod
+    def of(cls, agent_id: str, source: SessionSource) -> Namespace:
+        if not source.user_id:
+            raise ValueError("this chat names no user: long-term memory needs a user id")
+        platform = getattr(source.platform, "value", source.platform)
+        return cls(agent_id, str(platform), str(source.user_id))
+
+    def __str__(self) -> str:
+        return f"memory:{self.agent_id}:{self.platform}:{self.user_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    id: str  # "note-<uuid>" for notes, "chunk-<n>" for transcript chunks
+    kind: str  # "note" | "transcript"
+    text: str
+    tags: tuple[str, ...]
+    score: float
+    created_at: datetime
+    updated_at: datetime
+    session_id: str | None  # transcript chunks: the session they come from
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "kind": self.kind,
+            "text": self.text,
+            "tags": list(self.tags),
+            "score": round(self.score, 4),
+            "created_at": self.created_at.isoformat(),
+            "updated_at": self.updated_at.isoformat(),
+            "session_id": self.session_id,
+        }
+
+
+def _utc(ts: float) -> datetime:
+    return datetime.fromtimestamp(ts, UTC)
+
+
+def _hit(scored: Scored) -> Hit:
+    return Hit(
+        id=scored.note_id if scored.note_id is not None else f"chunk-{scored.chunk_id}",
+        kind=scored.kind,
+        text=scored.text,
+        tags=scored.tags,
+        score=scored.score,
+        created_at=_utc(scored.created_at),
+        updated_at=_utc(scored.updated_at),
+        session_id=scored.session_id,
+    )
+
+
+class MemoryIndexer(ThreadedSqliteTask):
+    """Keeps memory.db up with state.db's logs (rounds of `index.apply_logs`) and embeds
+    the chunks waiting for a vector, on a worker thread, when the store committed since
+    the last look or vectors are waiting."""
+
+    def __init__(
+        self,
+        store: SessionStore,
+        settings: index.IndexSettings,
+        embedder: HashEmbedder | OpenAIEmbedder,
+        interval: float = 0.25,
+    ) -> None:
+        super().__init__(interval)
+        self.store = store
+        self.settings = settings
+        self.embedder = embedder
+        self.path = store.sessions_dir / index.MEMORY_DB
+        self.cache = VectorCache()
+        self.embeddings_ok = True
+        self._lock = asyncio.Lock()
+        self._reported: int | None = None  # the fts_log number last told to state.db
+        self._embed_outage = Outage(log, "memory_embedding_failed", path=str(self.path))
+
+    async def run(self, fn: Callable[..., T], *args: object) -> T:
+        """`fn(conn, *args)` on memory.db (state.db attached as `st`), on the worker thread."""
+        async with self._lock:
+            if self._conn is None:
+                self._conn = await self._in_thread(index.connect, self.path, self.store.db_path)
+            return await self._in_thread(fn, self._conn, *args)
+
+    async def prepare(self) -> None:
+        """Before the first round: hold state.db's fts_log for us (or let it go, with
+        transcripts off), and queue every chunk for the current embedder if it changed."""
+        if self.settings.index_transcripts:
+            sql = "INSERT OR IGNORE INTO log_readers (name, applied) VALUES (?, 0)"
+        else:
+            sql = "DELETE FROM log_readers WHERE name = ?"
+        await self.store.write(lambda conn: conn.execute(sql, (index.LOG_READER,)), dirty=False)
+        queued = await self.run(index.requeue_other_models, self.embedder.model_id)
+        if queued:
+            log.info("memory_reembedding", chunks=queued, model=self.embedder.model_id)
+
+    async def catch_up(self, *, embed: bool = True, namespace: str | None = None) -> int:
+        """Apply everything logged so far; then (embed) vectors for the waiting chunks,
+        of `namespace` only when given. A failing embedder is logged, not raised: text
+        recall works meanwhile and the chunks stay queued."""
+        total = 0
+        while True:
+            result = await self.run(index.apply_logs, self.settings)
+            total += result.work
+            await self._report(result)
+            if not result.more:
+                break
+        if embed:
+            total += await self.embed_pending(namespace)
+        return total
+
+    async def embed_pending(self, namespace: str | None = None) -> int:
+        done = 0
+        while True:
+            waiting = await self.run(index.pending_chunks, EMBED_BATCH, namespace)
+            if not waiting:
+                self._embed_outage.ended()
+                return done
+            ids, texts = [row[0] for row in waiting], [row[1] for row in waiting]
+            try:
+                vectors = await self.embedder.embed(texts)
+            except EmbeddingError as exc:
+                self._embed_outage.failed(str(exc))
+                return done
+            await self.run(index.store_vectors, ids, vectors, self.embedder.model_id)
+            done += len(ids)
+
+    async def _report(self, result: index.RoundResult) -> None:
+        """Tell state.db how far we got: its fts_log is trimmed behind that, and the
+        note log behind us (we are its only reader)."""
+        seq, note_seq = result.message_seq, result.note_seq
+
+        def tell(conn: sqlite3.Connection) -> None:
+            if seq is not None:
+                conn.execute(
+                    "INSERT OR REPLACE INTO log_readers (name, applied) VALUES (?, ?)",
+                    (index.LOG_READER, seq),
+                )
+            conn.execute("DELETE FROM note_log WHERE seq <= ?", (note_seq,))
+
+        if result.work or seq != self._reported:
+            await self.store.write(tell, dirty=False)
+            self._reported = seq
+
+    def start(self) -> None:
+        self._start(self._loop(), "memory-indexer")
+
+    async def _loop(self) -> None:
+        failing = Outage(log, "memory_index_failed", path=str(self.path))
+        failures, seen = 0, -1
+        while True:
+            commits = self.store.commits
+            try:
+                worked = commits != seen
+                if worked:
+                    worked = bool(await self.catch_up())
+                    seen = commits
+                failures = 0
+                failing.ended()
+            except (sqlite3.Error, OSError, StoreUnwritable) as exc:
+                failures += 1
+                failing.failed(str(exc))
+                await self._reset()
+            if failures:
+                await asyncio.sleep(min(60.0, self.interval * 2**failures))
+            else:
+                await self._pause(worked)
+
+    async def _reset(self) -> None:
+        async with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            self.cache.clear()
+
+
+class Recall:
+    """The memory API (see the module docstring). Validation errors are ValueError."""
+
+    def __init__(self, store: SessionStore, config: GatewayConfig) -> None:
+        memory = config.memory
+        self.store = store
+        self.embedder = build_embedder(config)
+        self.weights = (memory.weights.vector, memory.weights.text)
+        self.indexer = MemoryIndexer(
+            store,
+            index.IndexSettings(
+                chunk_size=memory.chunk_size,
+                chunk_overlap=memory.chunk_overlap,
+                index_transcripts=memory.index_transcripts,
+                group_sessions_per_user=config.group_sessions_per_user,
+                thread_sessions_per_user=config.thread_sessions_per_user,
+            ),
+            self.embedder,
+        )
+        self._prepared = False
+
+    @property
+    def path(self) -> Path:
+        return self.indexer.path
+
+    async def open(self) -> None:
+        """Check the embedder once (an unreachable one is logged; vectors wait for it) and
+        get memory.db ready; no background work (the CLI's use)."""
+        try:
+            await self.embedder.check()
+        except EmbeddingError as exc:
+            log.error("memory_embedding_unavailable", error=str(exc))
+        await self.indexer.prepare()
+        self._prepared = True
+
+    async def start(self) -> None:
+        """`open()`, then the background indexer (the daemon's use)."""
+        await self.open()
+        self.indexer.start()
+
+    async def close(self) -> None:
+        await self.indexer.stop()
+        await self.embedder.close()
+
+    # --- notes -------------------------------------------------------------------------
+
+    async def save(
+        self,
+        ns: Namespace,
+        content: str,
+        tags: Sequence[str] = (),
+        note_id: str | None = None,
+    ) -> str:
+        """Store a note; returns its id. With `note_id`: that note of this namespace is
+        replaced (content and tags; created_at kept)."""
+        if not isinstance(content, str) or not content.strip():
+            raise ValueError("a note needs some text")
+        if len(content) > MAX_NOTE_CHARS:
+            raise ValueError(f"a note holds at most {MAX_NOTE_CHARS} characters ({len(content)})")
+        clean_tags = normalize_tags(tags)
+        namespace = str(ns)
+        new_id = note_id if note_id is not None else f"note-{uuid.uuid4()}"
+        if note_id is not None and not _NOTE_ID.match(note_id):
+            raise ValueError(f"{note_id!r} is not a note id (note-<uuid>)")
+        now = index.now()
+        tags_json = codec.dumps(list(clean_tags))
+
+        def write(conn: sqlite3.Connection) -> None:
+            if note_id is None:
+                conn.execute(
+                    "INSERT INTO notes (note_id, namespace, agent_id, platform, user_id,"
+                    " content, tags, created_at, updated_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        new_id,
+                        namespace,
+                        ns.agent_id,
+                        ns.platform,
+                        ns.user_id,
+                        content,
+                        tags_json,
+                        now,
+                        now,
+                    ),
+                )
+                return
+            changed = conn.execute(
+                "UPDATE notes SET content = ?, tags = ?, updated_at = max(?, created_at)"
+                " WHERE note_id = ? AND namespace = ?",
+                (content, tags_json, now, note_id, namespace),
+            ).rowcount
+            if not changed:
+                raise ValueError(f"there is no note {note_id} in this memory")
+
+        await self.store.write(write, dirty=False)
+        await self._index()
+        return new_id
+
+    async def delete(self, ns: Namespace, note_id: str) -> bool:
+        """Delete one note of this namespace; False when it has no such note."""
+        namespace = str(ns)
+        deleted = await self.store.write(
+            lambda conn: (
+                conn.execute(
+                    "DELETE FROM notes WHERE note_id = ? AND namespace = ?", (note_id, namespace)
+                ).rowcount
+            ),
+            dirty=False,
+        )
+        if deleted:
+            await self._index()
+        return bool(deleted)
+
+    async def list_notes(self, ns: Namespace) -> list[Hit]:
+        """Every note of the namespace, newest first (score 0)."""
+        namespace = str(ns)
+        rows = await self.store.read(
+            lambda conn: conn.execute(
+                "SELECT note_id, content, tags, created_at, updated_at FROM notes"
+                " WHERE namespace = ? ORDER BY updated_at DESC, note_id",
+                (namespace,),
+            ).fetchall()
+        )
+        return [
+            Hit(note_id, "note", content, tags_of(tags), 0.0, _utc(created), _utc(updated), None)
+            for note_id, content, tags, created, updated in rows
+        ]
+
+    # --- recall ------------------------------------------------------------------------
+
+    async def search(
+        self, ns: Namespace, query: str, tags: Sequence[str] = (), k: int = 5
+    ) -> list[Hit]:
+        """The namespace's best `k` notes and transcript chunks for `query` (hybrid)."""
+        if not isinstance(query, str) or not query.strip():
+            raise ValueError("a search needs some words")
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
+            raise ValueError(f"k must be a whole number from 1 to {MAX_K}")
+        clean_tags = normalize_tags(tags)
+        namespace = str(ns)
+        await self._index(namespace)
+        query_vec = None
+        if self.weights[0] > 0:
+            try:
+                query_vec = (await self.embedder.embed([query]))[0]
+            except EmbeddingError as exc:
+                log.warning("memory_query_embedding_failed", error=str(exc))
+        vector_weight, text_weight = self.weights
+        scored = await self.indexer.run(
+            _hybrid,
+            self.indexer.cache,
+            namespace,
+            query,
+            query_vec,
+            self.embedder.model_id,
+            clean_tags,
+            k,
+            vector_weight,
+            text_weight,
+            self.embedder.min_similarity,
+        )
+        return [_hit(item) for item in scored]
+
+    async def forget_user(self, platform: str, user_id: str, agent_id: str | None = None) -> int:
+        """Everything of one user (of one agent, or of all): notes, the user's own
+        sessions (not shared group sessions) with their transcripts, and every chunk and
+        vector of theirs. Returns notes + sessions + chunks deleted. Raises
+        `purge.SessionBusy` naming the sessions a running turn kept (the rest is gone)."""
+        now = datetime.now(UTC)
+        settings = self.indexer.settings
+
+        def write(conn: sqlite3.Connection) -> tuple[int, list[str], list[str]]:
+            namespaces = {
+                row[0]
+                for row in conn.execute(
+                    "SELECT DISTINCT namespace FROM notes WHERE platform = ? AND user_id = ?"
+                    " AND (? IS NULL OR agent_id = ?)",
+                    (platform, user_id, agent_id, agent_id),
+                )
+            }
+            count = conn.execute(
+                "DELETE FROM notes WHERE platform = ? AND user_id = ?"
+                " AND (? IS NULL OR agent_id = ?)",
+                (platform, user_id, agent_id, agent_id),
+            ).rowcount
+            busy = []
+            for session_id, key, origin in conn.execute(
+                "SELECT session_id, session_key, origin FROM sessions"
+                " WHERE json_extract(origin, '$.platform') = ?"
+                " AND json_extract(origin, '$.user_id') = ?",
+                (platform, user_id),
+            ).fetchall():
+                namespace = index.transcript_namespace(key, codec.loads(origin), settings)
+                if namespace is None or (
+                    agent_id is not None and not key.startswith(f"agent:{agent_id}:")
+                ):
+                    continue
+                namespaces.add(namespace)
+                try:
+                    if purge.delete_session(conn, session_id, now) is not None:
+                        count += 1
+                except purge.SessionBusy:
+                    busy.append(session_id)
+            if agent_id is not None:
+                namespaces.add(f"memory:{agent_id}:{platform}:{user_id}")
+            return count, sorted(namespaces), busy
+
+        count, namespaces, busy = await self.store.write(write)
+        count += await self.indexer.run(index.forget_namespaces, namespaces)
+        await self._index()
+        if agent_id is None:
+            count += await self.indexer.run(_forget_all_agents, platform, user_id)
+        self.indexer.cache.clear()
+        # search.db forgets the messages now, their words included (see index.forget_tokens).
+        await self.store.search_index.query(_forget_search_tokens)
+        if busy:
+            raise purge.SessionBusy(
+                "a turn is running in session(s) " + ", ".join(busy) + "; they were kept"
+            )
+        return count
+
+    async def export(
+        self, platform: str, user_id: str, agent_id: str | None = None
+    ) -> list[dict[str, Any]]:
+        """A user's notes (all agents, or one), for `hermes-gateway memory export`."""
+        rows = await self.store.read(
+            lambda conn: conn.execute(
+                "SELECT note_id, agent_id, content, tags, created_at, updated_at FROM notes"
+                " WHERE platform = ? AND user_id = ? AND (? IS NULL OR agent_id = ?)"
+                " ORDER BY agent_id, created_at, note_id",
+                (platform, user_id, agent_id, agent_id),
+            ).fetchall()
+        )
+        return [
+            {
+                "id": note_id,
+                "agent": agent,
+                "namespace": str(Namespace(agent, platform, user_id)),
+                "text": content,
+                "tags": list(tags_of(tags)),
+                "created_at": _utc(created).isoformat(),
+                "updated_at": _utc(updated).isoformat(),
+            }
+            for note_id, agent, content, tags, created, updated in rows
+        ]
+
+    async def _index(self, namespace: str | None = None) -> None:
+        if not self._prepared:
+            await self.indexer.prepare()
+            self._prepared = True
+        await self.indexer.catch_up(namespace=namespace)
+
+
+def _hybrid(
+    conn: sqlite3.Connection,
+    cache: VectorCache,
+    namespace: str,
+    query: str,
+    query_vec: np.ndarray | None,
+    model: str,
+    tags: tuple[str, ...],
+    k: int,
+    vector_weight: float,
+    text_weight: float,
+    min_similarity: float,
+) -> list[Scored]:
+    return hybrid(
+        conn,
+        cache,
+        namespace=namespace,
+        query=query,
+        query_vec=query_vec,
+        model=model,
+        tags=tags,
+        k=k,
+        vector_weight=vector_weight,
+        text_weight=text_weight,
+        min_similarity=min_similarity,
+    )
+
+
+def _forget_search_tokens(conn: sqlite3.Connection) -> None:
+    conn.execute("INSERT INTO messages_fts(messages_fts) VALUES ('optimize')")
+
+
+def _forget_all_agents(conn: sqlite3.Connection, platform: str, user_id: str) -> int:
+    """Chunks of the user under any agent (a namespace ends in `:{platform}:{user_id}`)."""
+    suffix = f":{platform}:{user_id}"
+    namespaces = [
+        row[0]
+        for row in conn.execute(
+            "SELECT DISTINCT namespace FROM chunks WHERE substr(namespace, -?) = ?",
+            (len(suffix), suffix),
+        )
+        # memory:AGENT + the suffix, where an agent id has no colon (a user id may)
+        if row[0][: -len(suffix)].count(":") == 1 and row[0].startswith("memory:")
+    ]
+    return index.forget_namespaces(conn, namespaces)

@@ -1,0 +1,323 @@
+"""Hybrid recall over memory.db (seed 002): full text (FTS5, bm25) and vectors, merged.
+
+Only the asking namespace is scored. Each signal keeps its best CANDIDATES, is min-max
+normalized to [0, 1] over them, and the two are merged by weight (0.7 vector, 0.3 text
+by default; a chunk missing from one signal's candidates scores 0 there); equal scores
+go to the more recently updated. Tag filters are SQL (`chunk_tags`), for both signals.
+
+The vector math is numpy: one matrix-vector product over the namespace's vectors
+(exact cosine: rows and query are unit length), held in memory per namespace
+(`VectorCache`), since reading 100,000 blobs from SQLite takes longer than scoring them.
+Measured on this machine (2 cores, 100,000 x 256 float32, 50 queries): numpy exact p50
+8 ms / p99 16 ms; usearch exact 11 / 17 ms; usearch HNSW 0.5 / 0.8 ms but 57 s to build
+the index (5 min at 1,536 dimensions) and an approximate answer; sqlite-vec cannot be
+loaded by this Python's sqlite3. Exact numpy is within the 20 ms budget, always right,
+and needs no second index kept in step with memory.db.
+
+A transcript chunk is shown only while a message it came from is still in state.db and
+active (an /undo takes a message back without a log entry); a note's text, tags and
+times are read from state.db's `notes`, the data of record.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import unicodedata
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from gateway.store import codec
+
+CANDIDATES = 64  # per signal, before the merge
+CACHE_BYTES = 512 * 1024 * 1024  # vectors held in memory across namespaces
+MAX_POSTINGS = 5_000  # chunks a text search may rank (see text_query)
+_WORD = re.compile(r"\w+")
+_MATH = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recall-math")
+
+
+@dataclass(slots=True)
+class _Matrix:
+    deletes: int  # memory.db's vector_deletes when this was loaded or last checked
+    max_seq: int  # the newest vector (vectors.seq) held
+    count: int
+    ids: np.ndarray = field(repr=False)  # chunk ids, one per row
+    buf: np.ndarray = field(repr=False)  # rows 0..count-1 are the vectors
+
+    def append(self, ids: np.ndarray, rows: np.ndarray, max_seq: int) -> None:
+        need = self.count + len(ids)
+        if need > len(self.ids):  # grow by doubling: appends cost O(1) amortized
+            size = max(need, 2 * len(self.ids), 64)
+            self.ids = np.resize(self.ids, size)
+            grown = np.zeros((size, rows.shape[1]), dtype=np.float32)
+            grown[: self.count] = self.buf[: self.count]
+            self.buf = grown
+        self.ids[self.count : need] = ids
+        self.buf[self.count : need] = rows
+        self.count, self.max_seq = need, max_seq
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.buf.nbytes + self.ids.nbytes)
+
+
+class VectorCache:
+    """The namespaces' vectors as matrices, least recently used dropped past CACHE_BYTES.
+    Kept exact against memory.db (also when another process wrote it): new vectors are
+    appended; after any vector was deleted, a namespace whose count changed is reloaded."""
+
+    def __init__(self, max_bytes: int = CACHE_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[tuple[str, str], _Matrix] = OrderedDict()
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def get(
+        self, conn: sqlite3.Connection, namespace: str, model: str
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(chunk ids, unit vectors) of the namespace, current as of this call."""
+        deletes = conn.execute("SELECT value FROM meta WHERE key = 'vector_deletes'").fetchone()
+        deletes = deletes[0] if deletes else 0
+        key = (namespace, model)
+        entry = self._entries.get(key)
+        if entry is not None and entry.deletes != deletes:
+            held = conn.execute(
+                "SELECT count(*) FROM vectors WHERE namespace = ? AND model = ? AND seq <= ?",
+                (namespace, model, entry.max_seq),
+            ).fetchone()[0]
+            entry.deletes = deletes
+            if held != entry.count:
+                entry = None
+        rows = conn.execute(
+            "SELECT seq, chunk_id, vec FROM vectors WHERE namespace = ? AND model = ?"
+            " AND seq > ? ORDER BY seq",
+            (namespace, model, entry.max_seq if entry is not None else 0),
+        ).fetchall()
+        if entry is None:
+            entry = _Matrix(
+                deletes, 0, 0, np.zeros(0, dtype=np.int64), np.zeros((0, 0), np.float32)
+            )
+        if rows:
+            matrix = np.frombuffer(b"".join(row[2] for row in rows), dtype="<f4")
+            matrix = matrix.reshape(len(rows), -1)
+            if entry.count and matrix.shape[1] != entry.buf.shape[1]:
+                raise ValueError(f"vectors of {namespace} differ in size within model {model}")
+            if not entry.count:
+                entry.buf = np.zeros((0, matrix.shape[1]), dtype=np.float32)
+            entry.append(
+                np.fromiter((r[1] for r in rows), np.int64, len(rows)), matrix, rows[-1][0]
+            )
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        self._evict()
+        return entry.ids[: entry.count], entry.buf[: entry.count]
+
+    def _evict(self) -> None:
+        total = sum(entry.nbytes for entry in self._entries.values())
+        while total > self.max_bytes and len(self._entries) > 1:
+            _, dropped = self._entries.popitem(last=False)
+            total -= dropped.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    chunk_id: int
+    kind: str  # note | transcript
+    note_id: str | None
+    session_id: str | None
+    text: str
+    tags: tuple[str, ...]
+    score: float
+    created_at: float
+    updated_at: float
+
+
+def query_words(text: str) -> list[str]:
+    """The query's words as the index's tokenizer (unicode61) sees them, once each."""
+    return list(dict.fromkeys(_WORD.findall(unicodedata.normalize("NFKC", text).casefold())))
+
+
+def text_query(conn: sqlite3.Connection, text: str) -> str | None:
+    """The words worth ranking by, as an FTS5 query that cannot be a syntax error: each
+    a quoted phrase, ORed (bm25 ranks chunks with more and rarer words first). None: no
+    word, or only words too common to say anything.
+
+    bm25 scores every chunk that holds any of the words, and a word found in a large
+    share of the index ("the", "is") costs the most and weighs the least (its IDF is
+    near 0). So the rarest words are kept while the chunks holding them add up to at
+    most MAX_POSTINGS, the rarest one always, unless it alone is held by more."""
+    words = query_words(text)
+    if not words:
+        return None
+    marks = ", ".join("?" * len(words))
+    held = dict(conn.execute(f"SELECT term, doc FROM chunks_vocab WHERE term IN ({marks})", words))
+    kept, total = [], 0
+    for word in sorted(words, key=lambda w: held.get(w, 0)):
+        total += held.get(word, 0)
+        if total > MAX_POSTINGS:
+            break
+        kept.append(word)
+    if not kept:
+        return None
+    return " OR ".join('"' + word.replace('"', '""') + '"' for word in kept)
+
+
+def _tag_filter(tags: tuple[str, ...]) -> tuple[str, list[Any]]:
+    if not tags:
+        return "", []
+    marks = ", ".join("?" * len(tags))
+    return (
+        f" AND c.id IN (SELECT chunk_id FROM chunk_tags WHERE tag IN ({marks})"
+        " GROUP BY chunk_id HAVING count(*) = ?)",
+        [*tags, len(tags)],
+    )
+
+
+def text_scores(
+    conn: sqlite3.Connection, namespace: str, query: str, tags: tuple[str, ...]
+) -> dict[int, float]:
+    match = text_query(conn, query)
+    if match is None:
+        return {}
+    where, params = _tag_filter(tags)
+    rows = conn.execute(
+        "SELECT c.id, -bm25(chunks_fts) FROM chunks_fts JOIN chunks c ON c.id = chunks_fts.rowid"
+        f" WHERE chunks_fts MATCH ? AND c.namespace = ?{where}"
+        " ORDER BY bm25(chunks_fts) LIMIT ?",
+        (match, namespace, *params, CANDIDATES),
+    ).fetchall()
+    return dict(rows)
+
+
+def vector_rows(
+    conn: sqlite3.Connection,
+    cache: VectorCache,
+    namespace: str,
+    model: str,
+    query_vec: np.ndarray | None,
+    tags: tuple[str, ...],
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """The SQL half of vector scoring: the namespace's (chunk ids, vectors), narrowed to
+    the tagged chunks when tags are given; None when there is nothing to score."""
+    if query_vec is None:
+        return None
+    ids, matrix = cache.get(conn, namespace, model)
+    if not len(ids) or matrix.shape[1] != query_vec.shape[0]:
+        return None
+    if tags:
+        where, params = _tag_filter(tags)
+        found = conn.execute(f"SELECT c.id FROM chunks c WHERE c.namespace = ?{where}",
+                             (namespace, *params))
+        allowed = np.fromiter((r[0] for r in found), np.int64)
+        rows = np.flatnonzero(np.isin(ids, allowed))
+        if not len(rows):
+            return None
+        ids, matrix = ids[rows], matrix[rows]
+    return ids, matrix
+
+
+def vector_scores(
+    rows: tuple[np.ndarray, np.ndarray] | None, query_vec: np.ndarray | None, min_similarity: float
+) -> dict[int, float]:
+    """The numpy half: cosine of every row (unit vectors: a dot product), the best
+    CANDIDATES of those at or above `min_similarity`."""
+    if rows is None or query_vec is None:
+        return {}
+    ids, matrix = rows
+    sims = matrix @ query_vec
+    top = min(CANDIDATES, len(sims))
+    best = np.argpartition(sims, -top)[-top:]
+    return {
+        int(ids[i]): float(sims[i]) for i in best if sims[i] >= min_similarity and sims[i] > 0
+    }
+
+
+def normalized(scores: dict[int, float]) -> dict[int, float]:
+    """Min-max to [0, 1]; all equal (or one) scores 1."""
+    if not scores:
+        return {}
+    lo, hi = min(scores.values()), max(scores.values())
+    if hi - lo <= 1e-12:
+        return dict.fromkeys(scores, 1.0)
+    return {key: (value - lo) / (hi - lo) for key, value in scores.items()}
+
+
+def hybrid(
+    conn: sqlite3.Connection,
+    cache: VectorCache,
+    *,
+    namespace: str,
+    query: str,
+    query_vec: np.ndarray | None,
+    model: str,
+    tags: tuple[str, ...],
+    k: int,
+    vector_weight: float,
+    text_weight: float,
+    min_similarity: float,
+) -> list[Scored]:
+    """The namespace's best `k` chunks for the query, one per note."""
+    rows = vector_rows(conn, cache, namespace, model, query_vec, tags) if vector_weight else None
+    # The matrix product releases the GIL: it runs on a thread of its own while SQLite
+    # (which releases it too) ranks the text on this one.
+    scoring = _MATH.submit(vector_scores, rows, query_vec, min_similarity)
+    text = normalized(text_scores(conn, namespace, query, tags)) if text_weight > 0 else {}
+    vector = normalized(scoring.result())
+    merged = {
+        chunk_id: vector_weight * vector.get(chunk_id, 0.0) + text_weight * text.get(chunk_id, 0.0)
+        for chunk_id in text.keys() | vector.keys()
+    }
+    found = _rows(conn, list(merged))
+    hits = [
+        Scored(
+            chunk_id,
+            kind,
+            note_id,
+            session_id,
+            body,
+            tags_of(note_tags),
+            merged[chunk_id],
+            created,
+            updated,
+        )
+        for chunk_id, kind, note_id, session_id, body, note_tags, created, updated in found
+    ]
+    hits.sort(key=lambda hit: (-round(hit.score, 9), -hit.updated_at, -hit.chunk_id))
+    out: list[Scored] = []
+    notes_seen: set[str] = set()
+    for hit in hits:
+        if hit.note_id is not None:
+            if hit.note_id in notes_seen:
+                continue
+            notes_seen.add(hit.note_id)
+        out.append(hit)
+        if len(out) == k:
+            break
+    return out
+
+
+def tags_of(raw: str | None) -> tuple[str, ...]:
+    return tuple(codec.loads(raw)) if raw else ()
+
+
+def _rows(conn: sqlite3.Connection, chunk_ids: list[int]) -> list[tuple[Any, ...]]:
+    """The chunks still alive: notes with their record in state.db, transcript chunks
+    with an active message of theirs still there."""
+    if not chunk_ids:
+        return []
+    marks = ", ".join("?" * len(chunk_ids))
+    return conn.execute(
+        "SELECT c.id, c.kind, c.note_id, c.session_id,"
+        " CASE WHEN c.kind = 'note' THEN n.content ELSE c.text END, n.tags,"
+        " coalesce(n.created_at, c.created_at), coalesce(n.updated_at, c.updated_at)"
+        f" FROM chunks c LEFT JOIN st.notes n ON n.note_id = c.note_id WHERE c.id IN ({marks})"
+        " AND CASE WHEN c.kind = 'note' THEN n.note_id IS NOT NULL ELSE EXISTS ("
+        "   SELECT 1 FROM chunk_sources s JOIN st.messages m ON m.id = s.message_id"
+        "   WHERE s.chunk_id = c.id AND m.active = 1) END",
+        chunk_ids,
+    ).fetchall()

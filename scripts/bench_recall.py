@@ -1,0 +1,147 @@
+"""Recall latency over one user's 100,000 transcript chunks (issue 16).
+
+A fresh HERMES home gets one user's DM sessions (--sessions x --per-session messages,
+each about 40 words drawn Zipf-like from a 20,000-word vocabulary, so every message is
+one chunk and common words match a large share of them), written straight into
+state.db's tables (the triggers log them as a turn's insert does), plus --others
+users' messages beside them. The memory indexer then indexes everything (the same
+rounds the daemon runs in the background: chunking, FTS5, hash vectors), and
+`Recall.search` is timed end to end (catch-up check, query embedding, FTS5 bm25, numpy
+cosine, merge) for --queries queries of 3-6 words drawn the same way, after one
+untimed search that loads the user's vectors.
+
+    .venv/bin/python scripts/bench_recall.py                 # 100,000 chunks
+    .venv/bin/python scripts/bench_recall.py --chunks 10000  # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from config import GatewayConfig
+from gateway.memory.recall import Namespace, Recall
+from gateway.store import codec
+from gateway.store.session_store import SessionStore
+
+VOCABULARY = [f"w{i}" for i in range(20_000)]
+WEIGHTS = [1.0 / (rank + 1) for rank in range(len(VOCABULARY))]
+USER = "bench-user"
+
+
+def words(rng: random.Random, count: int) -> str:
+    return " ".join(rng.choices(VOCABULARY, WEIGHTS, k=count))
+
+
+async def fill(store: SessionStore, chunks: int, per_session: int, others: int, seed: int) -> None:
+    rng = random.Random(seed)
+    users = [(USER, chunks)] + [(f"other-{i}", per_session) for i in range(others)]
+    now = time.time()
+    for user, count in users:
+        for first in range(0, count, per_session):
+            session_id = f"s-{user}-{first}"
+            key = f"agent:main:telegram:dm:{user}"
+            origin = codec.dumps(
+                {"platform": "telegram", "chat_id": user, "chat_type": "dm", "user_id": user}
+            )
+            rows = [
+                (session_id, "user" if i % 2 == 0 else "assistant", words(rng, 40), now + i)
+                for i in range(min(per_session, count - first))
+            ]
+
+            def write(conn: Any, session_id: str = session_id, key: str = key,
+                      origin: str = origin, rows: list[Any] = rows) -> None:
+                conn.execute(
+                    "INSERT INTO sessions (session_id, session_key, origin, started_at)"
+                    " VALUES (?, ?, ?, ?)",
+                    (session_id, key, origin, now),
+                )
+                conn.executemany(
+                    "INSERT INTO messages (session_id, role, content, message, created_at)"
+                    " VALUES (?, ?, ?, '{}', ?)",
+                    rows,
+                )
+
+            await store.write(write, dirty=False)
+
+
+def percentile(values: list[float], p: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(p / 100 * len(ordered) + 0.5) - 1))]
+
+
+async def measure(home: Path, args: argparse.Namespace) -> dict[str, float]:
+    config = GatewayConfig()
+    async with SessionStore(home / "sessions", config) as store:
+        await fill(store, args.chunks, args.per_session, args.others, args.seed)
+        recall = Recall(store, config)
+        await recall.open()
+        started = time.perf_counter()
+        await recall.indexer.catch_up()
+        index_s = time.perf_counter() - started
+        chunk_count = await recall.indexer.run(
+            lambda conn, ns: conn.execute(
+                "SELECT count(*) FROM chunks WHERE namespace = ?", (ns,)
+            ).fetchone()[0],
+            str(Namespace("main", "telegram", USER)),
+        )
+        ns = Namespace("main", "telegram", USER)
+        rng = random.Random(args.seed + 1)
+        await recall.search(ns, words(rng, 4))  # loads the user's vectors
+        latencies = []
+        for _ in range(args.queries):
+            query = words(rng, rng.randint(3, 6))
+            t0 = time.perf_counter()
+            await recall.search(ns, query, k=5)
+            latencies.append((time.perf_counter() - t0) * 1000)
+        await recall.close()
+    return {
+        "chunks": chunk_count,
+        "index_s": index_s,
+        "p50_ms": percentile(latencies, 50),
+        "p99_ms": percentile(latencies, 99),
+        "max_ms": max(latencies),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, float]:
+    home = Path(tempfile.mkdtemp(prefix="bench-recall-"))
+    try:
+        return asyncio.run(measure(home, args))
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--chunks", type=int, default=100_000, help="the user's chunks")
+    parser.add_argument("--per-session", type=int, default=100, help="messages per session")
+    parser.add_argument("--others", type=int, default=20, help="other users (one session each)")
+    parser.add_argument("--queries", type=int, default=300)
+    parser.add_argument("--seed", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    result = run(args)
+    print(
+        f"recall over {result['chunks']} chunks of one user (hash embedding):"
+        f" p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms,"
+        f" max {result['max_ms']:.1f} ms ({args.queries} queries);"
+        f" indexing them took {result['index_s']:.1f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,429 @@
+"""Issue 16, items 1, 2 and 5: notes, hybrid recall over notes and past transcripts,
+embeddings (hash; openai through the fake server), background indexing, forgetting.
+Real SQLite files, the real runner with the HTTP adapter, the fake OpenAI-compatible
+server on 127.0.0.1, and the command line as a subprocess."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import sqlite3
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.http import HttpAdapter
+from config import GatewayConfig
+from gateway.memory.chunking import chunk_text, normalize_tags
+from gateway.memory.index import MEMORY_DB
+from gateway.memory.recall import Namespace, Recall
+from gateway.run import GatewayRunner
+from gateway.session import Platform, SessionSource
+from gateway.store.session_store import SessionStore
+from tests.commandline import cli
+from tests.fakes.agents import ScriptedAgent as EchoAgent
+from tests.fakes.openai_server import FakeOpenAI
+from tests.gateway_client import GatewayClient
+from tests.waiting import wait_for
+
+ALICE = Namespace("main", "http", "alice")
+BOB = Namespace("main", "http", "bob")
+
+
+def config_of(**memory: Any) -> GatewayConfig:
+    return GatewayConfig.model_validate(
+        {
+            "timezone": "UTC",
+            "platforms": {"http": {"enabled": True, "port": 0}},
+            "memory": memory,
+        }
+    )
+
+
+@pytest.fixture
+async def recall(tmp_path: Path) -> AsyncIterator[Recall]:
+    config = config_of()
+    async with SessionStore(tmp_path, config) as store:
+        memory = Recall(store, config)
+        await memory.open()
+        yield memory
+        await memory.close()
+
+
+# --- pure parts ----------------------------------------------------------------------
+
+
+def test_chunks_are_640_characters_overlapping_by_96() -> None:
+    text = " ".join(f"w{i:04d}" for i in range(400))  # 2,399 characters, words of 5
+    chunks = chunk_text(text)
+    assert len(chunks) > 3 and all(len(chunk) <= 640 for chunk in chunks)
+    for left, right in itertools.pairwise(chunks):
+        assert right[:84] in left[-96:]  # 14 whole words of the left one's tail
+        assert right.split(" ", 1)[0] in left.split(" ")
+    assert " ".join(chunks).split()[-1] == "w0399"
+    assert chunk_text("  ") == []
+
+
+def test_tags_are_trimmed_lowercased_deduplicated_and_bounded() -> None:
+    assert normalize_tags([" Pets ", "pets", "DOG", "", "dog "]) == ("pets", "dog")
+    assert len(normalize_tags([f"t{i}" for i in range(16)])) == 16
+    with pytest.raises(ValueError, match="at most 16 tags"):
+        normalize_tags([f"t{i}" for i in range(17)])
+    with pytest.raises(ValueError, match="longer than 64"):
+        normalize_tags(["x" * 65])
+    with pytest.raises(ValueError, match="list of strings"):
+        normalize_tags("pets")
+
+
+# --- notes -----------------------------------------------------------------------------
+
+
+async def test_notes_belong_to_one_user_of_one_agent(recall: Recall) -> None:
+    mine = await recall.save(ALICE, "Alice's cat is called Mochi", [" Pets ", "PETS", "cats"])
+    await recall.save(BOB, "Bob's cat is called Pixel", ["pets"])
+    other_agent = Namespace("coder", "http", "alice")
+    await recall.save(other_agent, "Alice's cat reviews pull requests")
+
+    hits = await recall.search(ALICE, "cat called")
+    assert [hit.id for hit in hits] == [mine]
+    assert hits[0].kind == "note" and hits[0].tags == ("pets", "cats")
+    assert hits[0].created_at == hits[0].updated_at
+    assert [h.text for h in await recall.search(BOB, "cat")] == ["Bob's cat is called Pixel"]
+    assert [h.text for h in await recall.search(other_agent, "cat")] == [
+        "Alice's cat reviews pull requests"
+    ]
+    assert [h.id for h in await recall.list_notes(ALICE)] == [mine]
+    # Bob cannot touch Alice's note, nor learn it exists.
+    assert await recall.delete(BOB, mine) is False
+    with pytest.raises(ValueError, match="no note"):
+        await recall.save(BOB, "stolen", note_id=mine)
+    assert [h.text for h in await recall.list_notes(ALICE)] == ["Alice's cat is called Mochi"]
+
+
+async def test_update_keeps_the_id_and_replaces_text_and_tags(recall: Recall) -> None:
+    note = await recall.save(ALICE, "The wifi password is tangerine", ["home"])
+    again = await recall.save(ALICE, "The wifi password is now grapefruit", ["wifi"], note_id=note)
+    assert again == note
+    assert await recall.search(ALICE, "tangerine") == []
+    (hit,) = await recall.search(ALICE, "grapefruit")
+    assert (hit.id, hit.tags) == (note, ("wifi",))
+    assert hit.updated_at > hit.created_at
+    assert await recall.search(ALICE, "grapefruit", tags=["home"]) == []
+    assert await recall.delete(ALICE, note) is True
+    assert await recall.search(ALICE, "grapefruit") == []
+    assert await recall.delete(ALICE, note) is False
+
+
+async def test_tag_filters_need_every_tag(recall: Recall) -> None:
+    both = await recall.save(ALICE, "Dentist on Monday at nine", ["health", "calendar"])
+    await recall.save(ALICE, "Gym on Monday at seven", ["health"])
+    found = await recall.search(ALICE, "Monday", tags=["Calendar", "health"])
+    assert [hit.id for hit in found] == [both]
+    assert len(await recall.search(ALICE, "Monday", tags=["health"])) == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "tags", "message"),
+    [
+        ("", (), "needs some text"),
+        ("   ", (), "needs some text"),
+        ("x" * 8001, (), "at most 8000"),
+        ("ok", ["t"] * 1 + [f"t{i}" for i in range(16)], "at most 16 tags"),
+        ("ok", ["y" * 65], "longer than 64"),
+    ],
+)
+async def test_bad_notes_are_refused_clearly(
+    recall: Recall, content: str, tags: list[str], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        await recall.save(ALICE, content, tags)
+    assert await recall.list_notes(ALICE) == []
+
+
+async def test_bad_searches_are_refused(recall: Recall) -> None:
+    with pytest.raises(ValueError, match="some words"):
+        await recall.search(ALICE, "  ")
+    with pytest.raises(ValueError, match="k must be"):
+        await recall.search(ALICE, "x", k=0)
+    with pytest.raises(ValueError, match="user id"):
+        Namespace.of("main", SessionSource(platform=Platform.HTTP, chat_id="c", chat_type="dm"))
+    assert str(
+        Namespace.of("main", SessionSource(Platform.TELEGRAM, "42", "dm", user_id="42"))
+    ) == ("memory:main:telegram:42")
+
+
+async def test_hash_matches_words_not_meaning(recall: Recall) -> None:
+    note = await recall.save(ALICE, "I parked the car on level three of the garage")
+    await recall.save(ALICE, "Lunch with Sam next Thursday")
+    (hit,) = await recall.search(ALICE, "I parked the car on level three of the garage", k=1)
+    assert hit.id == note and hit.score == pytest.approx(1.0)
+    # The same meaning in other words: no shared word, so no vector and no text match.
+    assert await recall.search(ALICE, "automobile stored upstairs") == []
+
+
+# --- hybrid ranking with a steered embedding server -------------------------------------
+
+
+@pytest.mark.parametrize(("vector", "text", "first"), [(0.7, 0.3, "near"), (0.2, 0.8, "words")])
+async def test_hybrid_ranking_follows_the_weights(
+    tmp_path: Path, vector: float, text: float, first: str
+) -> None:
+    query = "where did I leave my umbrella"
+    near = "The brolly hangs behind the office door"  # no word in common, vector-near
+    words = "I did leave a message where my old umbrella shop was"  # words, vector-far
+    async with FakeOpenAI(expected_key="sk-emb") as fake:
+        fake.embedding_dimensions = 4
+        fake.embeddings = {
+            query: [1.0, 0.0, 0.0, 0.0],
+            near: [0.9, 0.1, 0.0, 0.0],
+            words: [0.0, 0.0, 1.0, 0.0],
+        }
+        config = config_of(
+            embedding="openai",
+            base_url=fake.base_url,
+            api_key="sk-emb",
+            weights={"vector": vector, "text": text},
+            dimensions=4,
+        )
+        async with SessionStore(tmp_path, config) as store:
+            recall = Recall(store, config)
+            await recall.open()
+            ids = {"near": await recall.save(ALICE, near), "words": await recall.save(ALICE, words)}
+            hits = await recall.search(ALICE, query)
+            await recall.close()
+    assert [hit.id for hit in hits] == [ids[first], ids[other(first)]]
+    assert hits[0].score == pytest.approx(max(vector, text))
+    bodies = [r["json"] for r in fake.requests if r["path"] == "/v1/embeddings"]
+    assert {"input", "model"} <= bodies[0].keys()
+    assert [r["headers"]["Authorization"] for r in fake.requests] == ["Bearer sk-emb"] * len(bodies)
+
+
+def other(name: str) -> str:
+    return "words" if name == "near" else "near"
+
+
+async def test_a_down_embedding_server_leaves_text_recall_working(tmp_path: Path) -> None:
+    async with FakeOpenAI() as fake:
+        config = config_of(embedding="openai", base_url=fake.base_url, dimensions=8)
+        async with SessionStore(tmp_path, config) as store:
+            recall = Recall(store, config)
+            await recall.open()
+            fake.fail_next(503, "overloaded", times=3)  # the save's vector, the query's
+            note = await recall.save(ALICE, "the spare key is under the blue pot")
+            assert [h.id for h in await recall.search(ALICE, "spare key")] == [note]
+            # Once it answers again, the waiting chunk gets its vector.
+            await recall.indexer.catch_up()
+            memory = sqlite3.connect(tmp_path / MEMORY_DB)
+            assert memory.execute("SELECT count(*) FROM pending_vectors").fetchone() == (0,)
+            assert memory.execute("SELECT count(*) FROM vectors").fetchone() == (1,)
+            memory.close()
+            await recall.close()
+
+
+async def test_a_new_embedding_backend_reembeds_everything(tmp_path: Path) -> None:
+    config = config_of()
+    async with SessionStore(tmp_path, config) as store:
+        recall = Recall(store, config)
+        await recall.open()
+        await recall.save(ALICE, "first note about herons")
+        await recall.save(ALICE, "second note about egrets")
+        await recall.close()
+    async with FakeOpenAI() as fake:
+        other_config = config_of(embedding="openai", base_url=fake.base_url)
+        async with SessionStore(tmp_path, other_config) as store:
+            recall = Recall(store, other_config)
+            await recall.open()
+            await recall.indexer.catch_up()
+            await recall.close()
+    memory = sqlite3.connect(tmp_path / MEMORY_DB)
+    models = memory.execute("SELECT model, count(*) FROM vectors GROUP BY model").fetchall()
+    memory.close()
+    assert models == [("openai:text-embedding-3-small", 2)]  # the hash vectors replaced
+
+
+# --- the daemon: transcripts, forgetting -------------------------------------------------
+
+
+@dataclass
+class Gateway:
+    runner: GatewayRunner
+    client: GatewayClient
+    home: Path
+
+    async def say(self, user: str, text: str) -> str:
+        await self.client.post(f"dm-{user}", text, user_id=user)
+        (reply,) = await self.client.replies(f"dm-{user}", 1)
+        return reply
+
+
+@pytest.fixture
+async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+    config = config_of()
+    adapter = HttpAdapter(config.platforms.http)
+    runner = GatewayRunner(config, [adapter], agent_factory=EchoAgent, home=tmp_path)
+    await runner.start()
+    gw = Gateway(runner, GatewayClient(adapter.url), tmp_path)
+    yield gw
+    await gw.client.close()
+    await runner.stop()
+
+
+async def test_past_transcripts_are_recalled_for_their_user_only(gateway: Gateway) -> None:
+    await gateway.say("alice", "my locker combination is 1234 pelican")
+    await gateway.say("bob", "bob also likes the pelican")
+    await gateway.runner.recall.indexer.catch_up()
+    hits = await gateway.runner.recall.search(ALICE, "pelican locker")
+    assert hits and all(hit.kind == "transcript" for hit in hits)
+    assert "locker combination is 1234 pelican" in hits[0].text
+    entry = await gateway.runner.store.get_entry("agent:main:http:dm:dm-alice")
+    assert entry is not None and hits[0].session_id == entry.session_id
+    assert hits[0].id.startswith("chunk-")
+    assert all("bob" not in hit.text for hit in hits)
+    assert all("locker" not in h.text for h in await gateway.runner.recall.search(BOB, "locker"))
+
+
+async def test_undone_messages_are_not_recalled(gateway: Gateway) -> None:
+    await gateway.say("alice", "the secret word is marmalade")
+    await gateway.runner.recall.indexer.catch_up()
+    assert await gateway.runner.recall.search(ALICE, "marmalade")
+    await gateway.say("alice", "/undo")
+    assert await gateway.runner.recall.search(ALICE, "marmalade") == []
+
+
+async def test_deleting_a_session_deletes_its_chunks_and_vectors(gateway: Gateway) -> None:
+    await gateway.say("alice", "kumquat harvest notes")
+    await gateway.runner.recall.indexer.catch_up()
+    memory = gateway.home / "sessions" / MEMORY_DB
+    assert _rows_holding(memory, "kumquat")
+    entry = await gateway.runner.store.get_entry("agent:main:http:dm:dm-alice")
+    assert entry is not None
+    done = await gateway.runner.delete_session(entry.session_id)
+    assert done["status"] == "deleted"
+    assert _rows_holding(memory, "kumquat") == []
+    assert _count(memory, "vectors") == 0 and _count(memory, "chunks") == 0
+
+
+async def test_indexing_catches_up_after_memory_db_is_lost(tmp_path: Path) -> None:
+    config = config_of()
+    adapter = HttpAdapter(config.platforms.http)
+    runner = GatewayRunner(config, [adapter], agent_factory=EchoAgent, home=tmp_path)
+    await runner.start()
+    client = GatewayClient(adapter.url)
+    await client.post("dm-alice", "remember the ocelot", user_id="alice")
+    await client.replies("dm-alice", 1)
+    await runner.recall.save(ALICE, "a note about the ocelot")
+    await client.close()
+    await runner.stop()
+    for path in (tmp_path / "sessions").glob(MEMORY_DB + "*"):
+        path.unlink()  # as if it never was: rebuilt from state.db
+    runner = GatewayRunner(config, [HttpAdapter(config.platforms.http)], EchoAgent, home=tmp_path)
+    await runner.start()
+    try:
+        await wait_for(lambda: _count(tmp_path / "sessions" / MEMORY_DB, "vectors") == 3)
+        kinds = sorted(h.kind for h in await runner.recall.search(ALICE, "ocelot"))
+        assert kinds == ["note", "transcript", "transcript"]
+    finally:
+        await runner.stop()
+
+
+async def test_memory_cli_lists_exports_and_forgets_a_user(gateway: Gateway) -> None:
+    recall = gateway.runner.recall
+    note = await recall.save(ALICE, "alice's wombat diary entry", ["diary"])
+    await recall.save(Namespace("coder", "http", "alice"), "alice wombat code review")
+    await recall.save(BOB, "bob's wombat list")
+    await gateway.say("alice", "tell nobody about the wombat zeppelin")
+    await gateway.say("bob", "bob wombat zeppelin too")
+    await recall.indexer.catch_up()
+
+    listed = await asyncio.to_thread(cli, gateway.home, "memory", "list", "--user", "http:alice")
+    assert listed.returncode == 0, listed.stderr
+    assert note in listed.stdout and "wombat code review" in listed.stdout
+    one_agent = await asyncio.to_thread(
+        cli, gateway.home, "memory", "export", "--user", "http:alice", "--agent", "main"
+    )
+    doc = json.loads(one_agent.stdout)
+    assert [n["id"] for n in doc["notes"]] == [note] and doc["notes"][0]["tags"] == ["diary"]
+    bad = await asyncio.to_thread(cli, gateway.home, "memory", "list", "--user", "alice")
+    assert bad.returncode == 2 and "PLATFORM:USER_ID" in bad.stderr
+
+    sessions = gateway.home / "sessions"
+    files = sorted(p for p in sessions.glob("*.db"))
+    assert [p.name for p in files] == ["memory.db", "search.db", "state.db"]
+    assert any(_rows_holding(f, "zeppelin") for f in files)  # the check can see it ...
+    unasked = await asyncio.to_thread(
+        cli, gateway.home, "memory", "delete", "--user", "http:alice", "--all"
+    )
+    assert unasked.returncode == 1 and "--yes" in unasked.stderr
+    gone = await asyncio.to_thread(
+        cli, gateway.home, "memory", "delete", "--user", "http:alice", "--all", "--yes", "--json"
+    )
+    assert gone.returncode == 0, gone.stderr
+    assert json.loads(gone.stdout)["deleted"] >= 3
+    await recall.indexer.catch_up()
+    # ... and finds nothing of Alice's now, table by table in every database file.
+    for path in files:
+        for needle in ("tell nobody", "alice's wombat", "alice wombat", "memory:main:http:alice"):
+            assert _rows_holding(path, needle) == [], (path.name, needle)
+    memory = sessions / MEMORY_DB
+    assert _rows_holding(memory, "alice") == []
+    assert _count(memory, "vectors") == _count(memory, "chunks") == 3  # Bob: note, 2 messages
+    assert next(h.text for h in await recall.search(BOB, "wombat")).startswith("bob")
+    assert await recall.search(ALICE, "wombat") == []
+    assert await recall.list_notes(ALICE) == []
+
+
+async def test_memory_cli_deletes_one_note(gateway: Gateway) -> None:
+    keep = await gateway.runner.recall.save(ALICE, "keep this one")
+    drop = await gateway.runner.recall.save(ALICE, "drop this one")
+    wrong = await asyncio.to_thread(
+        cli, gateway.home, "memory", "delete", "--user", "http:bob", drop
+    )
+    assert wrong.returncode == 1 and "has no note" in wrong.stderr
+    done = await asyncio.to_thread(
+        cli, gateway.home, "memory", "delete", "--user", "http:alice", drop
+    )
+    assert done.returncode == 0, done.stderr
+    assert [h.id for h in await gateway.runner.recall.list_notes(ALICE)] == [keep]
+    assert await gateway.runner.recall.search(ALICE, "drop") == []
+
+
+def _rows_holding(db: Path, needle: str) -> list[str]:
+    """Every table.column of a database (FTS5 shadow tables included) with a value
+    containing `needle`."""
+    conn = sqlite3.connect(db)
+    try:
+        found = []
+        tables = [
+            name
+            for (name,) in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table'"
+                " AND name NOT LIKE 'sqlite_%' AND sql NOT LIKE 'CREATE VIRTUAL%'"
+            )
+        ]
+        for table in tables:
+            for column in [c[1] for c in conn.execute(f'PRAGMA table_info("{table}")')]:
+                hit = conn.execute(
+                    f'SELECT 1 FROM "{table}" WHERE instr(CAST("{column}" AS TEXT), ?) > 0 LIMIT 1',
+                    (needle,),
+                ).fetchone()
+                if hit:
+                    found.append(f"{table}.{column}")
+        return found
+    finally:
+        conn.close()
+
+
+def _count(db: Path, table: str) -> int:
+    if not db.exists():
+        return -1
+    conn = sqlite3.connect(db)
+    try:
+        return conn.execute(f'SELECT count(*) FROM "{table}"').fetchone()[0]
+    except sqlite3.OperationalError:
+        return -1
+    finally:
+        conn.close()

@@ -2,6 +2,7 @@
 
 from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
 from config.schema import (
+    MAIN_AGENT,
     AgentConfig,
     ChatPlatformConfig,
     ContextConfig,
@@ -14,6 +15,8 @@ from config.schema import (
     PlatformsConfig,
     QueueConfig,
     ResetByType,
+    RouteConfig,
+    RouteMatch,
     SessionResetPolicy,
     SlackConfig,
     StorageConfig,
@@ -23,6 +26,7 @@ from config.schema import (
 
 __all__ = [
     "EXIT_CONFIG",
+    "MAIN_AGENT",
     "AgentConfig",
     "ChatPlatformConfig",
     "ConfigError",
@@ -36,6 +40,8 @@ __all__ = [
     "PlatformsConfig",
     "QueueConfig",
     "ResetByType",
+    "RouteConfig",
+    "RouteMatch",
     "SessionResetPolicy",
     "SlackConfig",
     "StorageConfig",

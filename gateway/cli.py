@@ -26,7 +26,7 @@ import structlog
 
 from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
-from gateway.agents.backends import build_agent_factory
+from gateway.agents.roster import Roster
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
 from gateway.ops.sdnotify import SystemdNotifier, run_watchdog
@@ -94,12 +94,14 @@ def build_adapters(config: GatewayConfig) -> list[PlatformAdapter]:
 
 
 def check_runnable(config: GatewayConfig) -> list[PlatformAdapter]:
-    """What `run` checks beyond the schema, touching nothing on disk: `agent.backend`
-    resolves, and every enabled platform has the settings it needs. Returns the adapters.
+    """What `run` checks beyond the schema, touching nothing on disk: every agent's
+    backend resolves (`agent.backend`, `agents.ID.backend`), and every enabled platform
+    has the settings it needs. Returns the adapters. (Agent ids and routes are checked
+    by the schema: `routes.N.agent` naming no agent never gets this far.)
 
     `check-config` calls this too, so the two commands accept and refuse the same
     configs. Raises ConfigError (exit 78) naming the key."""
-    build_agent_factory(config.agent)
+    Roster(config)
     return build_adapters(config)
 
 

@@ -2,6 +2,7 @@
 
 from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
 from config.schema import (
+    AGENT_ID_PATTERN,
     MAIN_AGENT,
     AgentConfig,
     ChatPlatformConfig,
@@ -25,6 +26,7 @@ from config.schema import (
 )
 
 __all__ = [
+    "AGENT_ID_PATTERN",
     "EXIT_CONFIG",
     "MAIN_AGENT",
     "AgentConfig",

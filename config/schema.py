@@ -125,7 +125,7 @@ class AgentConfig(BaseModel):
 MAIN_AGENT = "main"  # the id of `agent:`, and where a message no route matches goes
 # Agent ids go into session keys (`agent:{id}:...`), file names and log lines: a short,
 # lower-case name with no separator or path character.
-AGENT_ID_PATTERN = re.compile(r"^[a-z0-9][a-z0-9_-]{0,31}$")
+AGENT_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")  # fullmatch it
 # `agent:` settings that belong to the whole gateway, not one agent: read from the main
 # agent only, so another agent setting them would be silently ignored; refused instead.
 GATEWAY_WIDE_AGENT_FIELDS = (
@@ -338,7 +338,7 @@ class GatewayConfig(BaseModel):
         lines of this model-level check as they are)."""
         problems = []
         for agent_id, agent in self.agents.items():
-            if not AGENT_ID_PATTERN.match(agent_id):
+            if not AGENT_ID_PATTERN.fullmatch(agent_id):
                 problems.append(
                     f"agents.{agent_id}: not a valid agent id: use 1-32 of a-z, 0-9, '-' "
                     "and '_', starting with a letter or digit (ids go into session keys)"

@@ -31,9 +31,10 @@ from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
 from gateway.ops.sdnotify import SystemdNotifier, run_watchdog
 from gateway.ops.service import add_service_parser
-from gateway.ops.sessions import add_sessions_subcommands, run_sessions_command
+from gateway.ops.sessions import add_sessions_subcommands, agent_id, run_sessions_command
 from gateway.ops.status import add_status_parser
 from gateway.pairing import add_pairing_parser
+from gateway.session import agent_id_of_key
 from gateway.store.db import DatabaseError
 from gateway.store.entries import load_session_row
 from gateway.store.homelock import HomeInUse, HomeLock
@@ -193,11 +194,14 @@ def _entry_row(entry: Any) -> dict[str, Any]:
 
 
 async def _sessions_list(store: SessionStore, args: argparse.Namespace) -> int:
-    entries = await store.list_sessions(active_minutes=args.active_minutes)
+    entries = await store.list_sessions(active_minutes=args.active_minutes, agent_id=args.agent)
     titles = await store.read(lambda conn: titles_for(conn, (e.session_id for e in entries)))
     rows = [_entry_row(e) for e in entries]
     if args.json:
-        listed = [{**e.to_dict(), "title": titles[e.session_id]} for e in entries]
+        listed = [
+            {**e.to_dict(), "agent": agent_id_of_key(e.session_key), "title": titles[e.session_id]}
+            for e in entries
+        ]
         print(json.dumps(listed, indent=2))
         return 0
     if not rows:
@@ -350,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     sessions_sub = sessions.add_subparsers(dest="sessions_command", required=True)
     listing = sessions_sub.add_parser("list", parents=[common], help="list session entries")
     listing.add_argument("--active-minutes", type=float, default=None)
+    listing.add_argument("--agent", type=agent_id, default=None, help="only this agent's")
     listing.add_argument("--json", action="store_true")
     show = sessions_sub.add_parser("show", parents=[common], help="an entry and its transcript")
     show.add_argument("key_or_id", metavar="KEY_OR_ID")

@@ -127,7 +127,8 @@ MAIN_AGENT = "main"  # the id of `agent:`, and where a message no route matches 
 # lower-case name with no separator or path character.
 AGENT_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")  # fullmatch it
 # `agent:` settings that belong to the whole gateway, not one agent: read from the main
-# agent only, so another agent setting them would be silently ignored; refused instead.
+# agent only, so another agent setting them (to another value) would be silently
+# ignored; refused instead.
 GATEWAY_WIDE_AGENT_FIELDS = (
     "gateway_auto_continue_freshness",
     "restart_drain_timeout",
@@ -345,11 +346,14 @@ class GatewayConfig(BaseModel):
                 )
             if agent_id == MAIN_AGENT:
                 continue
+            # The same value as the main agent's is no conflict: a section copied from
+            # `agent:` with a YAML merge (`<<: *main`) carries them along.
+            main = self.agents.get(MAIN_AGENT, self.agent)
             problems += [
                 f"agents.{agent_id}.{name}: a gateway-wide setting; set it under agent: "
                 "(the main agent), it applies to every agent"
                 for name in GATEWAY_WIDE_AGENT_FIELDS
-                if name in agent.model_fields_set
+                if name in agent.model_fields_set and getattr(agent, name) != getattr(main, name)
             ]
         if MAIN_AGENT in self.agents:
             if "agent" in self.model_fields_set:

@@ -75,8 +75,7 @@ async def cmd_status(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
     entry = await runner.store.get_entry(key)
     if entry is None:
         return (
-            f"No session yet for {key} (agent {agent_id_of_key(key)}). "
-            "Say something to start one."
+            f"No session yet for {key} (agent {agent_id_of_key(key)}). Say something to start one."
         )
     now = datetime.now(UTC)
     messages = await runner.store.count_messages(entry.session_id)
@@ -247,7 +246,7 @@ async def cmd_compress(runner: GatewayRunner, event: MessageEvent, key: str, cmd
     entry = await runner.store.get_entry(key)
     if entry is None:
         return "No session yet, nothing to compress."
-    if runner.memory.plan.strategy != "summary":
+    if runner.roster.for_key(key).plan.strategy != "summary":  # this chat's agent's
         return (
             "This agent sends the newest messages that fit (agent.context.strategy: window);"
             " /compress needs the summary strategy."

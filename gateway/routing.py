@@ -48,9 +48,7 @@ class Router:
         while compiled and compiled[-1][4] == MAIN_AGENT:
             compiled.pop()
         self._routes: tuple[_Compiled, ...] = tuple(compiled)
-        self.agent_for: Callable[[SessionSource], str] = (
-            self._match if compiled else _main_agent
-        )
+        self.agent_for: Callable[[SessionSource], str] = self._match if compiled else _main_agent
 
     @property
     def routes(self) -> int:

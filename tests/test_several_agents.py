@@ -112,6 +112,9 @@ def test_gateway_wide_keys_belong_to_the_main_agent(tmp_path: Path) -> None:
         "agents.coder.cache_max_size",
     ]
     assert all("set it under agent:" in p for p in problems)
+    # The main agent's own value is no conflict (a YAML merge of `agent:` copies it).
+    same = "agent: {cache_max_size: 9}\nagents:\n  coder: {cache_max_size: 9}\n"
+    assert load_config(write_config(tmp_path, same)).agents["coder"].cache_max_size == 9
 
 
 def test_a_route_to_an_unknown_agent_names_its_key_path(tmp_path: Path) -> None:
@@ -228,9 +231,7 @@ def test_agent_id_of_key() -> None:
 def test_each_agent_has_its_own_signature() -> None:
     def roster(b_model: str) -> Roster:
         return Roster(
-            GatewayConfig.model_validate(
-                {"agents": {"a": {"model": "m"}, "b": {"model": b_model}}}
-            )
+            GatewayConfig.model_validate({"agents": {"a": {"model": "m"}, "b": {"model": b_model}}})
         )
 
     before, after = roster("m1"), roster("m2")
@@ -421,6 +422,8 @@ async def test_each_agent_loads_its_context_by_its_own_plan(gateway: Gateway) ->
     alpha = requests_of("agent:alpha:http:dm:ca")[-1]
     assert [m["content"] for m in beta.history] == ["beta 1", "beta: beta 1"]
     assert len(alpha.history) == 4  # the default summary strategy: everything fits
+    assert "needs the summary strategy" in await gateway.say("cb", "/compress")
+    assert (await gateway.say("ca", "/compress")).startswith("Condensed 6 messages")
 
 
 async def test_each_agent_has_its_own_turn_deadline(gateway: Gateway) -> None:
@@ -434,3 +437,71 @@ async def test_the_status_file_and_start_up_name_every_agent(gateway: Gateway) -
     snapshot = gateway.runner.status_snapshot()
     assert list(snapshot["agents"]) == ["main", "alpha", "beta"]
     assert snapshot["agents"]["beta"].startswith("custom factory tests.fakes.agents:named")
+
+
+def test_a_yaml_merge_of_agent_shares_settings_explicitly(tmp_path: Path) -> None:
+    config = load_config(
+        write_config(
+            tmp_path,
+            """
+agent: &main {backend: openai, model: m, api_key: k, max_concurrent_turns: 4}
+agents:
+  coder: {<<: *main, model: gpt-4o}
+""",
+        )
+    )
+    coder = config.agent_configs()["coder"]
+    assert (coder.backend, coder.model, coder.api_key) == ("openai", "gpt-4o", "k")
+    assert config.agent.max_concurrent_turns == 4
+
+
+# --- a chat platform ---------------------------------------------------------------------
+
+
+async def test_telegram_group_and_dm_routed_to_different_agents(tmp_path: Path) -> None:
+    from adapters.telegram import TelegramAdapter
+    from tests.fakes.telegram_api import FakeTelegram
+    from tests.waiting import wait_for
+
+    token = "123456:AAH-test-TOKEN_abcdefghijklmnopqrst"
+    ada = FakeTelegram.user(42, "Ada", "ada")
+    group = FakeTelegram.group_chat(-1001234567890, "Dev chat")
+    async with FakeTelegram(token=token) as tg:
+        config = GatewayConfig.model_validate(
+            {
+                "timezone": "UTC",
+                "platforms": {
+                    "telegram": {
+                        "enabled": True,
+                        "token": token,
+                        "base_url": tg.base_url,
+                        "poll_timeout": 1,
+                        "allowed_users": ["42"],
+                        "require_mention": False,
+                    }
+                },
+                "agent": {"backend": NAMED, "options": {"name": "main"}},
+                "agents": {"team": {"backend": NAMED, "options": {"name": "team"}}},
+                "routes": [
+                    {"match": {"platform": "telegram", "chat_type": "group"}, "agent": "team"}
+                ],
+            }
+        )
+        runner = GatewayRunner(config, [TelegramAdapter(config.platforms.telegram)], home=tmp_path)
+        await runner.start()
+        try:
+            tg.push_message(tg.private_chat(ada), ada, "in private")
+            await wait_for(lambda: len(tg.sent) == 1)
+            tg.push_message(group, ada, "in the group")
+            await wait_for(lambda: len(tg.sent) == 2)
+            assert sorted(m["text"] for m in tg.sent_messages) == [
+                "main: in private",
+                "team: in the group",
+            ]
+            keys = {e.session_key for e in await runner.store.list_sessions()}
+            assert keys == {
+                "agent:main:telegram:dm:42",
+                f"agent:team:telegram:group:{group['id']}:42",
+            }
+        finally:
+            await runner.stop()

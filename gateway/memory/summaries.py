@@ -180,9 +180,7 @@ class Memory:
                 work = await self.store.read(
                     lambda conn: summary_checkpoints.unsummarized(conn, session_id, CHUNK_ROWS)
                 )
-                count = self._pick(
-                    plan, session_id, work, system_tokens, everything, round_ == 0
-                )
+                count = self._pick(plan, session_id, work, system_tokens, everything, round_ == 0)
                 if count == 0:
                     break
                 checkpoint = work.checkpoint

@@ -319,7 +319,7 @@ class HttpAdapter(PlatformAdapter):
         agent = _agent_param(request)
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
-        return web.json_response({"sessions": await self.gateway.list_sessions(agent)})
+        return web.json_response({"sessions": await self.gateway.list_sessions(agent=agent)})
 
     async def _get_session(self, request: web.Request) -> web.Response:
         """A session and up to `limit` (1-500, default 100) of its messages after transcript

@@ -89,8 +89,8 @@ async def cmd_status(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
     flags = [n for n in ("suspended", "resume_pending") if getattr(entry, n)]
     title = await runner.store.read(lambda conn: titles.title_of(conn, entry.session_id))
     lines = [
-        f"Agent: {agent_id_of_key(key)}",
         f"Session: {entry.session_id}",
+        f"Agent: {agent_id_of_key(key)}",
         f"Title: {titles.shown(title)}",
         f"Key: {key}",
         f"Age: {_age(now - entry.created_at)} (last active {_age(now - entry.updated_at)} ago)",

@@ -336,7 +336,7 @@ async def test_two_agents_in_two_chats_keep_keys_sessions_and_transcripts_apart(
     (asked,) = requests_of("agent:main:http:dm:cc")
     assert not asked.system_prompt.startswith("You are")
     status = await gateway.say("cb", "/status")
-    assert status.startswith("Agent: beta\n") and "Key: agent:beta:http:dm:cb" in status
+    assert "\nAgent: beta\n" in status and "Key: agent:beta:http:dm:cb" in status
 
 
 async def test_search_and_listing_never_cross_agents(gateway: Gateway) -> None:

@@ -406,12 +406,18 @@ async def test_two_agents_in_one_chat_routed_by_user_never_see_each_other(
     assert "bob asks" in reply and "secret" not in reply
     reply = await gateway.say("shared", "/search secret", user="bob")
     assert reply.startswith("Nothing found")
-    # /resume lists only the asking agent's earlier sessions of the chat.
+    # /resume lists only the asking agent's earlier sessions of the chat, and switches
+    # only to them.
+    ann_entry = await gateway.runner.store.get_entry(ann_key)
+    assert ann_entry is not None
+    ann_first = ann_entry.session_id
     await gateway.say("shared", "/new", user="ann")
     reply = await gateway.say("shared", "/resume", user="bob")
     assert reply == "No earlier sessions to resume."
+    reply = await gateway.say("shared", f"/resume {ann_first}", user="bob")
+    assert reply.startswith(f"No earlier session {ann_first} in this chat")
     reply = await gateway.say("shared", "/resume", user="ann")
-    assert "ann's secret walrus" in reply
+    assert "ann's secret walrus" in reply and ann_first in reply
 
 
 async def test_each_agent_loads_its_context_by_its_own_plan(gateway: Gateway) -> None:

@@ -180,8 +180,9 @@ class GatewayHandle(Protocol):
 
     async def handle_message(self, event: MessageEvent) -> Accepted: ...
 
-    async def list_sessions(self) -> list[dict[str, Any]]:
-        """Every routing entry (`SessionEntry.to_dict()`) plus its session's `title`."""
+    async def list_sessions(self, agent: str | None = None) -> list[dict[str, Any]]:
+        """Every routing entry (`SessionEntry.to_dict()`) plus its session's `title` and
+        `agent` (the id in its key); only one agent's when `agent` is given."""
         ...
 
     async def search_sessions(
@@ -191,10 +192,12 @@ class GatewayHandle(Protocol):
         session_key: str | None = None,
         platform: str | None = None,
         chat_id: str | None = None,
+        agent: str | None = None,
         limit: int = 5,
     ) -> list[dict[str, Any]]:
         """Transcript hits, newest first: `{session_id, session_key, title, message_id, role,
-        snippet, timestamp}`; only one key's, or one platform chat's, sessions when given."""
+        snippet, timestamp}`; only one key's, or one platform chat's, or one agent's
+        sessions when given."""
         ...
 
     async def get_session(

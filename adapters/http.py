@@ -5,19 +5,23 @@
                                              or its store cannot write: nothing accepted)
     GET  /v1/chats/{chat_id}/messages        replies after a cursor (?after=SEQ&wait=SECONDS)
     GET  /v1/sessions                        the gateway's session entries, with titles
+                                             and agents (?agent=ID: one agent's)
     GET  /v1/sessions/{session_id}           one session and a page of its messages
                                              (?after=MESSAGE_ID&limit=N)
     DELETE /v1/sessions/{session_id}         delete it and all it owns (409 while its
                                              turn runs)
     GET  /v1/search?q=WORDS                  transcript search (&chat_id=C: only that
-                                             HTTP chat's sessions; &limit=N)
+                                             HTTP chat's sessions; &agent=ID: only that
+                                             agent's; &limit=N)
     GET  /healthz                            gateway health (never needs the token)
     GET  /metrics                            Prometheus text format
 
 With `platforms.http.token` set, `/v1/...` and `/metrics` need `Authorization: Bearer`.
 The API is the operator's (like `hermes-gateway sessions ...`): it lists, reads,
-searches and deletes the sessions of every platform; `chat_id` narrows a search to one
-HTTP chat, for a client that serves one.
+searches and deletes the sessions of every platform and agent; `chat_id` narrows a
+search to one HTTP chat, for a client that serves one, and `agent` to one agent's
+sessions (with several agents in one chat, routed by user, a client serving one of them
+passes both).
 Replies are read from the gateway's delivery ledger (`GatewayHandle.replies_after`), so
 they survive restarts and their `seq` (the ledger id) only grows: a client's cursor
 stays valid across a gateway restart.
@@ -38,7 +42,7 @@ from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
-from config import HttpConfig
+from config import AGENT_ID_PATTERN, HttpConfig
 from gateway import command_syntax
 from gateway.session import (
     CHAT_TYPES,
@@ -312,9 +316,10 @@ class HttpAdapter(PlatformAdapter):
         return web.json_response({"messages": messages, "next": next_seq})
 
     async def _get_sessions(self, request: web.Request) -> web.Response:
+        agent = _agent_param(request)
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
-        return web.json_response({"sessions": await self.gateway.list_sessions()})
+        return web.json_response({"sessions": await self.gateway.list_sessions(agent=agent)})
 
     async def _get_session(self, request: web.Request) -> web.Response:
         """A session and up to `limit` (1-500, default 100) of its messages after transcript
@@ -347,8 +352,8 @@ class HttpAdapter(PlatformAdapter):
         )
 
     async def _search(self, request: web.Request) -> web.Response:
-        """Transcript search: `q` (any text), `chat_id` (one HTTP chat's sessions), `limit`
-        (1-100, default 20)."""
+        """Transcript search: `q` (any text), `chat_id` (one HTTP chat's sessions), `agent`
+        (one agent's sessions), `limit` (1-100, default 20)."""
         query = _query_value(request, "q")
         if query is None:
             raise BadRequest("query parameter q is required")
@@ -357,6 +362,7 @@ class HttpAdapter(PlatformAdapter):
         chat_id = _query_value(request, "chat_id")
         if chat_id is not None:
             _check_id("chat_id", chat_id)
+        agent = _agent_param(request)
         limit = _int_param(request, "limit", SEARCH_LIMIT, 1, MAX_SEARCH_LIMIT)
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
@@ -364,6 +370,7 @@ class HttpAdapter(PlatformAdapter):
             query,
             platform=None if chat_id is None else self.platform.value,
             chat_id=chat_id,
+            agent=agent,
             limit=limit,
         )
         return web.json_response({"results": results})
@@ -448,6 +455,17 @@ def _check_id(name: str, value: str | None) -> None:
         validate_chat_id(value) if name == "chat_id" else validate_id(name, value)
     except ValueError as exc:
         raise BadRequest(str(exc)) from exc
+
+
+def _agent_param(request: web.Request) -> str | None:
+    """The `agent` filter: an agent id (`agents:` in hermes.yaml), or None."""
+    agent = _query_value(request, "agent")
+    if agent is not None and not AGENT_ID_PATTERN.fullmatch(agent):
+        raise BadRequest(
+            f"query parameter agent must be an agent id (1-32 of a-z, 0-9, - and _), "
+            f"got {_shown(agent)}"
+        )
+    return agent
 
 
 def _is_encodable(value: str) -> bool:

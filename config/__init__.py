@@ -2,6 +2,8 @@
 
 from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
 from config.schema import (
+    AGENT_ID_PATTERN,
+    MAIN_AGENT,
     AgentConfig,
     ChatPlatformConfig,
     ContextConfig,
@@ -16,6 +18,8 @@ from config.schema import (
     PlatformsConfig,
     QueueConfig,
     ResetByType,
+    RouteConfig,
+    RouteMatch,
     SessionResetPolicy,
     SlackConfig,
     StorageConfig,
@@ -24,7 +28,9 @@ from config.schema import (
 )
 
 __all__ = [
+    "AGENT_ID_PATTERN",
     "EXIT_CONFIG",
+    "MAIN_AGENT",
     "AgentConfig",
     "ChatPlatformConfig",
     "ConfigError",
@@ -40,6 +46,8 @@ __all__ = [
     "PlatformsConfig",
     "QueueConfig",
     "ResetByType",
+    "RouteConfig",
+    "RouteMatch",
     "SessionResetPolicy",
     "SlackConfig",
     "StorageConfig",

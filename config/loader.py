@@ -81,7 +81,9 @@ def _validate(
     try:
         return GatewayConfig.model_validate(data), []
     except ValidationError as exc:
-        return None, [_describe(error, from_env) for error in exc.errors()]
+        return None, [
+            line for error in exc.errors() for line in _describe(error, from_env).splitlines()
+        ]
 
 
 def _read_yaml(path: Path) -> dict[Any, Any]:
@@ -150,6 +152,10 @@ def _describe(error: ErrorDetails, from_env: set[KeyPath]) -> str:
         problem = error["msg"].removeprefix("Value error, ")
     if loc in from_env and error["type"] in _TYPE_ERRORS:
         problem += " (a ${...} reference always gives text, so use it only for text keys)"
+    if not loc and error["type"] == "value_error":
+        # A check across keys (GatewayConfig's model validator): each of its lines names
+        # its own key path, e.g. "routes.2.agent: unknown agent".
+        return problem
     return f"{_dotted(loc)}: {problem}"
 
 

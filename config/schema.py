@@ -16,7 +16,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 _MODEL_CONFIG = ConfigDict(extra="forbid", strict=True, frozen=True)
 
@@ -118,6 +118,50 @@ class AgentConfig(BaseModel):
             "must be 'echo', 'openai' or 'module.path:factory' "
             "(a Python module and the name of a callable in it)"
         )
+
+
+# --- several agents (issue 16) ----------------------------------------------------------
+
+MAIN_AGENT = "main"  # the id of `agent:`, and where a message no route matches goes
+# Agent ids go into session keys (`agent:{id}:...`), file names and log lines: a short,
+# lower-case name with no separator or path character.
+AGENT_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")  # fullmatch it
+# `agent:` settings that belong to the whole gateway, not one agent: read from the main
+# agent only, so another agent setting them (to another value) would be silently
+# ignored; refused instead.
+GATEWAY_WIDE_AGENT_FIELDS = (
+    "gateway_auto_continue_freshness",
+    "restart_drain_timeout",
+    "max_concurrent_turns",
+    "cache_max_size",
+    "cache_idle_ttl_seconds",
+)
+# The platforms a route may name (`gateway.session.Platform`'s values; config cannot
+# import the domain, a test keeps the two in step).
+RoutePlatform = Literal[
+    "telegram", "discord", "slack", "http", "local", "whatsapp", "signal", "matrix"
+]
+
+
+class RouteMatch(BaseModel):
+    """What a message must have for its route to apply; a field left out matches
+    anything, so an empty match catches every message."""
+
+    model_config = _MODEL_CONFIG
+
+    platform: RoutePlatform | None = None
+    chat_id: str | None = None  # as the platform sends it, as a string
+    chat_type: ChatType | None = None
+    user_id: str | None = None
+
+
+class RouteConfig(BaseModel):
+    """One entry of `routes:`: messages that `match` go to `agent` (first match wins)."""
+
+    model_config = _MODEL_CONFIG
+
+    match: RouteMatch = RouteMatch()
+    agent: str
 
 
 class QueueConfig(BaseModel):
@@ -317,7 +361,11 @@ class GatewayConfig(BaseModel):
     session_store_max_age_days: int = Field(default=0, ge=0)  # 0 disables pruning
     session_reset: SessionResetPolicy = SessionResetPolicy()
     reset_by_type: ResetByType = ResetByType()
-    agent: AgentConfig = AgentConfig()
+    agent: AgentConfig = AgentConfig()  # the main agent (id "main"); also `agents.main`
+    # More agents beside the main one, by id; each a full section of its own that
+    # inherits nothing (README "Several agents"). `routes` picks one per message.
+    agents: dict[str, AgentConfig] = Field(default_factory=dict)
+    routes: list[RouteConfig] = Field(default_factory=list)
     queue: QueueConfig = QueueConfig()
     platforms: PlatformsConfig = PlatformsConfig()
     storage: StorageConfig = StorageConfig()
@@ -335,6 +383,57 @@ class GatewayConfig(BaseModel):
         if value is not None and _zone_or_none(value) is None:
             raise ValueError(f"unknown IANA time zone {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _check_agents(self) -> GatewayConfig:
+        """Agent ids, `agent:` vs `agents.main`, gateway-wide settings and route targets.
+
+        Each problem is one line starting with its own key path (the loader prints the
+        lines of this model-level check as they are)."""
+        problems = []
+        for agent_id, agent in self.agents.items():
+            if not AGENT_ID_PATTERN.fullmatch(agent_id):
+                problems.append(
+                    f"agents.{agent_id}: not a valid agent id: use 1-32 of a-z, 0-9, '-' "
+                    "and '_', starting with a letter or digit (ids go into session keys)"
+                )
+            if agent_id == MAIN_AGENT:
+                continue
+            # The same value as the main agent's is no conflict: a section copied from
+            # `agent:` with a YAML merge (`<<: *main`) carries them along.
+            main = self.agents.get(MAIN_AGENT, self.agent)
+            problems += [
+                f"agents.{agent_id}.{name}: a gateway-wide setting; set it under agent: "
+                "(the main agent), it applies to every agent"
+                for name in GATEWAY_WIDE_AGENT_FIELDS
+                if name in agent.model_fields_set and getattr(agent, name) != getattr(main, name)
+            ]
+        if MAIN_AGENT in self.agents:
+            if "agent" in self.model_fields_set:
+                problems.append(
+                    "agents.main: the main agent is given twice, here and as agent:; "
+                    "keep one of them"
+                )
+            else:
+                # `agents.main` is another spelling of `agent:`; everything that reads the
+                # main agent (and the gateway-wide settings) reads `agent`. Frozen model:
+                # set once, here, before anyone sees it.
+                object.__setattr__(self, "agent", self.agents[MAIN_AGENT])
+        known = {MAIN_AGENT, *self.agents}
+        for index, route in enumerate(self.routes):
+            if route.agent not in known:
+                problems.append(
+                    f"routes.{index}.agent: unknown agent {route.agent!r} "
+                    f"(agents: {', '.join(sorted(known))})"
+                )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def agent_configs(self) -> dict[str, AgentConfig]:
+        """Every agent by id, the main one first."""
+        others = {k: v for k, v in self.agents.items() if k != MAIN_AGENT}
+        return {MAIN_AGENT: self.agent, **others}
 
     def get_reset_policy(self, platform: str | Enum, chat_type: str) -> SessionResetPolicy:
         """The policy for a chat: platform override > chat type override > global.

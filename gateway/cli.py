@@ -26,15 +26,16 @@ import structlog
 
 from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
-from gateway.agents.backends import build_agent_factory
+from gateway.agents.roster import Roster
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
 from gateway.ops.memory import add_memory_parser, run_memory_command
 from gateway.ops.sdnotify import SystemdNotifier, run_watchdog
 from gateway.ops.service import add_service_parser
-from gateway.ops.sessions import add_sessions_subcommands, run_sessions_command
+from gateway.ops.sessions import add_sessions_subcommands, agent_id, run_sessions_command
 from gateway.ops.status import add_status_parser
 from gateway.pairing import add_pairing_parser
+from gateway.session import agent_id_of_key
 from gateway.store.db import DatabaseError
 from gateway.store.entries import load_session_row
 from gateway.store.homelock import HomeInUse, HomeLock
@@ -95,12 +96,14 @@ def build_adapters(config: GatewayConfig) -> list[PlatformAdapter]:
 
 
 def check_runnable(config: GatewayConfig) -> list[PlatformAdapter]:
-    """What `run` checks beyond the schema, touching nothing on disk: `agent.backend`
-    resolves, and every enabled platform has the settings it needs. Returns the adapters.
+    """What `run` checks beyond the schema, touching nothing on disk: every agent's
+    backend resolves (`agent.backend`, `agents.ID.backend`), and every enabled platform
+    has the settings it needs. Returns the adapters. (Agent ids and routes are checked
+    by the schema: `routes.N.agent` naming no agent never gets this far.)
 
     `check-config` calls this too, so the two commands accept and refuse the same
     configs. Raises ConfigError (exit 78) naming the key."""
-    build_agent_factory(config.agent)
+    Roster(config)
     return build_adapters(config)
 
 
@@ -192,11 +195,14 @@ def _entry_row(entry: Any) -> dict[str, Any]:
 
 
 async def _sessions_list(store: SessionStore, args: argparse.Namespace) -> int:
-    entries = await store.list_sessions(active_minutes=args.active_minutes)
+    entries = await store.list_sessions(active_minutes=args.active_minutes, agent_id=args.agent)
     titles = await store.read(lambda conn: titles_for(conn, (e.session_id for e in entries)))
     rows = [_entry_row(e) for e in entries]
     if args.json:
-        listed = [{**e.to_dict(), "title": titles[e.session_id]} for e in entries]
+        listed = [
+            {**e.to_dict(), "agent": agent_id_of_key(e.session_key), "title": titles[e.session_id]}
+            for e in entries
+        ]
         print(json.dumps(listed, indent=2))
         return 0
     if not rows:
@@ -357,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     sessions_sub = sessions.add_subparsers(dest="sessions_command", required=True)
     listing = sessions_sub.add_parser("list", parents=[common], help="list session entries")
     listing.add_argument("--active-minutes", type=float, default=None)
+    listing.add_argument("--agent", type=agent_id, default=None, help="only this agent's")
     listing.add_argument("--json", action="store_true")
     show = sessions_sub.add_parser("show", parents=[common], help="an entry and its transcript")
     show.add_argument("key_or_id", metavar="KEY_OR_ID")

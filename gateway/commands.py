@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from adapters.base import Accepted, AcceptStatus, MessageEvent
 from gateway.command_syntax import NAMES, Command
 from gateway.policy import next_reset_at
+from gateway.session import agent_id_of_key
 from gateway.store import titles
 
 if TYPE_CHECKING:
@@ -73,7 +74,9 @@ async def cmd_restart(runner: GatewayRunner, event: MessageEvent, key: str, cmd:
 async def cmd_status(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
     entry = await runner.store.get_entry(key)
     if entry is None:
-        return f"No session yet for {key}. Say something to start one."
+        return (
+            f"No session yet for {key} (agent {agent_id_of_key(key)}). Say something to start one."
+        )
     now = datetime.now(UTC)
     messages = await runner.store.count_messages(entry.session_id)
     policy = runner.config.get_reset_policy(event.source.platform, event.source.chat_type)
@@ -87,6 +90,7 @@ async def cmd_status(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
     title = await runner.store.read(lambda conn: titles.title_of(conn, entry.session_id))
     lines = [
         f"Session: {entry.session_id}",
+        f"Agent: {agent_id_of_key(key)}",
         f"Title: {titles.shown(title)}",
         f"Key: {key}",
         f"Age: {_age(now - entry.created_at)} (last active {_age(now - entry.updated_at)} ago)",
@@ -242,7 +246,7 @@ async def cmd_compress(runner: GatewayRunner, event: MessageEvent, key: str, cmd
     entry = await runner.store.get_entry(key)
     if entry is None:
         return "No session yet, nothing to compress."
-    if runner.memory.plan.strategy != "summary":
+    if runner.roster.for_key(key).plan.strategy != "summary":  # this chat's agent's
         return (
             "This agent sends the newest messages that fit (agent.context.strategy: window);"
             " /compress needs the summary strategy."
@@ -285,7 +289,7 @@ HELP_TEXT = """Commands:
 /new, /reset — start a new session (the old one stays available to /resume)
 /stop — cancel the running reply, clear the queue; the next message starts fresh
 /queue TEXT (/q) — run TEXT as its own turn after the current one
-/status — session id, age, messages, tokens, queue, next automatic reset
+/status — agent, session id, age, messages, tokens, queue, next automatic reset
 /resume [SESSION_ID or TITLE] — list earlier sessions of this chat, or switch back to one
 /title [TEXT] — show or rename this session's title
 /search WORDS — find messages in this chat's sessions (WORD* by prefix)

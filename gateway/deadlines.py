@@ -1,4 +1,5 @@
-"""Turn deadlines: `agent.gateway_timeout` for every running turn, with one timer.
+"""Turn deadlines: `agent.gateway_timeout` (each agent's own) for every running turn,
+with one timer.
 
 `asyncio.timeout` per turn made a Timeout object and a timer handle for every turn, about
 6 µs of a turn that costs under 200 (issue 14). Here a turn's deadline is a dict entry,
@@ -13,6 +14,9 @@ import asyncio
 
 
 class Deadlines:
+    """`limit`: the default deadline, and the shortest any turn gets (it sets the tick:
+    several agents pass the smallest of their timeouts)."""
+
     def __init__(self, limit: float) -> None:
         self.limit = limit
         self.tick = min(1.0, limit / 4)
@@ -20,10 +24,11 @@ class Deadlines:
         self._expired: set[asyncio.Task[object]] = set()
         self._timer: asyncio.TimerHandle | None = None
 
-    def arm(self, task: asyncio.Task[object]) -> None:
-        """Start `task`'s clock; `disarm` it when the guarded await is over."""
+    def arm(self, task: asyncio.Task[object], limit: float | None = None) -> None:
+        """Start `task`'s clock (`limit` seconds, default `self.limit`); `disarm` it
+        when the guarded await is over."""
         loop = task.get_loop()
-        self._due[task] = loop.time() + self.limit
+        self._due[task] = loop.time() + (self.limit if limit is None else limit)
         if self._timer is None:
             self._timer = loop.call_later(self.tick, self._check, loop)
 

@@ -9,9 +9,12 @@
                     their "sent" marks ride along with a later commit)
 
 One turn runs per session key at a time; different keys run concurrently, at most
-`agent.max_concurrent_turns` agent calls at once. Every step that matters after a crash
-is one transaction in the journal (`gateway.store.turnlog`); `gateway.recovery` completes
-whatever a crash interrupted.
+`agent.max_concurrent_turns` agent calls at once. Several agents (`agents:`, `routes:`)
+share all of this: a session key names its agent (`agent:{id}:...`, picked by the
+store's router), and `Roster.for_key` gives a turn its agent's settings.
+
+Every step that matters after a crash is one transaction in the journal
+(`gateway.store.turnlog`); `gateway.recovery` completes whatever a crash interrupted.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import asyncio
 import contextlib
 import gc
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -30,10 +33,9 @@ import structlog
 from adapters.base import Accepted, AcceptStatus, MessageEvent, PlatformAdapter
 from config import GatewayConfig, hermes_home
 from gateway import command_syntax, commands
-from gateway.agents.backends import agent_signature, build_agent_factory, describe_backend
 from gateway.agents.cache import AgentCache
 from gateway.agents.protocol import AgentError, AgentFactory, TurnRequest
-from gateway.context.strategy import Plan
+from gateway.agents.roster import AgentSpec, Roster
 from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
 from gateway.housekeeping import Housekeeper
@@ -91,7 +93,7 @@ class GatewayRunner(SessionOps):
         self,
         config: GatewayConfig,
         adapters: Sequence[PlatformAdapter] | None = None,
-        agent_factory: AgentFactory | None = None,
+        agent_factory: AgentFactory | Mapping[str, AgentFactory] | None = None,
         *,
         home: Path | None = None,
     ) -> None:
@@ -101,31 +103,41 @@ class GatewayRunner(SessionOps):
         # Not `is_busy`: the turn that asks for its session is itself the busy worker, and
         # that must not block the reset policy. The watcher skips busy keys on its own.
         self.store = SessionStore(self.home / "sessions", config)
-        plan = Plan.from_config(config.agent)  # what a turn loads (agent.context)
-        self.turnlog = TurnLog(self.store, history_limit=config.agent.history_limit, plan=plan)
+        # Every agent (`agent:` is `main`, plus `agents:`) with its factory, signature and
+        # context plan (what its turns load). One agent: nothing per key to look up.
+        self.roster = Roster(config, agent_factory)
+        main = self.roster.main
+        plan_for = self.roster.plan_for if len(self.roster) > 1 else None
+        self.turnlog = TurnLog(
+            self.store, history_limit=main.config.history_limit, plan=main.plan, plan_for=plan_for
+        )
         self.recovery = Recovery(self)
         self.pairing = Pairing(self.store)
+        # One cache for all agents: its keys are session keys, which name their agent.
         self.agents = AgentCache(
-            agent_factory or build_agent_factory(config.agent),
+            self.roster.build,
             max_size=config.agent.cache_max_size,
             idle_ttl=config.agent.cache_idle_ttl_seconds,
         )
-        self.memory = Memory(self.store, plan, lambda key: self.agents.lease(key, self._signature))
+        self.memory = Memory(
+            self.store,
+            main.plan,
+            lambda key: self.agents.lease(key, self.roster.for_key(key).signature),
+            plan_for=plan_for,
+        )
         # Long-term memory: notes and hybrid recall (the memory tools, `hermes-gateway memory`).
         self.recall = Recall(self.store, config)
         self.metrics = Metrics()
         self.delivery = Delivery(self.adapters, self.turnlog, self.metrics)
         self.finalize_hooks: list[FinalizeHook] = []
         self.restart_requested = asyncio.Event()
-        self._signature = agent_signature(config.agent)
-        self._custom_agents = agent_factory is not None
         self._queues: dict[str, SessionQueue] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._running: dict[str, MessageEvent] = {}
         # The next turn of a key, begun in its previous turn's last transaction.
         self._next_begun: dict[str, tuple[MessageEvent, TurnStart]] = {}
         self._turn_slots = asyncio.Semaphore(config.agent.max_concurrent_turns)
-        self._deadlines = Deadlines(config.agent.gateway_timeout)
+        self._deadlines = Deadlines(min(a.config.gateway_timeout for a in self.roster))
         # What every turn's session context says of the config (it does not change).
         self._platforms = tuple(config.connected_platforms())
         self._homes = config.home_channels()
@@ -175,9 +187,9 @@ class GatewayRunner(SessionOps):
         gc.freeze()
         log.info(
             "gateway_started",
-            agent="custom agent factory"
-            if self._custom_agents
-            else describe_backend(self.config.agent),
+            agent=self.roster.main.description,
+            agents=self.roster.describe(),
+            routes=self.store.router.routes,
             adapters=[p.value for p in self.adapters],
             home=str(self.home),
             clean_start=self.recovery.was_clean,
@@ -452,13 +464,15 @@ class GatewayRunner(SessionOps):
                 log.info("turn_resumed", session_id=entry.session_id)
             elif begun.fresh and entry.was_auto_reset:
                 await self._log_reset(key, entry)
+            agent = self.roster.for_key(key)  # the key's agent: its prompt, plan, timeout
             system_prompt = self._system_prompt(
                 build_session_context(
                     source, self.config, entry, platforms=self._platforms, homes=self._homes
-                )
+                ),
+                agent,
             )
             context = self.memory.prepare(
-                entry.session_id, begun.context, system_prompt, begun.text
+                entry.session_id, begun.context, system_prompt, begun.text, agent.plan
             )
             request = TurnRequest(
                 session_key=key,
@@ -470,7 +484,7 @@ class GatewayRunner(SessionOps):
             )
             typing = self.delivery.start_typing(source)
             try:
-                outcome = await self._call_agent(key, request)
+                outcome = await self._call_agent(key, request, agent)
             finally:
                 if typing is not None:
                     typing.cancel()
@@ -540,14 +554,14 @@ class GatewayRunner(SessionOps):
             had_activity=entry.reset_had_activity,
         )
 
-    async def _call_agent(self, key: str, request: TurnRequest) -> TurnOutcome:
+    async def _call_agent(self, key: str, request: TurnRequest, spec: AgentSpec) -> TurnOutcome:
         """Run the agent; a failure becomes a short text for the user, never an exception."""
-        timeout = self.config.agent.gateway_timeout
+        timeout = spec.config.gateway_timeout
         task = asyncio.current_task()
         assert task is not None
         try:
-            async with self._turn_slots, self.agents.lease(key, self._signature) as agent:
-                self._deadlines.arm(task)
+            async with self._turn_slots, self.agents.lease(key, spec.signature) as agent:
+                self._deadlines.arm(task, timeout)
                 try:
                     result = await agent.run_turn(request)
                 except asyncio.CancelledError:
@@ -576,9 +590,9 @@ class GatewayRunner(SessionOps):
             )
         return TurnOutcome(reply=result.text, text=result.text, usage=result.usage)
 
-    def _system_prompt(self, context: SessionContext) -> str:
-        block = build_session_context_prompt(context, redact_pii=self.config.agent.redact_pii)
-        custom = self.config.agent.system_prompt
+    def _system_prompt(self, context: SessionContext, agent: AgentSpec) -> str:
+        block = build_session_context_prompt(context, redact_pii=agent.config.redact_pii)
+        custom = agent.config.system_prompt
         return f"{custom}\n\n{block}" if custom else block
 
     def _with_reset_notice(self, entry: SessionEntry, reply: str) -> str:
@@ -645,9 +659,8 @@ class GatewayRunner(SessionOps):
         return {
             "state": state,
             "health": self.health(),
-            "agent": "custom agent factory"
-            if self._custom_agents
-            else describe_backend(self.config.agent),
+            "agent": self.roster.main.description,
+            "agents": self.roster.describe(),
             "active_turns": self.busy_sessions(),
             "queue_depth": sum(q.depth for q in self._queues.values()),
         }

@@ -27,6 +27,7 @@ __all__ = [
     "SessionSource",
     "SessionStore",
     "TokenUsage",
+    "agent_id_of_key",
     "build_session_context",
     "build_session_context_prompt",
     "build_session_key",
@@ -281,6 +282,18 @@ def build_session_key(
     if per_user and participant:
         parts.append(_key_part(participant))
     return ":".join(parts)
+
+
+def agent_id_of_key(session_key: str) -> str:
+    """The agent id of a session key (`agent:{agent_id}:...`): whose session it is.
+
+    Ids cannot contain ':' (`build_session_key` refuses them), so the id is exactly the
+    text between the first and the second colon."""
+    prefix, _, rest = session_key.partition(":")
+    agent_id, sep, _ = rest.partition(":")
+    if prefix != "agent" or not sep or not agent_id:
+        raise ValueError(f"not a session key: {session_key!r}")
+    return agent_id
 
 
 def is_shared_multi_user_session(

@@ -13,6 +13,7 @@ import sqlite3
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from gateway.session import agent_id_of_key
 from gateway.store import archive, purge, search, titles
 
 if TYPE_CHECKING:
@@ -33,13 +34,21 @@ class SessionOps:
     def is_busy(self, key: str) -> bool:
         raise NotImplementedError  # GatewayRunner's own
 
-    async def list_sessions(self) -> list[dict[str, Any]]:
-        """Every routing entry (`SessionEntry.to_dict()`) with its session's `title`."""
-        listed = await self.store.list_sessions()
+    async def list_sessions(self, agent: str | None = None) -> list[dict[str, Any]]:
+        """Every routing entry (`SessionEntry.to_dict()`) with its session's `title` and
+        `agent`; only one agent's with `agent`."""
+        listed = await self.store.list_sessions(agent_id=agent)
         shown = await self.store.read(
             lambda conn: titles.titles_for(conn, (e.session_id for e in listed))
         )
-        return [{**e.to_dict(), "title": shown[e.session_id]} for e in listed]
+        return [
+            {
+                **e.to_dict(),
+                "agent": agent_id_of_key(e.session_key),
+                "title": shown[e.session_id],
+            }
+            for e in listed
+        ]
 
     async def search_sessions(
         self,
@@ -48,11 +57,15 @@ class SessionOps:
         session_key: str | None = None,
         platform: str | None = None,
         chat_id: str | None = None,
+        agent: str | None = None,
         limit: int = SEARCH_DEFAULT_LIMIT,
     ) -> list[dict[str, Any]]:
         """Transcript hits, newest first (`gateway.store.search.search`), within the scope:
-        one chat's key, or one platform's chat, or (all None) every session."""
-        scope = search.Scope(session_key=session_key, platform=platform, chat_id=chat_id)
+        one chat's key (which names its agent), or one platform's chat, and/or one agent,
+        or (all None) every session."""
+        scope = search.Scope(
+            session_key=session_key, platform=platform, chat_id=chat_id, agent_id=agent
+        )
         return await self.store.search_index.query(
             lambda conn: search.search(conn, query, scope, limit)
         )

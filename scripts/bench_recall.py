@@ -58,8 +58,13 @@ async def fill(store: SessionStore, chunks: int, per_session: int, others: int, 
                 for i in range(min(per_session, count - first))
             ]
 
-            def write(conn: Any, session_id: str = session_id, key: str = key,
-                      origin: str = origin, rows: list[Any] = rows) -> None:
+            def write(
+                conn: Any,
+                session_id: str = session_id,
+                key: str = key,
+                origin: str = origin,
+                rows: list[Any] = rows,
+            ) -> None:
                 conn.execute(
                     "INSERT INTO sessions (session_id, session_key, origin, started_at)"
                     " VALUES (?, ?, ?, ?)",

@@ -41,8 +41,9 @@ class FakeGateway:
         self.events.append(event)
         return self.accepted
 
-    async def list_sessions(self) -> list[dict[str, Any]]:
-        return [{"session_key": "agent:main:http:dm:c1", "session_id": "s1"}]
+    async def list_sessions(self, agent: str | None = None) -> list[dict[str, Any]]:
+        listed = [{"session_key": "agent:main:http:dm:c1", "session_id": "s1", "agent": "main"}]
+        return [s for s in listed if agent is None or s["agent"] == agent]
 
     async def replies_after(
         self, platform: str, chat_id: str, after: int, limit: int
@@ -352,8 +353,13 @@ async def test_sessions_lists_the_gateways_sessions(api, client):
     async with client.get(f"{adapter.url}/v1/sessions") as resp:
         assert resp.status == 200
         assert await resp.json() == {
-            "sessions": [{"session_key": "agent:main:http:dm:c1", "session_id": "s1"}]
+            "sessions": [
+                {"session_key": "agent:main:http:dm:c1", "session_id": "s1", "agent": "main"}
+            ]
         }
+    # ?agent= is handed to the gateway, which filters by it.
+    async with client.get(f"{adapter.url}/v1/sessions", params={"agent": "coder"}) as resp:
+        assert resp.status == 200 and await resp.json() == {"sessions": []}
 
 
 async def test_metrics_are_prometheus_text(api, client):

@@ -33,26 +33,26 @@ class AgentBackendError(ConfigError, ValueError):
     """``agent.backend`` names a module or factory that cannot be used (exit code 78)."""
 
 
-def _load_user_factory(backend: str) -> Callable[..., Any]:
+def _load_user_factory(backend: str, where: str) -> Callable[..., Any]:
     module_name, _, attr = backend.partition(":")
     try:
         module = importlib.import_module(module_name)
     except Exception as exc:
         raise AgentBackendError(
-            f"agent.backend: cannot import module {module_name!r} "
+            f"{where}.backend: cannot import module {module_name!r} "
             f"({type(exc).__name__}: {exc}); check the name and that it is on PYTHONPATH"
         ) from exc
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise AgentBackendError(
-            f"agent.backend: module {module_name!r} has no callable {attr!r}; "
+            f"{where}.backend: module {module_name!r} has no callable {attr!r}; "
             "expected a function factory(session_key=..., options=...) returning an agent"
         )
     return factory
 
 
-def _user_factory(backend: str, options: dict[str, Any]) -> AgentFactory:
-    factory = _load_user_factory(backend)
+def _user_factory(backend: str, options: dict[str, Any], where: str) -> AgentFactory:
+    factory = _load_user_factory(backend, where)
 
     def build(session_key: str) -> Agent:
         try:
@@ -74,11 +74,12 @@ def _user_factory(backend: str, options: dict[str, Any]) -> AgentFactory:
     return build
 
 
-def build_agent_factory(config: AgentConfig) -> AgentFactory:
+def build_agent_factory(config: AgentConfig, where: str = "agent") -> AgentFactory:
     """A function session_key -> new Agent for ``config.backend``.
 
     A ``module:factory`` backend is imported here, so a bad name fails at start-up with
-    `AgentBackendError` (a `ConfigError`) rather than at the first message.
+    `AgentBackendError` (a `ConfigError`) rather than at the first message; `where` is
+    the agent's key path for that message (`agent`, or `agents.ID`).
     """
     if config.backend == "echo":
         return lambda session_key: EchoAgent(config.delay_seconds)
@@ -90,7 +91,7 @@ def build_agent_factory(config: AgentConfig) -> AgentFactory:
         return lambda session_key: OpenAIAgent(
             base_url=config.base_url, model=config.model, api_key=config.api_key
         )
-    return _user_factory(config.backend, config.options)
+    return _user_factory(config.backend, config.options, where)
 
 
 def agent_signature(config: AgentConfig) -> str:

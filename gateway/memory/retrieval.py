@@ -211,8 +211,9 @@ def vector_rows(
         return None
     if tags:
         where, params = _tag_filter(tags)
-        found = conn.execute(f"SELECT c.id FROM chunks c WHERE c.namespace = ?{where}",
-                             (namespace, *params))
+        found = conn.execute(
+            f"SELECT c.id FROM chunks c WHERE c.namespace = ?{where}", (namespace, *params)
+        )
         allowed = np.fromiter((r[0] for r in found), np.int64)
         rows = np.flatnonzero(np.isin(ids, allowed))
         if not len(rows):
@@ -232,9 +233,7 @@ def vector_scores(
     sims = matrix @ query_vec
     top = min(CANDIDATES, len(sims))
     best = np.argpartition(sims, -top)[-top:]
-    return {
-        int(ids[i]): float(sims[i]) for i in best if sims[i] >= min_similarity and sims[i] > 0
-    }
+    return {int(ids[i]): float(sims[i]) for i in best if sims[i] >= min_similarity and sims[i] > 0}
 
 
 def normalized(scores: dict[int, float]) -> dict[int, float]:

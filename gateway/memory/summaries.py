@@ -47,6 +47,7 @@ CHUNK_ROWS = 400  # oldest unsummarized rows a round looks at
 SUMMARY_TIMEOUT = 300.0  # seconds for the model's summary before the extractive one
 
 Lease = Callable[[str], AbstractAsyncContextManager[Any]]
+PlanFor = Callable[[str], Plan]  # session key -> its agent's plan (several agents)
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,9 +61,19 @@ class Condensed:
 
 
 class Memory:
-    def __init__(self, store: SessionStore, plan: Plan, lease: Lease | None = None) -> None:
+    """`plan`: what turns load (`agent.context`); with several agents, `plan_for` gives
+    each session key its own agent's plan, and `plan` is the main agent's."""
+
+    def __init__(
+        self,
+        store: SessionStore,
+        plan: Plan,
+        lease: Lease | None = None,
+        plan_for: PlanFor | None = None,
+    ) -> None:
         self.store = store
         self.plan = plan
+        self.plan_for: PlanFor = plan_for or (lambda key: plan)
         self.lease = lease  # the session's agent, for its model's summaries
         self.calibration = Calibration()
         self._tasks: dict[str, asyncio.Task[Condensed]] = {}
@@ -71,10 +82,19 @@ class Memory:
 
     # --- the turn's path -----------------------------------------------------------------
 
-    def prepare(self, session_id: str, loaded: Loaded, system_prompt: str, text: str) -> Prepared:
-        """The turn's history (the summary first, if any), fitted to the budget."""
+    def prepare(
+        self,
+        session_id: str,
+        loaded: Loaded,
+        system_prompt: str,
+        text: str,
+        plan: Plan | None = None,
+    ) -> Prepared:
+        """The turn's history (the summary first, if any), fitted to the budget of
+        `plan` (the turn's agent's; default `self.plan`)."""
         factor = self.calibration.factor(session_id)
-        return prepare(self.plan, loaded, system_prompt=system_prompt, text=text, factor=factor)
+        plan = self.plan if plan is None else plan
+        return prepare(plan, loaded, system_prompt=system_prompt, text=text, factor=factor)
 
     def after_turn(
         self,
@@ -89,14 +109,15 @@ class Memory:
         trigger. Computes only: whatever it starts runs in the background."""
         if usage is not None and usage.input_tokens > 0:
             self.calibration.observe(session_id, prepared.sent_tokens, usage.input_tokens)
-        if self.plan.strategy != "summary" or reply is None:
+        plan = self.plan_for(key)
+        if plan.strategy != "summary" or reply is None:
             return
-        if len(loaded.messages) + 2 < self.plan.min_messages:
+        if len(loaded.messages) + 2 < plan.min_messages:
             return
         tokens = prepared.fixed_tokens + prepared.unsummarized_tokens
         tokens += message_tokens({"content": reply})
         factor = self.calibration.factor(session_id)
-        if tokens * factor > self.plan.trigger_ratio * self.plan.budget:
+        if tokens * factor > plan.trigger_ratio * plan.budget:
             self.schedule(key, session_id, prepared.system_tokens)
 
     # --- summaries -----------------------------------------------------------------------
@@ -153,17 +174,20 @@ class Memory:
         everything: bool = False,
     ) -> Condensed:
         condensed = chars = 0
+        plan = self.plan_for(key)
         async with self._slots:
             for round_ in range(MAX_ROUNDS):
                 work = await self.store.read(
                     lambda conn: summary_checkpoints.unsummarized(conn, session_id, CHUNK_ROWS)
                 )
-                count = self._pick(session_id, work, system_tokens, everything, round_ == 0)
+                count = self._pick(plan, session_id, work, system_tokens, everything, round_ == 0)
                 if count == 0:
                     break
                 checkpoint = work.checkpoint
                 previous = checkpoint.summary if checkpoint is not None else None
-                text = await self._condense(key, session_id, previous, work.messages[:count], focus)
+                text = await self._condense(
+                    plan, key, session_id, previous, work.messages[:count], focus
+                )
                 epoch = checkpoint.epoch if checkpoint is not None else 0
                 before = checkpoint.messages if checkpoint is not None and previous else 0
                 covered = work.ids[count - 1]
@@ -198,6 +222,7 @@ class Memory:
 
     def _pick(
         self,
+        plan: Plan,
         session_id: str,
         work: summary_checkpoints.Unsummarized,
         system_tokens: int,
@@ -215,7 +240,7 @@ class Memory:
             return 0
         if everything:
             return spans[-1][1]
-        plan, factor = self.plan, self.calibration.factor(session_id)
+        factor = self.calibration.factor(session_id)
         summary = work.checkpoint.summary if work.checkpoint is not None else None
         fixed = system_tokens + (text_tokens(summary) if summary else 0)
         total = fixed + -(-work.total_chars // CHARS_PER_TOKEN) + 4 * work.total_messages
@@ -236,19 +261,21 @@ class Memory:
                 break
         return take
 
-    def max_summary_chars(self) -> int:
+    def max_summary_chars(self, plan: Plan | None = None) -> int:
         """A summary takes at most half of what the target leaves the history."""
-        return int(self.plan.budget * self.plan.target_ratio / 2) * CHARS_PER_TOKEN
+        plan = self.plan if plan is None else plan
+        return int(plan.budget * plan.target_ratio / 2) * CHARS_PER_TOKEN
 
     async def _condense(
         self,
+        plan: Plan,
         key: str,
         session_id: str,
         previous: str | None,
         messages: Sequence[dict[str, Any]],
         focus: str | None,
     ) -> str:
-        limit = self.max_summary_chars()
+        limit = self.max_summary_chars(plan)
         if self.lease is not None:
             request = SummaryRequest(key, session_id, previous, tuple(messages), limit, focus)
             try:

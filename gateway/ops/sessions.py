@@ -18,6 +18,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from config import AGENT_ID_PATTERN
 from gateway.memory.recall import Recall
 from gateway.store import archive, purge, search
 from gateway.store.session_store import SessionStore
@@ -30,6 +31,7 @@ def add_sessions_subcommands(sub: Any, parents: list[argparse.ArgumentParser]) -
     found.add_argument("query", nargs="+", metavar="QUERY", help="words (WORD* by prefix)")
     found.add_argument("--platform", default=None, help="only sessions started on it")
     found.add_argument("--user", default=None, help="only sessions started by this user id")
+    found.add_argument("--agent", type=agent_id, default=None, help="only this agent's sessions")
     found.add_argument("--limit", type=_positive, default=20, help="at most N hits (20)")
     found.add_argument("--json", action="store_true")
     export = sub.add_parser("export", parents=parents, help="one session and all its messages")
@@ -39,6 +41,13 @@ def add_sessions_subcommands(sub: Any, parents: list[argparse.ArgumentParser]) -
     delete = sub.add_parser("delete", parents=parents, help="delete a session and all it owns")
     delete.add_argument("session_id", metavar="SESSION_ID")
     delete.add_argument("--yes", action="store_true", help="do not ask")
+
+
+def agent_id(text: str) -> str:
+    """An `--agent` value: an agent id as hermes.yaml's `agents:` allows them."""
+    if not AGENT_ID_PATTERN.fullmatch(text):
+        raise argparse.ArgumentTypeError("must be an agent id (1-32 of a-z, 0-9, - and _)")
+    return text
 
 
 def _positive(text: str) -> int:
@@ -54,7 +63,7 @@ async def run_sessions_command(store: SessionStore, args: argparse.Namespace) ->
 
 async def _search(store: SessionStore, args: argparse.Namespace) -> int:
     text = " ".join(args.query)
-    scope = search.Scope(platform=args.platform, user_id=args.user)
+    scope = search.Scope(platform=args.platform, user_id=args.user, agent_id=args.agent)
     hits = await store.search_index.query(lambda conn: search.search(conn, text, scope, args.limit))
     if args.json:
         print(json.dumps(hits, indent=2, ensure_ascii=False))

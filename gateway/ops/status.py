@@ -155,7 +155,12 @@ def cmd_status(args: argparse.Namespace, config: GatewayConfig) -> int:
     if isinstance(uptime, int | float):  # as of `written_at`; the daemon ran on since
         uptime = round(uptime + time.time() - float(status.get("written_at", time.time())))
     print(f"  status: {health.get('status')}, uptime {uptime} s")
-    print(f"  agent: {status.get('agent')}")
+    agents = status.get("agents")
+    if isinstance(agents, dict) and len(agents) > 1:  # several agents: one line each
+        for agent_id, described in agents.items():
+            print(f"  agent {agent_id}: {described}")
+    else:
+        print(f"  agent: {status.get('agent')}")
     print(f"  running turns: {status.get('active_turns')}, queued: {status.get('queue_depth')}")
     store = health.get("store", {})
     if store.get("state", "writable") != "writable":

@@ -373,13 +373,28 @@ def prune(conn: sqlite3.Connection, keys: list[str], cutoff: float, now: datetim
     return pruned
 
 
-def list_entries(conn: sqlite3.Connection, since: float | None = None) -> list[SessionEntry]:
-    """All entries (or those touched since `since`, epoch), most recently active first."""
-    sql = _SELECT_ENTRY
+def agent_key_range(agent_id: str) -> tuple[str, str]:
+    """The bounds [low, high) of every session key of one agent (`agent:{id}:...`): ';'
+    is the character after ':', so `key >= low AND key < high` is the key prefix, as a
+    range the primary-key and `sessions_by_key` indexes can seek."""
+    prefix = f"agent:{agent_id}:"
+    return prefix, prefix[:-1] + ";"
+
+
+def list_entries(
+    conn: sqlite3.Connection, since: float | None = None, agent_id: str | None = None
+) -> list[SessionEntry]:
+    """All entries (or those touched since `since`, epoch; of one agent), most recently
+    active first."""
+    terms: list[str] = []
     params: tuple[Any, ...] = ()
     if since is not None:
-        sql += " WHERE h.active_minute >= ? AND h.updated_at >= ?"
+        terms.append("h.active_minute >= ? AND h.updated_at >= ?")
         params = (minute_of(since), since)
+    if agent_id is not None:
+        terms.append("h.session_key >= ? AND h.session_key < ?")
+        params += agent_key_range(agent_id)
+    sql = _SELECT_ENTRY + (" WHERE " + " AND ".join(terms) if terms else "")
     sql += " ORDER BY h.updated_at DESC, h.session_key"
     return [_entry_of(row) for row in conn.execute(sql, params)]
 

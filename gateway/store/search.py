@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from gateway.store.entries import agent_key_range
 from gateway.store.titles import shown
 
 MAX_RESULTS = 100
@@ -28,9 +29,13 @@ SNIPPET_TOKENS = 12
 
 @dataclass(frozen=True, slots=True)
 class Scope:
-    """Whose sessions a search may find: all fields None is the operator's view (CLI)."""
+    """Whose sessions a search may find: all fields None is the operator's view (CLI).
+
+    A chat's key names its agent (`agent:{id}:...`), so a chat's search never finds
+    another agent's sessions; `agent_id` gives the operator's searches the same cut."""
 
     session_key: str | None = None  # a chat's sessions (chat /search)
+    agent_id: str | None = None  # sessions of this agent
     platform: str | None = None  # sessions started on this platform
     chat_id: str | None = None  # ... in this chat (with platform)
     user_id: str | None = None  # ... by this user
@@ -41,6 +46,9 @@ class Scope:
         if self.session_key is not None:
             terms.append("s.session_key = ?")
             params.append(self.session_key)
+        if self.agent_id is not None:
+            terms.append("s.session_key >= ? AND s.session_key < ?")
+            params.extend(agent_key_range(self.agent_id))
         # A session's `origin` is the SessionSource of the message that started it.
         for field, value in (
             ("platform", self.platform),

@@ -22,6 +22,7 @@ import structlog
 
 from config import GatewayConfig
 from gateway.policy import last_daily_boundary, reset_reason
+from gateway.routing import Router
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
 from gateway.store import entries, summary_checkpoints, transcript
 from gateway.store.db import Database, T
@@ -65,6 +66,8 @@ class SessionStore:
             self.json_path, self.db_path, config.storage.mirror_interval_seconds
         )
         self._tz = config.tzinfo()
+        # `routes:`: which agent's session a message belongs to (the key's agent part).
+        self.router = Router(config.routes)
         self.created = False  # set by open(): True when this open created the state
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -126,7 +129,8 @@ class SessionStore:
     # --- helpers -----------------------------------------------------------------------
 
     def session_key_for(self, source: SessionSource) -> str:
-        """The key this source routes to (raises ValueError for unsafe ids)."""
+        """The key this source routes to, its agent picked by `routes:` (raises
+        ValueError for unsafe ids)."""
         return self._generate_session_key(source)
 
     def _generate_session_key(self, source: SessionSource) -> str:
@@ -134,6 +138,7 @@ class SessionStore:
             source,
             group_sessions_per_user=self.config.group_sessions_per_user,
             thread_sessions_per_user=self.config.thread_sessions_per_user,
+            agent_id=self.router.agent_for(source),
         )
 
     def _has_active_processes(self, session_key: str) -> bool:
@@ -530,12 +535,15 @@ class SessionStore:
                 cutoffs.append(last_daily_boundary(now, policy.at_hour, self._tz))
         return max(cutoffs) if cutoffs else None
 
-    async def list_sessions(self, active_minutes: float | None = None) -> list[SessionEntry]:
-        """All entries, most recently active first; optionally only the last N minutes."""
+    async def list_sessions(
+        self, active_minutes: float | None = None, agent_id: str | None = None
+    ) -> list[SessionEntry]:
+        """All entries, most recently active first; optionally only the last N minutes,
+        only one agent's."""
         since = None
         if active_minutes is not None:
             since = (_utcnow() - timedelta(minutes=active_minutes)).timestamp()
-        return await self._db.read(lambda conn: entries.list_entries(conn, since))
+        return await self._db.read(lambda conn: entries.list_entries(conn, since, agent_id))
 
     async def lookup_by_session_id(self, session_id: str) -> SessionEntry | None:
         return await self._db.read(lambda conn: entries.load_by_session_id(conn, session_id))

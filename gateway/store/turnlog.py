@@ -50,13 +50,19 @@ class TurnStart:
 
 class TurnLog:
     def __init__(
-        self, store: SessionStore, history_limit: int = 100, plan: Plan | None = None
+        self,
+        store: SessionStore,
+        history_limit: int = 100,
+        plan: Plan | None = None,
+        plan_for: Callable[[str], Plan] | None = None,
     ) -> None:
         self.store = store
         self.history_limit = history_limit
         # What `begin` reads of the transcript (gateway.context.strategy); by default the
-        # newest `history_limit` messages.
+        # newest `history_limit` messages. With several agents, `plan_for` gives each
+        # session key its agent's plan (None: every key reads `plan`).
         self.plan = plan or Plan.newest(history_limit)
+        self.plan_for = plan_for
 
     async def accept(
         self, event: MessageEvent, session_key: str, kind: str, *, done: bool = False
@@ -123,7 +129,7 @@ class TurnLog:
         if event.message_id:
             user_message["message_id"] = event.message_id
         now = time.time()
-        plan = self.plan
+        plan = self.plan if self.plan_for is None else self.plan_for(session_key)
 
         def tx(conn: sqlite3.Connection, inbox_ids: list[int]) -> TurnStart:
             entry, fresh, minute = route(conn)

@@ -34,3 +34,30 @@ class ScriptedAgent:
 def scripted(replies: dict[str, str]) -> type[ScriptedAgent]:
     """An agent factory (the class) whose texts containing a key get its reply."""
     return type("Agent", (ScriptedAgent,), {"replies": dict(replies)})
+
+
+class NamedAgent:
+    """A `module:factory` backend for the several-agents tests: replies
+    `<name>: <text>` (`options: {name: ...}`), and records every request it gets in
+    `NamedAgent.requests`. A text containing "hang" never answers (a turn deadline test).
+    """
+
+    requests: ClassVar[list[TurnRequest]] = []
+
+    def __init__(self, session_key: str, name: str) -> None:
+        self.session_key = session_key
+        self.name = name
+
+    async def run_turn(self, request: TurnRequest) -> TurnResult:
+        NamedAgent.requests.append(request)
+        if "hang" in request.text:
+            await asyncio.Event().wait()
+        return TurnResult(f"{self.name}: {request.text}")
+
+    async def close(self) -> None:
+        pass
+
+
+def named(session_key: str, options: dict[str, object]) -> NamedAgent:
+    """`agent.backend: tests.fakes.agents:named`."""
+    return NamedAgent(session_key, str(options.get("name", "?")))

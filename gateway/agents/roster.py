@@ -1,0 +1,123 @@
+"""`Roster`: the configured agents (`agent:` as `main`, plus `agents:`), each with what
+the runner needs of it per turn: its settings, factory, signature and context plan.
+
+The runner keeps one `AgentCache` for all of them: its keys are session keys, and a
+session key names its agent (`agent:{id}:...`), so `Roster.build` (the cache's factory)
+and `Roster.for_key` find the agent from the key alone. Each agent has its own
+signature, so a change to one agent's settings rebuilds only that agent's sessions'
+agents.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
+
+from config import MAIN_AGENT, AgentConfig, GatewayConfig
+from gateway.agents.backends import agent_signature, build_agent_factory, describe_backend
+from gateway.agents.protocol import Agent, AgentError, AgentFactory
+from gateway.context.strategy import Plan
+from gateway.session import agent_id_of_key
+
+__all__ = ["AgentSpec", "Roster"]
+
+_MAIN_PREFIX = f"agent:{MAIN_AGENT}:"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSpec:
+    """One configured agent, resolved once at start-up."""
+
+    agent_id: str
+    config: AgentConfig
+    factory: AgentFactory
+    signature: str
+    plan: Plan  # what its turns load of the transcript (`context:`, `history_limit`)
+    description: str  # for the start-up log and `status` (never the API key)
+
+
+class Roster:
+    """Every agent by id; `main` always exists (the zero-config echo agent if unset).
+
+    `factory` (tests, embedding): one factory for every agent, or factories by agent id
+    (agents not named build from their config). Raises ConfigError for a backend that
+    cannot be loaded, naming its key (`agent.backend`, `agents.ID.backend`)."""
+
+    def __init__(
+        self,
+        config: GatewayConfig,
+        factory: AgentFactory | Mapping[str, AgentFactory] | None = None,
+    ) -> None:
+        specs = {}
+        for agent_id, agent in config.agent_configs().items():
+            custom = factory.get(agent_id) if isinstance(factory, Mapping) else factory
+            specs[agent_id] = AgentSpec(
+                agent_id=agent_id,
+                config=agent,
+                factory=custom or build_agent_factory(agent, where=_key_path(config, agent_id)),
+                signature=agent_signature(agent),
+                plan=Plan.from_config(agent),
+                description="custom agent factory" if custom else describe_backend(agent),
+            )
+        self._specs: dict[str, AgentSpec] = specs
+        self.main: AgentSpec = specs[MAIN_AGENT]
+        self._retired: dict[str, AgentSpec] = {}  # ids in stored keys, no longer configured
+        # One agent: every key is main's, and the turn path need not read the key.
+        self._single = len(specs) == 1
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+    def __iter__(self) -> Iterator[AgentSpec]:
+        return iter(self._specs.values())
+
+    def __getitem__(self, agent_id: str) -> AgentSpec:
+        return self._specs[agent_id]
+
+    def ids(self) -> list[str]:
+        return list(self._specs)
+
+    def for_key(self, session_key: str) -> AgentSpec:
+        """The agent a session key belongs to.
+
+        A key can name an agent the config no longer has: a turn interrupted, or a
+        message queued, before a restart with fewer agents. Such a session is not handed
+        to another agent (that agent would read its transcript): its turns fail, saying
+        why, until the agent is configured again."""
+        if self._single and session_key.startswith(_MAIN_PREFIX):
+            return self.main
+        agent_id = agent_id_of_key(session_key)
+        spec = self._specs.get(agent_id)
+        return spec if spec is not None else self._retired_spec(agent_id)
+
+    def build(self, session_key: str) -> Agent:
+        """A new agent for the session (the `AgentCache` factory)."""
+        return self.for_key(session_key).factory(session_key)
+
+    def plan_for(self, session_key: str) -> Plan:
+        return self.for_key(session_key).plan
+
+    def _retired_spec(self, agent_id: str) -> AgentSpec:
+        spec = self._retired.get(agent_id)
+        if spec is None:
+
+            def refuse(session_key: str) -> Agent:
+                raise AgentError(
+                    f"this message was for the agent {agent_id!r}, which is no longer "
+                    "configured; send it again to reach the agent that answers here now"
+                )
+
+            spec = replace(
+                self.main, agent_id=agent_id, factory=refuse, description="not configured"
+            )
+            self._retired[agent_id] = spec
+        return spec
+
+    def describe(self) -> dict[str, str]:
+        """Agent id -> one line about its backend (start-up log, status)."""
+        return {spec.agent_id: spec.description for spec in self._specs.values()}
+
+
+def _key_path(config: GatewayConfig, agent_id: str) -> str:
+    """Where the agent is configured, for error messages."""
+    return f"agents.{agent_id}" if agent_id in config.agents else "agent"

@@ -2,6 +2,7 @@
 
 from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
 from config.schema import (
+    TOOL_NAMES,
     AgentConfig,
     ChatPlatformConfig,
     ContextConfig,
@@ -23,6 +24,7 @@ from config.schema import (
 
 __all__ = [
     "EXIT_CONFIG",
+    "TOOL_NAMES",
     "AgentConfig",
     "ChatPlatformConfig",
     "ConfigError",

@@ -5,6 +5,15 @@ An agent is any object with ``async run_turn(TurnRequest) -> TurnResult`` and
 the user may read about is an `AgentError`. An agent backed by a model may also offer
 ``async summarize(SummaryRequest) -> str`` (`Summarizing`): the rolling summaries of the
 summary context strategy are then written by that model, else extracted without one.
+
+Tools: a turn may carry `TurnRequest.tools` (`Tools`, None when the agent has none):
+``tools.specs()`` lists them in OpenAI's function-calling format and
+``await tools.call(name, arguments)`` runs one, returning its result as text (JSON); a
+bad argument or a failing tool is a result too (``{"error": ...}``), never an
+exception. An agent that calls tools returns the messages of its tool rounds in
+`TurnResult.messages` (assistant messages with ``tool_calls``, then one ``tool``
+message per call with its ``tool_call_id``, oldest first): the turn stores them before
+its reply, in the same transaction.
 """
 
 from __future__ import annotations
@@ -21,8 +30,10 @@ __all__ = [
     "AgentFactory",
     "Summarizing",
     "SummaryRequest",
+    "Tools",
     "TurnRequest",
     "TurnResult",
+    "check_tool_rounds",
 ]
 
 
@@ -36,12 +47,27 @@ class TurnRequest:
     history: tuple[dict[str, Any], ...]  # earlier transcript messages, oldest first
     system_prompt: str  # session-context block (+ configured system prompt); may be ""
     source: SessionSource | None = None
+    tools: Tools | None = None  # the tools this turn may call (None: none)
 
 
 @dataclass(frozen=True, slots=True)
 class TurnResult:
     text: str
     usage: TokenUsage = field(default_factory=TokenUsage)
+    # The tool rounds before the reply (see the module's doc), stored before `text`.
+    messages: tuple[dict[str, Any], ...] = ()
+
+
+class Tools(Protocol):
+    """The tools of one turn, bound to its session and user."""
+
+    def specs(self) -> list[dict[str, Any]]:
+        """``[{"type": "function", "function": {name, description, parameters}}, ...]``"""
+        ...
+
+    async def call(self, name: str, arguments: str | dict[str, Any]) -> str:
+        """Run one tool; `arguments` as JSON text (what a model sends) or a dict."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +97,36 @@ class AgentError(RuntimeError):
 
 
 AgentFactory = Callable[[str], Agent]
+
+
+def check_tool_rounds(messages: tuple[dict[str, Any], ...]) -> None:
+    """`TurnResult.messages` as the transcript may keep them: rounds of one assistant
+    message with ``tool_calls`` followed by exactly one ``tool`` result per call (by
+    ``tool_call_id``). Anything else would break every later request to a chat API (a
+    call without its result, or a result without its call): an `AgentError`."""
+    pending: set[str] = set()
+    for message in messages:
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "assistant" and not pending:
+            calls = message.get("tool_calls")
+            ids = [c.get("id") for c in calls if isinstance(c, dict)] if calls else []
+            if (
+                not ids
+                or not all(isinstance(i, str) and i for i in ids)
+                or "content" not in message
+            ):
+                break
+            pending = set(ids)
+            if len(pending) != len(ids):
+                break
+        elif role == "tool" and message.get("tool_call_id") in pending and "content" in message:
+            pending.discard(message["tool_call_id"])
+        else:
+            break
+    else:
+        if not pending:
+            return
+    raise AgentError(
+        "the agent returned tool rounds the transcript cannot keep (each assistant message"
+        " with tool_calls must be followed by one tool result per call)"
+    )

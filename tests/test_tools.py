@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +30,7 @@ from gateway.store import scratchpad
 from gateway.tools import BUILTIN_TOOLS
 from gateway.tools.builtin import Args
 from gateway.tools.registry import Tool, Toolbox, TurnScope, agent_id_of
+from scripts.harness import Daemon
 from tests.fakes.openai_server import (
     FakeOpenAI,
     last_user_content,
@@ -559,3 +563,76 @@ def test_agent_id_comes_from_the_session_key() -> None:
     assert agent_id_of("agent:helper:telegram:group:-100:7") == "helper"
     with pytest.raises(ValueError):
         agent_id_of("telegram:dm:1")
+
+
+# --- a crash mid-loop ---------------------------------------------------------------------------
+
+
+@contextmanager
+def fake_in_a_thread() -> Iterator[tuple[FakeOpenAI, asyncio.AbstractEventLoop]]:
+    """The fake model on a loop of its own: the daemon under test is a subprocess, driven
+    by blocking calls from the test."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    fake = FakeOpenAI()
+    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
+    try:
+        yield fake, loop
+    finally:
+        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def test_a_crash_mid_loop_reruns_the_turn_from_its_marker_and_its_tools_again(
+    tmp_path: Path,
+) -> None:
+    """kill -9 while the model holds its answer to round one's results: nothing of the
+    round was stored (it commits with the reply), so the restart re-runs the whole
+    turn, tools included, and the transcript holds the user message once and the
+    re-run's rounds."""
+    with fake_in_a_thread() as (fake, loop):
+        daemon = Daemon(
+            tmp_path / "home",
+            f"agent:\n  backend: openai\n  base_url: {fake.base_url}\n  model: m\n",
+        )
+        fake.script(tool_calls(("scratchpad_write", {"items": ["before the crash"]})))
+        # Only the first round-two request waits (released when the test ends).
+        release = fake.hold(
+            lambda body: not fake.held and any(m["role"] == "tool" for m in body["messages"])
+        )
+        try:
+            daemon.start()
+            daemon.post("c1", "long task", message_id="m1")
+            deadline = time.monotonic() + 15
+            while not fake.held and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert fake.held, "round one never finished"
+            daemon.kill9()
+
+            fake.script(tool_calls(("scratchpad_write", {"items": ["re-run"]})), "finished")
+            daemon.start()
+            replies = daemon.wait_replies("c1", 1)
+            assert [r["text"] for r in replies] == ["finished"]
+            conn = daemon.db()
+            try:
+                (sid,) = conn.execute("SELECT session_id FROM sessions").fetchone()
+                rows = conn.execute(
+                    "SELECT message FROM messages WHERE session_id = ? ORDER BY id", (sid,)
+                ).fetchall()
+                pad = conn.execute("SELECT items FROM scratchpads").fetchall()
+            finally:
+                conn.close()
+            stored = [json.loads(m) for (m,) in rows]
+            assert roles(stored) == ["user", "assistant", "tool", "assistant"]
+            assert stored[0]["content"] == "long task"
+            assert json.loads(stored[1]["tool_calls"][0]["function"]["arguments"]) == {
+                "items": ["re-run"]
+            }
+            assert [json.loads(items) for (items,) in pad] == [["re-run"]]
+            assert len(fake.requests) == 4  # two before the crash, two in the re-run
+        finally:
+            loop.call_soon_threadsafe(release.set)
+            daemon.ensure_stopped()

@@ -24,7 +24,8 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import TOOL_NAMES, GatewayConfig
-from gateway.agents.protocol import TurnRequest, TurnResult
+from gateway.agents.openai import OpenAIAgent, build_messages
+from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
 from gateway.run import GatewayRunner
 from gateway.store import scratchpad
 from gateway.tools import BUILTIN_TOOLS
@@ -636,3 +637,33 @@ def test_a_crash_mid_loop_reruns_the_turn_from_its_marker_and_its_tools_again(
         finally:
             loop.call_soon_threadsafe(release.set)
             daemon.ensure_stopped()
+
+
+# --- the backend on its own ---------------------------------------------------------------------
+
+
+async def test_a_malformed_tool_call_is_an_agent_error(fake: FakeOpenAI) -> None:
+    agent = OpenAIAgent(base_url=fake.base_url, model="m")
+    tools = Toolbox(BUILTIN_TOOLS, ["scratchpad_clear"]).bind(
+        TurnScope(None, None, KEY, "s1", None, "main")  # type: ignore[arg-type]
+    )
+    request = TurnRequest(KEY, "s1", "hi", (), "", tools=tools)
+    fake.script({"content": None, "tool_calls": [{"type": "function", "function": {}}]})
+    try:
+        with pytest.raises(AgentError, match="malformed tool call"):
+            await agent.run_turn(request)
+    finally:
+        await agent.close()
+
+
+def test_history_keeps_a_tool_call_without_content() -> None:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = (
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "{}"},
+        {"role": "assistant", "content": "a"},
+    )
+    messages = build_messages(TurnRequest(KEY, "s1", "next", history, ""))
+    assert messages[1] == {"role": "assistant", "content": None, "tool_calls": [call]}
+    assert messages[2] == {"role": "tool", "content": "{}", "tool_call_id": "c1"}

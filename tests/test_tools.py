@@ -108,7 +108,7 @@ async def make_gateway(tmp_path: Path) -> AsyncIterator[MakeGateway]:
 
 @pytest.fixture
 async def fake() -> AsyncIterator[FakeOpenAI]:
-    async with FakeOpenAI() as server:
+    async with FakeOpenAI(check_pairing=True) as server:
         yield server
 
 
@@ -576,7 +576,7 @@ def fake_in_a_thread() -> Iterator[tuple[FakeOpenAI, asyncio.AbstractEventLoop]]
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    fake = FakeOpenAI()
+    fake = FakeOpenAI(check_pairing=True)
     asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
     try:
         yield fake, loop

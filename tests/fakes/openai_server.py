@@ -8,9 +8,10 @@ and each applies to one request: ``fail_next``, ``delay_next``, ``malformed_next
 
 Function calling: an answer is a text, or a message dict (``tool_calls(...)`` builds one
 that calls tools). ``script(*answers)`` queues answers, one per request; without one,
-``reply(body)`` answers (and may itself return a message dict). Like the real API, a
-request whose messages pair tool calls and results wrongly (a call without its result,
-a result without its call) is refused with 400.
+``reply(body)`` answers (and may itself return a message dict). With
+``check_pairing=True``, like the real API, a request whose messages pair tool calls and
+results wrongly (a call without its result, a result without its call) is refused with
+400.
 
     async with FakeOpenAI(expected_key="sk-test") as fake:
         agent = OpenAIAgent(base_url=fake.base_url, model="m", api_key="sk-test")
@@ -110,8 +111,10 @@ class FakeOpenAI:
         expected_key: str | None = None,
         reply: Callable[[dict[str, Any]], str | dict[str, Any]] | None = None,
         usage: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        check_pairing: bool = False,
     ) -> None:
         self.expected_key = expected_key
+        self.check_pairing = check_pairing
         self.reply: Callable[[dict[str, Any]], str | dict[str, Any]] = reply or (
             lambda body: "fake: " + last_user_content(body)
         )
@@ -205,7 +208,7 @@ class FakeOpenAI:
                 return _error(401, f"Incorrect API key provided: {sent}", "invalid_api_key")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return _error(400, "'messages' is a required property", None)
-        if (problem := pairing_problem(body["messages"])) is not None:
+        if self.check_pairing and (problem := pairing_problem(body["messages"])) is not None:
             return _error(400, problem, None)
         if fault.status >= 400:
             headers = {}

@@ -25,7 +25,7 @@ import pytest
 from adapters.http import HttpAdapter
 from config import TOOL_NAMES, GatewayConfig
 from gateway.agents.openai import OpenAIAgent, build_messages
-from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
+from gateway.agents.protocol import AgentError, TurnRequest, TurnResult, check_tool_rounds
 from gateway.run import GatewayRunner
 from gateway.store import scratchpad
 from gateway.tools import BUILTIN_TOOLS
@@ -667,3 +667,32 @@ def test_history_keeps_a_tool_call_without_content() -> None:
     messages = build_messages(TurnRequest(KEY, "s1", "next", history, ""))
     assert messages[1] == {"role": "assistant", "content": None, "tool_calls": [call]}
     assert messages[2] == {"role": "tool", "content": "{}", "tool_call_id": "c1"}
+
+
+_CALL = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+_ASKED = {"role": "assistant", "content": None, "tool_calls": [_CALL]}
+_ANSWERED = {"role": "tool", "tool_call_id": "c1", "content": "{}"}
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        (_ASKED,),  # a call without its result
+        (_ANSWERED,),  # a result without its call
+        (_ASKED, _ANSWERED, _ANSWERED),  # two results for one call
+        (_ASKED, {**_ANSWERED, "content": {"not": "text"}}),
+        ({**_ASKED, "tool_calls": [{"id": "c1"}]}, _ANSWERED),  # no function
+        ({**_ASKED, "tool_calls": [_CALL, _CALL]}, _ANSWERED, _ANSWERED),  # one id twice
+        ({"role": "assistant", "content": "plain"},),  # not a round
+        (_ASKED, {"role": "user", "content": "hi"}, _ANSWERED),
+    ],
+)
+def test_tool_rounds_that_would_break_later_requests_are_refused(messages: tuple) -> None:
+    with pytest.raises(AgentError, match="tool rounds the transcript cannot keep"):
+        check_tool_rounds(messages)
+
+
+def test_well_paired_rounds_are_accepted() -> None:
+    two = {**_ASKED, "tool_calls": [_CALL, {**_CALL, "id": "c2"}]}
+    check_tool_rounds(())
+    check_tool_rounds((two, {**_ANSWERED, "tool_call_id": "c2"}, _ANSWERED, _ASKED, _ANSWERED))

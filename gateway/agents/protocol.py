@@ -101,25 +101,23 @@ AgentFactory = Callable[[str], Agent]
 
 def check_tool_rounds(messages: tuple[dict[str, Any], ...]) -> None:
     """`TurnResult.messages` as the transcript may keep them: rounds of one assistant
-    message with ``tool_calls`` followed by exactly one ``tool`` result per call (by
-    ``tool_call_id``). Anything else would break every later request to a chat API (a
-    call without its result, or a result without its call): an `AgentError`."""
+    message with ``tool_calls`` (each with an id and a function name) followed by exactly
+    one ``tool`` result per call (by ``tool_call_id``, its content text). Anything else
+    would break every later request to a chat API (a call without its result, a result
+    without its call): an `AgentError`."""
     pending: set[str] = set()
     for message in messages:
         role = message.get("role") if isinstance(message, dict) else None
-        if role == "assistant" and not pending:
-            calls = message.get("tool_calls")
-            ids = [c.get("id") for c in calls if isinstance(c, dict)] if calls else []
-            if (
-                not ids
-                or not all(isinstance(i, str) and i for i in ids)
-                or "content" not in message
-            ):
+        if role == "assistant" and not pending and "content" in message:
+            ids = _call_ids(message.get("tool_calls"))
+            if not ids or len(set(ids)) != len(ids):
                 break
             pending = set(ids)
-            if len(pending) != len(ids):
-                break
-        elif role == "tool" and message.get("tool_call_id") in pending and "content" in message:
+        elif (
+            role == "tool"
+            and message.get("tool_call_id") in pending
+            and isinstance(message.get("content"), str)  # what every later request sends
+        ):
             pending.discard(message["tool_call_id"])
         else:
             break
@@ -130,3 +128,19 @@ def check_tool_rounds(messages: tuple[dict[str, Any], ...]) -> None:
         "the agent returned tool rounds the transcript cannot keep (each assistant message"
         " with tool_calls must be followed by one tool result per call)"
     )
+
+
+def _call_ids(calls: Any) -> list[str]:
+    """The ids of well-formed calls; [] when any call is not."""
+    if not isinstance(calls, list):
+        return []
+    ids = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        call_id = call.get("id") if isinstance(call, dict) else None
+        if not (isinstance(call_id, str) and call_id and isinstance(function, dict)):
+            return []
+        if not isinstance(function.get("name"), str):
+            return []
+        ids.append(call_id)
+    return ids

@@ -4,6 +4,7 @@ from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
 from config.schema import (
     AGENT_ID_PATTERN,
     MAIN_AGENT,
+    TOOL_NAMES,
     AgentConfig,
     ChatPlatformConfig,
     ContextConfig,
@@ -31,6 +32,7 @@ __all__ = [
     "AGENT_ID_PATTERN",
     "EXIT_CONFIG",
     "MAIN_AGENT",
+    "TOOL_NAMES",
     "AgentConfig",
     "ChatPlatformConfig",
     "ConfigError",

@@ -79,6 +79,19 @@ class ContextConfig(BaseModel):
 
 _FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
+# The built-in tools an agent may be given (`agent.tools`; gateway.tools implements them,
+# and a test keeps the two lists equal). Named here so a typo is a config error (78).
+TOOL_NAMES = (
+    "memory_save",
+    "memory_search",
+    "memory_delete",
+    "session_search",
+    "read_session",
+    "scratchpad_read",
+    "scratchpad_write",
+    "scratchpad_clear",
+)
+
 
 class AgentConfig(BaseModel):
     """The LLM backend and the limits of one agent turn. Times are in seconds."""
@@ -108,6 +121,26 @@ class AgentConfig(BaseModel):
     # Per-session agent instances are cached (LRU) to keep prompt caches warm.
     cache_max_size: int = Field(default=128, ge=1)
     cache_idle_ttl_seconds: float = Field(default=3600.0, gt=0)
+    # Tools (README "Tools"): the built-in tools the model may call (default: all; [] for
+    # none), and how many rounds of tool calls one turn may make before it must answer.
+    tools: tuple[str, ...] = TOOL_NAMES
+    max_tool_rounds: int = Field(default=8, ge=1, le=64)
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _list_to_tuple(cls, value: Any) -> Any:
+        # YAML gives a list; strict mode would refuse it for a tuple.
+        return tuple(value) if isinstance(value, list) else value
+
+    @field_validator("tools")
+    @classmethod
+    def _known_tools(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        unknown = [name for name in value if name not in TOOL_NAMES]
+        if unknown:
+            raise ValueError(
+                f"unknown tool {', '.join(map(repr, unknown))}; known: {', '.join(TOOL_NAMES)}"
+            )
+        return tuple(dict.fromkeys(value))  # a name listed twice is one tool
 
     @field_validator("backend")
     @classmethod

@@ -34,7 +34,7 @@ from adapters.base import Accepted, AcceptStatus, MessageEvent, PlatformAdapter
 from config import GatewayConfig, hermes_home
 from gateway import command_syntax, commands
 from gateway.agents.cache import AgentCache
-from gateway.agents.protocol import AgentError, AgentFactory, TurnRequest
+from gateway.agents.protocol import AgentError, AgentFactory, TurnRequest, check_tool_rounds
 from gateway.agents.roster import AgentSpec, Roster
 from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
@@ -64,6 +64,8 @@ from gateway.session_ops import SessionOps
 from gateway.store.outage import StoreUnwritable
 from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog, TurnStart
+from gateway.tools import BUILTIN_TOOLS
+from gateway.tools.registry import Toolbox, TurnScope, TurnTools, agent_id_of
 
 log = structlog.get_logger("gateway.run")
 
@@ -80,6 +82,7 @@ class TurnOutcome:
     text: str
     usage: TokenUsage | None = None
     status: str = "ok"
+    messages: tuple[dict[str, Any], ...] = ()  # the tool rounds before the reply
 
     @classmethod
     def failed(cls, text: str, status: str = "failed") -> TurnOutcome:
@@ -131,6 +134,19 @@ class GatewayRunner(SessionOps):
         self.delivery = Delivery(self.adapters, self.turnlog, self.metrics)
         self.finalize_hooks: list[FinalizeHook] = []
         self.restart_requested = asyncio.Event()
+        # Each agent's tools; None for the echo backend (no model calls tools) and for
+        # `tools: []`: such turns build no tool machinery at all.
+        self._toolboxes: dict[str, Toolbox | None] = {}
+        for spec in self.roster:
+            custom = agent_factory is not None and (
+                not isinstance(agent_factory, Mapping) or spec.agent_id in agent_factory
+            )
+            uses_tools = spec.config.backend != "echo" or custom
+            self._toolboxes[spec.agent_id] = (
+                Toolbox(BUILTIN_TOOLS, spec.config.tools)
+                if uses_tools and spec.config.tools
+                else None
+            )
         self._queues: dict[str, SessionQueue] = {}
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._running: dict[str, MessageEvent] = {}
@@ -474,6 +490,7 @@ class GatewayRunner(SessionOps):
             context = self.memory.prepare(
                 entry.session_id, begun.context, system_prompt, begun.text, agent.plan
             )
+            tools = self._turn_tools(key, entry.session_id, source)
             request = TurnRequest(
                 session_key=key,
                 session_id=entry.session_id,
@@ -481,6 +498,7 @@ class GatewayRunner(SessionOps):
                 history=context.history,
                 system_prompt=system_prompt,
                 source=source,
+                tools=tools,
             )
             typing = self.delivery.start_typing(source)
             try:
@@ -493,7 +511,7 @@ class GatewayRunner(SessionOps):
                 turn.texts = (begun.text, outcome.text)
             chunks = self.delivery.split(source, self._with_reset_notice(entry, outcome.text))
             turn.chunks = len(chunks)
-            ids = await self._finish(key, begun, event, outcome, chunks)
+            ids = await self._finish(key, begun, event, outcome, chunks, tools)
             if outcome.reply is not None:
                 self.metrics.turns_total += 1
                 self.recovery.turn_succeeded(key)
@@ -502,8 +520,11 @@ class GatewayRunner(SessionOps):
                 source, list(zip(ids, chunks, strict=True)), event.reply_to
             )
             turn.outcome = outcome.status
+            # The token factor is learnt from one request's prompt: a turn with tool
+            # rounds reports the sum of several.
+            usage = outcome.usage if not outcome.messages else None
             self.memory.after_turn(  # may start a summary, in the background
-                key, entry.session_id, begun.context, context, outcome.usage, outcome.reply
+                key, entry.session_id, begun.context, context, usage, outcome.reply
             )
         except asyncio.CancelledError:
             turn.outcome = "cancelled"  # /stop, or a shutdown that could not wait
@@ -518,9 +539,11 @@ class GatewayRunner(SessionOps):
         event: MessageEvent,
         outcome: TurnOutcome,
         chunks: list[str],
+        tools: TurnTools | None = None,
     ) -> list[int]:
-        """Record the turn's end, and begin the key's next waiting turn in the same
-        transaction (it then runs without a begin of its own)."""
+        """Record the turn's end (its tool rounds and what its tools wrote included), and
+        begin the key's next waiting turn in the same transaction (it then runs without
+        a begin of its own)."""
         queue = self._queues.get(key)
         waiting = queue.pop_next() if queue and not self._draining else None
         then = (waiting, self._turn_text(waiting)) if waiting is not None else None
@@ -533,6 +556,8 @@ class GatewayRunner(SessionOps):
                 usage=outcome.usage,
                 chunks=chunks,
                 then=then,
+                messages=outcome.messages,
+                writes=tools.writes() if tools is not None else (),
             )
         except BaseException:
             if waiting is not None and queue is not None:
@@ -564,6 +589,7 @@ class GatewayRunner(SessionOps):
                 self._deadlines.arm(task, timeout)
                 try:
                     result = await agent.run_turn(request)
+                    check_tool_rounds(result.messages)
                 except asyncio.CancelledError:
                     # Ours (the deadline) unless someone else cancelled too (/stop).
                     if self._deadlines.disarm(task) and task.uncancel() == 0:
@@ -588,7 +614,24 @@ class GatewayRunner(SessionOps):
             return TurnOutcome.failed(
                 "Sorry, something went wrong while answering. The error was logged.", "error"
             )
-        return TurnOutcome(reply=result.text, text=result.text, usage=result.usage)
+        return TurnOutcome(
+            reply=result.text, text=result.text, usage=result.usage, messages=result.messages
+        )
+
+    def _turn_tools(self, key: str, session_id: str, source: SessionSource) -> TurnTools | None:
+        """This turn's tools, bound to its session, chat and user (None: no tools)."""
+        toolbox = self._toolboxes.get(self.roster.for_key(key).agent_id)
+        if toolbox is None:
+            return None
+        scope = TurnScope(
+            store=self.store,
+            recall=self.recall,
+            session_key=key,
+            session_id=session_id,
+            source=source,
+            agent_id=agent_id_of(key),
+        )
+        return toolbox.bind(scope)
 
     def _system_prompt(self, context: SessionContext, agent: AgentSpec) -> str:
         block = build_session_context_prompt(context, redact_pii=agent.config.redact_pii)

@@ -140,7 +140,7 @@ async def test_a_v6_file_migrates_with_every_entry_field_kept(tmp_path: Path) ->
         indexes = await store.read(
             lambda c: {row[1] for row in c.execute("PRAGMA index_list(session_entries)")}
         )
-    assert version == SCHEMA_VERSION == 10
+    assert version == SCHEMA_VERSION >= 9  # every later migration ran too
     for entry in stored:
         assert found[entry.session_key] == entry, entry.session_key
         # equal as instants is not enough: the microseconds themselves must survive

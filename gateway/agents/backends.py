@@ -5,7 +5,7 @@ OpenAI-compatible chat-completions endpoint, `gateway.agents.openai`) and
 ``module.path:factory`` for your own. A user factory is called as
 ``factory(session_key=str, options=dict)`` and must return an object with
 ``async run_turn(TurnRequest) -> TurnResult`` and ``async close()``
-(`gateway.agents.protocol`).
+(`gateway.agents.protocol`); its turns carry the built-in tools (`TurnRequest.tools`).
 """
 
 from __future__ import annotations
@@ -89,7 +89,10 @@ def build_agent_factory(config: AgentConfig, where: str = "agent") -> AgentFacto
         from gateway.agents.openai import OpenAIAgent
 
         return lambda session_key: OpenAIAgent(
-            base_url=config.base_url, model=config.model, api_key=config.api_key
+            base_url=config.base_url,
+            model=config.model,
+            api_key=config.api_key,
+            max_tool_rounds=config.max_tool_rounds,
         )
     return _user_factory(config.backend, config.options, where)
 
@@ -108,6 +111,7 @@ def agent_signature(config: AgentConfig) -> str:
         "delay_seconds": config.delay_seconds,
         "options": config.options,
         "api_key_sha256": key_hash,
+        "max_tool_rounds": config.max_tool_rounds,
     }
     encoded = json.dumps(shape, sort_keys=True, default=repr).encode()
     return hashlib.sha256(encoded).hexdigest()[:16]

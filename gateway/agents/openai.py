@@ -1,8 +1,12 @@
 """The ``openai`` backend: any OpenAI-compatible ``POST {base_url}/chat/completions``.
 
-Works with OpenAI, Ollama, vLLM, llama.cpp and OpenRouter. No streaming and no tools:
-one request per turn, and one per rolling summary (`summarize`). 429 and 5xx answers
-are retried twice, honouring ``Retry-After``.
+Works with OpenAI, Ollama, vLLM, llama.cpp and OpenRouter. No streaming. A turn with
+tools (`TurnRequest.tools`) runs OpenAI function calling: the model's tool calls are run
+(one after the other, in its order) and their results sent back, for at most
+`max_tool_rounds` rounds; a model still calling tools after that ends the turn with
+what it said, or a note that it stopped. One request per round (one per turn without
+tools), and one per rolling summary (`summarize`). 429 and 5xx answers are retried
+twice, honouring ``Retry-After``.
 The turn timeout is the runner's job, so requests have no total timeout here.
 """
 
@@ -17,7 +21,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import structlog
 
-from gateway.agents.protocol import AgentError, SummaryRequest, TurnRequest, TurnResult
+from gateway.agents.protocol import AgentError, SummaryRequest, Tools, TurnRequest, TurnResult
 from gateway.context.condense import transcript_text
 from gateway.session import TokenUsage
 
@@ -31,8 +35,10 @@ _FORWARDED_ROLES = ("user", "assistant", "system")
 def build_messages(request: TurnRequest) -> list[dict[str, Any]]:
     """System prompt, then the history the API accepts, then this turn's user text.
 
-    History keeps only role and content (plus the tool-call ids that pair a tool result
-    with its call); tool results without text content are left out.
+    History keeps only role and content (plus the tool calls, and the tool-call ids
+    that pair a tool result with its call); tool results without text content are left
+    out. An assistant message with tool calls may have no content (null, as the API
+    sends it).
     """
     messages: list[dict[str, Any]] = []
     if request.system_prompt:
@@ -43,10 +49,10 @@ def build_messages(request: TurnRequest) -> list[dict[str, Any]]:
             item = {"role": role, "content": content}
             if "tool_call_id" in message:
                 item["tool_call_id"] = message["tool_call_id"]
+        elif role == "assistant" and message.get("tool_calls"):
+            item = {"role": role, "content": content, "tool_calls": message["tool_calls"]}
         elif role in _FORWARDED_ROLES and content is not None:
             item = {"role": role, "content": content}
-            if message.get("tool_calls"):
-                item["tool_calls"] = message["tool_calls"]
         else:
             continue
         messages.append(item)
@@ -89,25 +95,61 @@ class OpenAIAgent:
         model: str,
         api_key: str | None = None,
         backoff: tuple[float, ...] = (0.5, 1.0),
+        max_tool_rounds: int = 8,
     ) -> None:
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
+        self.max_tool_rounds = max_tool_rounds
         self._api_key = api_key
         self._backoff = backoff  # one delay per retry; its length is the retry count
         self._session: aiohttp.ClientSession | None = None
         self._host = urlsplit(base_url).netloc.rpartition("@")[2]  # for errors: no userinfo
 
     async def run_turn(self, request: TurnRequest) -> TurnResult:
-        return await self._complete({"model": self.model, "messages": build_messages(request)})
+        messages = build_messages(request)
+        tools = request.tools
+        specs = tools.specs() if tools is not None else []
+        if tools is None or not specs:  # no tools: one request, no loop
+            message, usage = await self._complete({"model": self.model, "messages": messages})
+            return TurnResult(_reply_text(message), usage)
+        return await self._tool_loop(tools, specs, messages)
+
+    async def _tool_loop(
+        self, tools: Tools, specs: list[dict[str, Any]], messages: list[dict[str, Any]]
+    ) -> TurnResult:
+        """Ask, run the tool calls asked for, send their results, ask again ... until the
+        model answers without tool calls or `max_tool_rounds` rounds ran."""
+        body = {"model": self.model, "messages": messages, "tools": specs}
+        new: list[dict[str, Any]] = []  # this turn's tool rounds, for the transcript
+        usage = TokenUsage()
+        for rounds in range(self.max_tool_rounds + 1):
+            message, used = await self._complete(body)
+            usage = _added(usage, used)
+            calls = _tool_calls(message)
+            if not calls:
+                return TurnResult(_reply_text(message), usage, tuple(new))
+            if rounds == self.max_tool_rounds:
+                # The bound: these calls are not run (and not stored: a call without its
+                # results would be refused by the API in every later turn).
+                log.warning("tool_rounds_exhausted", rounds=rounds, calls=len(calls))
+                text = _reply_text(message).strip() or (
+                    f"I stopped after {rounds} rounds of tool calls without finishing."
+                    " Ask me to continue, or narrow the question."
+                )
+                return TurnResult(text, usage, tuple(new))
+            round_messages = await _run_calls(tools, message.get("content"), calls)
+            new += round_messages
+            messages += [_sent(m) for m in round_messages]
+        raise AssertionError("unreachable: the last round returns")
 
     async def summarize(self, request: SummaryRequest) -> str:
         """The rolling summary, rewritten by the model to take in `request.messages`."""
-        result = await self._complete(
+        message, _ = await self._complete(
             {"model": self.model, "messages": summary_messages(request), "temperature": 0}
         )
-        return result.text.strip()[: request.max_chars]
+        return _reply_text(message).strip()[: request.max_chars]
 
-    async def _complete(self, body: dict[str, Any]) -> TurnResult:
+    async def _complete(self, body: dict[str, Any]) -> tuple[dict[str, Any], TokenUsage]:
         for attempt in range(len(self._backoff) + 1):
             status, headers, payload = await self._post(body)
             retryable = status == 429 or status >= 500
@@ -171,11 +213,13 @@ def _retry_after(headers: Mapping[str, str]) -> float | None:
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_SECONDS)
 
 
-def _parse_completion(payload: bytes) -> TurnResult:
+def _parse_completion(payload: bytes) -> tuple[dict[str, Any], TokenUsage]:
+    """The answer's message (content, tool_calls) and its token usage."""
     try:
         data = json.loads(payload)
         message = data["choices"][0]["message"]
-        text = message.get("content") or message.get("refusal") or ""
+        if not isinstance(message, dict):
+            raise TypeError("message is not an object")
         usage = data.get("usage") or {}
         details = usage.get("prompt_tokens_details") or {}
         token_usage = TokenUsage(
@@ -185,6 +229,71 @@ def _parse_completion(payload: bytes) -> TurnResult:
         )
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         raise AgentError(f"model server sent a malformed response ({type(exc).__name__})") from exc
+    _reply_text(message)  # refuse a content that is not text now, whatever comes next
+    return message, token_usage
+
+
+def _reply_text(message: dict[str, Any]) -> str:
+    text = message.get("content") or message.get("refusal") or ""
     if not isinstance(text, str):
         raise AgentError("model server sent a malformed response (content is not text)")
-    return TurnResult(text, token_usage)
+    return text
+
+
+def _tool_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
+    """The message's function calls, normalized to what the API takes back (id, type,
+    function name and arguments as text); a call without an id or name is malformed."""
+    calls = message.get("tool_calls") or []
+    if not isinstance(calls, list):
+        raise AgentError("model server sent a malformed response (tool_calls is not a list)")
+    normalized = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise AgentError("model server sent a malformed tool call")
+        call_id, name = call.get("id"), function.get("name")
+        arguments = function.get("arguments")
+        if not isinstance(call_id, str) or not isinstance(name, str) or not call_id:
+            raise AgentError("model server sent a malformed tool call (no id or name)")
+        if not isinstance(arguments, str):  # some servers send an object
+            arguments = json.dumps(arguments if arguments is not None else {})
+        normalized.append(
+            {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+        )
+    return normalized
+
+
+async def _run_calls(
+    tools: Tools, content: Any, calls: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One round: the assistant message with its calls, then each call's result."""
+    messages: list[dict[str, Any]] = [
+        {"role": "assistant", "content": content, "tool_calls": calls}
+    ]
+    for call in calls:
+        function = call["function"]
+        result = await tools.call(function["name"], function["arguments"])
+        messages.append(
+            {
+                "role": "tool",
+                "tool_call_id": call["id"],
+                "name": function["name"],
+                "content": result,
+            }
+        )
+    return messages
+
+
+def _sent(message: dict[str, Any]) -> dict[str, Any]:
+    """A tool round's message as the API takes it (a tool result without its `name`)."""
+    return {k: v for k, v in message.items() if k != "name"}
+
+
+def _added(total: TokenUsage, more: TokenUsage) -> TokenUsage:
+    return TokenUsage(
+        input_tokens=total.input_tokens + more.input_tokens,
+        output_tokens=total.output_tokens + more.output_tokens,
+        cache_read_tokens=total.cache_read_tokens + more.cache_read_tokens,
+        cache_write_tokens=total.cache_write_tokens + more.cache_write_tokens,
+        estimated_cost_usd=total.estimated_cost_usd + more.estimated_cost_usd,
+    )

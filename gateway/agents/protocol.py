@@ -5,6 +5,15 @@ An agent is any object with ``async run_turn(TurnRequest) -> TurnResult`` and
 the user may read about is an `AgentError`. An agent backed by a model may also offer
 ``async summarize(SummaryRequest) -> str`` (`Summarizing`): the rolling summaries of the
 summary context strategy are then written by that model, else extracted without one.
+
+Tools: a turn may carry `TurnRequest.tools` (`Tools`, None when the agent has none):
+``tools.specs()`` lists them in OpenAI's function-calling format and
+``await tools.call(name, arguments)`` runs one, returning its result as text (JSON); a
+bad argument or a failing tool is a result too (``{"error": ...}``), never an
+exception. An agent that calls tools returns the messages of its tool rounds in
+`TurnResult.messages` (assistant messages with ``tool_calls``, then one ``tool``
+message per call with its ``tool_call_id``, oldest first): the turn stores them before
+its reply, in the same transaction.
 """
 
 from __future__ import annotations
@@ -21,8 +30,10 @@ __all__ = [
     "AgentFactory",
     "Summarizing",
     "SummaryRequest",
+    "Tools",
     "TurnRequest",
     "TurnResult",
+    "check_tool_rounds",
 ]
 
 
@@ -36,12 +47,27 @@ class TurnRequest:
     history: tuple[dict[str, Any], ...]  # earlier transcript messages, oldest first
     system_prompt: str  # session-context block (+ configured system prompt); may be ""
     source: SessionSource | None = None
+    tools: Tools | None = None  # the tools this turn may call (None: none)
 
 
 @dataclass(frozen=True, slots=True)
 class TurnResult:
     text: str
     usage: TokenUsage = field(default_factory=TokenUsage)
+    # The tool rounds before the reply (see the module's doc), stored before `text`.
+    messages: tuple[dict[str, Any], ...] = ()
+
+
+class Tools(Protocol):
+    """The tools of one turn, bound to its session and user."""
+
+    def specs(self) -> list[dict[str, Any]]:
+        """``[{"type": "function", "function": {name, description, parameters}}, ...]``"""
+        ...
+
+    async def call(self, name: str, arguments: str | dict[str, Any]) -> str:
+        """Run one tool; `arguments` as JSON text (what a model sends) or a dict."""
+        ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,3 +97,50 @@ class AgentError(RuntimeError):
 
 
 AgentFactory = Callable[[str], Agent]
+
+
+def check_tool_rounds(messages: tuple[dict[str, Any], ...]) -> None:
+    """`TurnResult.messages` as the transcript may keep them: rounds of one assistant
+    message with ``tool_calls`` (each with an id and a function name) followed by exactly
+    one ``tool`` result per call (by ``tool_call_id``, its content text). Anything else
+    would break every later request to a chat API (a call without its result, a result
+    without its call): an `AgentError`."""
+    pending: set[str] = set()
+    for message in messages:
+        role = message.get("role") if isinstance(message, dict) else None
+        if role == "assistant" and not pending and "content" in message:
+            ids = _call_ids(message.get("tool_calls"))
+            if not ids or len(set(ids)) != len(ids):
+                break
+            pending = set(ids)
+        elif (
+            role == "tool"
+            and message.get("tool_call_id") in pending
+            and isinstance(message.get("content"), str)  # what every later request sends
+        ):
+            pending.discard(message["tool_call_id"])
+        else:
+            break
+    else:
+        if not pending:
+            return
+    raise AgentError(
+        "the agent returned tool rounds the transcript cannot keep (each assistant message"
+        " with tool_calls must be followed by one tool result per call)"
+    )
+
+
+def _call_ids(calls: Any) -> list[str]:
+    """The ids of well-formed calls; [] when any call is not."""
+    if not isinstance(calls, list):
+        return []
+    ids = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        call_id = call.get("id") if isinstance(call, dict) else None
+        if not (isinstance(call_id, str) and call_id and isinstance(function, dict)):
+            return []
+        if not isinstance(function.get("name"), str):
+            return []
+        ids.append(call_id)
+    return ids

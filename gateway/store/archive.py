@@ -46,6 +46,24 @@ def session_meta(conn: sqlite3.Connection, session_id: str) -> dict[str, Any] | 
     }
 
 
+def sessions_of_key(conn: sqlite3.Connection, session_key: str, limit: int) -> list[dict[str, Any]]:
+    """The key's sessions, newest first, at most `limit` (through sessions_by_key)."""
+    rows = conn.execute(
+        "SELECT session_id, title, started_at, ended_at FROM sessions WHERE session_key = ?"
+        " ORDER BY started_at DESC LIMIT ?",
+        (session_key, limit),
+    )
+    return [
+        {
+            "session_id": session_id,
+            "title": shown(title),
+            "started_at": _iso(started),
+            "ended_at": _iso(ended),
+        }
+        for session_id, title, started, ended in rows
+    ]
+
+
 def _message(row_id: int, stored: str, created: float) -> dict[str, Any]:
     message = codec.loads(stored)
     out: dict[str, Any] = {

@@ -15,7 +15,7 @@ from typing import Any
 from gateway.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 10
+SCHEMA_VERSION = 11
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -238,6 +238,16 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         INSERT INTO note_log(note_id) VALUES (old.note_id);
     END;
     CREATE TABLE log_readers (name TEXT PRIMARY KEY, applied INTEGER NOT NULL) WITHOUT ROWID;
+    """,
+    # Issue 16: scratchpad. The model's working notes for one session
+    # (gateway.store.scratchpad): its items as a JSON list, replaced whole by each write;
+    # deleted with the session (gateway.store.purge finds it by its session_id).
+    11: """
+    CREATE TABLE scratchpads (
+        session_id TEXT PRIMARY KEY REFERENCES sessions(session_id) ON DELETE CASCADE,
+        items      TEXT NOT NULL,
+        updated_at REAL NOT NULL
+    ) WITHOUT ROWID;
     """,
 }
 

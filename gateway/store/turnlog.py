@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -178,12 +178,18 @@ class TurnLog:
         usage: TokenUsage | None,
         chunks: list[str],
         then: tuple[MessageEvent, str] | None = None,
+        messages: Sequence[dict[str, Any]] = (),
+        writes: Sequence[Callable[[sqlite3.Connection], object]] = (),
     ) -> tuple[list[int], TurnStart | None]:
         """Record the turn's outcome and its reply chunks; returns their delivery ids,
         and the start of the `then` turn.
 
         `reply` is the assistant message for the transcript, None when the turn failed
         (the chunks then carry the error text; resume and reset flags stay set).
+        `messages` (the turn's tool rounds) are stored before it and `writes` (what the
+        turn's tools change in state.db, the scratchpad) run before it, in the same
+        transaction, when the turn succeeded: the transcript and what its tool calls
+        wrote commit together, or (a crash before this) not at all.
         `then` (an accepted event waiting behind this turn, and its text as stored) is
         begun in the same transaction: a queued message's turn costs no transaction of
         its own (issue 14: at most two awaited transactions per turn).
@@ -202,6 +208,10 @@ class TurnLog:
 
         def tx(conn: sqlite3.Connection) -> tuple[list[int], TurnStart | None]:
             if succeeded:
+                for write in writes:
+                    write(conn)
+                for message in messages:
+                    transcript.insert_message(conn, session_id, message)
                 transcript.insert_message(conn, session_id, {"role": "assistant", "content": reply})
             # One UPDATE of the hot row, nothing loaded or encoded; a session reset since
             # `begin` is left alone (its own entry is not this turn's to settle).

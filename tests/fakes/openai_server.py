@@ -6,6 +6,13 @@ and each applies to one request: ``fail_next``, ``delay_next``, ``malformed_next
 ``hold(predicate)`` keeps the requests it matches waiting until its event is set, and
 ``usage`` may be a function of the request (a stand-in tokenizer counting the prompt).
 
+Function calling: an answer is a text, or a message dict (``tool_calls(...)`` builds one
+that calls tools). ``script(*answers)`` queues answers, one per request; without one,
+``reply(body)`` answers (and may itself return a message dict). With
+``check_pairing=True``, like the real API, a request whose messages pair tool calls and
+results wrongly (a call without its result, a result without its call) is refused with
+400.
+
     async with FakeOpenAI(expected_key="sk-test") as fake:
         agent = OpenAIAgent(base_url=fake.base_url, model="m", api_key="sk-test")
 """
@@ -36,6 +43,59 @@ class _Fault:
     malformed: bool = False
 
 
+_call_ids = itertools.count(1)
+
+
+def tool_calls(*calls: tuple[str, Any], content: str | None = None) -> dict[str, Any]:
+    """An answer that calls tools: ``tool_calls(("scratchpad_read", {}), ...)``; the
+    arguments are JSON-encoded unless given as text (to send malformed JSON)."""
+    return {
+        "content": content,
+        "tool_calls": [
+            {
+                "id": f"call_{next(_call_ids)}",
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": args if isinstance(args, str) else json.dumps(args),
+                },
+            }
+            for name, args in calls
+        ],
+    }
+
+
+def tool_results(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The results of the request's last tool round (the tool messages after its last
+    assistant message), each its content decoded as JSON."""
+    results: list[dict[str, Any]] = []
+    for message in body.get("messages", []):
+        if message.get("role") == "tool":
+            results.append({**message, "content": json.loads(message["content"])})
+        else:
+            results = []
+    return results
+
+
+def pairing_problem(messages: list[dict[str, Any]]) -> str | None:
+    """What the real API says of badly paired tool calls and results, or None."""
+    pending: set[str] = set()
+    for message in messages:
+        role = message.get("role")
+        if role == "tool":
+            if message.get("tool_call_id") not in pending:
+                return "messages with role 'tool' must be a response to a preceding 'tool_calls'"
+            pending.discard(message["tool_call_id"])
+            continue
+        if pending:
+            return "an assistant message with 'tool_calls' must be followed by tool messages"
+        if role == "assistant" and message.get("tool_calls"):
+            pending = {call["id"] for call in message["tool_calls"]}
+    if pending:
+        return "an assistant message with 'tool_calls' must be followed by tool messages"
+    return None
+
+
 def last_user_content(body: dict[str, Any]) -> str:
     for message in reversed(body.get("messages", [])):
         if message.get("role") == "user":
@@ -50,11 +110,13 @@ class FakeOpenAI:
         self,
         *,
         expected_key: str | None = None,
-        reply: Callable[[dict[str, Any]], str] | None = None,
+        reply: Callable[[dict[str, Any]], str | dict[str, Any]] | None = None,
         usage: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None,
+        check_pairing: bool = False,
     ) -> None:
         self.expected_key = expected_key
-        self.reply: Callable[[dict[str, Any]], str] = reply or (
+        self.check_pairing = check_pairing
+        self.reply: Callable[[dict[str, Any]], str | dict[str, Any]] = reply or (
             lambda body: "fake: " + last_user_content(body)
         )
         self.usage = usage or {"prompt_tokens": 7, "completion_tokens": 3}
@@ -63,6 +125,7 @@ class FakeOpenAI:
         self.requests: list[dict[str, Any]] = []
         self.base_url = ""
         self._faults: deque[_Fault] = deque()
+        self._script: deque[str | dict[str, Any]] = deque()
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
         # POST /v1/embeddings: a text found here gets this vector; any other text a
@@ -111,6 +174,10 @@ class FakeOpenAI:
     def malformed_next(self) -> None:
         """Answer the next request 200 with a body that is not JSON."""
         self._faults.append(_Fault(malformed=True))
+
+    def script(self, *answers: str | dict[str, Any]) -> None:
+        """Answer the next requests with these, in order (then `reply` again)."""
+        self._script.extend(answers)
 
     def hold(self, predicate: Callable[[dict[str, Any]], bool]) -> asyncio.Event:
         """Requests whose body matches wait (in `held`) until the returned event is set."""
@@ -178,6 +245,8 @@ class FakeOpenAI:
                 return _error(401, f"Incorrect API key provided: {sent}", "invalid_api_key")
         if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
             return _error(400, "'messages' is a required property", None)
+        if self.check_pairing and (problem := pairing_problem(body["messages"])) is not None:
+            return _error(400, problem, None)
         if fault.status >= 400:
             headers = {}
             if fault.retry_after is not None:
@@ -190,6 +259,12 @@ class FakeOpenAI:
     def _completion(self, body: dict[str, Any]) -> dict[str, Any]:
         usage = dict(self.usage(body) if callable(self.usage) else self.usage)
         usage.setdefault("total_tokens", usage["prompt_tokens"] + usage["completion_tokens"])
+        answer = self._script.popleft() if self._script else self.reply(body)
+        message = (
+            {"role": "assistant", **answer}
+            if isinstance(answer, dict)
+            else {"role": "assistant", "content": answer}
+        )
         return {
             "id": f"chatcmpl-fake{next(self._ids)}",
             "object": "chat.completion",
@@ -198,8 +273,8 @@ class FakeOpenAI:
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": self.reply(body)},
-                    "finish_reason": "stop",
+                    "message": message,
+                    "finish_reason": "tool_calls" if message.get("tool_calls") else "stop",
                 }
             ],
             "usage": usage,

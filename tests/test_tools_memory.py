@@ -1,0 +1,142 @@
+"""Issue 16, the note tools (memory_save, memory_search, memory_delete) through the real
+daemon: the fake OpenAI-compatible server scripts the model's calls, the runner's
+recall store (`gateway.memory.recall`, hash embeddings: the zero-config default) keeps
+the notes. Scopes: the asking user's notes under the asking agent, nobody else's."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.http import HttpAdapter
+from config import GatewayConfig
+from gateway.run import GatewayRunner
+from gateway.session import Platform, SessionSource
+from tests.fakes.openai_server import FakeOpenAI, tool_calls, tool_results
+from tests.gateway_client import GatewayClient
+
+recall_module = pytest.importorskip("gateway.memory.recall")
+Namespace = recall_module.Namespace
+
+
+class Gateway:
+    def __init__(self, runner: GatewayRunner, client: GatewayClient, fake: FakeOpenAI) -> None:
+        self.runner, self.client, self.fake = runner, client, fake
+
+    async def ask(self, user: str, text: str, *answers: str | dict[str, Any]) -> str:
+        """One turn of `user` (in their DM) whose model answers with `answers`."""
+        self.fake.script(*answers)
+        await self.client.post(f"dm-{user}", text, user_id=user)
+        (reply,) = await self.client.replies(f"dm-{user}", 1)
+        return reply
+
+    def results(self) -> list[Any]:
+        """The results of the last tool round the model was sent."""
+        return [r["content"] for r in tool_results(self.fake.requests[-1]["json"])]
+
+
+@pytest.fixture
+async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+    async with FakeOpenAI(check_pairing=True) as fake:
+        config = GatewayConfig.model_validate(
+            {
+                "timezone": "UTC",
+                "platforms": {"http": {"enabled": True, "port": 0}},
+                "agent": {"backend": "openai", "base_url": fake.base_url, "model": "m"},
+            }
+        )
+        adapter = HttpAdapter(config.platforms.http)
+        runner = GatewayRunner(config, [adapter], home=tmp_path)
+        await runner.start()
+        gw = Gateway(runner, GatewayClient(adapter.url), fake)
+        try:
+            yield gw
+        finally:
+            await gw.client.close()
+            await runner.stop()
+
+
+def alice(agent: str = "main") -> Any:
+    return Namespace.of(agent, SessionSource(platform=Platform.HTTP, chat_id="x", user_id="alice"))
+
+
+async def test_a_note_saved_in_one_session_is_found_in_a_later_one_by_its_user_only(
+    gateway: Gateway,
+) -> None:
+    save = tool_calls(
+        ("memory_save", {"content": "Alice's cat is called Biscuit", "tags": ["Pets"]})
+    )
+    assert await gateway.ask("alice", "remember my cat", save, "saved") == "saved"
+    (saved,) = gateway.results()
+    note_id = saved["note_id"]
+    assert note_id.startswith("note-")
+    await gateway.ask("alice", "/new")
+
+    search = tool_calls(("memory_search", {"query": "Alice's cat is called Biscuit"}))
+    assert await gateway.ask("alice", "what is my cat called?", search, "Biscuit") == "Biscuit"
+    (found,) = gateway.results()
+    notes = [hit for hit in found["results"] if hit["kind"] == "note"]
+    assert [(n["id"], n["text"], n["tags"]) for n in notes] == [
+        (note_id, "Alice's cat is called Biscuit", ["pets"])
+    ]
+
+    # Bob asks the same: none of Alice's notes, nor her transcripts.
+    search = tool_calls(("memory_search", {"query": "Alice's cat is called Biscuit"}))
+    await gateway.ask("bob", "what is alice's cat called?", search, "no idea")
+    (found,) = gateway.results()
+    assert all("Biscuit" not in hit["text"] for hit in found["results"])
+
+
+async def test_another_agents_notes_are_not_found(gateway: Gateway) -> None:
+    await gateway.runner.recall.save(alice("helper"), "the helper's secret: pelican")
+    search = tool_calls(("memory_search", {"query": "the helper's secret: pelican"}))
+    await gateway.ask("alice", "secrets?", search, "none")
+    (found,) = gateway.results()
+    assert all("pelican" not in hit["text"] for hit in found["results"])
+    # ... while the same note under this agent (main, from the session key) is found.
+    await gateway.runner.recall.save(alice(), "the main secret: pelican")
+    search = tool_calls(("memory_search", {"query": "the main secret: pelican"}))
+    await gateway.ask("alice", "secrets now?", search, "one")
+    (found,) = gateway.results()
+    assert [h["text"] for h in found["results"] if h["kind"] == "note"] == [
+        "the main secret: pelican"
+    ]
+
+
+async def test_update_and_delete_by_id_and_mistakes_are_results(gateway: Gateway) -> None:
+    note_id = await gateway.runner.recall.save(alice(), "likes tea")
+    rounds = tool_calls(
+        ("memory_save", {"content": "likes coffee now", "note_id": note_id}),
+        ("memory_save", {"content": "x", "note_id": "not-a-note"}),
+        ("memory_delete", {"note_id": "note-00000000-0000-0000-0000-000000000000"}),
+        ("memory_search", {"query": "coffee", "k": 0}),
+        ("memory_save", {"content": ""}),
+    )
+    assert await gateway.ask("alice", "I switched to coffee", rounds, "updated") == "updated"
+    updated, bad_id, missing, bad_k, empty = gateway.results()
+    assert updated == {"note_id": note_id}
+    assert bad_id["error"].startswith("memory_save: ")
+    assert missing == {"deleted": False}
+    assert bad_k["error"].startswith("memory_search: bad arguments: k:")
+    assert empty["error"].startswith("memory_save: bad arguments: content:")
+    (note,) = await gateway.runner.recall.list_notes(alice())
+    assert (note.id, note.text) == (note_id, "likes coffee now")
+
+    delete = tool_calls(("memory_delete", {"note_id": note_id}))
+    await gateway.ask("alice", "forget it", delete, "forgotten")
+    assert gateway.results() == [{"deleted": True}]
+    assert await gateway.runner.recall.list_notes(alice()) == []
+
+
+async def test_bob_cannot_delete_alices_note_by_its_id(gateway: Gateway) -> None:
+    note_id = await gateway.runner.recall.save(alice(), "alice's note")
+    delete = tool_calls(("memory_delete", {"note_id": note_id}))
+    await gateway.ask("bob", "delete that", delete, "tried")
+    assert gateway.results() == [{"deleted": False}]
+    assert [n.id for n in await gateway.runner.recall.list_notes(alice())] == [note_id]
+    rows = json.dumps([r["json"] for r in gateway.fake.requests])
+    assert "alice's note" not in rows

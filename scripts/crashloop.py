@@ -132,8 +132,13 @@ def run(args: argparse.Namespace) -> int:
         counter = 0
         started = time.monotonic()
         try:
+            # Every mode in turn, in a shuffled order fixed by the seed: a short run still
+            # kills at each point (a random choice per iteration, drawn from the RNG the
+            # posts also use, depended on timing and could miss most of them).
+            modes = [MODES[i % len(MODES)] for i in range(args.iterations)]
+            random.Random(args.seed).shuffle(modes)
             for iteration in range(args.iterations):
-                mode = rng.choice(MODES) if args.points else "random"
+                mode = modes[iteration] if args.points else "random"
                 env = {}
                 if mode != "random":
                     env["HERMES_CRASH_AT"] = f"{mode}:{rng.randint(1, 6)}"

@@ -618,9 +618,13 @@ class GatewayRunner(SessionOps):
             reply=result.text, text=result.text, usage=result.usage, messages=result.messages
         )
 
+    def toolbox_for(self, agent_id: str) -> Toolbox | None:
+        """The agent's tools (None: its turns carry none)."""
+        return self._toolboxes.get(agent_id)
+
     def _turn_tools(self, key: str, session_id: str, source: SessionSource) -> TurnTools | None:
         """This turn's tools, bound to its session, chat and user (None: no tools)."""
-        toolbox = self._toolboxes.get(self.roster.for_key(key).agent_id)
+        toolbox = self.toolbox_for(self.roster.for_key(key).agent_id)
         if toolbox is None:
             return None
         scope = TurnScope(

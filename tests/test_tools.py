@@ -542,12 +542,12 @@ async def test_no_tools_means_plain_requests(make_gateway: MakeGateway, fake: Fa
     gw = await make_gateway(openai(fake, tools=[]))
     assert await gw.say("hi") == "fake: hi"
     assert "tools" not in sent(fake)[0]
-    assert gw.runner.toolbox is None
+    assert gw.runner.toolbox_for("main") is None
 
 
 async def test_the_echo_backend_gets_no_tools(make_gateway: MakeGateway) -> None:
     gw = await make_gateway({})
-    assert gw.runner.toolbox is None
+    assert gw.runner.toolbox_for("main") is None
     assert await gw.say("hi") == "echo: hi"
 
 
@@ -696,3 +696,25 @@ def test_well_paired_rounds_are_accepted() -> None:
     two = {**_ASKED, "tool_calls": [_CALL, {**_CALL, "id": "c2"}]}
     check_tool_rounds(())
     check_tool_rounds((two, {**_ANSWERED, "tool_call_id": "c2"}, _ANSWERED, _ASKED, _ANSWERED))
+
+
+def test_each_agent_gets_its_own_tools(tmp_path: Path) -> None:
+    """`tools` is per agent: one agent's subset is not another's, and an echo agent
+    beside a model agent carries none."""
+    config = GatewayConfig.model_validate(
+        {
+            "agent": {"backend": "openai", "tools": ["session_search", "scratchpad_read"]},
+            "agents": {
+                "coder": {"backend": "openai", "tools": ["memory_search"]},
+                "plain": {"backend": "echo"},
+            },
+        }
+    )
+    runner = GatewayRunner(config, [], home=tmp_path / "home")
+    names = {
+        agent: [spec["function"]["name"] for spec in box.specs()]
+        for agent in ("main", "coder")
+        if (box := runner.toolbox_for(agent)) is not None
+    }
+    assert names == {"main": ["session_search", "scratchpad_read"], "coder": ["memory_search"]}
+    assert runner.toolbox_for("plain") is None

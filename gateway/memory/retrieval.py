@@ -35,7 +35,7 @@ from gateway.store import codec
 
 CANDIDATES = 64  # per signal, before the merge
 CACHE_BYTES = 512 * 1024 * 1024  # vectors held in memory across namespaces
-MAX_POSTINGS = 5_000  # chunks a text search may rank (see text_query)
+MAX_POSTINGS = 2_000  # chunks a text search may rank (see text_query)
 _WORD = re.compile(r"\w+")
 _MATH = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recall-math")
 

@@ -282,16 +282,12 @@ async def test_a_tool_that_raises_is_an_error_result_naming_only_the_error_type(
     assert tools.writes() == []
 
 
-async def test_the_note_tools_without_a_recall_store_say_so(
-    make_gateway: MakeGateway, fake: FakeOpenAI
-) -> None:
-    gw = await make_gateway(openai(fake))
-    if getattr(gw.runner, "recall", None) is not None:
-        pytest.skip("this runner has a recall store (tested in test_recall*)")
-    fake.script(tool_calls(("memory_search", {"query": "x"})), "ok")
-    assert await gw.say("remember?") == "ok"
-    (result,) = tool_results(sent(fake)[1])
-    assert result["content"] == {
+async def test_the_note_tools_without_a_recall_store_say_so() -> None:
+    """A scope without a recall store (an embedding that builds its own runner parts)
+    gets an error result from the note tools, never an exception."""
+    box = Toolbox(BUILTIN_TOOLS, ["memory_search"])
+    tools = box.bind(TurnScope(None, None, KEY, "s1", None, "main"))  # type: ignore[arg-type]
+    assert json.loads(await tools.call("memory_search", {"query": "x"})) == {
         "error": "memory_search: long-term memory is not available in this gateway"
     }
 

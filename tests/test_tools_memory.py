@@ -14,13 +14,11 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
+from gateway.memory.recall import Namespace
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
 from tests.fakes.openai_server import FakeOpenAI, tool_calls, tool_results
 from tests.gateway_client import GatewayClient
-
-recall_module = pytest.importorskip("gateway.memory.recall")
-Namespace = recall_module.Namespace
 
 
 class Gateway:

@@ -15,20 +15,18 @@ from typing import Any
 
 from pydantic import Field
 
+from gateway.memory.recall import Namespace
 from gateway.tools.builtin import Args
 from gateway.tools.registry import Tool, TurnScope
 
 SEARCH_MAX = 20
 
 
-def _namespace(scope: TurnScope) -> Any:
+def _namespace(scope: TurnScope) -> Namespace:
     if scope.recall is None:
         raise ValueError("long-term memory is not available in this gateway")
     if scope.source is None:
         raise ValueError("this turn has no user to keep notes for")
-    # Imported on use: the recall store is built beside this (issue 16).
-    from gateway.memory.recall import Namespace
-
     return Namespace.of(scope.agent_id, scope.source)  # ValueError without a user id
 
 

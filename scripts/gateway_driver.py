@@ -42,7 +42,7 @@ def source_for(i: int) -> SessionSource:
     )
 
 
-def gateway_config(strategy: str = "summary", index_transcripts: bool = True) -> GatewayConfig:
+def gateway_config(strategy: str = "summary", index_transcripts: bool = False) -> GatewayConfig:
     """Production defaults, the zero-config echo agent without delay, and the context
     strategy asked for (`agent.context.strategy`, by default the default: summary);
     `index_transcripts` False turns long-term memory's transcript indexing off."""
@@ -340,7 +340,7 @@ class Driver:
 async def run_gateway(home: Path, args: argparse.Namespace) -> dict[str, Any]:
     adapter = InProcessAdapter()
     config = gateway_config(
-        getattr(args, "strategy", "summary"), not getattr(args, "worker_no_index", False)
+        getattr(args, "strategy", "summary"), getattr(args, "worker_index", False)
     )
     runner = GatewayRunner(config, [adapter], agent_factory=None, home=home)
     driver = Driver(runner, adapter, args.worker_sessions)

@@ -35,11 +35,12 @@ BOB = Namespace("main", "http", "bob")
 
 
 def config_of(**memory: Any) -> GatewayConfig:
+    """Transcripts are indexed here (`memory.index_transcripts`, off by default)."""
     return GatewayConfig.model_validate(
         {
             "timezone": "UTC",
             "platforms": {"http": {"enabled": True, "port": 0}},
-            "memory": memory,
+            "memory": {"index_transcripts": True, **memory},
         }
     )
 

@@ -26,6 +26,7 @@ from gateway.store.migrations import _MIGRATIONS, _split_sql
 from gateway.store.search import fts_query
 from tests.commandline import cli
 from tests.gateway_client import GatewayClient
+from tests.scanning import tables_holding
 from tests.waiting import wait_for
 
 KEY1 = "agent:main:http:dm:c1"
@@ -379,31 +380,6 @@ async def test_get_session_pages_its_messages(gateway: Gateway) -> None:
 # --- delete ----------------------------------------------------------------------------
 
 
-def _tables_holding(db: Path, needle: str) -> list[str]:
-    """Every table (and column) of a database with a text value containing `needle`."""
-    conn = sqlite3.connect(db)
-    try:
-        found = []
-        tables = [
-            name
-            for (name,) in conn.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'table'"
-                " AND name NOT LIKE 'sqlite_%' AND sql NOT LIKE 'CREATE VIRTUAL%'"
-            )
-        ]
-        for table in tables:
-            for column in [c[1] for c in conn.execute(f'PRAGMA table_info("{table}")')]:
-                hit = conn.execute(
-                    f'SELECT 1 FROM "{table}" WHERE instr(CAST("{column}" AS TEXT), ?) > 0 LIMIT 1',
-                    (needle,),
-                ).fetchone()
-                if hit:
-                    found.append(f"{table}.{column}")
-        return found
-    finally:
-        conn.close()
-
-
 async def test_delete_cascades_everywhere(gateway: Gateway) -> None:
     await gateway.say("c1", "the quokka plan")
     await gateway.say("c1", "/status")  # a reply that names the session id
@@ -413,16 +389,16 @@ async def test_delete_cascades_everywhere(gateway: Gateway) -> None:
     status, found = await gateway.http("GET", "/v1/search", q="quokka")
     assert {r["session_id"] for r in found["results"]} >= {session_id}
     state = gateway.home / "sessions" / "state.db"
-    assert _tables_holding(state, session_id)  # the check can see it ...
-    assert _tables_holding(state, "the quokka plan")
+    assert tables_holding(state, session_id)  # the check can see it ...
+    assert tables_holding(state, "the quokka plan")
 
     status, body = await gateway.http("DELETE", f"/v1/sessions/{session_id}")
     assert status == 200, body
     assert body["session_id"] == session_id and body["messages"] == 4
     assert body["new_session_id"] == await gateway.session_id() != session_id
 
-    assert _tables_holding(state, session_id) == []  # ... and finds it nowhere now
-    assert _tables_holding(state, "quokka plan") == []
+    assert tables_holding(state, session_id) == []  # ... and finds it nowhere now
+    assert tables_holding(state, "quokka plan") == []
     status, found = await gateway.http("GET", "/v1/search", q="quokka")
     assert [r["session_key"] for r in found["results"]] == [KEY2, KEY2]
     await gateway.runner.store.search_index.catch_up()
@@ -482,7 +458,7 @@ async def test_cli_delete(gateway: Gateway) -> None:
     deleted = await asyncio.to_thread(cli, gateway.home, "sessions", "delete", session_id, "--yes")
     assert deleted.returncode == 0, deleted.stderr
     assert f"deleted session {session_id} (2 messages)" in deleted.stdout
-    assert _tables_holding(gateway.home / "sessions" / "state.db", session_id) == []
+    assert tables_holding(gateway.home / "sessions" / "state.db", session_id) == []
     assert await gateway.session_id() != session_id
     status, found = await gateway.http("GET", "/v1/search", q="numbat")
     assert status == 200 and found["results"] == []
@@ -500,7 +476,7 @@ async def test_forget_asks_then_deletes_the_current_session(gateway: Gateway) ->
     assert done.startswith("Forgot this session (2 messages)")
     assert await gateway.session_id() != session_id
     assert "Nothing found" in await gateway.say("c1", "/search axolotl")
-    assert _tables_holding(gateway.home / "sessions" / "state.db", session_id) == []
+    assert tables_holding(gateway.home / "sessions" / "state.db", session_id) == []
     assert await gateway.say("c1", "fresh start") == "echo: fresh start"
 
 

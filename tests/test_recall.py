@@ -28,6 +28,7 @@ from tests.commandline import cli
 from tests.fakes.agents import ScriptedAgent as EchoAgent
 from tests.fakes.openai_server import FakeOpenAI
 from tests.gateway_client import GatewayClient
+from tests.scanning import tables_holding
 from tests.waiting import wait_for
 
 ALICE = Namespace("main", "http", "alice")
@@ -299,12 +300,12 @@ async def test_deleting_a_session_deletes_its_chunks_and_vectors(gateway: Gatewa
     await gateway.say("alice", "kumquat harvest notes")
     await gateway.runner.recall.indexer.catch_up()
     memory = gateway.home / "sessions" / MEMORY_DB
-    assert _rows_holding(memory, "kumquat")
+    assert tables_holding(memory, "kumquat")
     entry = await gateway.runner.store.get_entry("agent:main:http:dm:dm-alice")
     assert entry is not None
     done = await gateway.runner.delete_session(entry.session_id)
     assert done["status"] == "deleted"
-    assert _rows_holding(memory, "kumquat") == []
+    assert tables_holding(memory, "kumquat") == []
     assert _count(memory, "vectors") == 0 and _count(memory, "chunks") == 0
 
 
@@ -354,7 +355,7 @@ async def test_memory_cli_lists_exports_and_forgets_a_user(gateway: Gateway) -> 
     sessions = gateway.home / "sessions"
     files = sorted(p for p in sessions.glob("*.db"))
     assert [p.name for p in files] == ["memory.db", "search.db", "state.db"]
-    assert any(_rows_holding(f, "zeppelin") for f in files)  # the check can see it ...
+    assert any(tables_holding(f, "zeppelin") for f in files)  # the check can see it ...
     unasked = await asyncio.to_thread(
         cli, gateway.home, "memory", "delete", "--user", "http:alice", "--all"
     )
@@ -368,9 +369,9 @@ async def test_memory_cli_lists_exports_and_forgets_a_user(gateway: Gateway) -> 
     # ... and finds nothing of Alice's now, table by table in every database file.
     for path in files:
         for needle in ("tell nobody", "alice's wombat", "alice wombat", "memory:main:http:alice"):
-            assert _rows_holding(path, needle) == [], (path.name, needle)
+            assert tables_holding(path, needle) == [], (path.name, needle)
     memory = sessions / MEMORY_DB
-    assert _rows_holding(memory, "alice") == []
+    assert tables_holding(memory, "alice") == []
     assert _count(memory, "vectors") == _count(memory, "chunks") == 3  # Bob: note, 2 messages
     assert next(h.text for h in await recall.search(BOB, "wombat")).startswith("bob")
     assert await recall.search(ALICE, "wombat") == []
@@ -390,32 +391,6 @@ async def test_memory_cli_deletes_one_note(gateway: Gateway) -> None:
     assert done.returncode == 0, done.stderr
     assert [h.id for h in await gateway.runner.recall.list_notes(ALICE)] == [keep]
     assert await gateway.runner.recall.search(ALICE, "drop") == []
-
-
-def _rows_holding(db: Path, needle: str) -> list[str]:
-    """Every table.column of a database (FTS5 shadow tables included) with a value
-    containing `needle`."""
-    conn = sqlite3.connect(db)
-    try:
-        found = []
-        tables = [
-            name
-            for (name,) in conn.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'table'"
-                " AND name NOT LIKE 'sqlite_%' AND sql NOT LIKE 'CREATE VIRTUAL%'"
-            )
-        ]
-        for table in tables:
-            for column in [c[1] for c in conn.execute(f'PRAGMA table_info("{table}")')]:
-                hit = conn.execute(
-                    f'SELECT 1 FROM "{table}" WHERE instr(CAST("{column}" AS TEXT), ?) > 0 LIMIT 1',
-                    (needle,),
-                ).fetchone()
-                if hit:
-                    found.append(f"{table}.{column}")
-        return found
-    finally:
-        conn.close()
 
 
 def _count(db: Path, table: str) -> int:

@@ -34,14 +34,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote
 
 import numpy as np
 
 from gateway.memory.chunking import chunk_text, content_hash
 from gateway.session import SessionSource, is_shared_multi_user_session
 from gateway.store import codec
-from gateway.store.db import create_private_file
+from gateway.store.fts import connect_index
 
 MEMORY_DB = "memory.db"
 LOG_READER = "memory"  # our row in state.db's log_readers
@@ -131,20 +130,7 @@ def memory_files(sessions_dir: Path) -> list[Path]:
 
 def connect(memory_path: Path, state_path: Path) -> sqlite3.Connection:
     """memory.db for writing, with state.db attached read-only as `st`."""
-    create_private_file(memory_path)
-    conn = sqlite3.connect(
-        f"file:{quote(str(memory_path))}", uri=True, isolation_level=None, check_same_thread=False
-    )
-    try:
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.execute("PRAGMA busy_timeout=5000")
-        conn.executescript(_SCHEMA)
-        conn.execute("ATTACH DATABASE ? AS st", (f"file:{quote(str(state_path))}?mode=ro",))
-    except BaseException:
-        conn.close()
-        raise
-    return conn
+    return connect_index(memory_path, state_path, _SCHEMA)
 
 
 def _meta(conn: sqlite3.Connection, key: str) -> int | str | None:

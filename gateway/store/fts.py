@@ -59,15 +59,21 @@ def search_files(sessions_dir: Path) -> list[Path]:
 
 def connect(search_path: Path, state_path: Path) -> sqlite3.Connection:
     """search.db for writing, with state.db attached read-only as `st`."""
-    create_private_file(search_path)
+    return connect_index(search_path, state_path, _SCHEMA)
+
+
+def connect_index(path: Path, state_path: Path, schema: str) -> sqlite3.Connection:
+    """An index database derived from state.db (search.db, memory.db) for writing, its
+    `schema` applied, with state.db attached read-only as `st`."""
+    create_private_file(path)
     conn = sqlite3.connect(
-        f"file:{quote(str(search_path))}", uri=True, isolation_level=None, check_same_thread=False
+        f"file:{quote(str(path))}", uri=True, isolation_level=None, check_same_thread=False
     )
     try:
         conn.execute("PRAGMA journal_mode=WAL")
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=5000")
-        conn.executescript(_SCHEMA)
+        conn.executescript(schema)
         # Read-only on purpose: state.db's write lock belongs to the gateway's writer.
         conn.execute("ATTACH DATABASE ? AS st", (f"file:{quote(str(state_path))}?mode=ro",))
     except BaseException:

@@ -1,0 +1,33 @@
+"""Looking for a value in every table of a database file: how the forget and delete
+tests show that nothing of a session or a user is left behind."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+
+def tables_holding(db: Path, needle: str) -> list[str]:
+    """Every table.column of a database with a value containing `needle` (FTS5 shadow
+    tables included; the virtual tables themselves are read through them)."""
+    conn = sqlite3.connect(db)
+    try:
+        found = []
+        tables = [
+            name
+            for (name,) in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table'"
+                " AND name NOT LIKE 'sqlite_%' AND sql NOT LIKE 'CREATE VIRTUAL%'"
+            )
+        ]
+        for table in tables:
+            for column in [c[1] for c in conn.execute(f'PRAGMA table_info("{table}")')]:
+                hit = conn.execute(
+                    f'SELECT 1 FROM "{table}" WHERE instr(CAST("{column}" AS TEXT), ?) > 0 LIMIT 1',
+                    (needle,),
+                ).fetchone()
+                if hit:
+                    found.append(f"{table}.{column}")
+        return found
+    finally:
+        conn.close()

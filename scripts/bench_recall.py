@@ -85,7 +85,7 @@ def percentile(values: list[float], p: float) -> float:
 
 
 async def measure(home: Path, args: argparse.Namespace) -> dict[str, float]:
-    config = GatewayConfig()
+    config = GatewayConfig.model_validate({"memory": {"index_transcripts": True}})
     async with SessionStore(home / "sessions", config) as store:
         await fill(store, args.chunks, args.per_session, args.others, args.seed)
         recall = Recall(store, config)

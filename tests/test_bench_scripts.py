@@ -77,3 +77,31 @@ def test_bench_context_runs_and_prints_each_case() -> None:
     # history_limit (100) before a checkpoint, and after one the summary + 60 newer.
     assert sent == {"window": 40, "summary, none": 100, "summary, checkpoint": 61}
     assert re.search(r"a turn's context loads in [\d.]+ ms", out), out
+
+
+@pytest.mark.timeout(120)
+def test_bench_recall_indexes_the_users_chunks_and_times_searches() -> None:
+    """The recall benchmark measures searches over chunks it really indexed (it once
+    timed an empty index when transcript indexing became opt-in)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_recall.py"),
+            "--chunks",
+            "400",
+            "--per-session",
+            "50",
+            "--others",
+            "2",
+            "--queries",
+            "20",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    found = re.search(r"recall over (\d+) chunks of one user .*p99 ([\d.]+) ms", proc.stdout)
+    assert found is not None, proc.stdout
+    assert int(found.group(1)) == 400, proc.stdout

@@ -14,6 +14,7 @@ The API key goes in the Authorization header only, never in a log line or an err
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import re
 from collections.abc import Sequence
@@ -26,6 +27,8 @@ from config import GatewayConfig
 
 _WORD = re.compile(r"\w+")
 BATCH = 64  # texts per /embeddings request
+SLOT_CACHE_WORDS = 500_000  # hash: words whose slot is kept (about 60 MB at most)
+INLINE_CHARS = 2_000  # hash: texts up to this size are embedded on the caller's thread
 
 
 class EmbeddingError(RuntimeError):
@@ -49,19 +52,39 @@ class HashEmbedder:
     def __init__(self, dimensions: int = 256) -> None:
         self.dimensions = dimensions
         self.model_id = f"hash-words:{dimensions}"
+        # word -> its signed slot (dimension + 1, negative for -1): words repeat (a
+        # vocabulary is Zipf-like), and hashing one cost ten times the look-up.
+        self._slots: dict[str, int] = {}
 
     async def check(self) -> None:
         return None
 
     async def embed(self, texts: Sequence[str]) -> np.ndarray:
-        return self.embed_sync(texts)
+        if sum(len(text) for text in texts) <= INLINE_CHARS:
+            return self.embed_sync(texts)  # a query: not worth a thread hop
+        # A batch of chunks: on a thread, so the event loop is not held for its length.
+        return await asyncio.to_thread(self.embed_sync, texts)
 
     def embed_sync(self, texts: Sequence[str]) -> np.ndarray:
-        out = np.zeros((len(texts), self.dimensions), dtype=np.float32)
+        dims, slots = self.dimensions, self._slots
+        rows: list[int] = []
+        found: list[int] = []
         for row, text in enumerate(texts):
             for word in _WORD.findall(text.lower()):
-                digest = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest())
-                out[row, digest % self.dimensions] += 1.0 if digest >> 63 else -1.0
+                slot = slots.get(word)
+                if slot is None:
+                    digest = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest())
+                    slot = digest % dims + 1
+                    if not digest >> 63:
+                        slot = -slot
+                    if len(slots) < SLOT_CACHE_WORDS:
+                        slots[word] = slot
+                rows.append(row)
+                found.append(slot)
+        out = np.zeros((len(texts), dims), dtype=np.float32)
+        if found:
+            signed = np.array(found, dtype=np.int64)
+            np.add.at(out, (np.array(rows), np.abs(signed) - 1), np.sign(signed))
         return unit_rows(out)
 
     async def close(self) -> None:

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import signal
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +26,8 @@ from gateway.context.strategy import SUMMARY_PREFIX, Plan
 from gateway.run import GatewayRunner
 from gateway.store import summary_checkpoints
 from gateway.store.summary_checkpoints import Checkpoint
-from tests.fakes.openai_server import FakeOpenAI, last_user_content
+from scripts.harness import Daemon
+from tests.fakes.openai_server import FakeOpenAI, last_user_content, serve_in_a_thread
 from tests.gateway_client import GatewayClient
 from tests.waiting import wait_for
 
@@ -475,3 +478,58 @@ async def test_shutdown_cancels_a_summary_in_flight(make_gateway: MakeGateway) -
         assert gw.runner.memory.running(sid)
         await gw.stop()  # returns: the held summary was cancelled, not awaited
         assert not gw.runner.memory.running(sid)
+
+
+# --- the real daemon ------------------------------------------------------------------------
+
+
+def test_the_daemon_summarizes_and_after_a_restart_still_sends_the_summary(
+    tmp_path: Path,
+) -> None:
+    """`hermes-gateway run` as a subprocess against the fake model: a long chat gets a
+    summary checkpoint written by the model, it survives a restart, and the first turn
+    after it sends the summary and only the newer messages, within the budget."""
+    with serve_in_a_thread(reply=fake_reply, usage=fake_usage) as (fake, _):
+        daemon = Daemon(
+            tmp_path / "home",
+            f"agent:\n  backend: openai\n  base_url: {fake.base_url}\n  model: m\n"
+            "  context:\n    window_tokens: 1000\n",
+        )
+        try:
+            daemon.start()
+            for n in range(10):
+                daemon.post("c1", text_of(n), message_id=f"m{n}")
+                assert len(daemon.wait_replies("c1", n + 1)) == n + 1
+            deadline = time.monotonic() + 20
+            while not checkpoint_of(daemon) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            summary = checkpoint_of(daemon)
+            assert summary is not None and summary.startswith("SUMMARY up to: "), summary
+            daemon.signal(signal.SIGTERM)
+            assert daemon.wait_exit() == 0, daemon.log_tail()
+
+            daemon.start()
+            daemon.post("c1", "after the restart", message_id="m-last")
+            assert daemon.wait_replies("c1", 11)[-1]["text"] == "fake: after the restart"
+        finally:
+            daemon.ensure_stopped()
+        body = turns_sent(fake)[-1]
+        systems = [m["content"] for m in body["messages"] if m["role"] == "system"]
+        assert len(systems) == 2 and systems[1].startswith(SUMMARY_PREFIX + "SUMMARY up to: ")
+        sent = " ".join(str(m["content"]) for m in body["messages"][2:])
+        assert text_of(0) not in sent and sent.endswith("after the restart")
+        assert (
+            fake_tokens(body)
+            <= Plan.from_config(
+                GatewayConfig.model_validate({"agent": {"context": {"window_tokens": 1000}}}).agent
+            ).budget
+        )
+
+
+def checkpoint_of(daemon: Daemon) -> str | None:
+    conn = daemon.db()
+    try:
+        row = conn.execute("SELECT summary FROM summary_checkpoints").fetchone()
+    finally:
+        conn.close()
+    return row[0] if row else None

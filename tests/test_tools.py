@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,7 @@ from scripts.harness import Daemon
 from tests.fakes.openai_server import (
     FakeOpenAI,
     last_user_content,
+    serve_in_a_thread,
     tool_calls,
     tool_results,
 )
@@ -565,24 +564,6 @@ def test_agent_id_comes_from_the_session_key() -> None:
 # --- a crash mid-loop ---------------------------------------------------------------------------
 
 
-@contextmanager
-def fake_in_a_thread() -> Iterator[tuple[FakeOpenAI, asyncio.AbstractEventLoop]]:
-    """The fake model on a loop of its own: the daemon under test is a subprocess, driven
-    by blocking calls from the test."""
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    fake = FakeOpenAI(check_pairing=True)
-    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
-    try:
-        yield fake, loop
-    finally:
-        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-
-
 def test_a_crash_mid_loop_reruns_the_turn_from_its_marker_and_its_tools_again(
     tmp_path: Path,
 ) -> None:
@@ -590,7 +571,7 @@ def test_a_crash_mid_loop_reruns_the_turn_from_its_marker_and_its_tools_again(
     round was stored (it commits with the reply), so the restart re-runs the whole
     turn, tools included, and the transcript holds the user message once and the
     re-run's rounds."""
-    with fake_in_a_thread() as (fake, loop):
+    with serve_in_a_thread(check_pairing=True) as (fake, loop):
         daemon = Daemon(
             tmp_path / "home",
             f"agent:\n  backend: openai\n  base_url: {fake.base_url}\n  model: m\n",

@@ -23,9 +23,11 @@ import asyncio
 import hashlib
 import itertools
 import json
+import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -289,3 +291,21 @@ def _error(
         kind = "rate_limit_exceeded"
     payload = {"error": {"message": message, "type": kind, "param": None, "code": code}}
     return web.json_response(payload, status=status, headers=headers)
+
+
+@contextmanager
+def serve_in_a_thread(**options: Any) -> Iterator[tuple[FakeOpenAI, asyncio.AbstractEventLoop]]:
+    """The fake model on a loop of its own (`FakeOpenAI(**options)`): for tests whose
+    gateway is a subprocess, driven by blocking calls."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    fake = FakeOpenAI(**options)
+    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
+    try:
+        yield fake, loop
+    finally:
+        asyncio.run_coroutine_threadsafe(fake.stop(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -40,7 +40,6 @@ class TurnStart:
     routing one look-up without JSON. The whole entry is `SessionStore.get_entry`."""
 
     entry: SessionEntry
-    history: list[dict[str, Any]]  # the transcript rows read (context.messages)
     resumed: bool  # a re-run after a restart: the user message was stored before
     text: str  # the user message as stored (what the agent is asked)
     fresh: bool = False  # begin wrote the entry: a new session (new key or reset)
@@ -145,12 +144,10 @@ class TurnLog:
                 asked = transcript.load_row(conn, marker["user_message_id"])
                 content = asked.get("content") if asked else None
                 resumed_text = content if isinstance(content, str) else text
-                history = list(loaded.messages)
-                return TurnStart(entry, history, True, resumed_text, fresh, minute, loaded)
+                return TurnStart(entry, True, resumed_text, fresh, minute, loaded)
             loaded = turn_context.load(conn, entry.session_id, plan)
-            history = list(loaded.messages)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
-            if not history:
+            if not loaded.messages:
                 # The session's first user message titles it (issue 15): decided from the
                 # history this transaction read anyway, so a turn that continues a session
                 # costs no statement; the UPDATE keeps a title already set (/title).
@@ -164,7 +161,7 @@ class TurnLog:
                 event=record,
                 now=now,
             )
-            return TurnStart(entry, history, False, text, fresh, minute, loaded)
+            return TurnStart(entry, False, text, fresh, minute, loaded)
 
         return tx
 

@@ -21,7 +21,6 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import numpy as np
 import structlog
 
 from gateway.memory import index
@@ -378,18 +377,25 @@ class Recall:
             except EmbeddingError as exc:
                 log.warning("memory_query_embedding_failed", error=str(exc))
         vector_weight, text_weight = self.weights
-        scored = await self.indexer.run(
-            _hybrid,
+        cache, model, floor = (
             self.indexer.cache,
-            namespace,
-            query,
-            query_vec,
             self.embedder.model_id,
-            clean_tags,
-            k,
-            vector_weight,
-            text_weight,
             self.embedder.min_similarity,
+        )
+        scored = await self.indexer.run(
+            lambda conn: hybrid(
+                conn,
+                cache,
+                namespace=namespace,
+                query=query,
+                query_vec=query_vec,
+                model=model,
+                tags=clean_tags,
+                k=k,
+                vector_weight=vector_weight,
+                text_weight=text_weight,
+                min_similarity=floor,
+            )
         )
         return [_hit(item) for item in scored]
 
@@ -481,34 +487,6 @@ class Recall:
             await self.indexer.prepare()
             self._prepared = True
         await self.indexer.catch_up(namespace=namespace)
-
-
-def _hybrid(
-    conn: sqlite3.Connection,
-    cache: VectorCache,
-    namespace: str,
-    query: str,
-    query_vec: np.ndarray | None,
-    model: str,
-    tags: tuple[str, ...],
-    k: int,
-    vector_weight: float,
-    text_weight: float,
-    min_similarity: float,
-) -> list[Scored]:
-    return hybrid(
-        conn,
-        cache,
-        namespace=namespace,
-        query=query,
-        query_vec=query_vec,
-        model=model,
-        tags=tags,
-        k=k,
-        vector_weight=vector_weight,
-        text_weight=text_weight,
-        min_similarity=min_similarity,
-    )
 
 
 def _forget_search_tokens(conn: sqlite3.Connection) -> None:

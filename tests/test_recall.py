@@ -18,7 +18,7 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
-from gateway.memory.chunking import chunk_text, normalize_tags
+from gateway.memory.chunking import chunk_text, content_hash, normalize_tags
 from gateway.memory.index import MEMORY_DB
 from gateway.memory.recall import Namespace, Recall
 from gateway.run import GatewayRunner
@@ -294,6 +294,57 @@ async def test_undone_messages_are_not_recalled(gateway: Gateway) -> None:
     assert await gateway.runner.recall.search(ALICE, "marmalade")
     await gateway.say("alice", "/undo")
     assert await gateway.runner.recall.search(ALICE, "marmalade") == []
+
+
+async def test_the_index_holds_exactly_the_indexable_messages(gateway: Gateway) -> None:
+    """A round indexes its messages set-wise: each indexable message's chunks (the same
+    words twice in a session are one chunk, linked from both), every chunk in the
+    full-text index and with a vector of the current embedder; undone ones leave."""
+    for text in ("apricot one", "apricot one", "a long message about figs " * 60, "gone soon"):
+        await gateway.say("alice", text)
+    await gateway.say("alice", "/undo")
+    await gateway.say("bob", "apricot one")
+    await gateway.runner.recall.indexer.catch_up()
+    sessions = gateway.home / "sessions"
+    memory = sqlite3.connect(sessions / MEMORY_DB)
+    try:
+        memory.execute("ATTACH DATABASE ? AS st", (str(sessions / "state.db"),))
+        memory.execute("INSERT INTO chunks_fts(chunks_fts) VALUES ('integrity-check')")
+        want_links = {
+            (message_id, session_id, content_hash(text))
+            for message_id, session_id, content in memory.execute(
+                "SELECT id, session_id, content FROM st.messages"
+                " WHERE role IN ('user', 'assistant') AND active"
+            )
+            for text in chunk_text(content)
+        }
+        links = set(
+            memory.execute(
+                "SELECT s.message_id, c.session_id, c.hash FROM chunk_sources s"
+                " JOIN chunks c ON c.id = s.chunk_id"
+            )
+        )
+        assert links == want_links
+        chunks = memory.execute("SELECT count(*) FROM chunks").fetchone()[0]
+        assert chunks == len({link[1:] for link in want_links})
+        assert not any("gone soon" in link for link in memory.execute("SELECT text FROM chunks"))
+        model = gateway.runner.recall.embedder.model_id
+        assert memory.execute(
+            "SELECT count(*) FROM chunks c JOIN vectors v ON v.chunk_id = c.id AND v.model = ?",
+            (model,),
+        ).fetchone()[0] == chunks
+        assert memory.execute("SELECT count(*) FROM pending_vectors").fetchone()[0] == 0
+        # the full-text index has a row (its `docsize` entry) for every chunk, no other
+        indexed = memory.execute("SELECT id FROM chunks_fts_docsize ORDER BY id").fetchall()
+        assert indexed == memory.execute("SELECT id FROM chunks ORDER BY id").fetchall()
+        for (chunk_id,) in indexed:  # and finds each by its first word
+            word = memory.execute("SELECT text FROM chunks WHERE id = ?", (chunk_id,))
+            query = '"' + word.fetchone()[0].split()[0] + '"'
+            assert (chunk_id,) in memory.execute(
+                "SELECT rowid FROM chunks_fts WHERE chunks_fts MATCH ?", (query,)
+            ).fetchall()
+    finally:
+        memory.close()
 
 
 async def test_deleting_a_session_deletes_its_chunks_and_vectors(gateway: Gateway) -> None:

@@ -25,7 +25,7 @@ import structlog
 
 from gateway.memory import index
 from gateway.memory.chunking import normalize_tags
-from gateway.memory.embeddings import EmbeddingError, build_embedder
+from gateway.memory.embeddings import EmbeddingError, HashEmbedder, build_embedder
 from gateway.memory.retrieval import Scored, VectorCache, hybrid, tags_of
 from gateway.session import SessionSource
 from gateway.store import codec, purge
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from config import GatewayConfig
-    from gateway.memory.embeddings import HashEmbedder, OpenAIEmbedder
+    from gateway.memory.embeddings import OpenAIEmbedder
     from gateway.store.session_store import SessionStore
 
 log = structlog.get_logger("gateway.memory.recall")
@@ -111,14 +111,18 @@ def _hit(scored: Scored) -> Hit:
 class MemoryIndexer(ThreadedSqliteTask):
     """Keeps memory.db up with state.db's logs (rounds of `index.apply_logs`) and embeds
     the chunks waiting for a vector, on a worker thread, when the store committed since
-    the last look or vectors are waiting."""
+    the last look or vectors are waiting.
+
+    Once a second, not four times: a recall catches up first anyway (`Recall._index`),
+    so nothing waits for the interval, and a busy gateway's rounds come out larger,
+    their statements' cost spread over more messages."""
 
     def __init__(
         self,
         store: SessionStore,
         settings: index.IndexSettings,
         embedder: HashEmbedder | OpenAIEmbedder,
-        interval: float = 0.25,
+        interval: float = 1.0,
     ) -> None:
         super().__init__(interval)
         self.store = store
@@ -126,6 +130,10 @@ class MemoryIndexer(ThreadedSqliteTask):
         self.embedder = embedder
         self.path = store.sessions_dir / index.MEMORY_DB
         self.cache = VectorCache()
+        self.namespaces = index.NamespaceCache()
+        # `hash` embeds on the worker thread inside each round; a remote one in batches
+        # after it (it may be slow or down, and text recall must not wait for it).
+        self.inline = embedder if isinstance(embedder, HashEmbedder) else None
         self.embeddings_ok = True
         self._lock = asyncio.Lock()
         self._reported: int | None = None  # the fts_log number last told to state.db
@@ -156,7 +164,9 @@ class MemoryIndexer(ThreadedSqliteTask):
         recall works meanwhile and the chunks stay queued."""
         total = 0
         while True:
-            result = await self.run(index.apply_logs, self.settings)
+            result = await self.run(
+                index.apply_logs, self.settings, self.namespaces, self.inline
+            )
             total += result.work
             await self._report(result)
             if not result.more:

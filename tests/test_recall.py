@@ -18,6 +18,7 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
+from gateway.memory import index
 from gateway.memory.chunking import chunk_text, content_hash, normalize_tags
 from gateway.memory.index import MEMORY_DB
 from gateway.memory.recall import Namespace, Recall
@@ -329,10 +330,13 @@ async def test_the_index_holds_exactly_the_indexable_messages(gateway: Gateway) 
         assert chunks == len({link[1:] for link in want_links})
         assert not any("gone soon" in link for link in memory.execute("SELECT text FROM chunks"))
         model = gateway.runner.recall.embedder.model_id
-        assert memory.execute(
-            "SELECT count(*) FROM chunks c JOIN vectors v ON v.chunk_id = c.id AND v.model = ?",
-            (model,),
-        ).fetchone()[0] == chunks
+        assert (
+            memory.execute(
+                "SELECT count(*) FROM chunks c JOIN vectors v ON v.chunk_id = c.id AND v.model = ?",
+                (model,),
+            ).fetchone()[0]
+            == chunks
+        )
         assert memory.execute("SELECT count(*) FROM pending_vectors").fetchone()[0] == 0
         # the full-text index has a row (its `docsize` entry) for every chunk, no other
         indexed = memory.execute("SELECT id FROM chunks_fts_docsize ORDER BY id").fetchall()
@@ -345,6 +349,43 @@ async def test_the_index_holds_exactly_the_indexable_messages(gateway: Gateway) 
             ).fetchall()
     finally:
         memory.close()
+
+
+def test_an_older_memory_db_loses_its_full_text_triggers(tmp_path: Path) -> None:
+    """memory.db files made before the triggers stopped writing chunks_fts: opened now,
+    those triggers are gone, so a chunk's words are indexed once and removed once."""
+    state = tmp_path / "state.db"
+    sqlite3.connect(state).close()
+    old = sqlite3.connect(tmp_path / MEMORY_DB)
+    old.executescript(
+        "CREATE TABLE chunks (id INTEGER PRIMARY KEY, namespace TEXT NOT NULL,"
+        " kind TEXT NOT NULL, note_id TEXT, session_id TEXT, hash TEXT NOT NULL,"
+        " text TEXT NOT NULL, created_at REAL NOT NULL, updated_at REAL NOT NULL);"
+        "CREATE VIRTUAL TABLE chunks_fts USING fts5(text, content='chunks', content_rowid='id');"
+        "CREATE TRIGGER chunks_insert AFTER INSERT ON chunks BEGIN"
+        " INSERT INTO chunks_fts(rowid, text) VALUES (new.id, new.text); END;"
+        "CREATE TRIGGER chunks_delete AFTER DELETE ON chunks BEGIN"
+        " INSERT INTO chunks_fts(chunks_fts, rowid, text) VALUES ('delete', old.id, old.text);"
+        " END;"
+    )
+    old.close()
+    conn = index.connect(tmp_path / MEMORY_DB, state)
+    try:
+        triggers = {
+            row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")
+        }
+        assert "chunks_insert" not in triggers and "chunks_delete" not in triggers
+        conn.execute(
+            "INSERT INTO chunks (namespace, kind, hash, text, created_at, updated_at)"
+            " VALUES ('memory:main:http:alice', 'note', 'h', 'quince jelly', 0, 0)"
+        )
+        index._add_words(conn, 0)
+        assert conn.execute("SELECT count(*) FROM chunks_fts_docsize").fetchone()[0] == 1
+        assert index._delete_chunks(conn, "kind = 'note'") == 1
+        conn.execute("INSERT INTO chunks_fts(chunks_fts) VALUES ('integrity-check')")
+        assert conn.execute("SELECT count(*) FROM chunks_fts_docsize").fetchone()[0] == 0
+    finally:
+        conn.close()
 
 
 async def test_deleting_a_session_deletes_its_chunks_and_vectors(gateway: Gateway) -> None:

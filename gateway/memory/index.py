@@ -91,15 +91,16 @@ CREATE TABLE IF NOT EXISTS pending_vectors (chunk_id INTEGER PRIMARY KEY);
 -- Vectors ever deleted (meta 'vector_deletes'): while it stays put, a cached matrix is
 -- only extended by the vectors added after it (gateway.memory.retrieval).
 INSERT OR IGNORE INTO meta (key, value) VALUES ('vector_deletes', 0);
--- A new chunk's words go to chunks_fts in a statement of the inserting code's own
--- (`_add_words`), not here: FTS5 written from a trigger flushes its pending terms at every
--- row's statement savepoint, a segment a row, which made an insert cost three times as much.
+-- A chunk's words enter and leave chunks_fts in statements of the code's own
+-- (`_add_words`, `_delete_chunks`), not in these triggers: FTS5 written from a trigger
+-- flushes its pending terms at every row's statement savepoint, a segment a row, which
+-- made an insert cost three times as much. The older triggers that did are dropped.
 DROP TRIGGER IF EXISTS chunks_insert;
 CREATE TRIGGER IF NOT EXISTS chunks_queue_vector AFTER INSERT ON chunks BEGIN
     INSERT OR IGNORE INTO pending_vectors(chunk_id) VALUES (new.id);
 END;
-CREATE TRIGGER IF NOT EXISTS chunks_delete AFTER DELETE ON chunks BEGIN
-    INSERT INTO chunks_fts(chunks_fts, rowid, text) VALUES ('delete', old.id, old.text);
+DROP TRIGGER IF EXISTS chunks_delete;  -- (it also wrote chunks_fts: see chunks_insert)
+CREATE TRIGGER IF NOT EXISTS chunks_gone AFTER DELETE ON chunks BEGIN
     DELETE FROM chunk_tags WHERE chunk_id = old.id;
     DELETE FROM chunk_sources WHERE chunk_id = old.id;
     DELETE FROM vectors WHERE chunk_id = old.id;
@@ -216,7 +217,7 @@ def _log_state(
 def _apply_notes(conn: sqlite3.Connection, settings: IndexSettings) -> tuple[int, int, bool]:
     last, applied, rebuild = _log_state(conn, "note_log", "note_seq")
     if rebuild:
-        conn.execute("DELETE FROM chunks WHERE kind = 'note'")
+        _delete_chunks(conn, "kind = 'note'")
         ids = [row[0] for row in conn.execute("SELECT note_id FROM st.notes")]
         hi, more = last, False
     else:
@@ -237,7 +238,7 @@ def _apply_notes(conn: sqlite3.Connection, settings: IndexSettings) -> tuple[int
 
 
 def _index_note(conn: sqlite3.Connection, note_id: str, settings: IndexSettings) -> None:
-    conn.execute("DELETE FROM chunks WHERE note_id = ?", (note_id,))
+    _delete_chunks(conn, "note_id = ?", (note_id,))
     row = conn.execute(
         "SELECT namespace, content, tags, created_at, updated_at FROM st.notes WHERE note_id = ?",
         (note_id,),
@@ -264,6 +265,17 @@ def _last_chunk_id(conn: sqlite3.Connection) -> int:
     return conn.execute("SELECT coalesce(max(id), 0) FROM chunks").fetchone()[0]
 
 
+def _delete_chunks(conn: sqlite3.Connection, where: str, params: tuple[object, ...] = ()) -> int:
+    """Delete the chunks `where` says (their tags, sources and vectors go by trigger),
+    their words first leaving the full-text index in one statement."""
+    conn.execute(
+        "INSERT INTO chunks_fts(chunks_fts, rowid, text)"
+        f" SELECT 'delete', id, text FROM chunks WHERE {where}",
+        params,
+    )
+    return conn.execute(f"DELETE FROM chunks WHERE {where}", params).rowcount
+
+
 def _add_words(conn: sqlite3.Connection, after: int) -> None:
     """The chunks inserted since `_last_chunk_id` said `after` join the full-text index."""
     conn.execute(
@@ -277,7 +289,7 @@ def _apply_messages(
     last, applied, rebuild = _log_state(conn, "fts_log", "message_seq")
     work = 0
     if rebuild:
-        work += conn.execute("DELETE FROM chunks WHERE kind = 'transcript'").rowcount
+        work += _delete_chunks(conn, "kind = 'transcript'")
         _set_meta(conn, "rebuild_after", 0)  # message id the rebuild has indexed up to
         applied = last
         _set_meta(conn, "message_seq", last)
@@ -314,7 +326,7 @@ def _drop_transcripts(conn: sqlite3.Connection) -> int:
         return 0
     _set_meta(conn, "message_seq", None)
     _set_meta(conn, "rebuild_after", None)
-    return conn.execute("DELETE FROM chunks WHERE kind = 'transcript'").rowcount
+    return _delete_chunks(conn, "kind = 'transcript'")
 
 
 # Set-based, a round's messages at once: a statement per message made indexing cost
@@ -340,8 +352,8 @@ _LINK = (
     " SELECT j.value ->> 0, c.id FROM json_each(?) j"
     " JOIN chunks c ON c.session_id = j.value ->> 1 AND c.hash = j.value ->> 2"
 )
-_DROP_ORPHANS = (
-    "DELETE FROM chunks WHERE id IN (SELECT value FROM json_each(?)) AND kind = 'transcript'"
+_ORPHANS = (
+    "id IN (SELECT value FROM json_each(?)) AND kind = 'transcript'"
     " AND NOT EXISTS (SELECT 1 FROM chunk_sources s WHERE s.chunk_id = chunks.id)"
 )
 
@@ -380,7 +392,7 @@ def _index_messages(
         _add_words(conn, before)
         conn.execute(_LINK, (codec.dumps(links),))
     if unlinked:
-        conn.execute(_DROP_ORPHANS, (codec.dumps(sorted({row[1] for row in unlinked})),))
+        _delete_chunks(conn, _ORPHANS, (codec.dumps(sorted({row[1] for row in unlinked})),))
         gone = conn.execute(  # purged from state.db: their words leave the index too
             "SELECT 1 FROM json_each(?) j WHERE NOT EXISTS"
             " (SELECT 1 FROM st.messages m WHERE m.id = j.value) LIMIT 1",
@@ -533,7 +545,7 @@ def forget_namespaces(conn: sqlite3.Connection, namespaces: list[str]) -> int:
     try:
         count = 0
         for namespace in namespaces:
-            count += conn.execute("DELETE FROM chunks WHERE namespace = ?", (namespace,)).rowcount
+            count += _delete_chunks(conn, "namespace = ?", (namespace,))
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:

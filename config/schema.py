@@ -331,11 +331,10 @@ class MemoryConfig(BaseModel):
     # takes what it returns.
     dimensions: int | None = Field(default=None, ge=1, le=8192)
     hash_dimensions: int = Field(default=256, ge=16, le=4096)
-    # Index the user's past transcripts (besides notes), in the background. Off (the
-    # default for now): recall finds notes only, and the indexer reads nothing. On, it
-    # cost a turn 183 µs of CPU (195 -> 378 at 10,000 sessions, 2026-11-24): too much to
-    # be the default until the indexer is cheaper.
-    index_transcripts: bool = False
+    # Index the user's past transcripts (besides notes), in the background. Off: recall
+    # finds notes only, and the indexer reads no message (it costs a turn CPU: see
+    # BENCHMARKS.md, "Long-term memory").
+    index_transcripts: bool = True
     weights: MemoryWeights = MemoryWeights()
     chunk_size: int = Field(default=640, ge=64, le=8192)
     chunk_overlap: int = Field(default=96, ge=0)

@@ -199,7 +199,7 @@ def run_worker(home: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
         "--max-seconds",
         str(args.max_seconds),
         *(["--split"] if args.split else []),
-        *(["--worker-index"] if getattr(args, "worker_index", False) else []),
+        *(["--worker-index", args.worker_index] if getattr(args, "worker_index", None) else []),
         "--strategy",
         args.strategy,
     ]
@@ -473,7 +473,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for hidden in ("--worker-home", "--worker-result"):
         parser.add_argument(hidden, help=argparse.SUPPRESS)
     parser.add_argument("--worker-sessions", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--worker-index", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-index", choices=("on", "off"), help=argparse.SUPPRESS)
     parser.add_argument(
         "--recall",
         action="store_true",
@@ -517,7 +517,7 @@ def recall_section(args: argparse.Namespace) -> int:
     root = Path(tempfile.mkdtemp(prefix="bench-recall-turns-"))
     try:
         for indexing in (False, True):
-            args.worker_index = indexing
+            args.worker_index = "on" if indexing else "off"
             home = root / f"home-{indexing}"
             home.mkdir(mode=0o700)
             asyncio.run(fill_home(home, n))

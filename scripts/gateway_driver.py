@@ -42,14 +42,18 @@ def source_for(i: int) -> SessionSource:
     )
 
 
-def gateway_config(strategy: str = "summary", index_transcripts: bool = False) -> GatewayConfig:
+def gateway_config(
+    strategy: str = "summary", index_transcripts: bool | None = None
+) -> GatewayConfig:
     """Production defaults, the zero-config echo agent without delay, and the context
     strategy asked for (`agent.context.strategy`, by default the default: summary);
-    `index_transcripts` False turns long-term memory's transcript indexing off."""
+    `index_transcripts` True or False turns long-term memory's transcript indexing on or
+    off (None: the default, on)."""
+    memory = {} if index_transcripts is None else {"index_transcripts": index_transcripts}
     return GatewayConfig.model_validate(
         {
             "agent": {"backend": "echo", "delay_seconds": 0, "context": {"strategy": strategy}},
-            "memory": {"index_transcripts": index_transcripts},
+            "memory": memory,
         }
     )
 
@@ -340,7 +344,8 @@ class Driver:
 async def run_gateway(home: Path, args: argparse.Namespace) -> dict[str, Any]:
     adapter = InProcessAdapter()
     config = gateway_config(
-        getattr(args, "strategy", "summary"), getattr(args, "worker_index", False)
+        getattr(args, "strategy", "summary"),
+        {"on": True, "off": False}.get(getattr(args, "worker_index", None) or ""),
     )
     runner = GatewayRunner(config, [adapter], agent_factory=None, home=home)
     driver = Driver(runner, adapter, args.worker_sessions)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from adapters.http import HttpAdapter
@@ -22,6 +23,7 @@ from gateway.memory import index
 from gateway.memory.chunking import chunk_text, content_hash, normalize_tags
 from gateway.memory.index import MEMORY_DB
 from gateway.memory.recall import Namespace, Recall
+from gateway.memory.retrieval import CANDIDATES, VectorCache, vector_scores
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
 from gateway.store.session_store import SessionStore
@@ -69,6 +71,55 @@ def test_chunks_are_640_characters_overlapping_by_96() -> None:
         assert right.split(" ", 1)[0] in left.split(" ")
     assert " ".join(chunks).split()[-1] == "w0399"
     assert chunk_text("  ") == []
+
+
+def test_a_sparse_query_scores_exactly_as_the_full_product() -> None:
+    """A hash query has few nonzero dimensions, and only those rows are multiplied:
+    the same scores and candidates as the whole matrix product (and a dense query)."""
+    rng = np.random.default_rng(7)
+    ids = np.arange(1_000, 2_000, dtype=np.int64)
+    matrix = rng.standard_normal((64, 1_000)).astype(np.float32)  # dimensions x chunks
+    sparse = np.zeros(64, dtype=np.float32)
+    sparse[[3, 17, 40]] = [0.5, -0.7, 0.5]
+    for query in (sparse, rng.standard_normal(64).astype(np.float32)):
+        full = query.astype(np.float64) @ matrix.astype(np.float64)
+        best = np.argsort(-full)[:CANDIDATES]
+        want = {int(ids[i]): full[i] for i in best if full[i] > 0.2}
+        got = vector_scores((ids, matrix), query, 0.2)
+        assert got.keys() == want.keys()
+        assert all(abs(got[key] - want[key]) < 1e-4 for key in want)
+
+
+def test_the_vector_cache_grows_with_new_vectors_and_reloads_after_a_delete(
+    tmp_path: Path,
+) -> None:
+    sqlite3.connect(tmp_path / "state.db").close()
+    conn = index.connect(tmp_path / MEMORY_DB, tmp_path / "state.db")
+    cache = VectorCache()
+    rng = np.random.default_rng(3)
+    vectors = rng.standard_normal((150, 16)).astype(np.float32)
+
+    def add(first: int, last: int) -> None:
+        conn.executemany(
+            "INSERT INTO chunks (id, namespace, kind, hash, text, created_at, updated_at)"
+            " VALUES (?, 'ns', 'note', 'h', 't', 0, 0)",
+            [(i,) for i in range(first, last)],
+        )
+        index.store_vectors(conn, list(range(first, last)), vectors[first:last], "m")
+
+    try:
+        add(0, 10)
+        ids, cols = cache.get(conn, "ns", "m")
+        assert ids.tolist() == list(range(10)) and np.array_equal(cols, vectors[:10].T)
+        add(10, 150)  # past the first capacity (64): the matrix grows
+        ids, cols = cache.get(conn, "ns", "m")
+        assert ids.tolist() == list(range(150)) and np.array_equal(cols, vectors.T)
+        conn.execute("DELETE FROM vectors WHERE chunk_id = 5")
+        ids, cols = cache.get(conn, "ns", "m")
+        keep = [i for i in range(150) if i != 5]
+        assert ids.tolist() == keep and np.array_equal(cols, vectors[keep].T)
+    finally:
+        conn.close()
 
 
 def test_tags_are_trimmed_lowercased_deduplicated_and_bounded() -> None:

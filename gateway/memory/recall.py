@@ -27,8 +27,8 @@ from gateway.memory import index
 from gateway.memory.chunking import normalize_tags
 from gateway.memory.embeddings import EmbeddingError, build_embedder
 from gateway.memory.retrieval import Scored, VectorCache, hybrid, tags_of
-from gateway.session import SessionSource
-from gateway.store import codec, purge
+from gateway.session import SessionSource, schedule_session_key
+from gateway.store import codec, purge, schedules
 from gateway.store.background import ThreadedSqliteTask
 from gateway.store.outage import Outage, StoreUnwritable
 
@@ -439,6 +439,17 @@ class Recall:
                         count += 1
                 except purge.SessionBusy:
                     busy.append(session_id)
+            # Their schedules (issue 17), with their runs and their sessions.
+            for agent, schedule_id in schedules.delete_for_user(conn, platform, user_id, agent_id):
+                key = schedule_session_key(agent, schedule_id)
+                for (session_id,) in conn.execute(
+                    "SELECT session_id FROM sessions WHERE session_key = ?", (key,)
+                ).fetchall():
+                    try:
+                        if purge.delete_session(conn, session_id, now) is not None:
+                            count += 1
+                    except purge.SessionBusy:
+                        busy.append(session_id)
             if agent_id is not None:
                 namespaces.add(f"memory:{agent_id}:{platform}:{user_id}")
             return count, sorted(namespaces), busy

@@ -442,14 +442,11 @@ class Recall:
             # Their schedules (issue 17), with their runs and their sessions.
             for agent, schedule_id in schedules.delete_for_user(conn, platform, user_id, agent_id):
                 key = schedule_session_key(agent, schedule_id)
-                for (session_id,) in conn.execute(
-                    "SELECT session_id FROM sessions WHERE session_key = ?", (key,)
-                ).fetchall():
-                    try:
-                        if purge.delete_session(conn, session_id, now) is not None:
-                            count += 1
-                    except purge.SessionBusy:
-                        busy.append(session_id)
+                deleted = schedules.delete_sessions(conn, key, now)
+                if deleted is None:
+                    busy.append(key)
+                else:
+                    count += deleted
             if agent_id is not None:
                 namespaces.add(f"memory:{agent_id}:{platform}:{user_id}")
             return count, sorted(namespaces), busy

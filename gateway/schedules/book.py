@@ -24,7 +24,7 @@ from gateway.schedules.cadence import (
     zone_name,
 )
 from gateway.session import SessionSource, schedule_session_key
-from gateway.store import codec, purge
+from gateway.store import codec
 from gateway.store import schedules as rows
 from gateway.store.session_store import SessionStore
 
@@ -69,8 +69,8 @@ def shown(row: dict[str, Any]) -> dict[str, Any]:
         "timezone": cadence.timezone,
         "status": row["status"],
         "next_run_at": iso(row["next_run_at"]),
-        "last_run_at": iso(row["last_run_at"]),
-        "last_run_status": row["last_run_status"],
+        "last_run_at": iso(row.get("last_run_at")),
+        "last_run_status": row.get("last_run_status"),
         "created_at": iso(row["created_at"]),
     }
 
@@ -194,13 +194,8 @@ class ScheduleBook:
 
         def write(conn: Any) -> None:
             rows.delete(conn, schedule_id)
-            for (session_id,) in conn.execute(
-                "SELECT session_id FROM sessions WHERE session_key = ?", (key,)
-            ).fetchall():
-                try:
-                    purge.delete_session(conn, session_id, now)
-                except purge.SessionBusy:
-                    pass  # its run is still answering; the session goes with the user's data
+            # Left while a run still answers: the session goes with the user's data.
+            rows.delete_sessions(conn, key, now)
 
         await self.store.write(write)
         self.changed()

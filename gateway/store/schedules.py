@@ -14,7 +14,10 @@ Fire times nobody ran become one `missed` row (`record_missed`).
 from __future__ import annotations
 
 import sqlite3
+from datetime import datetime
 from typing import Any
+
+from gateway.store import entries, purge
 
 ACTIVE, PAUSED, DONE = "active", "paused", "done"
 RUNNING, OK, FAILED, MISSED, INTERRUPTED = "running", "ok", "failed", "missed", "interrupted"
@@ -98,6 +101,21 @@ def delete(conn: sqlite3.Connection, schedule_id: str) -> bool:
     """The schedule and its runs."""
     conn.execute("DELETE FROM schedule_runs WHERE schedule_id = ?", (schedule_id,))
     return conn.execute("DELETE FROM schedules WHERE schedule_id = ?", (schedule_id,)).rowcount > 0
+
+
+def delete_sessions(conn: sqlite3.Connection, session_key: str, now: datetime) -> int | None:
+    """A deleted schedule's session key: its routing entry and every session of it, with
+    all they hold. None (nothing deleted) while a run's turn is in flight there."""
+    if conn.execute("SELECT 1 FROM turns WHERE session_key = ?", (session_key,)).fetchone():
+        return None
+    entries.prune(conn, [session_key], float("inf"), now)
+    deleted = 0
+    for (session_id,) in conn.execute(
+        "SELECT session_id FROM sessions WHERE session_key = ?", (session_key,)
+    ).fetchall():
+        if purge.delete_session(conn, session_id, now) is not None:
+            deleted += 1
+    return deleted
 
 
 def delete_for_user(

@@ -213,19 +213,19 @@ def parse_when(when: str, timezone: str, now: float) -> Cadence:
         return Cadence("interval", timezone, seconds=seconds, anchor=round(now + seconds, 3))
     if first == "at":
         return Cadence("once", timezone, at=_at(rest, zone, timezone, now))
-    if len(text.split()) == 5:
-        try:
-            CronTrigger.from_crontab(text, timezone=zone)
-        except ValueError as exc:
-            raise CadenceError(f"cannot read the cron expression {text!r}: {exc}") from None
-        cadence = Cadence("cron", timezone, cron=" ".join(text.split()))
-        if cadence.next_after(now) is None:
-            raise CadenceError(f"the cron expression {text!r} never fires")
-        return cadence
-    raise CadenceError(
-        f"cannot read WHEN {when!r}: use in 30m, at 09:00, at 2026-12-01 09:00, every 2h,"
-        ' or a five-field cron expression such as "0 9 * * 1-5"'
-    )
+    if not text or not (text[0].isdigit() or text[0] in "*?"):
+        raise CadenceError(
+            f"cannot read WHEN {when!r}: use in 30m, at 09:00, at 2026-12-01 09:00, every 2h,"
+            ' or a five-field cron expression such as "0 9 * * 1-5"'
+        )
+    try:
+        CronTrigger.from_crontab(text, timezone=zone)
+    except ValueError as exc:
+        raise CadenceError(f"cannot read the cron expression {text!r}: {exc}") from None
+    cadence = Cadence("cron", timezone, cron=" ".join(text.split()))
+    if cadence.next_after(now) is None:
+        raise CadenceError(f"the cron expression {text!r} never fires")
+    return cadence
 
 
 def _at(text: str, zone: tzinfo, timezone: str, now: float) -> float:

@@ -31,7 +31,9 @@ def add_schedules_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> No
     add = schedules_sub.add_parser("add", parents=parents, help="a new schedule")
     where = add.add_mutually_exclusive_group(required=True)
     where.add_argument("--chat", type=_chat, metavar="PLATFORM:CHAT_ID", help="deliver here")
-    where.add_argument("--home", metavar="PLATFORM", help="deliver to the platform's home channel")
+    where.add_argument(
+        "--home-channel", metavar="PLATFORM", help="deliver to the platform's home channel"
+    )
     add.add_argument("--agent", default=MAIN_AGENT, help="whose turn runs it (default main)")
     add.add_argument("--user", default=None, metavar="USER_ID", help="on whose behalf")
     add.add_argument("--chat-type", default="dm", choices=("dm", "group", "channel", "thread"))
@@ -113,7 +115,7 @@ async def _add(book: ScheduleBook, args: argparse.Namespace) -> int:
         platform, chat_id = args.chat
         deliver = "chat"
     else:
-        platform, chat_id, deliver = args.home, "home", "home"
+        platform, chat_id, deliver = args.home_channel, "home", "home"
     target = SessionSource.from_dict(
         {
             "platform": platform,

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import itertools
 import re
+import sqlite3
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +25,7 @@ from adapters.http import HttpAdapter
 from config import TOOL_NAMES, GatewayConfig
 from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
 from gateway.run import GatewayRunner
+from gateway.schedules.cadence import Cadence
 from gateway.session import schedule_session_key
 from gateway.store import schedules as rows
 from tests.fakes.openai_server import FakeOpenAI, serve_in_a_thread, tool_calls, tool_results
@@ -72,7 +75,10 @@ async def make_gateway(tmp_path: Path) -> AsyncIterator[MakeGateway]:
     made: list[Gateway] = []
 
     async def make(
-        agent: dict[str, Any] | None = None, agent_factory: Any = None, **settings: Any
+        agent: dict[str, Any] | None = None,
+        agent_factory: Any = None,
+        home: Path | None = None,
+        **settings: Any,
     ) -> Gateway:
         config = GatewayConfig.model_validate(
             {
@@ -85,7 +91,10 @@ async def make_gateway(tmp_path: Path) -> AsyncIterator[MakeGateway]:
         )
         adapter = HttpAdapter(config.platforms.http)
         runner = GatewayRunner(
-            config, [adapter], agent_factory=agent_factory, home=tmp_path / f"home{len(made)}"
+            config,
+            [adapter],
+            agent_factory=agent_factory,
+            home=home or tmp_path / f"home{len(made)}",
         )
         await runner.start()
         gateway = Gateway(runner, GatewayClient(adapter.url))
@@ -420,3 +429,98 @@ async def test_forgetting_a_user_deletes_their_schedules(make_gateway: MakeGatew
         )
         == 0
     )
+
+
+# --- after downtime, after a crash -------------------------------------------------------------
+
+
+def _rewrite(home: Path, sql: str, *params: Any) -> None:
+    """Change state.db while no gateway runs on it (what hours of downtime leave)."""
+    conn = sqlite3.connect(home / "sessions" / "state.db")
+    try:
+        conn.execute(sql, params)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("catch_up", ["once", "skip"])
+async def test_three_hours_down_with_an_hourly_schedule(
+    make_gateway: MakeGateway, tmp_path: Path, catch_up: str
+) -> None:
+    home = tmp_path / "down"
+    gw = await make_gateway(home=home)
+    schedule_id = await gw.schedule("every 1h hourly digest")
+    await gw.stop()
+    # It last fired at 09:00 and the gateway went down at 09:05; it is 12:10 now: 10:00
+    # and 11:00 are past their grace (30 min), 12:00 is 10 minutes late.
+    now = time.time()
+    anchor = now - 3 * 3600 - 600
+    cadence = Cadence("interval", "UTC", seconds=3600, anchor=anchor)
+    _rewrite(
+        home,
+        "UPDATE schedules SET cadence = ?, next_run_at = ? WHERE schedule_id = ?",
+        cadence.to_json(),
+        anchor + 3600,
+        schedule_id,
+    )
+    gw = await make_gateway(home=home, schedules={"min_interval": 1, "catch_up": catch_up})
+    expected = 3 if catch_up == "once" else 2  # the first gateway's /schedule reply, too
+    replies = await gw.client.replies("c1", expected, within=10)
+    assert replies.pop(0).startswith(f"Scheduled {schedule_id}")
+    assert await gw.client.no_more_replies("c1", settle=1.0) == []
+    missed_line = [r for r in replies if "missed" in r]
+    assert len(missed_line) == 1
+    await wait_for(lambda: _settled(gw, schedule_id))
+    runs = await gw.runs(schedule_id)
+    if catch_up == "once":
+        assert "missed 2 runs due" in missed_line[0]
+        assert sorted(r["status"] for r in runs) == ["missed", "ok"]
+        (ran,) = [r for r in runs if r["status"] == "ok"]
+        assert ran["fire_time"] == pytest.approx(anchor + 3 * 3600)
+        assert any("hourly digest" in r and r.startswith("echo:") for r in replies)
+    else:
+        assert "missed 3 runs due" in missed_line[0]
+        assert [r["status"] for r in runs] == ["missed"]
+    row = await gw.row(schedule_id)
+    assert row is not None and row["next_run_at"] == pytest.approx(anchor + 4 * 3600)
+
+
+async def test_a_claimed_run_whose_turn_is_gone_is_recorded_interrupted(
+    make_gateway: MakeGateway, tmp_path: Path
+) -> None:
+    home = tmp_path / "crashed"
+    gw = await make_gateway(home=home)
+    schedule_id = await gw.schedule("every 1h nightly job")
+    await gw.stop()
+    # A run claimed before a crash, whose turn marker the stuck-loop guard then dropped.
+    fire = time.time() - 60
+    _rewrite(
+        home,
+        "INSERT INTO schedule_runs (schedule_id, fire_time, status, started_at)"
+        " VALUES (?, ?, 'running', ?)",
+        schedule_id,
+        fire,
+        fire,
+    )
+    gw = await make_gateway(home=home)
+    ack, notice = await gw.client.replies("c1", 2, within=10)
+    assert ack.startswith(f"Scheduled {schedule_id}")
+    assert notice.startswith(f"Scheduled task {schedule_id} was interrupted by a restart")
+    assert await gw.client.no_more_replies("c1", settle=0.5) == []
+    (run,) = await gw.runs(schedule_id)
+    assert run["status"] == "interrupted"
+    assert gw.runner.metrics.schedule_runs["interrupted"] == 1
+    row = await gw.row(schedule_id)
+    assert row is not None and row["status"] == "active"  # a recurring job goes on
+
+
+async def test_run_history_is_pruned_to_keep_runs(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway(schedules={"min_interval": 1, "keep_runs": 3})
+    schedule_id = await gw.schedule("every 1s prune me")
+    await gw.client.replies("c1", 5, within=10)
+    await gw.say(f"/schedule pause {schedule_id}")
+    await wait_for(lambda: _settled(gw, schedule_id))
+    runs = await gw.runs(schedule_id)
+    assert len(runs) == 3
+    assert runs == sorted(runs, key=lambda r: -r["fire_time"])  # the newest kept

@@ -137,6 +137,20 @@ def test_the_cli_adds_lists_and_removes_beside_the_running_daemon(
             *("id", "platform", "chat_id", "prompt", "cadence", "status", "next_run_at"),
         }
     assert listed[1]["cadence"] == "every 1h" and listed[1]["next_run_at"].endswith("+00:00")
+    # `hermes-gateway status` shows the next fire time (status.json: rewritten within 5 s).
+    deadline = time.monotonic() + 10
+    while True:
+        status = subprocess.run(
+            [sys.executable, "-m", "gateway.cli", "status"],
+            env=home_env(daemon.home),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        if f"next scheduled run: {listed[1]['next_run_at']} ({every['id']})" in status:
+            break
+        assert time.monotonic() < deadline, status
+        time.sleep(0.5)
     assert cli(daemon, "pause", every["id"]).returncode == 0
     assert cli_json(daemon, "list")[1]["status"] == "paused"
     assert cli(daemon, "remove", every["id"]).returncode == 0

@@ -159,6 +159,8 @@ def test_the_cli_adds_lists_and_removes_beside_the_running_daemon(
     assert missing.returncode == 1 and "no schedule" in missing.stderr
     refused = cli(daemon, "add", "--chat", "http:c9", "at 2001-01-01 09:00", "late")
     assert refused.returncode == 1 and "is in the past" in refused.stderr
+    unknown = cli(daemon, "add", "--chat", "http:c9", "--agent", "nobody", "in 1h", "x")
+    assert unknown.returncode == 1 and "unknown agent 'nobody'" in unknown.stderr
     daemon.stop()
 
 

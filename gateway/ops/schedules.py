@@ -111,6 +111,9 @@ async def _list(book: ScheduleBook, args: argparse.Namespace) -> int:
 
 
 async def _add(book: ScheduleBook, args: argparse.Namespace) -> int:
+    agents = book.config.agent_configs()
+    if args.agent not in agents:
+        raise ScheduleError(f"unknown agent {args.agent!r} (agents: {', '.join(agents)})")
     if args.chat is not None:
         platform, chat_id = args.chat
         deliver = "chat"

@@ -90,6 +90,9 @@ TOOL_NAMES = (
     "scratchpad_read",
     "scratchpad_write",
     "scratchpad_clear",
+    "schedule_create",
+    "schedule_list",
+    "schedule_delete",
 )
 
 
@@ -349,6 +352,22 @@ class MemoryConfig(BaseModel):
         return value
 
 
+class SchedulesConfig(BaseModel):
+    """Scheduled jobs (`/schedule`, the schedule tools, `hermes-gateway schedules`).
+
+    ``min_interval``: the shortest period a recurring schedule may have, in seconds
+    (one-shot times have no minimum). ``catch_up``: after downtime, a fire time missed by
+    less than its grace (half the period, 2 min..2 h) runs ``once``, or with ``skip`` is
+    only recorded as missed. ``keep_runs``: run history kept per schedule."""
+
+    model_config = _MODEL_CONFIG
+
+    min_interval: float = Field(default=300.0, gt=0)
+    max_per_user: int = Field(default=50, ge=1)
+    catch_up: Literal["once", "skip"] = "once"
+    keep_runs: int = Field(default=50, ge=1)
+
+
 class StorageConfig(BaseModel):
     model_config = _MODEL_CONFIG
 
@@ -406,6 +425,7 @@ class GatewayConfig(BaseModel):
     housekeeping: HousekeepingConfig = HousekeepingConfig()
     logging: LoggingConfig = LoggingConfig()
     memory: MemoryConfig = MemoryConfig()
+    schedules: SchedulesConfig = SchedulesConfig()
     # Who may use admin commands (/restart), as "platform:user_id", e.g. "telegram:12345".
     admins: list[str] = Field(default_factory=list)
     # Set by load_config; the loader rejects it as a YAML key.

@@ -30,6 +30,7 @@ from gateway.agents.roster import Roster
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
 from gateway.ops.memory import add_memory_parser, run_memory_command
+from gateway.ops.schedules import add_schedules_parser, run_schedules_command
 from gateway.ops.sdnotify import SystemdNotifier, run_watchdog
 from gateway.ops.service import add_service_parser
 from gateway.ops.sessions import add_sessions_subcommands, agent_id, run_sessions_command
@@ -285,6 +286,14 @@ def cmd_memory(args: argparse.Namespace, config: GatewayConfig) -> int:
     return asyncio.run(run())
 
 
+def cmd_schedules(args: argparse.Namespace, config: GatewayConfig) -> int:
+    async def run() -> int:
+        async with SessionStore(sessions_dir(hermes_home()), config) as store:
+            return await run_schedules_command(store, config, args)
+
+    return asyncio.run(run())
+
+
 # --- parser -----------------------------------------------------------------------------
 
 
@@ -373,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_memory_parser(sub, [common])
     sub.choices["memory"].set_defaults(handler=cmd_memory)
+    add_schedules_parser(sub, [common])
+    sub.choices["schedules"].set_defaults(handler=cmd_schedules)
     add_doctor_parser(sub, [common])
     add_pairing_parser(sub, [common])
     add_status_parser(sub, [common])

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 NAMES = frozenset(
     {
         *("new", "reset", "stop", "queue", "q", "status", "resume", "retry", "undo", "help"),
-        *("restart", "title", "search", "forget", "compress"),
+        *("restart", "title", "search", "forget", "compress", "schedule", "sethome"),
     }
 )
 QUEUE_COMMANDS = frozenset({"queue", "q"})

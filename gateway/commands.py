@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 from adapters.base import Accepted, AcceptStatus, MessageEvent
 from gateway.command_syntax import NAMES, Command
 from gateway.policy import next_reset_at
+from gateway.schedule_commands import cmd_schedule, cmd_sethome, next_run_line
 from gateway.session import agent_id_of_key
 from gateway.store import titles
 
@@ -101,6 +102,9 @@ async def cmd_status(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
     ]
     if flags:
         lines.append(f"Flags: {', '.join(flags)}")
+    scheduled = await next_run_line(runner, event, key)
+    if scheduled is not None:
+        lines.append(scheduled)
     return "\n".join(lines)
 
 
@@ -283,6 +287,8 @@ HANDLERS: dict[str, Handler] = {
     "title": cmd_title,
     "search": cmd_search,
     "forget": cmd_forget,
+    "schedule": cmd_schedule,
+    "sethome": cmd_sethome,
 }
 assert HANDLERS.keys() == NAMES, "every command word has exactly one handler"
 HELP_TEXT = """Commands:
@@ -297,6 +303,9 @@ HELP_TEXT = """Commands:
 /retry — ask again: re-run your last message
 /undo [N] — take back your last N messages and their replies
 /compress [FOCUS] — condense this session's history into its summary now
+/schedule add WHEN PROMPT — run PROMPT later or repeatedly (in 30m, at 09:00, every 2h,
+  "0 9 * * 1-5"); /schedule list | remove ID | pause ID | resume ID | run ID | runs ID
+/sethome — make this chat the platform's home channel (for scheduled tasks)
 /restart — restart the gateway (admins only)
 /help — this list
 Messages sent while a reply is running are combined into the next turn."""

@@ -4,7 +4,8 @@ Inactive unless the environment variable `HERMES_CRASH_AT` is set, e.g.
 `HERMES_CRASH_AT=before_ledger_mark:3`: the third time that point is reached, the
 process kills itself with SIGKILL, exactly as `kill -9` would, in the middle of the
 persistence step. Points: after_turn_begin, after_transcript_write,
-before_ledger_mark, mid_sessions_json_write.
+before_ledger_mark, mid_sessions_json_write, after_schedule_claim (a scheduled run claimed
+and its turn begun, issue 17).
 """
 
 from __future__ import annotations
@@ -14,7 +15,13 @@ import signal
 import threading
 
 POINTS = frozenset(
-    {"after_turn_begin", "after_transcript_write", "before_ledger_mark", "mid_sessions_json_write"}
+    {
+        "after_turn_begin",
+        "after_transcript_write",
+        "before_ledger_mark",
+        "mid_sessions_json_write",
+        "after_schedule_claim",
+    }
 )
 
 

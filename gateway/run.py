@@ -48,6 +48,8 @@ from gateway.pairing import Pairing
 from gateway.policy import reset_notice
 from gateway.queue import QueueFull, SessionQueue
 from gateway.recovery import Recovery
+from gateway.schedules.book import ScheduleBook, iso
+from gateway.schedules.loop import Scheduler
 from gateway.session import (
     Platform,
     SessionContext,
@@ -130,6 +132,9 @@ class GatewayRunner(SessionOps):
         )
         # Long-term memory: notes and hybrid recall (the memory tools, `hermes-gateway memory`).
         self.recall = Recall(self.store, config)
+        # Scheduled jobs (issue 17): the book (commands, tools) and the loop that fires them.
+        self.schedule_book = ScheduleBook(self.store, config)
+        self.scheduler = Scheduler(self, self.schedule_book)
         self.metrics = Metrics()
         self.delivery = Delivery(self.adapters, self.turnlog, self.metrics)
         self.finalize_hooks: list[FinalizeHook] = []
@@ -194,6 +199,7 @@ class GatewayRunner(SessionOps):
         held, self._held = self._held, None
         for key, event, kind, command in held:
             await self._dispatch(key, event, kind, command)
+        await self.scheduler.start()  # after recovery: a resumed run is not interrupted
         self._housekeeper.start()
         self._status_task = asyncio.create_task(keep_status(self.home, self.status_snapshot))
         # What is alive now (modules, config, clients) lives as long as the process: move
@@ -218,6 +224,7 @@ class GatewayRunner(SessionOps):
         unless start-up failed before recovery consumed it."""
         self._accepting = False
         self._draining = True
+        await self.scheduler.stop()
         workers = dict(self._workers)
         if workers:
             log.info("draining", running_turns=len(workers))
@@ -319,7 +326,25 @@ class GatewayRunner(SessionOps):
             return await commands.dispatch(self, event, key, command)
         return await self.submit(key, event, fifo=kind == "queue")
 
-    async def _accept_and_start(self, key: str, event: MessageEvent, kind: str) -> Accepted:
+    async def start_scheduled(
+        self, key: str, event: MessageEvent, text: str, claim: Callable[[Any], bool]
+    ) -> bool:
+        """A scheduled run (`gateway.schedules.loop`): claim it and begin its turn in the
+        schedule's session in one transaction. False: the session is busy, the gateway
+        stopping, or the claim refused (nothing was written)."""
+        if not self._accepting or key in self._workers:
+            return False
+        accepted = await self._accept_and_start(key, event, "turn", text, claim)
+        return accepted.status == AcceptStatus.STARTED
+
+    async def _accept_and_start(
+        self,
+        key: str,
+        event: MessageEvent,
+        kind: str,
+        text: str | None = None,
+        claim: Callable[[Any], bool] | None = None,
+    ) -> Accepted:
         """A message to an idle session: accept it and begin its turn in one transaction.
 
         The worker is registered first, so messages arriving meanwhile queue behind it."""
@@ -329,8 +354,10 @@ class GatewayRunner(SessionOps):
         self._workers[key] = asyncio.create_task(
             self._session_worker(key, event, begun), name=f"session:{key}"
         )
+        if text is None:
+            text = self._turn_text(event)
         try:
-            result = await self.turnlog.accept_and_begin(event, key, kind, self._turn_text(event))
+            result = await self.turnlog.accept_and_begin(event, key, kind, text, claim)
         except BaseException:
             if not begun.done():
                 begun.set_result(None)  # nothing was accepted: the worker moves on
@@ -509,9 +536,18 @@ class GatewayRunner(SessionOps):
             turn.usage = outcome.usage
             if self.config.logging.include_text:
                 turn.texts = (begun.text, outcome.text)
-            chunks = self.delivery.split(source, self._with_reset_notice(entry, outcome.text))
+            text, settles, run_status = outcome.text, (), None
+            schedule_id = self.scheduler.schedule_of(key)
+            if schedule_id is not None:  # a scheduled run: its outcome ends with the turn
+                text, settle, run_status = await self.scheduler.settle_turn(
+                    schedule_id, outcome.reply, outcome.text, outcome.usage
+                )
+                settles = (settle,)
+            chunks = self.delivery.split(source, self._with_reset_notice(entry, text))
             turn.chunks = len(chunks)
-            ids = await self._finish(key, begun, event, outcome, chunks, tools)
+            ids = await self._finish(key, begun, event, outcome, chunks, tools, settles)
+            if run_status is not None:
+                self.metrics.count_schedule_run(run_status)
             if outcome.reply is not None:
                 self.metrics.turns_total += 1
                 self.recovery.turn_succeeded(key)
@@ -540,6 +576,7 @@ class GatewayRunner(SessionOps):
         outcome: TurnOutcome,
         chunks: list[str],
         tools: TurnTools | None = None,
+        settles: Sequence[Callable[[Any], object]] = (),
     ) -> list[int]:
         """Record the turn's end (its tool rounds and what its tools wrote included), and
         begin the key's next waiting turn in the same transaction (it then runs without
@@ -558,6 +595,7 @@ class GatewayRunner(SessionOps):
                 then=then,
                 messages=outcome.messages,
                 writes=tools.writes() if tools is not None else (),
+                settles=settles,
             )
         except BaseException:
             if waiting is not None and queue is not None:
@@ -630,6 +668,7 @@ class GatewayRunner(SessionOps):
         scope = TurnScope(
             store=self.store,
             recall=self.recall,
+            schedules=self.schedule_book,
             session_key=key,
             session_id=session_id,
             source=source,
@@ -710,7 +749,15 @@ class GatewayRunner(SessionOps):
             "agents": self.roster.describe(),
             "active_turns": self.busy_sessions(),
             "queue_depth": sum(q.depth for q in self._queues.values()),
+            "next_schedule": self._next_schedule(),
         }
+
+    def _next_schedule(self) -> dict[str, Any] | None:
+        """The scheduler's earliest fire time, as it last read it."""
+        upcoming = self.scheduler.next_fire
+        if upcoming is None:
+            return None
+        return {"schedule_id": upcoming[0], "fire_at": iso(upcoming[1])}
 
     def metrics_text(self) -> str:
         return self.metrics.render(

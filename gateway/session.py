@@ -284,6 +284,29 @@ def build_session_key(
     return ":".join(parts)
 
 
+#: the segment of a scheduled job's session key (`agent:{agent_id}:cron:{schedule_id}`);
+#: no platform is called this, so no chat's key can take the form
+SCHEDULE_KEY_SEGMENT = "cron"
+
+
+def schedule_session_key(agent_id: str, schedule_id: str) -> str:
+    """The session of a scheduled job: its runs keep their own context there and never
+    interleave with the chat's own turns."""
+    validate_id("agent_id", agent_id)
+    validate_id("schedule_id", schedule_id)
+    if ":" in agent_id or ":" in schedule_id or not agent_id or not schedule_id:
+        raise ValueError("agent_id and schedule_id must be non-empty and must not contain ':'")
+    return f"agent:{agent_id}:{SCHEDULE_KEY_SEGMENT}:{schedule_id}"
+
+
+def schedule_id_of_key(session_key: str) -> str | None:
+    """The schedule id of a scheduled job's session key; None for any other key."""
+    parts = session_key.split(":")
+    if len(parts) == 4 and parts[0] == "agent" and parts[2] == SCHEDULE_KEY_SEGMENT:
+        return parts[3]
+    return None
+
+
 def agent_id_of_key(session_key: str) -> str:
     """The agent id of a session key (`agent:{agent_id}:...`): whose session it is.
 

@@ -34,6 +34,7 @@ closed loop's chats); it neither decodes what it reads nor runs an agent.
     .venv/bin/python scripts/bench_gateway.py --split          # also: where a turn's time goes
     .venv/bin/python scripts/bench_gateway.py --cold           # start-up as after a boot (root)
     .venv/bin/python scripts/bench_gateway.py --strategy window  # the window context strategy
+    .venv/bin/python scripts/bench_gateway.py --schedules 10000  # the scheduler (issue 17)
 
 Keys are random among the N sessions; a key with a message in flight is not picked again
 until its reply arrived, so every message gets its own turn and its own reply (two
@@ -481,6 +482,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         " and the closed loop's per-turn cost with transcript indexing on vs off",
     )
     parser.add_argument("--recall-chunks", type=int, default=100_000, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--schedules",
+        type=int,
+        default=None,
+        metavar="N",
+        help="only the scheduler: the daemon's idle CPU with N schedules and the delay from"
+        " a fire time to its turn begun (scripts/bench_schedules.py; --quick: shorter)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = {
@@ -533,12 +542,27 @@ def recall_section(args: argparse.Namespace) -> int:
     return 0
 
 
+def schedules_section(args: argparse.Namespace) -> int:
+    """Scheduled jobs (issue 17): idle CPU at N schedules, fire time -> turn begun."""
+    from scripts import bench_schedules
+
+    options = ["--schedules", str(args.schedules)]
+    if args.quick:
+        options += ["--due", "20", "--burst", "10", "--idle-seconds", "2"]
+    schedule_args = bench_schedules.parse_args(options)
+    for line in bench_schedules.report(bench_schedules.run(schedule_args), schedule_args):
+        print(line)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker_home is not None:
         return worker_main(args)
     if args.recall:
         return recall_section(args)
+    if args.schedules is not None:
+        return schedules_section(args)
     cpus = os.cpu_count()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
     print(

@@ -36,7 +36,9 @@ from gateway.recovery import STUCK_NOTICE
 from scripts.harness import Daemon, is_connection_error
 
 ACCEPTED = {"started", "pending", "queued", "duplicate"}
-MODES = ("random", *sorted(POINTS))
+# A scheduled run's claim is never reached by chat traffic (tests/test_schedules_daemon.py
+# crashes there).
+MODES = ("random", *sorted(POINTS - {"after_schedule_claim"}))
 ECHO_PREFIX = "echo: "
 
 

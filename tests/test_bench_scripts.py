@@ -105,3 +105,32 @@ def test_bench_recall_indexes_the_users_chunks_and_times_searches() -> None:
     found = re.search(r"recall over (\d+) chunks of one user .*p99 ([\d.]+) ms", proc.stdout)
     assert found is not None, proc.stdout
     assert int(found.group(1)) == 400, proc.stdout
+
+
+@pytest.mark.timeout(120)
+def test_bench_gateway_schedules_reports_idle_cpu_and_fire_delay() -> None:
+    """`--schedules N`: the scheduler's idle CPU at N schedules and the delay from fire
+    times to turns begun, measured on runs that really fired (all of them)."""
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_gateway.py"),
+            "--schedules",
+            "300",
+            "--quick",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"{out}\n{proc.stderr}"
+    idle = re.search(r"scheduler at 300 schedules .*idle CPU ([\d.]+)% of one core", out)
+    assert idle is not None, out
+    spread = re.search(r"turn begun, (\d+) runs one every 50 ms: p50 ([\d.]+) ms", out)
+    burst = re.search(r"turn begun, (\d+) runs at once: p50 ([\d.]+) ms", out)
+    assert spread is not None and burst is not None, out
+    assert int(spread.group(1)) == 20 and int(burst.group(1)) == 10, out
+    assert float(spread.group(2)) < 1000, out  # fired on time, not a poll later
+    assert "daemon log warnings/errors" not in out, out

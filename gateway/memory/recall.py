@@ -27,8 +27,8 @@ from gateway.memory import index
 from gateway.memory.chunking import normalize_tags
 from gateway.memory.embeddings import EmbeddingError, HashEmbedder, build_embedder
 from gateway.memory.retrieval import Scored, VectorCache, hybrid, tags_of
-from gateway.session import SessionSource
-from gateway.store import codec, purge
+from gateway.session import SessionSource, schedule_session_key
+from gateway.store import codec, purge, schedules
 from gateway.store.background import ThreadedSqliteTask
 from gateway.store.outage import Outage, StoreUnwritable
 
@@ -449,6 +449,14 @@ class Recall:
                         count += 1
                 except purge.SessionBusy:
                     busy.append(session_id)
+            # Their schedules (issue 17), with their runs and their sessions.
+            for agent, schedule_id in schedules.delete_for_user(conn, platform, user_id, agent_id):
+                key = schedule_session_key(agent, schedule_id)
+                deleted = schedules.delete_sessions(conn, key, now)
+                if deleted is None:
+                    busy.append(key)
+                else:
+                    count += deleted
             if agent_id is not None:
                 namespaces.add(f"memory:{agent_id}:{platform}:{user_id}")
             return count, sorted(namespaces), busy

@@ -6,6 +6,10 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+# Schedule fire delay buckets in seconds (fire time -> the run's turn begun).
+DELAY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
+SCHEDULE_RUN_STATUSES = ("ok", "failed", "missed", "interrupted")
+
 # Turn latency buckets in seconds: echo turns take milliseconds, model turns seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
@@ -24,6 +28,18 @@ class Metrics:
     send_errors_total: int = 0
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_sum: float = 0.0
+    schedule_runs: dict[str, int] = field(
+        default_factory=lambda: dict.fromkeys(SCHEDULE_RUN_STATUSES, 0)
+    )
+    delay_counts: list[int] = field(default_factory=lambda: [0] * (len(DELAY_BUCKETS) + 1))
+    delay_sum: float = 0.0
+
+    def count_schedule_run(self, status: str) -> None:
+        self.schedule_runs[status] = self.schedule_runs.get(status, 0) + 1
+
+    def observe_schedule_delay(self, seconds: float) -> None:
+        self.delay_counts[bisect_left(DELAY_BUCKETS, seconds)] += 1
+        self.delay_sum += seconds
 
     def observe_turn(self, seconds: float) -> None:
         self.latency_counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
@@ -68,19 +84,47 @@ class Metrics:
         ]
         for name, help_text, value in counters:
             metric(name, "counter", help_text, value())
-        lines.append(
-            "# HELP hermes_turn_latency_seconds Time from a turn's start to its reply being"
-            " recorded (queueing behind an earlier turn of the session not included)"
+        lines.append("# HELP hermes_schedule_runs_total Scheduled runs ended, by status")
+        lines.append("# TYPE hermes_schedule_runs_total counter")
+        for status, count in self.schedule_runs.items():
+            lines.append(f'hermes_schedule_runs_total{{status="{status}"}} {count}')
+        _histogram(
+            lines,
+            "schedule_fire_delay_seconds",
+            "Time from a schedule's fire time to its run's turn begun",
+            DELAY_BUCKETS,
+            self.delay_counts,
+            self.delay_sum,
         )
-        lines.append("# TYPE hermes_turn_latency_seconds histogram")
-        cumulative = 0
-        for bound, count in zip(LATENCY_BUCKETS, self.latency_counts, strict=False):
-            cumulative += count
-            lines.append(f'hermes_turn_latency_seconds_bucket{{le="{bound:g}"}} {cumulative}')
-        cumulative += self.latency_counts[-1]
-        lines.append(f'hermes_turn_latency_seconds_bucket{{le="+Inf"}} {cumulative}')
-        lines.append(f"hermes_turn_latency_seconds_sum {self.latency_sum:g}")
-        lines.append(f"hermes_turn_latency_seconds_count {cumulative}")
+        _histogram(
+            lines,
+            "turn_latency_seconds",
+            "Time from a turn's start to its reply being recorded (queueing behind an"
+            " earlier turn of the session not included)",
+            LATENCY_BUCKETS,
+            self.latency_counts,
+            self.latency_sum,
+        )
         for name, (help_text, value) in gauges.items():
             metric(name, "gauge", help_text, value)
         return "\n".join(lines) + "\n"
+
+
+def _histogram(
+    lines: list[str],
+    name: str,
+    help_text: str,
+    bounds: tuple[float, ...],
+    counts: list[int],
+    total: float,
+) -> None:
+    lines.append(f"# HELP hermes_{name} {help_text}")
+    lines.append(f"# TYPE hermes_{name} histogram")
+    cumulative = 0
+    for bound, count in zip(bounds, counts, strict=False):
+        cumulative += count
+        lines.append(f'hermes_{name}_bucket{{le="{bound:g}"}} {cumulative}')
+    cumulative += counts[-1]
+    lines.append(f'hermes_{name}_bucket{{le="+Inf"}} {cumulative}')
+    lines.append(f"hermes_{name}_sum {total:g}")
+    lines.append(f"hermes_{name}_count {cumulative}")

@@ -162,6 +162,9 @@ def cmd_status(args: argparse.Namespace, config: GatewayConfig) -> int:
     else:
         print(f"  agent: {status.get('agent')}")
     print(f"  running turns: {status.get('active_turns')}, queued: {status.get('queue_depth')}")
+    upcoming = status.get("next_schedule")
+    if isinstance(upcoming, dict):
+        print(f"  next scheduled run: {upcoming.get('fire_at')} ({upcoming.get('schedule_id')})")
     store = health.get("store", {})
     if store.get("state", "writable") != "writable":
         print(

@@ -239,6 +239,12 @@ class Database:
             + sum(1 for _, settles, persist in self._pending if persist and not settles.done()),
         }
 
+    def data_version(self) -> int:
+        """SQLite's `PRAGMA data_version` on the writer: it changes when another
+        connection (another process: the CLI) committed. Microseconds, no file read;
+        between two group commits the writer has no transaction open."""
+        return self._require_open().execute("PRAGMA data_version").fetchone()[0]
+
     def trace_writes(self, callback: Callable[[str], object] | None) -> None:
         """Hand every SQL statement the writer runs to `callback` (None stops it): how
         the tests count a turn's statements."""

@@ -15,7 +15,7 @@ from typing import Any
 from gateway.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -246,6 +246,53 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     CREATE TABLE scratchpads (
         session_id TEXT PRIMARY KEY REFERENCES sessions(session_id) ON DELETE CASCADE,
         items      TEXT NOT NULL,
+        updated_at REAL NOT NULL
+    ) WITHOUT ROWID;
+    """,
+    # Issue 17: scheduled jobs (gateway.store.schedules). The rows are the one source of
+    # truth: the scheduler sleeps until the earliest active `next_run_at` (a partial
+    # index: finding it is one B-tree descent, whatever the number of schedules). A run
+    # is claimed by its row, unique per fire time, in the transaction that advances
+    # `next_run_at` and begins its turn: a fire time is never run twice. Times are Unix
+    # seconds (UTC); `cadence` is JSON (gateway.schedules.cadence).
+    12: """
+    CREATE TABLE schedules (
+        schedule_id          TEXT PRIMARY KEY,
+        agent_id             TEXT NOT NULL,
+        platform             TEXT NOT NULL,
+        chat_id              TEXT NOT NULL,
+        user_id              TEXT,
+        target               TEXT NOT NULL,
+        deliver              TEXT NOT NULL DEFAULT 'chat',
+        prompt               TEXT NOT NULL,
+        cadence              TEXT NOT NULL,
+        status               TEXT NOT NULL DEFAULT 'active',
+        created_at           REAL NOT NULL,
+        updated_at           REAL NOT NULL,
+        next_run_at          REAL,
+        last_run_at          REAL,
+        last_run_status      TEXT,
+        consecutive_failures INTEGER NOT NULL DEFAULT 0
+    ) WITHOUT ROWID;
+    CREATE INDEX schedules_due ON schedules(next_run_at) WHERE status = 'active';
+    CREATE INDEX schedules_by_user ON schedules(platform, user_id, agent_id);
+    CREATE INDEX schedules_by_chat ON schedules(platform, chat_id);
+    CREATE TABLE schedule_runs (
+        run_id         INTEGER PRIMARY KEY,
+        schedule_id    TEXT NOT NULL REFERENCES schedules(schedule_id) ON DELETE CASCADE,
+        fire_time      REAL NOT NULL,
+        status         TEXT NOT NULL,
+        started_at     REAL,
+        finished_at    REAL,
+        output_summary TEXT,
+        input_tokens   INTEGER NOT NULL DEFAULT 0,
+        output_tokens  INTEGER NOT NULL DEFAULT 0,
+        UNIQUE (schedule_id, fire_time)
+    );
+    CREATE INDEX schedule_runs_running ON schedule_runs(status) WHERE status = 'running';
+    CREATE TABLE home_channels (
+        platform   TEXT PRIMARY KEY,
+        target     TEXT NOT NULL,
         updated_at REAL NOT NULL
     ) WITHOUT ROWID;
     """,

@@ -20,10 +20,17 @@ from typing import Any
 
 import structlog
 
-from config import GatewayConfig
+from config import GatewayConfig, SessionResetPolicy
 from gateway.policy import last_daily_boundary, reset_reason
 from gateway.routing import Router
-from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
+from gateway.session import (
+    Platform,
+    SessionEntry,
+    SessionSource,
+    TokenUsage,
+    build_session_key,
+    schedule_id_of_key,
+)
 from gateway.store import entries, summary_checkpoints, transcript
 from gateway.store.db import Database, T
 from gateway.store.fts import FtsIndexer
@@ -35,6 +42,7 @@ from gateway.store.mirror import (
 )
 
 log = structlog.get_logger(__name__)
+NEVER_RESET = SessionResetPolicy(mode="none")
 
 STATE_DB = "state.db"
 SESSIONS_JSON = "sessions.json"
@@ -193,6 +201,10 @@ class SessionStore:
         """Transactions committed so far (background indexers' change signal)."""
         return self._db.commits
 
+    def data_version(self) -> int:
+        """Changes when another process committed to state.db (`Database.data_version`)."""
+        return self._db.data_version()
+
     def write_soon(
         self, fn: Callable[[sqlite3.Connection], T], *, persist: bool = False
     ) -> asyncio.Future[T]:
@@ -288,6 +300,9 @@ class SessionStore:
         message belongs to, and whether a new session was written for it (new key, forced,
         suspended or expired); a session that continues is not written here."""
         policy = self.config.get_reset_policy(source.platform, source.chat_type)
+        if schedule_id_of_key(key) is not None:
+            # A scheduled job's session keeps its context from run to run (issue 17).
+            policy = NEVER_RESET
         active = self._has_active_processes(key)
         tz = self._tz
 

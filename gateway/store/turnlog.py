@@ -87,15 +87,26 @@ class TurnLog:
         return start
 
     async def accept_and_begin(
-        self, event: MessageEvent, session_key: str, kind: str, text: str
+        self,
+        event: MessageEvent,
+        session_key: str,
+        kind: str,
+        text: str,
+        claim: Callable[[sqlite3.Connection], bool] | None = None,
     ) -> tuple[int, TurnStart] | None:
         """`accept` and `begin` in one transaction, for a message to an idle session: one
-        commit (and one wait) fewer per turn. None when the message is a redelivery."""
+        commit (and one wait) fewer per turn. None when the message is a redelivery.
+
+        `claim` (a scheduled run's claim, issue 17) runs first in the same transaction;
+        False from it (the run was not claimed) writes nothing and returns None: a run
+        claimed is a turn begun, or neither."""
         record = _encoded(event)
         accept = self._accept_tx(event, session_key, kind, journal.ACCEPTED, record)
         begin = self._begin_tx(event, session_key, text, record)
 
         def tx(conn: sqlite3.Connection) -> tuple[int, TurnStart] | None:
+            if claim is not None and not claim(conn):
+                return None
             inbox_id = accept(conn)
             return None if inbox_id is None else (inbox_id, begin(conn, [inbox_id]))
 
@@ -177,6 +188,7 @@ class TurnLog:
         then: tuple[MessageEvent, str] | None = None,
         messages: Sequence[dict[str, Any]] = (),
         writes: Sequence[Callable[[sqlite3.Connection], object]] = (),
+        settles: Sequence[Callable[[sqlite3.Connection], object]] = (),
     ) -> tuple[list[int], TurnStart | None]:
         """Record the turn's outcome and its reply chunks; returns their delivery ids,
         and the start of the `then` turn.
@@ -189,7 +201,8 @@ class TurnLog:
         wrote commit together, or (a crash before this) not at all.
         `then` (an accepted event waiting behind this turn, and its text as stored) is
         begun in the same transaction: a queued message's turn costs no transaction of
-        its own (issue 14: at most two awaited transactions per turn).
+        its own (issue 14: at most two awaited transactions per turn). `settles` run
+        whether the turn succeeded or not (a scheduled run's outcome, issue 17).
         """
         begin_next = None
         if then is not None:
@@ -210,6 +223,8 @@ class TurnLog:
                 for message in messages:
                     transcript.insert_message(conn, session_id, message)
                 transcript.insert_message(conn, session_id, {"role": "assistant", "content": reply})
+            for write in settles:
+                write(conn)
             # One UPDATE of the hot row, nothing loaded or encoded; a session reset since
             # `begin` is left alone (its own entry is not this turn's to settle).
             entries.settle_turn(

@@ -65,6 +65,8 @@ class TurnScope:
     agent_id: str
     # This turn's scratchpad write (None: unchanged), committed when the turn finishes.
     pad: list[str] | None = field(default=None)
+    # gateway.schedules.book.ScheduleBook (the schedule tools), or None where there is none
+    schedules: Any = field(default=None)
 
 
 class Toolbox:

@@ -1,0 +1,514 @@
+"""Issue 17, scheduled jobs, through the real runner: /schedule and /sethome in chat, the
+schedule tools through the fake model, runs in their own session delivered through the
+ledger, pausing after failures, /status and /metrics, deleting a user's data.
+
+The real runner with the real HTTP adapter and store, short schedules (`in 1s`, `every
+1s` with a test-only `schedules.min_interval`). The daemon as a subprocess (the CLI,
+kill -9) is tests/test_schedules_daemon.py; calendars and downtime at unit level are
+tests/test_schedule_cadence.py.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import sqlite3
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.http import HttpAdapter
+from config import TOOL_NAMES, GatewayConfig
+from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
+from gateway.run import GatewayRunner
+from gateway.schedules.cadence import Cadence
+from gateway.session import schedule_session_key
+from gateway.store import schedules as rows
+from tests.fakes.openai_server import FakeOpenAI, serve_in_a_thread, tool_calls, tool_results
+from tests.gateway_client import GatewayClient
+from tests.waiting import wait_for
+
+pytestmark = pytest.mark.timeout(60)
+
+ID = re.compile(r"sch_[0-9a-f]{8}")
+
+
+@dataclass
+class Gateway:
+    runner: GatewayRunner
+    client: GatewayClient
+    stopped: bool = False
+
+    async def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            await self.client.close()
+            await self.runner.stop()
+
+    async def say(self, text: str, chat: str = "c1", user: str = "u1") -> str:
+        await self.client.post(chat, text, user_id=user)
+        (reply,) = await self.client.replies(chat, 1)
+        return reply
+
+    async def schedule(self, text: str, chat: str = "c1", user: str = "u1") -> str:
+        reply = await self.say(f"/schedule add {text}", chat, user)
+        found = ID.search(reply)
+        assert found is not None and reply.startswith("Scheduled"), reply
+        return found.group(0)
+
+    async def runs(self, schedule_id: str) -> list[dict[str, Any]]:
+        return await self.runner.store.read(lambda conn: rows.runs(conn, schedule_id, 100))
+
+    async def row(self, schedule_id: str) -> dict[str, Any] | None:
+        return await self.runner.store.read(lambda conn: rows.get(conn, schedule_id))
+
+
+MakeGateway = Callable[..., Awaitable[Gateway]]
+
+
+@pytest.fixture
+async def make_gateway(tmp_path: Path) -> AsyncIterator[MakeGateway]:
+    made: list[Gateway] = []
+
+    async def make(
+        agent: dict[str, Any] | None = None,
+        agent_factory: Any = None,
+        home: Path | None = None,
+        **settings: Any,
+    ) -> Gateway:
+        config = GatewayConfig.model_validate(
+            {
+                "timezone": "UTC",
+                "platforms": {"http": {"enabled": True, "port": 0}},
+                "agent": agent or {"backend": "echo"},
+                "schedules": {"min_interval": 1},
+                **settings,
+            }
+        )
+        adapter = HttpAdapter(config.platforms.http)
+        runner = GatewayRunner(
+            config,
+            [adapter],
+            agent_factory=agent_factory,
+            home=home or tmp_path / f"home{len(made)}",
+        )
+        await runner.start()
+        gateway = Gateway(runner, GatewayClient(adapter.url))
+        made.append(gateway)
+        return gateway
+
+    yield make
+    for gateway in made:
+        await gateway.stop()
+
+
+# --- /schedule ---------------------------------------------------------------------------------
+
+
+async def test_an_in_1s_reminder_is_delivered_once_in_its_own_session(
+    make_gateway: MakeGateway,
+) -> None:
+    gw = await make_gateway()
+    schedule_id = await gw.schedule("in 1s water the plants")
+    (reply,) = await gw.client.replies("c1", 1, within=10)
+    assert reply.startswith("echo: [Scheduled task") and "water the plants" in reply
+    assert await gw.client.no_more_replies("c1", settle=1.5) == []
+    runs = await gw.runs(schedule_id)
+    assert [r["status"] for r in runs] == ["ok"]
+    assert "water the plants" in runs[0]["output_summary"]
+    row = await gw.row(schedule_id)
+    assert row is not None and row["status"] == "done" and row["next_run_at"] is None
+    # Its own session, never the chat's: the chat's transcript has only the command.
+    key = schedule_session_key("main", schedule_id)
+    assert await gw.runner.store.get_entry(key) is not None
+    listed = await gw.say("/schedule list")
+    assert schedule_id in listed and "[done]" in listed
+
+
+async def test_an_every_schedule_fires_each_period_and_keeps_its_context(
+    make_gateway: MakeGateway,
+) -> None:
+    seen: list[TurnRequest] = []
+
+    class Recorder:
+        def __init__(self, session_key: str) -> None:
+            pass
+
+        async def run_turn(self, request: TurnRequest) -> TurnResult:
+            seen.append(request)
+            return TurnResult(f"tick {len(seen)}")
+
+        async def close(self) -> None:
+            pass
+
+    gw = await make_gateway(agent_factory=Recorder)
+    schedule_id = await gw.schedule("every 1s count")
+    replies = await gw.client.replies("c1", 3, within=10)
+    assert replies == ["tick 1", "tick 2", "tick 3"]
+    assert await gw.say(f"/schedule pause {schedule_id}") == (
+        f"Paused {schedule_id}; /schedule resume {schedule_id} starts it again."
+    )
+    fired = len(seen)
+    assert await gw.client.no_more_replies("c1", settle=1.5) in ([], [f"tick {fired}"])
+    assert len(seen) <= fired + 1  # at most the run that was starting when it paused
+    # One session for every run: the third run saw the first two in its history.
+    key = schedule_session_key("main", schedule_id)
+    assert {r.session_key for r in seen} == {key}
+    assert [m["content"] for m in seen[2].history if m["role"] == "assistant"] == [
+        "tick 1",
+        "tick 2",
+    ]
+    fire_times = [r["fire_time"] for r in await gw.runs(schedule_id)]
+    assert len(set(fire_times)) == len(fire_times)  # one run per fire time
+    gaps = [a - b for a, b in itertools.pairwise(fire_times)]
+    assert all(0.99 <= gap <= 1.01 for gap in gaps), gaps
+    resumed = await gw.say(f"/schedule resume {schedule_id}")
+    assert resumed.startswith(f"Resumed {schedule_id}; next run")
+    assert (await gw.client.replies("c1", 1, within=5))[0].startswith("tick")
+
+
+async def test_schedule_validation_names_what_is_wrong(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway(schedules={"min_interval": 300, "max_per_user": 2})
+    assert "is in the past" in await gw.say("/schedule add at 2001-01-01 09:00 too late")
+    bad_cron = await gw.say('/schedule add "61 * * * *" nope')
+    assert "cannot read the cron expression '61 * * * *'" in bad_cron
+    assert "higher than the maximum value (59)" in bad_cron
+    short = await gw.say("/schedule add every 1m too often")
+    assert "repeats every 1m; the shortest interval allowed is 5m (schedules.min_interval)" in (
+        short
+    )
+    minutely = await gw.say('/schedule add "* * * * *" too often')
+    assert "repeats every 1m" in minutely
+    assert "give a whole number and a unit s, m, h or d" in await gw.say("/schedule add in 5x hi")
+    assert "WHEN must start with" in await gw.say("/schedule add tomorrow hi")
+    assert "say what to do" in await gw.say("/schedule add in 5m")
+    # One-shot times have no minimum.
+    await gw.schedule("in 30s soon")
+    await gw.schedule("every 5m fine")
+    too_many = await gw.say("/schedule add in 1h third")
+    assert "you have 2 schedules, the most allowed (schedules.max_per_user: 2)" in too_many
+    # Another user's count is their own.
+    await gw.schedule("in 1h theirs", chat="c2", user="u2")
+    assert "no schedule 'sch_00000000'" in await gw.say("/schedule remove sch_00000000")
+
+
+async def test_at_a_time_replies_with_the_next_fire_in_the_schedules_zone(
+    make_gateway: MakeGateway,
+) -> None:
+    gw = await make_gateway(timezone="Europe/Berlin")
+    reply = await gw.say("/schedule add at 2099-12-01 09:00 plan the year")
+    assert "next run 2099-12-01 09:00 CET" in reply
+    cron = await gw.say('/schedule add "0 9 * * 1-5" standup')
+    assert "cron 0 9 * * 1-5 (Europe/Berlin)" in cron and " 09:00 CE" in cron
+
+
+async def test_users_see_and_change_only_their_own_schedules(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    mine = await gw.schedule("in 1h mine")
+    theirs = await gw.schedule("in 1h theirs", chat="c2", user="u2")
+    listed = await gw.say("/schedule list")
+    assert mine in listed and theirs not in listed
+    assert "no schedule" in await gw.say(f"/schedule remove {theirs}")
+    assert "no schedule" in await gw.say(f"/schedule runs {theirs}")
+    assert await gw.row(theirs) is not None
+    assert await gw.say(f"/schedule remove {mine}") == f"Removed {mine} and its run history."
+    assert await gw.row(mine) is None
+    assert (await gw.say("/schedule list")).startswith("No schedules")
+
+
+async def test_removing_a_schedule_deletes_its_runs_and_session(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    schedule_id = await gw.schedule("in 1s once")
+    await gw.client.replies("c1", 1, within=10)
+    await wait_for(lambda: _settled(gw, schedule_id))
+    key = schedule_session_key("main", schedule_id)
+    assert await gw.runner.store.get_entry(key) is not None
+    await gw.say(f"/schedule remove {schedule_id}")
+    assert await gw.runs(schedule_id) == []
+    assert await _sessions_of(gw, key) == 0
+
+
+async def _sessions_of(gw: Gateway, key: str) -> int:
+    return await gw.runner.store.read(
+        lambda conn: conn.execute(
+            "SELECT count(*) FROM sessions WHERE session_key = ?", (key,)
+        ).fetchone()[0]
+    )
+
+
+async def _settled(gw: Gateway, schedule_id: str) -> bool:
+    runs = await gw.runs(schedule_id)
+    return bool(runs) and all(r["status"] != "running" for r in runs)
+
+
+async def test_run_now_and_the_run_history(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    schedule_id = await gw.schedule("every 1h report")
+    assert "has not run yet; next run" in await gw.say(f"/schedule runs {schedule_id}")
+    await gw.client.post("c1", f"/schedule run {schedule_id}")
+    replies = await gw.client.replies("c1", 2, within=10)
+    assert f"Running {schedule_id} now." in replies
+    assert any("report" in r and r.startswith("echo:") for r in replies)
+    await wait_for(lambda: _settled(gw, schedule_id))
+    history = await gw.say(f"/schedule runs {schedule_id}")
+    assert history.startswith(f"Last 1 runs of {schedule_id}") and " ok " in history
+    row = await gw.row(schedule_id)
+    assert row is not None and row["status"] == "active" and row["next_run_at"] is not None
+
+
+async def test_three_failures_in_a_row_pause_with_a_notice(make_gateway: MakeGateway) -> None:
+    class Failing:
+        def __init__(self, session_key: str) -> None:
+            pass
+
+        async def run_turn(self, request: TurnRequest) -> TurnResult:
+            raise AgentError("the model is down")
+
+        async def close(self) -> None:
+            pass
+
+    gw = await make_gateway(agent_factory=Failing)
+    schedule_id = await gw.schedule("every 1s doomed")
+    replies = await gw.client.replies("c1", 3, within=10)
+    assert all("the model is down" in r for r in replies)
+    assert f"failed 3 times in a row and is paused; /schedule resume {schedule_id}" in replies[2]
+    assert await gw.client.no_more_replies("c1", settle=1.5) == []
+    row = await gw.row(schedule_id)
+    assert row is not None and row["status"] == "paused" and row["consecutive_failures"] == 3
+    assert [r["status"] for r in await gw.runs(schedule_id)] == ["failed"] * 3
+    metrics = await _metrics(gw)
+    assert metrics['hermes_schedule_runs_total{status="failed"}'] == 3
+
+
+async def _metrics(gw: Gateway) -> dict[str, float]:
+    async with gw.client.session.get(f"{gw.client.url}/metrics") as resp:
+        text = await resp.text()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+async def test_status_and_metrics_show_schedules(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    await gw.say("hello")
+    schedule_id = await gw.schedule("in 1h later")
+    status = await gw.say("/status")
+    assert f"Next scheduled: {schedule_id} at " in status
+    await wait_for(lambda: gw.runner.scheduler.next_fire is not None)
+    snapshot = gw.runner.status_snapshot()
+    assert snapshot["next_schedule"]["schedule_id"] == schedule_id
+    await gw.schedule("in 1s now")
+    await gw.client.replies("c1", 1, within=10)
+    await wait_for(lambda: gw.runner.metrics.schedule_runs["ok"] == 1)
+    metrics = await _metrics(gw)
+    assert metrics['hermes_schedule_runs_total{status="ok"}'] == 1
+    assert metrics["hermes_schedule_fire_delay_seconds_count"] == 1
+    assert metrics["hermes_schedule_fire_delay_seconds_sum"] < 1.5
+
+
+# --- /sethome -------------------------------------------------------------------------------
+
+
+async def test_sethome_takes_deliveries_made_for_the_home_channel(
+    make_gateway: MakeGateway,
+) -> None:
+    gw = await make_gateway()
+    assert (await gw.say("/sethome", chat="home-room")).startswith(
+        "This chat is now the home channel on http"
+    )
+    await gw.schedule("--home in 1s to the home room")
+    (reply,) = await gw.client.replies("home-room", 1, within=10)
+    assert "to the home room" in reply
+    assert await gw.client.no_more_replies("c1", settle=0.5) == []
+
+
+async def test_sethome_is_for_admins_when_admins_are_set(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway(admins=["http:boss"])
+    assert (await gw.say("/sethome")).startswith("Only an admin")
+    assert (await gw.say("/sethome", user="boss")).startswith("This chat is now")
+
+
+async def test_a_home_delivery_without_a_home_channel_is_missed_with_a_line(
+    make_gateway: MakeGateway,
+) -> None:
+    gw = await make_gateway(platforms={"http": {"enabled": True, "port": 0}})
+    schedule_id = await gw.schedule("--home in 1s nowhere to go")
+    await wait_for(lambda: _settled(gw, schedule_id), within=10)
+    (run,) = await gw.runs(schedule_id)
+    assert run["status"] == "missed" and "no home channel on http" in run["output_summary"]
+
+
+async def test_config_home_channel_is_used_without_sethome(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway(platforms={"http": {"enabled": True, "port": 0, "home_channel": "ops"}})
+    await gw.schedule("--home in 1s for ops")
+    (reply,) = await gw.client.replies("ops", 1, within=10)
+    assert "for ops" in reply
+
+
+# --- the tools --------------------------------------------------------------------------------
+
+
+def test_the_schedule_tools_are_built_in() -> None:
+    assert {"schedule_create", "schedule_list", "schedule_delete"} <= set(TOOL_NAMES)
+
+
+async def test_the_tool_path_creates_a_schedule_the_list_command_shows(
+    make_gateway: MakeGateway,
+) -> None:
+    with serve_in_a_thread() as (fake, _):
+        fake: FakeOpenAI
+        agent = {"backend": "openai", "base_url": fake.base_url, "model": "m"}
+        gw = await make_gateway(agent=agent)
+        fake.script(
+            tool_calls(("schedule_create", {"when": "at 09:00", "prompt": "Remind: call Bob"})),
+            "I will remind you at 9.",
+        )
+        assert await gw.say("remind me tomorrow at 9 to call Bob") == "I will remind you at 9."
+        (created,) = tool_results(fake.requests[-1]["json"])
+        result = created["content"]
+        assert result["status"] == "active" and result["cadence"] == "once"
+        assert result["next_run_local"].endswith("09:00 UTC")
+        listed = await gw.say("/schedule list")
+        assert result["id"] in listed and "Remind: call Bob" in listed
+
+        fake.script(tool_calls(("schedule_list", {})), "You have one.")
+        await gw.say("what is scheduled?")
+        (found,) = tool_results(fake.requests[-1]["json"])
+        assert [s["id"] for s in found["content"]["schedules"]] == [result["id"]]
+
+        fake.script(tool_calls(("schedule_delete", {"schedule_id": result["id"]})), "Deleted.")
+        assert await gw.say("forget the reminder") == "Deleted."
+        assert await gw.row(result["id"]) is None
+
+
+async def test_the_tool_refusal_is_a_result_for_the_model(make_gateway: MakeGateway) -> None:
+    with serve_in_a_thread() as (fake, _):
+        agent = {"backend": "openai", "base_url": fake.base_url, "model": "m"}
+        gw = await make_gateway(agent=agent)
+        fake.script(
+            tool_calls(("schedule_create", {"when": "at 2001-01-01 09:00", "prompt": "late"})),
+            "That time has passed.",
+        )
+        assert await gw.say("remind me in 2001") == "That time has passed."
+        (refused,) = tool_results(fake.requests[-1]["json"])
+        assert "is in the past" in refused["content"]["error"]
+
+
+# --- deleting a user's data -------------------------------------------------------------------
+
+
+async def test_forgetting_a_user_deletes_their_schedules(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    mine = await gw.schedule("in 1s once")
+    await gw.client.replies("c1", 1, within=10)
+    await wait_for(lambda: _settled(gw, mine))
+    kept = await gw.schedule("in 1h other user's", chat="c2", user="u2")
+    later = await gw.schedule("every 1h still mine")
+    await gw.runner.recall.forget_user("http", "u1")
+    assert await gw.row(mine) is None and await gw.row(later) is None
+    assert await gw.runs(mine) == []
+    assert await gw.row(kept) is not None
+    key = schedule_session_key("main", mine)
+    assert await _sessions_of(gw, key) == 0
+
+
+# --- after downtime, after a crash -------------------------------------------------------------
+
+
+def _rewrite(home: Path, sql: str, *params: Any) -> None:
+    """Change state.db while no gateway runs on it (what hours of downtime leave)."""
+    conn = sqlite3.connect(home / "sessions" / "state.db")
+    try:
+        conn.execute(sql, params)
+        conn.commit()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("catch_up", ["once", "skip"])
+async def test_three_hours_down_with_an_hourly_schedule(
+    make_gateway: MakeGateway, tmp_path: Path, catch_up: str
+) -> None:
+    home = tmp_path / "down"
+    gw = await make_gateway(home=home)
+    schedule_id = await gw.schedule("every 1h hourly digest")
+    await gw.stop()
+    # It last fired at 09:00 and the gateway went down at 09:05; it is 12:10 now: 10:00
+    # and 11:00 are past their grace (30 min), 12:00 is 10 minutes late.
+    now = time.time()
+    anchor = now - 3 * 3600 - 600
+    cadence = Cadence("interval", "UTC", seconds=3600, anchor=anchor)
+    _rewrite(
+        home,
+        "UPDATE schedules SET cadence = ?, next_run_at = ? WHERE schedule_id = ?",
+        cadence.to_json(),
+        anchor + 3600,
+        schedule_id,
+    )
+    gw = await make_gateway(home=home, schedules={"min_interval": 1, "catch_up": catch_up})
+    expected = 3 if catch_up == "once" else 2  # the first gateway's /schedule reply, too
+    replies = await gw.client.replies("c1", expected, within=10)
+    assert replies.pop(0).startswith(f"Scheduled {schedule_id}")
+    assert await gw.client.no_more_replies("c1", settle=1.0) == []
+    missed_line = [r for r in replies if "missed" in r]
+    assert len(missed_line) == 1
+    await wait_for(lambda: _settled(gw, schedule_id))
+    runs = await gw.runs(schedule_id)
+    if catch_up == "once":
+        assert "missed 2 runs due" in missed_line[0]
+        assert sorted(r["status"] for r in runs) == ["missed", "ok"]
+        (ran,) = [r for r in runs if r["status"] == "ok"]
+        assert ran["fire_time"] == pytest.approx(anchor + 3 * 3600)
+        assert any("hourly digest" in r and r.startswith("echo:") for r in replies)
+    else:
+        assert "missed 3 runs due" in missed_line[0]
+        assert [r["status"] for r in runs] == ["missed"]
+    row = await gw.row(schedule_id)
+    assert row is not None and row["next_run_at"] == pytest.approx(anchor + 4 * 3600)
+
+
+async def test_a_claimed_run_whose_turn_is_gone_is_recorded_interrupted(
+    make_gateway: MakeGateway, tmp_path: Path
+) -> None:
+    home = tmp_path / "crashed"
+    gw = await make_gateway(home=home)
+    schedule_id = await gw.schedule("every 1h nightly job")
+    await gw.stop()
+    # A run claimed before a crash, whose turn marker the stuck-loop guard then dropped.
+    fire = time.time() - 60
+    _rewrite(
+        home,
+        "INSERT INTO schedule_runs (schedule_id, fire_time, status, started_at)"
+        " VALUES (?, ?, 'running', ?)",
+        schedule_id,
+        fire,
+        fire,
+    )
+    gw = await make_gateway(home=home)
+    ack, notice = await gw.client.replies("c1", 2, within=10)
+    assert ack.startswith(f"Scheduled {schedule_id}")
+    assert notice.startswith(f"Scheduled task {schedule_id} was interrupted by a restart")
+    assert await gw.client.no_more_replies("c1", settle=0.5) == []
+    (run,) = await gw.runs(schedule_id)
+    assert run["status"] == "interrupted"
+    assert gw.runner.metrics.schedule_runs["interrupted"] == 1
+    row = await gw.row(schedule_id)
+    assert row is not None and row["status"] == "active"  # a recurring job goes on
+
+
+async def test_run_history_is_pruned_to_keep_runs(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway(schedules={"min_interval": 1, "keep_runs": 3})
+    schedule_id = await gw.schedule("every 1s prune me")
+    await gw.client.replies("c1", 5, within=10)
+    await gw.say(f"/schedule pause {schedule_id}")
+    await wait_for(lambda: _settled(gw, schedule_id))
+    runs = await gw.runs(schedule_id)
+    assert len(runs) == 3
+    assert runs == sorted(runs, key=lambda r: -r["fire_time"])  # the newest kept

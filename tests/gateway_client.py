@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
+
+if TYPE_CHECKING:
+    from gateway.run import GatewayRunner
 
 
 class GatewayClient:
@@ -57,3 +61,25 @@ class GatewayClient:
         async with self.session.get(f"{self.url}{path}") as resp:
             assert resp.status == 200, await resp.text()
             return await resp.json()
+
+
+@dataclass
+class RunningGateway:
+    """A runner started in the test's own loop, and a client of its HTTP adapter; test
+    files subclass it with what they read back."""
+
+    runner: GatewayRunner
+    client: GatewayClient
+    stopped: bool = field(default=False, kw_only=True)
+
+    async def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            await self.client.close()
+            await self.runner.stop()
+
+    async def say(self, text: str, chat: str = "c1", user: str = "u1") -> str:
+        """Post and wait for the one reply."""
+        await self.client.post(chat, text, user_id=user)
+        (reply,) = await self.client.replies(chat, 1)
+        return reply

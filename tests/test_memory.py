@@ -28,7 +28,7 @@ from gateway.store import summary_checkpoints
 from gateway.store.summary_checkpoints import Checkpoint
 from scripts.harness import Daemon
 from tests.fakes.openai_server import FakeOpenAI, last_user_content, serve_in_a_thread
-from tests.gateway_client import GatewayClient
+from tests.gateway_client import GatewayClient, RunningGateway
 from tests.waiting import wait_for
 
 KEY = "agent:main:http:dm:c1"
@@ -70,17 +70,7 @@ def text_of(n: int) -> str:
 
 
 @dataclass
-class Gateway:
-    runner: GatewayRunner
-    client: GatewayClient
-    stopped: bool = False
-
-    async def stop(self) -> None:
-        if not self.stopped:
-            self.stopped = True
-            await self.client.close()
-            await self.runner.stop()
-
+class Gateway(RunningGateway):
     async def session_id(self) -> str:
         entry = await self.runner.store.get_entry(KEY)
         assert entry is not None

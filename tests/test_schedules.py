@@ -29,7 +29,7 @@ from gateway.schedules.cadence import Cadence
 from gateway.session import schedule_session_key
 from gateway.store import schedules as rows
 from tests.fakes.openai_server import FakeOpenAI, serve_in_a_thread, tool_calls, tool_results
-from tests.gateway_client import GatewayClient
+from tests.gateway_client import GatewayClient, RunningGateway
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -38,22 +38,7 @@ ID = re.compile(r"sch_[0-9a-f]{8}")
 
 
 @dataclass
-class Gateway:
-    runner: GatewayRunner
-    client: GatewayClient
-    stopped: bool = False
-
-    async def stop(self) -> None:
-        if not self.stopped:
-            self.stopped = True
-            await self.client.close()
-            await self.runner.stop()
-
-    async def say(self, text: str, chat: str = "c1", user: str = "u1") -> str:
-        await self.client.post(chat, text, user_id=user)
-        (reply,) = await self.client.replies(chat, 1)
-        return reply
-
+class Gateway(RunningGateway):
     async def schedule(self, text: str, chat: str = "c1", user: str = "u1") -> str:
         reply = await self.say(f"/schedule add {text}", chat, user)
         found = ID.search(reply)

@@ -37,29 +37,15 @@ from tests.fakes.openai_server import (
     tool_calls,
     tool_results,
 )
-from tests.gateway_client import GatewayClient
+from tests.gateway_client import GatewayClient, RunningGateway
 from tests.waiting import wait_for
 
 KEY = "agent:main:http:dm:c1"
 
 
 @dataclass
-class Gateway:
-    runner: GatewayRunner
-    client: GatewayClient
+class Gateway(RunningGateway):
     home: Path
-    stopped: bool = False
-
-    async def stop(self) -> None:
-        if not self.stopped:
-            self.stopped = True
-            await self.client.close()
-            await self.runner.stop()
-
-    async def say(self, text: str, chat: str = "c1", user: str = "u1") -> str:
-        await self.client.post(chat, text, user_id=user)
-        (reply,) = await self.client.replies(chat, 1)
-        return reply
 
     async def session_id(self, key: str = KEY) -> str:
         entry = await self.runner.store.get_entry(key)

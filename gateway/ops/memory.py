@@ -18,6 +18,7 @@ from typing import Any
 
 from config import GatewayConfig
 from gateway.memory.recall import Namespace, Recall
+from gateway.ops.cliargs import platform_pair
 from gateway.store import purge
 from gateway.store.session_store import SessionStore
 
@@ -31,7 +32,9 @@ def add_memory_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
         ("delete", "delete one note (NOTE_ID) or everything of the user (--all)"),
     ):
         cmd = memory_sub.add_parser(name, parents=parents, help=text)
-        cmd.add_argument("--user", required=True, type=_user, metavar="PLATFORM:USER_ID")
+        cmd.add_argument(
+            "--user", required=True, type=platform_pair("USER_ID"), metavar="PLATFORM:USER_ID"
+        )
         cmd.add_argument("--agent", default=None, metavar="AGENT", help="one agent's (default all)")
         cmd.add_argument("--json", action="store_true")
         if name == "delete":
@@ -39,13 +42,6 @@ def add_memory_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
             cmd.add_argument("--all", action="store_true", help="everything of the user")
             cmd.add_argument("--yes", action="store_true", help="do not ask (--all)")
     memory.set_defaults(handler=None)  # set by gateway.cli
-
-
-def _user(text: str) -> tuple[str, str]:
-    platform, sep, user_id = text.partition(":")
-    if not sep or not platform or not user_id:
-        raise argparse.ArgumentTypeError("must be PLATFORM:USER_ID, e.g. telegram:12345")
-    return platform, user_id
 
 
 async def run_memory_command(

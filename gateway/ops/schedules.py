@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from config import MAIN_AGENT, GatewayConfig
+from gateway.ops.cliargs import platform_pair
 from gateway.schedules.book import ScheduleBook, ScheduleError, next_fire_text, shown, shown_run
 from gateway.session import SessionSource
 from gateway.store.session_store import SessionStore
@@ -30,7 +31,9 @@ def add_schedules_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> No
     listing.add_argument("--json", action="store_true")
     add = schedules_sub.add_parser("add", parents=parents, help="a new schedule")
     where = add.add_mutually_exclusive_group(required=True)
-    where.add_argument("--chat", type=_chat, metavar="PLATFORM:CHAT_ID", help="deliver here")
+    where.add_argument(
+        "--chat", type=platform_pair("CHAT_ID"), metavar="PLATFORM:CHAT_ID", help="deliver here"
+    )
     where.add_argument(
         "--home-channel", metavar="PLATFORM", help="deliver to the platform's home channel"
     )
@@ -51,13 +54,6 @@ def add_schedules_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> No
         cmd.add_argument("schedule_id", metavar="ID")
         cmd.add_argument("--json", action="store_true")
     schedules.set_defaults(handler=None)  # set by gateway.cli
-
-
-def _chat(text: str) -> tuple[str, str]:
-    platform, sep, chat_id = text.partition(":")
-    if not sep or not platform or not chat_id:
-        raise argparse.ArgumentTypeError("must be PLATFORM:CHAT_ID, e.g. telegram:12345")
-    return platform, chat_id
 
 
 async def run_schedules_command(

@@ -1,0 +1,19 @@
+"""Argument types the operator commands share."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+
+def platform_pair(what: str) -> Callable[[str], tuple[str, str]]:
+    """An argparse type for `PLATFORM:<what>` (e.g. `telegram:12345`): (platform, id)."""
+
+    def parse(text: str) -> tuple[str, str]:
+        platform, sep, ident = text.partition(":")
+        if not sep or not platform or not ident:
+            raise argparse.ArgumentTypeError(f"must be PLATFORM:{what}, e.g. telegram:12345")
+        return platform, ident
+
+    parse.__name__ = f"PLATFORM:{what}"  # argparse names the type in its error
+    return parse

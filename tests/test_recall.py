@@ -23,7 +23,14 @@ from gateway.memory import index
 from gateway.memory.chunking import chunk_text, content_hash, normalize_tags
 from gateway.memory.index import MEMORY_DB
 from gateway.memory.recall import Namespace, Recall
-from gateway.memory.retrieval import CANDIDATES, VectorCache, vector_scores
+from gateway.memory.retrieval import (
+    CANDIDATES,
+    MAX_POSTINGS,
+    MAX_QUERY_WORDS,
+    VectorCache,
+    text_query,
+    vector_scores,
+)
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
 from gateway.store.session_store import SessionStore
@@ -88,6 +95,25 @@ def test_a_sparse_query_scores_exactly_as_the_full_product() -> None:
         got = vector_scores((ids, matrix), query, 0.2)
         assert got.keys() == want.keys()
         assert all(abs(got[key] - want[key]) < 1e-4 for key in want)
+
+
+def test_a_text_query_keeps_the_rare_words_of_a_bounded_prefix(tmp_path: Path) -> None:
+    sqlite3.connect(tmp_path / "state.db").close()
+    conn = index.connect(tmp_path / MEMORY_DB, tmp_path / "state.db")
+    try:
+        conn.executemany(
+            "INSERT INTO chunks (id, namespace, kind, hash, text, created_at, updated_at)"
+            " VALUES (?, 'ns', 'note', 'h', ?, 0, 0)",
+            [(i, f"common word{i}") for i in range(1, MAX_POSTINGS + 2)],
+        )
+        index._add_words(conn, 0)
+        # "common" is in more chunks than a search may rank: only the rarer words stay
+        assert text_query(conn, "Common word7 word9") == '"word7" OR "word9"'
+        assert text_query(conn, "common") is None
+        many = " ".join(f"w{i}" for i in range(3 * MAX_QUERY_WORDS))
+        assert (text_query(conn, many) or "").count(" OR ") == MAX_QUERY_WORDS - 1
+    finally:
+        conn.close()
 
 
 def test_the_vector_cache_grows_with_new_vectors_and_reloads_after_a_delete(

@@ -38,6 +38,7 @@ from gateway.store import codec
 CANDIDATES = 64  # per signal, before the merge
 CACHE_BYTES = 512 * 1024 * 1024  # vectors held in memory across namespaces
 MAX_POSTINGS = 1_000  # chunks a text search may rank (see text_query)
+MAX_QUERY_WORDS = 64  # a query's first distinct words the text side looks at (one count each)
 _WORD = re.compile(r"\w+")
 _MATH = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recall-math")
 
@@ -156,8 +157,10 @@ def text_query(conn: sqlite3.Connection, text: str) -> str | None:
     bm25 scores every chunk that holds any of the words, and a word found in a large
     share of the index ("the", "is") costs the most and weighs the least (its IDF is
     near 0). So the rarest words are kept while the chunks holding them add up to at
-    most MAX_POSTINGS, the rarest one always, unless it alone is held by more."""
-    words = query_words(text)
+    most MAX_POSTINGS, the rarest one always, unless it alone is held by more. Only the
+    first MAX_QUERY_WORDS distinct words count (each costs a look-up; the query's vector
+    is made from all of it)."""
+    words = query_words(text)[:MAX_QUERY_WORDS]
     if not words:
         return None
     held = {word: _postings(conn, word) for word in words}

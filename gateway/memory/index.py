@@ -333,8 +333,9 @@ def _drop_transcripts(conn: sqlite3.Connection) -> int:
 # about 120 µs of CPU a message (two a turn), on the gateway's two cores; a handful of
 # statements per round, each looping in C, cost a fraction of that.
 _MESSAGES = (
-    "SELECT j.value, m.session_id, m.role, m.content, m.active, m.created_at"
-    " FROM json_each(?) j LEFT JOIN st.messages m ON m.id = j.value"
+    "SELECT m.id, m.session_id, m.content, m.created_at"
+    " FROM json_each(?) j JOIN st.messages m ON m.id = j.value"
+    " WHERE m.active AND m.role IN ({})".format(", ".join(f"'{role}'" for role in INDEXED_ROLES))
 )
 _UNLINK = (
     "DELETE FROM chunk_sources WHERE message_id IN (SELECT value FROM json_each(?))"
@@ -371,14 +372,12 @@ def _index_messages(
         return 0
     id_list = codec.dumps(message_ids)
     unlinked = conn.execute(_UNLINK, (id_list,)).fetchall()
-    rows = [
-        row for row in conn.execute(_MESSAGES, (id_list,)) if row[2] in INDEXED_ROLES and row[4]
-    ]
+    rows = conn.execute(_MESSAGES, (id_list,)).fetchall()
     session_ns = namespaces.lookup(conn, {row[1] for row in rows}, settings)
     chunks: list[tuple[str, str, str, str, float, float]] = []
     links: list[tuple[int, str, str]] = []
     size, overlap = settings.chunk_size, settings.chunk_overlap
-    for message_id, session_id, _, content, _, created in rows:
+    for message_id, session_id, content, created in rows:
         namespace = session_ns.get(session_id)
         if namespace is None:
             continue

@@ -164,9 +164,7 @@ class MemoryIndexer(ThreadedSqliteTask):
         recall works meanwhile and the chunks stay queued."""
         total = 0
         while True:
-            result = await self.run(
-                index.apply_logs, self.settings, self.namespaces, self.inline
-            )
+            result = await self.run(index.apply_logs, self.settings, self.namespaces, self.inline)
             total += result.work
             await self._report(result)
             if not result.more:

@@ -228,6 +228,10 @@ class GatewayHandle(Protocol):
         `{"seq", "text", "thread_id", "in_reply_to"}` (the HTTP API's outbox)."""
         ...
 
+    async def last_reply_seq(self, platform: str, chat_id: str) -> int:
+        """The newest reply's seq (delivery id) in one chat, 0 when none (issue 18)."""
+        ...
+
     def health(self) -> dict[str, Any]: ...
 
     def busy_sessions(self) -> int:

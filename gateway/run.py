@@ -137,8 +137,8 @@ class GatewayRunner(SessionOps):
         self.schedule_book = ScheduleBook(self.store, config)
         self.scheduler = Scheduler(self, self.schedule_book)
         self.metrics = Metrics()
-        # Streamed replies (issue 18); `_streaming` is False when no platform streams,
-        # and then a turn spends nothing on them.
+        # Streamed replies (issue 18): a turn's Stream takes its chat's slot only once
+        # the agent streams text, so other turns spend nothing on them.
         self.streams = Streams(self.adapters, config, self.turnlog.save_stream)
         self.delivery = Delivery(
             self.adapters,
@@ -508,6 +508,7 @@ class GatewayRunner(SessionOps):
         started = time.monotonic()
         source = event.source
         turn = TurnLine(source.platform.value, started)  # the log's one line for this turn
+        stream: Stream | None = None
         try:
             if begun is None:
                 begun = await self.turnlog.begin(event, key, self._turn_text(event))
@@ -547,8 +548,7 @@ class GatewayRunner(SessionOps):
             finally:
                 if typing is not None:
                     typing.cancel()
-                if stream is not None:
-                    self.streams.close(stream)
+
             turn.usage = outcome.usage
             if self.config.logging.include_text:
                 turn.texts = (begun.text, outcome.text)
@@ -586,6 +586,8 @@ class GatewayRunner(SessionOps):
             turn.outcome = "cancelled"  # /stop, or a shutdown that could not wait
             raise
         finally:
+            if stream is not None:
+                stream.close()  # after the final's delivery: the chat's slot is free again
             turn.log(log)
 
     async def _finish(
@@ -740,6 +742,9 @@ class GatewayRunner(SessionOps):
         self, platform: str, chat_id: str, after: int, limit: int
     ) -> list[dict[str, Any]]:
         return await self.turnlog.replies_after(platform, chat_id, after, limit)
+
+    async def last_reply_seq(self, platform: str, chat_id: str) -> int:
+        return await self.turnlog.last_reply_seq(platform, chat_id)
 
     async def is_paired(self, platform: str, user_id: str) -> bool:
         return await self.pairing.is_paired(platform, user_id)

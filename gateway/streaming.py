@@ -77,7 +77,7 @@ class Stream:
         adapter: PlatformAdapter,
         target: SessionSource,
         reply_to: str | None,
-        slot: ChatSlot,
+        slots: ChatSlots,
         *,
         interval: float,
         min_chars: int,
@@ -88,7 +88,10 @@ class Stream:
         self.adapter = adapter
         self.target = target
         self.reply_to = reply_to
-        self.slot = slot
+        self._slots = slots
+        #: the chat's slot, held from the first text on (a turn whose agent does not
+        #: stream never takes it, and its reply goes out as any other)
+        self.slot: ChatSlot | None = None
         self.interval = interval
         self.min_chars = min_chars
         self.max_floods = max_floods
@@ -115,12 +118,13 @@ class Stream:
         over). Returns at once: the pump shows it when the slot allows."""
         self.text = text
         if self._task is None and not self._closing.is_set():
-            self._task = asyncio.create_task(self._pump())
+            self.slot = self._slots.hold(self.target)
+            self._task = asyncio.create_task(self._pump(self.slot))
         self._changed.set()
 
     # --- the pump ---------------------------------------------------------------------------
 
-    async def _pump(self) -> None:
+    async def _pump(self, slot: ChatSlot) -> None:
         try:
             while not self._closing.is_set() and self.floods < self.max_floods:
                 await self._changed.wait()
@@ -129,13 +133,13 @@ class Stream:
                     continue  # wait for more text: fewer edits, no flicker
                 # The interval since the chat's last call, and any flood wait: skipped
                 # time, not slept by the turn (it ends this pump early through `finish`).
-                delay = max(self.slot.next_at, self.slot.flood_until) - time.monotonic()
+                delay = max(slot.next_at, slot.flood_until) - time.monotonic()
                 if delay > 0 and await self._closed_within(delay):
                     return
-                async with self.slot.lock:
+                async with slot.lock:
                     if self._closing.is_set():
                         return
-                    await self._show_now()
+                    await self._show_now(slot)
                 self._changed.set()  # text that came meanwhile is looked at next
         except Exception as exc:  # interim text is cosmetic: the final goes out anyway
             log.warning("stream_update_failed", error=f"{type(exc).__name__}: {exc}")
@@ -145,7 +149,7 @@ class Stream:
             await asyncio.wait_for(self._closing.wait(), seconds)
         return self._closing.is_set()
 
-    async def _show_now(self) -> None:
+    async def _show_now(self, slot: ChatSlot) -> None:
         text = self.text
         try:
             if self._push:
@@ -154,10 +158,10 @@ class Stream:
                 await self._edit_in_place(text)
         except FloodWait as exc:
             self.floods += 1
-            self.slot.flood_until = time.monotonic() + exc.retry_after
+            slot.flood_until = time.monotonic() + exc.retry_after
             log.info("stream_flood_wait", retry_after=exc.retry_after, floods=self.floods)
         finally:
-            self.slot.next_at = time.monotonic() + self.interval
+            slot.next_at = time.monotonic() + self.interval
         if self.first_visible_at is None and self._shown_chars:
             self.first_visible_at = time.monotonic()
 
@@ -200,14 +204,14 @@ class Stream:
             await asyncio.gather(self._task, return_exceptions=True)
         return list(self.message_ids)
 
-    def cancel(self) -> None:
-        """The turn ends without a final (cancelled): stop at once."""
+    def close(self) -> None:
+        """The turn is over (delivered, failed or cancelled): stop at once, free the slot."""
         self._closing.set()
         if self._task is not None:
             self._task.cancel()
-
-    def flood_wait_left(self) -> float:
-        return max(0.0, self.slot.flood_until - time.monotonic())
+        if self.slot is not None:
+            self._slots.release(self.target, self.slot)
+            self.slot = None
 
 
 class Streams:
@@ -241,14 +245,10 @@ class Streams:
             adapter,
             target,
             reply_to,
-            self.slots.hold(target),
+            self.slots,
             interval=interval,
             min_chars=self.config.min_chars,
             max_floods=self.config.max_floods,
             save=lambda ids: self._save(session_key, ids),
             message_ids=message_ids,
         )
-
-    def close(self, stream: Stream) -> None:
-        stream.cancel()
-        self.slots.release(stream.target, stream.slot)

@@ -1,0 +1,102 @@
+"""kill -9 in the middle of a streamed reply (issue 18): the real daemon as a subprocess,
+the fake Telegram Bot API and the fake model (streaming slowly) on a thread of this
+process. After the restart the chat holds exactly one message, the complete reply: the
+streamed message edited to the final text, never a partial plus a second reply."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from scripts.harness import Daemon
+from tests.fakes.openai_server import serve_in_a_thread
+from tests.fakes.telegram_api import FakeTelegram
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKEN = "123456:AAH-test-TOKEN_abcdefghijklmnopqrst"
+ADA = FakeTelegram.user(42, "Ada", "ada")
+REPLY = "the answer: " + " ".join(f"word{n}" for n in range(50)) + "."
+
+
+@pytest.fixture
+def telegram() -> Iterator[tuple[FakeTelegram, asyncio.AbstractEventLoop]]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    fake = FakeTelegram(token=TOKEN)
+    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
+    try:
+        yield fake, loop
+    finally:
+        asyncio.run_coroutine_threadsafe(fake.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError("condition never met")
+
+
+def stream_rows(daemon: Daemon) -> int:
+    conn = daemon.db()
+    try:
+        return conn.execute("SELECT COUNT(*) FROM streams").fetchone()[0]
+    finally:
+        conn.close()
+
+
+def test_kill9_mid_stream_leaves_exactly_one_complete_reply(
+    telegram: tuple[FakeTelegram, asyncio.AbstractEventLoop], tmp_path: Path
+) -> None:
+    tg, loop = telegram
+    with serve_in_a_thread(reply=lambda body: REPLY) as (model, _):
+        model.stream_delay = 0.08  # 52 words: about 4 s of streaming
+        settings = (
+            "  telegram:\n"
+            "    enabled: true\n"
+            f"    token: '{TOKEN}'\n"
+            f"    base_url: {tg.base_url}\n"
+            "    poll_timeout: 1\n"
+            "    allowed_users: ['42']\n"
+            "    edit_interval: 0.2\n"
+            "agent:\n"
+            "  backend: openai\n"
+            f"  base_url: {model.base_url}\n"
+            "  model: fake\n"
+            "  tools: []\n"
+            "streaming:\n"
+            "  min_chars: 5\n"
+        )
+        daemon = Daemon(tmp_path / "home", settings)
+        try:
+            daemon.start()
+            loop.call_soon_threadsafe(tg.push_message, tg.private_chat(ADA), ADA, "tell me")
+            # The streamed message is sent and recorded, and the stream goes on.
+            wait_until(lambda: stream_rows(daemon) == 1 and len(tg.edits) >= 1)
+            partial = tg.chat_view(42)
+            assert len(partial) == 1 and partial[0] != REPLY
+            daemon.kill9()
+
+            daemon.start()
+            wait_until(lambda: tg.chat_view(42) == [REPLY], timeout=30)
+            time.sleep(1.0)  # anything duplicated would arrive by now
+            assert tg.chat_view(42) == [REPLY]
+            assert len(tg.sent) == 1  # the one message, edited to the end
+            assert stream_rows(daemon) == 0
+            key = "agent:main:telegram:dm:42"
+            assert daemon.transcript(key) == [("user", "tell me"), ("assistant", REPLY)]
+            assert daemon.stop() == 0
+        finally:
+            daemon.ensure_stopped()

@@ -140,6 +140,8 @@ class FakeOpenAI:
         self.stream_chunk_words = 1
         self.stream_delay = 0.0
         self.tokens_sent: list[float] = []
+        #: per streamed request, by its last user message: (first, last) content chunk sent
+        self.token_times: dict[str, tuple[float, float]] = {}
 
     async def start(self) -> str:
         """Bind a free port on 127.0.0.1; returns the base URL (``http://127.0.0.1:N/v1``)."""
@@ -289,7 +291,10 @@ class FakeOpenAI:
             if self.stream_delay:
                 await asyncio.sleep(self.stream_delay)
             piece = " ".join(words[at : at + step]) + (" " if at + step < len(words) else "")
-            self.tokens_sent.append(time.monotonic())
+            now = time.monotonic()
+            self.tokens_sent.append(now)
+            asked = last_user_content(body)
+            self.token_times[asked] = (self.token_times.get(asked, (now, now))[0], now)
             await emit({"content": piece})
         for index, call in enumerate(message.get("tool_calls") or ()):
             function = call["function"]

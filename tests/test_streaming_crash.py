@@ -57,29 +57,42 @@ def stream_rows(daemon: Daemon) -> int:
         conn.close()
 
 
+def daemon_settings(tg: FakeTelegram, model_url: str) -> str:
+    return (
+        "  telegram:\n"
+        "    enabled: true\n"
+        f"    token: '{TOKEN}'\n"
+        f"    base_url: {tg.base_url}\n"
+        "    poll_timeout: 1\n"
+        "    allowed_users: ['42']\n"
+        "    edit_interval: 0.2\n"
+        "agent:\n"
+        "  backend: openai\n"
+        f"  base_url: {model_url}\n"
+        "  model: fake\n"
+        "  tools: []\n"
+        "streaming:\n"
+        "  min_chars: 5\n"
+    )
+
+
+def assert_one_complete_reply(tg: FakeTelegram, daemon: Daemon) -> None:
+    wait_until(lambda: tg.chat_view(42) == [REPLY], timeout=30)
+    time.sleep(1.0)  # anything duplicated would arrive by now
+    assert tg.chat_view(42) == [REPLY]
+    assert len(tg.sent) == 1  # the one message, edited to the end
+    assert stream_rows(daemon) == 0
+    key = "agent:main:telegram:dm:42"
+    assert daemon.transcript(key) == [("user", "tell me"), ("assistant", REPLY)]
+
+
 def test_kill9_mid_stream_leaves_exactly_one_complete_reply(
     telegram: tuple[FakeTelegram, asyncio.AbstractEventLoop], tmp_path: Path
 ) -> None:
     tg, loop = telegram
     with serve_in_a_thread(reply=lambda body: REPLY) as (model, _):
         model.stream_delay = 0.08  # 52 words: about 4 s of streaming
-        settings = (
-            "  telegram:\n"
-            "    enabled: true\n"
-            f"    token: '{TOKEN}'\n"
-            f"    base_url: {tg.base_url}\n"
-            "    poll_timeout: 1\n"
-            "    allowed_users: ['42']\n"
-            "    edit_interval: 0.2\n"
-            "agent:\n"
-            "  backend: openai\n"
-            f"  base_url: {model.base_url}\n"
-            "  model: fake\n"
-            "  tools: []\n"
-            "streaming:\n"
-            "  min_chars: 5\n"
-        )
-        daemon = Daemon(tmp_path / "home", settings)
+        daemon = Daemon(tmp_path / "home", daemon_settings(tg, model.base_url))
         try:
             daemon.start()
             loop.call_soon_threadsafe(tg.push_message, tg.private_chat(ADA), ADA, "tell me")
@@ -90,13 +103,31 @@ def test_kill9_mid_stream_leaves_exactly_one_complete_reply(
             daemon.kill9()
 
             daemon.start()
-            wait_until(lambda: tg.chat_view(42) == [REPLY], timeout=30)
-            time.sleep(1.0)  # anything duplicated would arrive by now
-            assert tg.chat_view(42) == [REPLY]
-            assert len(tg.sent) == 1  # the one message, edited to the end
-            assert stream_rows(daemon) == 0
-            key = "agent:main:telegram:dm:42"
-            assert daemon.transcript(key) == [("user", "tell me"), ("assistant", REPLY)]
+            assert_one_complete_reply(tg, daemon)
+            assert daemon.stop() == 0
+        finally:
+            daemon.ensure_stopped()
+
+
+@pytest.mark.parametrize("point", ["after_transcript_write", "before_ledger_mark"])
+def test_a_crash_around_the_final_edit_still_leaves_one_complete_reply(
+    telegram: tuple[FakeTelegram, asyncio.AbstractEventLoop], tmp_path: Path, point: str
+) -> None:
+    """The final recorded (its ledger row names the streamed message) but not edited in,
+    or edited in but not marked: the restart edits the same message (again: the text it
+    already has is no error), and sends nothing new."""
+    tg, loop = telegram
+    with serve_in_a_thread(reply=lambda body: REPLY) as (model, _):
+        model.stream_delay = 0.01
+        daemon = Daemon(tmp_path / "home", daemon_settings(tg, model.base_url))
+        try:
+            daemon.start(env={"HERMES_CRASH_AT": f"{point}:1"})
+            loop.call_soon_threadsafe(tg.push_message, tg.private_chat(ADA), ADA, "tell me")
+            assert daemon.wait_exit(30) == -9  # it killed itself at the crash point
+            assert len(tg.sent) == 1
+
+            daemon.start()
+            assert_one_complete_reply(tg, daemon)
             assert daemon.stop() == 0
         finally:
             daemon.ensure_stopped()

@@ -64,6 +64,7 @@ from adapters.base import (
     SlackConfig,
     validate_id,
 )
+from adapters.markdown import to_mrkdwn
 
 __all__ = ["SlackAdapter", "slack_len"]
 
@@ -448,7 +449,7 @@ class SlackAdapter(PlatformAdapter):
             raise ConnectionError("the Slack adapter is not started")
         response = await self._client.chat_postMessage(
             channel=target.chat_id,
-            text=_escape(text),
+            text=to_mrkdwn(text),
             thread_ts=target.thread_id,
             unfurl_links=False,
         )
@@ -462,7 +463,7 @@ class SlackAdapter(PlatformAdapter):
         response = await self._streaming_call(
             "chat_postMessage",
             channel=target.chat_id,
-            text=_escape(text),
+            text=to_mrkdwn(text),
             thread_ts=target.thread_id,
             unfurl_links=False,
         )
@@ -470,7 +471,7 @@ class SlackAdapter(PlatformAdapter):
 
     async def edit(self, target: SessionSource, message_id: str, text: str) -> None:
         await self._streaming_call(
-            "chat_update", channel=target.chat_id, ts=message_id, text=_escape(text)
+            "chat_update", channel=target.chat_id, ts=message_id, text=to_mrkdwn(text)
         )
 
     async def delete(self, target: SessionSource, message_id: str) -> None:

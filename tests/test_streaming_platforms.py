@@ -27,6 +27,8 @@ from tests.waiting import wait_for
 pytestmark = pytest.mark.timeout(60)
 
 STORY = "story: " + " ".join(f"word{n}" for n in range(60)) + "."
+MARKDOWN = "# Plan\n- **first** step, see [docs](https://example.com/a?b=1&c=2)\n- <!channel> `a<b`"
+REPLIES = {"story": STORY, "markdown": MARKDOWN}
 INTERVAL = 0.3
 ALICE = "42"
 
@@ -118,7 +120,7 @@ async def slack_bot(tmp_path: Path) -> AsyncIterator[tuple[FakeSlack, GatewayRun
         )
         adapter = SlackAdapter(config.platforms.slack, ping_interval=0.5)
         runner = GatewayRunner(
-            config, [adapter], agent_factory=streaming({"story": STORY}, 0.03), home=tmp_path
+            config, [adapter], agent_factory=streaming(REPLIES, 0.03), home=tmp_path
         )
         try:
             await runner.start()
@@ -150,3 +152,23 @@ async def test_slack_a_429_skips_interim_updates_and_the_final_arrives(
     assert len(tried) >= 2
     assert [t for t in tried if tried[0] < t < tried[0] + 0.95] == []  # skipped, not slept
     assert len(slack.posted) == 1
+
+
+async def test_slack_gets_markdown_as_mrkdwn_with_its_control_characters_escaped(
+    slack_bot: tuple[FakeSlack, GatewayRunner],
+) -> None:
+    slack, _ = slack_bot
+    await slack.deliver(dm("U42", "markdown please", channel="D1"))
+    expected = (
+        "*Plan*\n• *first* step, see <https://example.com/a?b=1&amp;c=2|docs>\n"
+        "• &lt;!channel&gt; `a&lt;b`"
+    )
+    await wait_for(lambda: slack.chat_view("D1") == [expected], within=10)
+
+
+def test_to_mrkdwn_keeps_a_chunks_ends_and_never_loses_text() -> None:
+    from adapters.markdown import to_mrkdwn
+
+    assert to_mrkdwn("\n\n**a** & b\n\n") == "\n\n*a* &amp; b\n\n"
+    assert to_mrkdwn("   ") == "   "
+    assert to_mrkdwn("2 < 3 and <@U1>") == "2 &lt; 3 and &lt;@U1&gt;"

@@ -9,8 +9,8 @@ damaged files aside and swaps the fresh database in.
 
 from __future__ import annotations
 
-import json
 import contextlib
+import json
 import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path

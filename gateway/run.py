@@ -588,6 +588,8 @@ class GatewayRunner(SessionOps):
         finally:
             if stream is not None:
                 stream.close()  # after the final's delivery: the chat's slot is free again
+                self.metrics.stream_edits_total += stream.edits
+                self.metrics.stream_flood_waits_total += stream.floods
             turn.log(log)
 
     async def _finish(

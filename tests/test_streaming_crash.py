@@ -10,11 +10,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from scripts.harness import Daemon
+from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.openai_server import serve_in_a_thread
+from tests.fakes.slack_api import FakeSlack
+from tests.fakes.slack_api import dm as slack_dm
 from tests.fakes.telegram_api import FakeTelegram
 
 pytestmark = pytest.mark.timeout(120)
@@ -131,3 +135,120 @@ def test_a_crash_around_the_final_edit_still_leaves_one_complete_reply(
             assert daemon.stop() == 0
         finally:
             daemon.ensure_stopped()
+
+
+# --- the same on Discord and Slack ---------------------------------------------------------
+
+
+class DiscordSide:
+    """The fake Discord, driven from this thread."""
+
+    token = "MTEwMA.fake-bot-token.Zq7Xk9"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.fake = FakeDiscord(token=self.token)
+        self.run(self.fake.start())
+        self.fake.add_user("42", "Alice")
+        self.channel = self.fake.dm_channel("42")
+
+    def run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(10)
+
+    def settings(self) -> str:
+        return (
+            "  discord:\n    enabled: true\n"
+            f"    token: '{self.token}'\n    api_base_url: {self.fake.api_base_url}\n"
+            "    allowed_users: ['42']\n    edit_interval: 0.2\n"
+        )
+
+    def say(self, text: str) -> None:
+        self.run(self.fake.dm("42", text))
+
+    def view(self) -> list[str]:
+        return self.fake.chat_view(self.channel)
+
+    def sent(self) -> int:
+        return len(self.fake.sent)
+
+    def close(self) -> None:
+        self.run(self.fake.stop())
+
+
+class SlackSide:
+    """The fake Slack (Web API and Socket Mode), driven from this thread."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.fake = FakeSlack(bot_token="xoxb-crash-1", app_token="xapp-crash-1")
+        self.run(self.fake.start())
+
+    def run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(20)
+
+    def settings(self) -> str:
+        return (
+            "  slack:\n    enabled: true\n"
+            "    bot_token: xoxb-crash-1\n    app_token: xapp-crash-1\n"
+            f"    api_base_url: {self.fake.api_base_url}\n"
+            "    allowed_users: ['U42']\n    edit_interval: 0.2\n"
+        )
+
+    def say(self, text: str) -> None:
+        self.run(self.fake.deliver(slack_dm("U42", text, channel="D1")))
+
+    def view(self) -> list[str]:
+        return self.fake.chat_view("D1")
+
+    def sent(self) -> int:
+        return len(self.fake.posted)
+
+    def close(self) -> None:
+        self.run(self.fake.stop())
+
+
+@pytest.fixture
+def side_loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+
+
+@pytest.mark.parametrize("side_class", [DiscordSide, SlackSide], ids=["discord", "slack"])
+def test_kill9_mid_stream_on_discord_and_slack_leaves_one_complete_reply(
+    side_loop: asyncio.AbstractEventLoop, tmp_path: Path, side_class: Any
+) -> None:
+    side = side_class(side_loop)
+    try:
+        with serve_in_a_thread(reply=lambda body: REPLY) as (model, _):
+            model.stream_delay = 0.08
+            settings = side.settings() + (
+                "agent:\n  backend: openai\n"
+                f"  base_url: {model.base_url}\n  model: fake\n  tools: []\n"
+                "streaming:\n  min_chars: 5\n"
+            )
+            daemon = Daemon(tmp_path / "home", settings)
+            try:
+                daemon.start()
+                side.say("tell me")
+                wait_until(lambda: stream_rows(daemon) == 1 and len(side.view()) == 1)
+                time.sleep(0.5)  # an edit or two
+                assert side.view() != [REPLY]
+                daemon.kill9()
+
+                daemon.start()
+                wait_until(lambda: side.view() == [REPLY], timeout=30)
+                time.sleep(1.0)
+                assert side.view() == [REPLY] and side.sent() == 1
+                assert stream_rows(daemon) == 0
+                assert daemon.stop() == 0
+            finally:
+                daemon.ensure_stopped()
+    finally:
+        side.close()

@@ -44,6 +44,7 @@ __all__ = [
     "Backoff",
     "ChatPlatformConfig",
     "DiscordConfig",
+    "FloodWait",
     "GatewayHandle",
     "MessageEvent",
     "Platform",
@@ -175,6 +176,16 @@ class SendResult:
     message_id: str | None = None
 
 
+class FloodWait(Exception):
+    """The platform asked us to wait (HTTP 429 / `retry_after`) before the next call; raised
+    by the streaming calls (`send_draft`, `edit`) instead of sleeping, so a streamed
+    reply skips interim edits rather than holding its turn."""
+
+    def __init__(self, retry_after: float) -> None:
+        super().__init__(f"flood control: retry after {retry_after:g} s")
+        self.retry_after = retry_after
+
+
 class GatewayHandle(Protocol):
     """The gateway as an adapter sees it (implemented by `GatewayRunner`)."""
 
@@ -215,6 +226,10 @@ class GatewayHandle(Protocol):
     ) -> list[dict[str, Any]]:
         """Recorded replies to one chat with delivery id > `after`, oldest first:
         `{"seq", "text", "thread_id", "in_reply_to"}` (the HTTP API's outbox)."""
+        ...
+
+    async def last_reply_seq(self, platform: str, chat_id: str) -> int:
+        """The newest reply's seq (delivery id) in one chat, 0 when none (issue 18)."""
         ...
 
     def health(self) -> dict[str, Any]: ...
@@ -394,6 +409,37 @@ class PlatformAdapter(ABC):
 
     async def send_typing(self, target: SessionSource) -> None:  # noqa: B027 (optional)
         """Show a typing indicator; platforms without one ignore it."""
+
+    # --- streamed replies (issue 18) ----------------------------------------------------------
+
+    #: how a streamed reply reaches the chat: "edit" (a message sent, then edited in
+    #: place: `send_draft`, `edit`, `delete`), "push" (text deltas to listeners:
+    #: `push_delta`), or None (the platform gets whole replies only)
+    stream_mode: str | None = None
+
+    def can_stream(self, target: SessionSource) -> bool:
+        """Would a streamed reply to `target` be seen now? (The HTTP API: only while a
+        client listens.) Cheap: asked once per turn."""
+        return self.stream_mode is not None and bool(getattr(self.config, "streaming", False))
+
+    async def send_draft(
+        self, target: SessionSource, text: str, reply_to: str | None = None
+    ) -> SendResult:
+        """Send the first message of a streamed reply; raises `FloodWait` on a 429
+        rather than sleeping."""
+        raise NotImplementedError
+
+    async def edit(self, target: SessionSource, message_id: str, text: str) -> None:
+        """Replace a sent message's text; raises `FloodWait` on a 429. Editing to the text
+        it already has is no error ("message is not modified")."""
+        raise NotImplementedError
+
+    async def delete(self, target: SessionSource, message_id: str) -> None:
+        """Delete a sent message (a streamed partial that the final reply replaces)."""
+        raise NotImplementedError
+
+    async def push_delta(self, target: SessionSource, text: str) -> None:  # noqa: B027
+        """Hand new reply text to `target`'s listeners ("push" platforms)."""
 
     def split(self, text: str) -> list[str]:
         return split_message(text, self.max_message_length, self.length_fn)

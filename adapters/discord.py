@@ -43,6 +43,7 @@ from adapters.base import (
     AcceptStatus,
     Backoff,
     DiscordConfig,
+    FloodWait,
     MessageEvent,
     Platform,
     PlatformAdapter,
@@ -128,6 +129,7 @@ class DiscordAdapter(PlatformAdapter):
     """
 
     platform = Platform.DISCORD
+    stream_mode = "edit"  # a message, then message edits (issue 18)
     max_message_length = 2000  # Discord counts Unicode code points, as len() does
 
     def __init__(
@@ -481,6 +483,35 @@ class DiscordAdapter(PlatformAdapter):
             nonce=str(delivery_id) if delivery_id is not None else None,
         )
         return SendResult(message_id=str(message.id))
+
+    # --- streamed replies (issue 18) --------------------------------------------------------
+
+    async def send_draft(
+        self, target: SessionSource, text: str, reply_to: str | None = None
+    ) -> SendResult:
+        try:
+            return await self.send(target, text, reply_to)
+        except discord.RateLimited as exc:
+            raise FloodWait(exc.retry_after) from exc
+
+    async def edit(self, target: SessionSource, message_id: str, text: str) -> None:
+        """A message edit (PATCH). discord.py waits out short rate limits itself, inside
+        the call; the stream's other edits are skipped meanwhile."""
+        if not text.strip():
+            return
+        try:
+            await self._partial(target, message_id).edit(content=text)
+        except discord.RateLimited as exc:
+            raise FloodWait(exc.retry_after) from exc
+
+    async def delete(self, target: SessionSource, message_id: str) -> None:
+        await self._partial(target, message_id).delete()
+
+    def _partial(self, target: SessionSource, message_id: str) -> discord.PartialMessage:
+        channel = self._live_client().get_partial_messageable(
+            int(target.thread_id or target.chat_id)
+        )
+        return channel.get_partial_message(int(message_id))
 
     async def send_typing(self, target: SessionSource) -> None:
         client = self.client

@@ -4,6 +4,10 @@
                                              (503 + Retry-After while the gateway is busy
                                              or its store cannot write: nothing accepted)
     GET  /v1/chats/{chat_id}/messages        replies after a cursor (?after=SEQ&wait=SECONDS)
+    GET  /v1/chats/{chat_id}/stream          server-sent events: `delta` ({"text": new
+                                             text}) while a reply is written, `final`
+                                             ({"seq", "text"}) per reply (?after=SEQ:
+                                             replays the finals after SEQ first)
     GET  /v1/sessions                        the gateway's session entries, with titles
                                              and agents (?agent=ID: one agent's)
     GET  /v1/sessions/{session_id}           one session and a page of its messages
@@ -75,6 +79,7 @@ _ID_FIELDS = ("chat_id", "user_id", "thread_id", "message_id")
 _PUBLIC_ROUTES = frozenset({"/healthz"})  # probes must work without the token
 _PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RETRY_AFTER_SECONDS = 1
+STREAM_KEEPALIVE_SECONDS = 15.0
 STORE_RETRY_AFTER_SECONDS = 5  # a full disk is not freed in a second
 
 
@@ -105,6 +110,7 @@ class HttpAdapter(PlatformAdapter):
     """
 
     platform = Platform.HTTP
+    stream_mode = "push"  # deltas to GET /v1/chats/{chat_id}/stream listeners (issue 18)
     # Clients get whole replies; split only beyond this generous cap (characters).
     max_message_length = 65536
 
@@ -118,6 +124,9 @@ class HttpAdapter(PlatformAdapter):
         # Long-pollers waiting per chat; present only while someone waits, so GETs for
         # unknown chats cost no memory beyond the request itself.
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        # Stream listeners per chat, each a queue of ("delta", text) / ("final", "") /
+        # ("stop", ""); present only while someone listens.
+        self._listeners: dict[str, set[asyncio.Queue[tuple[str, str]]]] = {}
         self.shed_total = 0  # POSTs answered 503 because the gateway was busy
         self._shedding = False
 
@@ -137,6 +146,7 @@ class HttpAdapter(PlatformAdapter):
             [
                 web.post("/v1/messages", self._post_message),
                 web.get("/v1/chats/{chat_id}/messages", self._get_replies),
+                web.get("/v1/chats/{chat_id}/stream", self._get_stream),
                 web.get("/v1/sessions", self._get_sessions),
                 web.get("/v1/sessions/{session_id}", self._get_session),
                 web.delete("/v1/sessions/{session_id}", self._delete_session),
@@ -167,6 +177,9 @@ class HttpAdapter(PlatformAdapter):
         self._stopping = True
         for chat_id in list(self._waiters):
             self._wake(chat_id)
+        for listeners in self._listeners.values():
+            for queue in listeners:
+                queue.put_nowait(("stop", ""))
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
@@ -196,6 +209,15 @@ class HttpAdapter(PlatformAdapter):
         for waiter in self._waiters.get(chat_id, ()):
             if not waiter.done():
                 waiter.set_result(None)
+        for queue in self._listeners.get(chat_id, ()):
+            queue.put_nowait(("final", ""))
+
+    def can_stream(self, target: SessionSource) -> bool:
+        return self.config.streaming and target.chat_id in self._listeners
+
+    async def push_delta(self, target: SessionSource, text: str) -> None:
+        for queue in self._listeners.get(target.chat_id, ()):
+            queue.put_nowait(("delta", text))
 
     # --- middleware ----------------------------------------------------------------------
 
@@ -315,6 +337,52 @@ class HttpAdapter(PlatformAdapter):
         next_seq = messages[-1]["seq"] if messages else after
         return web.json_response({"messages": messages, "next": next_seq})
 
+    async def _get_stream(self, request: web.Request) -> web.StreamResponse:
+        """Server-sent events for one chat until the client goes: `delta` events while a
+        reply is written, a `final` event per recorded reply (seq and whole text), a
+        comment every `STREAM_KEEPALIVE_SECONDS`. With `after`, the finals after it are
+        sent first (a reconnecting client loses none); without, only new ones."""
+        chat_id = request.match_info["chat_id"]
+        _check_id("chat_id", chat_id)
+        after = _int_param(request, "after", -1, 0, MAX_SEQ) if "after" in request.query else None
+        assert self.gateway is not None
+        queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        listeners = self._listeners.setdefault(chat_id, set())
+        listeners.add(queue)  # before the cursor is read: no final falls between
+        try:
+            cursor = after
+            if cursor is None:
+                cursor = await self.gateway.last_reply_seq(self.platform.value, chat_id)
+            else:
+                queue.put_nowait(("final", ""))
+            await response.prepare(request)
+            while not self._stopping:
+                try:
+                    kind, text = await asyncio.wait_for(queue.get(), STREAM_KEEPALIVE_SECONDS)
+                except TimeoutError:
+                    await response.write(b": keep-alive\n\n")
+                    continue
+                if kind == "stop":
+                    break
+                if kind == "delta":
+                    await response.write(_event("delta", {"text": text}))
+                    continue
+                for reply in await self.gateway.replies_after(
+                    self.platform.value, chat_id, cursor, MAX_REPLIES_PER_POLL
+                ):
+                    cursor = reply["seq"]
+                    await response.write(_event("final", {"seq": cursor, "text": reply["text"]}))
+        except ConnectionError:
+            pass  # the client went away
+        finally:
+            listeners.discard(queue)
+            if not listeners:
+                self._listeners.pop(chat_id, None)
+        return response
+
     async def _get_sessions(self, request: web.Request) -> web.Response:
         agent = _agent_param(request)
         if self.gateway is None:
@@ -394,6 +462,11 @@ class HttpAdapter(PlatformAdapter):
 
 
 # --- input validation --------------------------------------------------------------------
+
+
+def _event(name: str, data: dict[str, Any]) -> bytes:
+    """One server-sent event (JSON on one data line: JSON escapes every newline)."""
+    return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
 
 
 def _parse_message(body: bytes) -> MessageEvent:

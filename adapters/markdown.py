@@ -1,16 +1,42 @@
-"""The agent's Markdown as a platform renders it: Telegram's MarkdownV2 (`to_markdown_v2`).
+"""The agent's Markdown as a platform renders it: Telegram's MarkdownV2 (`to_markdown_v2`)
+and Slack's mrkdwn (`to_mrkdwn`, with the maintained `md2mrkdwn` converter).
 
 Pure text, no platform library: a helper the platform adapters share, like
-`adapters.base` (Slack's mrkdwn joins it when Slack replies are formatted).
+`adapters.base`.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+
+from md2mrkdwn import convert as convert_to_mrkdwn
 
 from adapters.base import utf16_len
 
-__all__ = ["markdown_v2_len", "to_markdown_v2"]
+__all__ = ["markdown_v2_len", "to_markdown_v2", "to_mrkdwn"]
+
+log = logging.getLogger("adapters.markdown")
+
+
+def to_mrkdwn(text: str) -> str:
+    """`text` (the agent's Markdown) as Slack mrkdwn: `**bold**` -> `*bold*`, links ->
+    `<url|label>`, headings bold, lists with bullets, tables as code blocks. `&`, `<` and `>` are
+    escaped first, so nothing the model wrote becomes a mention (`<!channel>`) or a link
+    it did not ask for. Should the converter fail, the text goes out escaped but plain:
+    a reply is never lost to its formatting."""
+    escaped = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    core = escaped.strip()
+    if not core:
+        return escaped
+    start = escaped.index(core)
+    try:
+        # The converter trims the ends; a chunk of a split reply keeps them.
+        return escaped[:start] + convert_to_mrkdwn(core) + escaped[start + len(core) :]
+    except Exception as exc:  # a converter bug must not cost the reply
+        log.warning("slack: mrkdwn conversion failed (%s); sending plain text", exc)
+        return escaped
+
 
 # A fenced block (optional language on the opening line) or an inline code span.
 _CODE = re.compile(r"```([^\n`]*)\n(.*?)```|```(.*?)```|`([^`\n]+)`", re.DOTALL)

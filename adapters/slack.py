@@ -55,6 +55,7 @@ from slack_sdk.web.async_client import AsyncWebClient
 from adapters.base import (
     MAX_RETRY_AFTER_SECONDS,
     AcceptStatus,
+    FloodWait,
     MessageEvent,
     Platform,
     PlatformAdapter,
@@ -63,6 +64,7 @@ from adapters.base import (
     SlackConfig,
     validate_id,
 )
+from adapters.markdown import to_mrkdwn
 
 __all__ = ["SlackAdapter", "slack_len"]
 
@@ -128,6 +130,7 @@ class SlackAdapter(PlatformAdapter):
     """
 
     platform = Platform.SLACK
+    stream_mode = "edit"  # chat.postMessage, then chat.update (issue 18)
     max_message_length = 40000  # chat.postMessage truncates text beyond this
     length_fn = staticmethod(slack_len)
 
@@ -141,6 +144,7 @@ class SlackAdapter(PlatformAdapter):
         self._mention: re.Pattern[str] | None = None
         self._session: aiohttp.ClientSession | None = None
         self._client: AsyncWebClient | None = None
+        self._stream_client: AsyncWebClient | None = None  # streamed replies: no 429 sleeps
         self._socket: AsyncSocketModeHandler | None = None
         self._watcher: asyncio.Task[None] | None = None
         self._server: web.AppRunner | None = None
@@ -445,11 +449,56 @@ class SlackAdapter(PlatformAdapter):
             raise ConnectionError("the Slack adapter is not started")
         response = await self._client.chat_postMessage(
             channel=target.chat_id,
-            text=_escape(text),
+            text=to_mrkdwn(text),
             thread_ts=target.thread_id,
             unfurl_links=False,
         )
         return SendResult(message_id=response.get("ts"))
+
+    # --- streamed replies (issue 18) --------------------------------------------------------
+
+    async def send_draft(
+        self, target: SessionSource, text: str, reply_to: str | None = None
+    ) -> SendResult:
+        response = await self._streaming_call(
+            "chat_postMessage",
+            channel=target.chat_id,
+            text=to_mrkdwn(text),
+            thread_ts=target.thread_id,
+            unfurl_links=False,
+        )
+        return SendResult(message_id=response.get("ts"))
+
+    async def edit(self, target: SessionSource, message_id: str, text: str) -> None:
+        await self._streaming_call(
+            "chat_update", channel=target.chat_id, ts=message_id, text=to_mrkdwn(text)
+        )
+
+    async def delete(self, target: SessionSource, message_id: str) -> None:
+        await self._streaming_call("chat_delete", channel=target.chat_id, ts=message_id)
+
+    async def _streaming_call(self, method: str, **params: Any) -> Any:
+        """A Web API call that raises `FloodWait` on a 429 instead of sleeping it out (a
+        client of its own, without the rate-limit retry handler of `send`'s)."""
+        if self._client is None:
+            raise ConnectionError("the Slack adapter is not started")
+        if self._stream_client is None or self._stream_client.session is not self._session:
+            self._stream_client = AsyncWebClient(
+                token=self.config.bot_token,
+                base_url=self.config.api_base_url,
+                session=self._session,
+                retry_handlers=[AsyncConnectionErrorRetryHandler()],
+            )
+        try:
+            return await getattr(self._stream_client, method)(**params)
+        except SlackApiError as exc:
+            if exc.response.status_code == 429:
+                try:
+                    seconds = float(exc.response.headers.get("Retry-After", "1"))
+                except (TypeError, ValueError):
+                    seconds = 1.0
+                raise FloodWait(seconds) from exc
+            raise
 
     async def send_typing(self, target: SessionSource) -> None:
         """Slack has no typing indicator for bots (only the legacy RTM API had one)."""

@@ -45,6 +45,7 @@ from adapters.base import (
     MAX_RETRY_AFTER_SECONDS,
     AcceptStatus,
     Backoff,
+    FloodWait,
     MessageEvent,
     Platform,
     PlatformAdapter,
@@ -101,6 +102,7 @@ class TelegramAdapter(PlatformAdapter):
     platform = Platform.TELEGRAM
     max_message_length = 4096
     length_fn = staticmethod(utf16_len)  # Telegram counts UTF-16 code units
+    stream_mode = "edit"  # sendMessage, then editMessageText (issue 18)
 
     def __init__(self, config: TelegramConfig) -> None:
         super().__init__(config)
@@ -545,6 +547,62 @@ class TelegramAdapter(PlatformAdapter):
                 if network_errors >= MAX_NETWORK_ATTEMPTS or attempts >= MAX_SEND_ATTEMPTS:
                     raise
                 await self.retry_pause("send", attempts, backoff.delay(), self._describe(exc))
+
+    # --- streamed replies (issue 18) --------------------------------------------------------
+
+    async def send_draft(
+        self, target: SessionSource, text: str, reply_to: str | None = None
+    ) -> SendResult:
+        """The first message of a streamed reply: one try, a flood wait raised."""
+        options: dict[str, Any] = {}
+        if target.thread_id:
+            options["message_thread_id"] = int(target.thread_id)
+        if reply_to is not None and reply_to.isdigit():
+            options["reply_parameters"] = telegram.ReplyParameters(
+                message_id=int(reply_to), allow_sending_without_reply=True
+            )
+        bot = self._require_bot()
+        message = await self._formatted(
+            lambda text, mode: bot.send_message(
+                chat_id=target.chat_id, text=text, parse_mode=mode, **options
+            ),
+            text,
+        )
+        assert isinstance(message, telegram.Message)
+        return SendResult(message_id=str(message.message_id))
+
+    async def edit(self, target: SessionSource, message_id: str, text: str) -> None:
+        """editMessageText; "message is not modified" is success (the text is there)."""
+        bot = self._require_bot()
+        try:
+            await self._formatted(
+                lambda text, mode: bot.edit_message_text(
+                    text, chat_id=target.chat_id, message_id=int(message_id), parse_mode=mode
+                ),
+                text,
+            )
+        except BadRequest as exc:
+            if "not modified" not in str(exc).lower():
+                raise
+
+    async def delete(self, target: SessionSource, message_id: str) -> None:
+        await self._require_bot().delete_message(chat_id=target.chat_id, message_id=int(message_id))
+
+    async def _formatted(self, call: Any, text: str) -> Any:
+        """`call(text, parse_mode)` in MarkdownV2, else (too long escaped, or refused) as
+        plain text: a parse error never loses the text. A 429 is `FloodWait`."""
+        formatted = to_markdown_v2(text)
+        try:
+            if utf16_len(formatted) <= self.max_message_length:
+                try:
+                    return await call(formatted, ParseMode.MARKDOWN_V2)
+                except BadRequest as exc:
+                    if "parse" not in str(exc).lower() and "entit" not in str(exc).lower():
+                        raise
+                    log.info("telegram: MarkdownV2 refused (%s); plain text", exc)
+            return await call(text, None)
+        except RetryAfter as exc:
+            raise FloodWait(_retry_after_seconds(exc)) from exc
 
     async def send_typing(self, target: SessionSource) -> None:
         if self._bot is None:

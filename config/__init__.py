@@ -25,6 +25,7 @@ from config.schema import (
     SessionResetPolicy,
     SlackConfig,
     StorageConfig,
+    StreamingConfig,
     TelegramConfig,
     resolve_timezone,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "SessionResetPolicy",
     "SlackConfig",
     "StorageConfig",
+    "StreamingConfig",
     "TelegramConfig",
     "hermes_home",
     "load_config",

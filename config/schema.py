@@ -216,6 +216,11 @@ class PlatformConfig(BaseModel):
     enabled: bool = False
     session_reset: SessionResetPolicy | None = None  # beats reset_by_type and session_reset
     home_channel: str | None = None  # where scheduled deliveries go when no chat is implied
+    # Streamed replies (issue 18): the reply is shown as the model writes it, one message
+    # edited in place (the HTTP API: `GET /v1/chats/{chat_id}/stream`), at most one send
+    # or edit per `edit_interval` seconds per chat. Off: the whole reply once, as before.
+    streaming: bool = True
+    edit_interval: float = Field(default=1.0, ge=0, le=60)
 
 
 class ChatPlatformConfig(PlatformConfig):
@@ -249,6 +254,7 @@ class TelegramConfig(ChatPlatformConfig):
 
 
 class DiscordConfig(ChatPlatformConfig):
+    edit_interval: float = Field(default=0.8, ge=0, le=60)
     token: str | None = Field(default=None, repr=False)
     api_base_url: str = "https://discord.com/api/v10"
     gateway_url: str | None = None  # None: the gateway Discord announces
@@ -273,6 +279,8 @@ class HttpConfig(PlatformConfig):
     port: int = Field(default=8642, ge=0, le=65535)  # 0: any free port (tests)
     token: str | None = Field(default=None, repr=False)
     max_body_bytes: int = Field(default=65536, ge=1024)
+    # Delta events to `GET /v1/chats/{chat_id}/stream` listeners, at most this often.
+    edit_interval: float = Field(default=0.25, ge=0, le=60)
     # Backpressure: while this many sessions (on every platform) have a turn running or
     # waiting, a POST /v1/messages that would start a turn gets 503 with Retry-After.
     max_busy_sessions: int = Field(default=1024, ge=1)
@@ -368,6 +376,21 @@ class SchedulesConfig(BaseModel):
     keep_runs: int = Field(default=50, ge=1)
 
 
+class StreamingConfig(BaseModel):
+    """Gateway-wide knobs of streamed replies (each platform's `streaming` and
+    `edit_interval` say whether and how often)."""
+
+    model_config = _MODEL_CONFIG
+
+    # An interim edit waits for this many new characters (less churn, no flicker).
+    min_chars: int = Field(default=24, ge=1)
+    # A flood wait (429 retry_after) longer than this sends the final reply as a new
+    # message instead of waiting to edit the streamed one.
+    max_flood_wait: float = Field(default=45.0, ge=0)
+    # After this many flood waits in one turn, interim edits stop for the turn.
+    max_floods: int = Field(default=3, ge=1)
+
+
 class StorageConfig(BaseModel):
     model_config = _MODEL_CONFIG
 
@@ -422,6 +445,7 @@ class GatewayConfig(BaseModel):
     queue: QueueConfig = QueueConfig()
     platforms: PlatformsConfig = PlatformsConfig()
     storage: StorageConfig = StorageConfig()
+    streaming: StreamingConfig = StreamingConfig()
     housekeeping: HousekeepingConfig = HousekeepingConfig()
     logging: LoggingConfig = LoggingConfig()
     memory: MemoryConfig = MemoryConfig()

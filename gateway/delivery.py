@@ -5,20 +5,30 @@ A reply is split as its platform takes it, recorded (the turn's last transaction
 marked sent once the platform acknowledged it. A chunk that fails stays pending with
 the rest behind it, and `resend_pending` (the next start, housekeeping passes) sends it:
 a restart never sends what was acknowledged again.
+
+A streamed reply's chunks (issue 18) carry the platform message they replace: each is
+delivered as an edit of it, when the chat's flood wait ends (a wait longer than
+`streaming.max_flood_wait` sends it as a new message instead and deletes the partial).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
+from collections.abc import Sequence
 
 import structlog
 
-from adapters.base import PlatformAdapter
+from adapters.base import FloodWait, PlatformAdapter, SendResult
 from gateway.faults import crash_point
 from gateway.ops.metrics import Metrics
 from gateway.session import Platform, SessionSource
 from gateway.store.turnlog import TurnLog
+from gateway.streaming import ChatSlot, ChatSlots
+
+#: tries of a final edit that the platform answers with a flood wait
+FINAL_EDIT_ATTEMPTS = 3
 
 log = structlog.get_logger("gateway.delivery")
 
@@ -29,11 +39,18 @@ class Delivery:
     """What the runner sends to the platforms, through its (shared, growing) adapters."""
 
     def __init__(
-        self, adapters: dict[Platform, PlatformAdapter], turnlog: TurnLog, metrics: Metrics
+        self,
+        adapters: dict[Platform, PlatformAdapter],
+        turnlog: TurnLog,
+        metrics: Metrics,
+        slots: ChatSlots | None = None,
+        max_flood_wait: float = 45.0,
     ) -> None:
         self.adapters = adapters
         self.turnlog = turnlog
         self.metrics = metrics
+        self.slots = slots if slots is not None else ChatSlots()
+        self.max_flood_wait = max_flood_wait
         self._sending: set[int] = set()  # delivery ids being sent right now
 
     def start_typing(self, source: SessionSource) -> asyncio.Task[None] | None:
@@ -63,12 +80,17 @@ class Delivery:
         return await self.send_recorded(target, list(zip(ids, chunks, strict=True)), reply_to)
 
     async def send_recorded(
-        self, target: SessionSource, chunks: list[tuple[int, str]], reply_to: str | None
+        self,
+        target: SessionSource,
+        chunks: list[tuple[int, str]],
+        reply_to: str | None,
+        edits: Sequence[str | None] = (),
     ) -> int:
         """Send recorded chunks in order, marking each once the platform acknowledged it.
 
         A chunk that fails stays pending in the ledger (and the rest with it, to keep the
-        order); the next start or housekeeping pass sends it.
+        order); the next start or housekeeping pass sends it. `edits[i]`: the streamed
+        message chunk i replaces (issue 18).
         """
         adapter = self.adapters.get(target.platform)
         if adapter is None:
@@ -79,10 +101,19 @@ class Delivery:
         chunks = [(i, text) for i, text in chunks if i not in self._sending]
         self._sending.update(i for i, _ in chunks)
         sent = 0
+        slot = self.slots.get(target)  # a streamed reply in this chat: take turns with it
         try:
-            for delivery_id, chunk in chunks:
+            for index, (delivery_id, chunk) in enumerate(chunks):
+                edit_of = edits[index] if index < len(edits) else None
                 try:
-                    result = await adapter.send(target, chunk, reply_to, delivery_id=delivery_id)
+                    if slot is not None or edit_of is not None:
+                        result = await self._send_in_slot(
+                            adapter, target, chunk, reply_to, delivery_id, edit_of, slot
+                        )
+                    else:
+                        result = await adapter.send(
+                            target, chunk, reply_to, delivery_id=delivery_id
+                        )
                 except Exception as exc:
                     self.metrics.send_errors_total += 1
                     log.error("send_failed", platform=target.platform.value, error=str(exc))
@@ -99,6 +130,75 @@ class Delivery:
             self._sending.difference_update(i for i, _ in chunks[sent:])
         return sent
 
+    async def _send_in_slot(
+        self,
+        adapter: PlatformAdapter,
+        target: SessionSource,
+        chunk: str,
+        reply_to: str | None,
+        delivery_id: int,
+        edit_of: str | None,
+        slot: ChatSlot | None,
+    ) -> SendResult:
+        """One chunk through the chat's slot (after the interval since its last call); an
+        edit of a streamed message waits out the chat's flood wait up to
+        `max_flood_wait`, past which the chunk goes out as a new message."""
+        if slot is None:
+            return await self._final(adapter, target, chunk, reply_to, delivery_id, edit_of)
+        async with slot.lock:
+            await slot.wait_turn()
+            try:
+                wait = slot.flood_until - time.monotonic()
+                if wait > self.max_flood_wait:
+                    edit_of = await self._drop_partial(adapter, target, edit_of)
+                elif wait > 0:
+                    await asyncio.sleep(wait)
+                return await self._final(adapter, target, chunk, reply_to, delivery_id, edit_of)
+            finally:
+                slot.next_at = time.monotonic() + _interval(adapter)
+
+    async def _final(
+        self,
+        adapter: PlatformAdapter,
+        target: SessionSource,
+        chunk: str,
+        reply_to: str | None,
+        delivery_id: int,
+        edit_of: str | None,
+    ) -> SendResult:
+        for _ in range(FINAL_EDIT_ATTEMPTS):
+            if edit_of is None:
+                break
+            try:
+                await adapter.edit(target, edit_of, chunk)
+                return SendResult(message_id=edit_of)
+            except FloodWait as exc:
+                if exc.retry_after > self.max_flood_wait:
+                    edit_of = await self._drop_partial(adapter, target, edit_of)
+                else:
+                    await asyncio.sleep(exc.retry_after)
+            except Exception as exc:
+                # Deleted by the user, too old to edit: the final goes out as a new message.
+                log.warning("stream_final_edit_failed", error=f"{type(exc).__name__}: {exc}")
+                edit_of = await self._drop_partial(adapter, target, edit_of)
+        return await adapter.send(target, chunk, reply_to, delivery_id=delivery_id)
+
+    async def _drop_partial(
+        self, adapter: PlatformAdapter, target: SessionSource, message_id: str | None
+    ) -> None:
+        """The final replaces a partial it cannot edit: the partial goes (best effort)."""
+        if message_id is not None:
+            with contextlib.suppress(Exception):
+                await adapter.delete(target, message_id)
+        return None
+
+    async def delete_extra(self, target: SessionSource, message_ids: Sequence[str]) -> None:
+        """Streamed messages the final reply does not need (it split shorter)."""
+        adapter = self.adapters.get(target.platform)
+        if adapter is not None:
+            for message_id in message_ids:
+                await self._drop_partial(adapter, target, message_id)
+
     async def resend_pending(self, min_age_seconds: float = 0) -> int:
         """Send recorded chunks that were never acknowledged (after a crash, or refused by
         the platform), once each. Periodic passes only take chunks older than
@@ -106,8 +206,15 @@ class Delivery:
         sent = 0
         for row in await self.turnlog.pending_outbound(min_age_seconds):
             sent += await self.send_recorded(
-                row["target"], [(row["id"], row["text"])], row["reply_to"]
+                row["target"],
+                [(row["id"], row["text"])],
+                row["reply_to"],
+                (row["edit_message_id"],),
             )
         if sent:
             log.info("pending_replies_sent", count=sent)
         return sent
+
+
+def _interval(adapter: PlatformAdapter) -> float:
+    return float(getattr(adapter.config, "edit_interval", 0.0) or 0.0)

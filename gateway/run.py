@@ -66,6 +66,7 @@ from gateway.session_ops import SessionOps
 from gateway.store.outage import StoreUnwritable
 from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog, TurnStart
+from gateway.streaming import Stream, Streams
 from gateway.tools import BUILTIN_TOOLS
 from gateway.tools.registry import Toolbox, TurnScope, TurnTools, agent_id_of
 
@@ -136,7 +137,16 @@ class GatewayRunner(SessionOps):
         self.schedule_book = ScheduleBook(self.store, config)
         self.scheduler = Scheduler(self, self.schedule_book)
         self.metrics = Metrics()
-        self.delivery = Delivery(self.adapters, self.turnlog, self.metrics)
+        # Streamed replies (issue 18): a turn's Stream takes its chat's slot only once
+        # the agent streams text, so other turns spend nothing on them.
+        self.streams = Streams(self.adapters, config, self.turnlog.save_stream)
+        self.delivery = Delivery(
+            self.adapters,
+            self.turnlog,
+            self.metrics,
+            self.streams.slots,
+            config.streaming.max_flood_wait,
+        )
         self.finalize_hooks: list[FinalizeHook] = []
         self.restart_requested = asyncio.Event()
         # Each agent's tools; None for the echo backend (no model calls tools) and for
@@ -498,6 +508,7 @@ class GatewayRunner(SessionOps):
         started = time.monotonic()
         source = event.source
         turn = TurnLine(source.platform.value, started)  # the log's one line for this turn
+        stream: Stream | None = None
         try:
             if begun is None:
                 begun = await self.turnlog.begin(event, key, self._turn_text(event))
@@ -527,12 +538,17 @@ class GatewayRunner(SessionOps):
                 source=source,
                 tools=tools,
             )
+            # A turn re-run after a crash finishes the messages its first run streamed.
+            shown = await self.turnlog.stream_of(key) if begun.resumed else []
+            stream = self.streams.open(key, source, event.reply_to, shown)
             typing = self.delivery.start_typing(source)
             try:
-                outcome = await self._call_agent(key, request, agent)
+                outcome = await self._call_agent(key, request, agent, stream)
+                edits = await stream.finish() if stream is not None else shown
             finally:
                 if typing is not None:
                     typing.cancel()
+
             turn.usage = outcome.usage
             if self.config.logging.include_text:
                 turn.texts = (begun.text, outcome.text)
@@ -545,7 +561,9 @@ class GatewayRunner(SessionOps):
                 settles = (settle,)
             chunks = self.delivery.split(source, self._with_reset_notice(entry, text))
             turn.chunks = len(chunks)
-            ids = await self._finish(key, begun, event, outcome, chunks, tools, settles)
+            ids = await self._finish(
+                key, begun, event, outcome, chunks, tools, settles, edits if edits else None
+            )
             if run_status is not None:
                 self.metrics.count_schedule_run(run_status)
             if outcome.reply is not None:
@@ -553,8 +571,10 @@ class GatewayRunner(SessionOps):
                 self.recovery.turn_succeeded(key)
             self.metrics.observe_turn(time.monotonic() - started)
             turn.sent = await self.delivery.send_recorded(
-                source, list(zip(ids, chunks, strict=True)), event.reply_to
+                source, list(zip(ids, chunks, strict=True)), event.reply_to, edits
             )
+            if len(edits) > len(chunks):
+                await self.delivery.delete_extra(source, edits[len(chunks) :])
             turn.outcome = outcome.status
             # The token factor is learnt from one request's prompt: a turn with tool
             # rounds reports the sum of several.
@@ -566,6 +586,10 @@ class GatewayRunner(SessionOps):
             turn.outcome = "cancelled"  # /stop, or a shutdown that could not wait
             raise
         finally:
+            if stream is not None:
+                stream.close()  # after the final's delivery: the chat's slot is free again
+                self.metrics.stream_edits_total += stream.edits
+                self.metrics.stream_flood_waits_total += stream.floods
             turn.log(log)
 
     async def _finish(
@@ -577,6 +601,7 @@ class GatewayRunner(SessionOps):
         chunks: list[str],
         tools: TurnTools | None = None,
         settles: Sequence[Callable[[Any], object]] = (),
+        edits: Sequence[str] | None = None,
     ) -> list[int]:
         """Record the turn's end (its tool rounds and what its tools wrote included), and
         begin the key's next waiting turn in the same transaction (it then runs without
@@ -596,6 +621,7 @@ class GatewayRunner(SessionOps):
                 messages=outcome.messages,
                 writes=tools.writes() if tools is not None else (),
                 settles=settles,
+                edits=edits,
             )
         except BaseException:
             if waiting is not None and queue is not None:
@@ -617,8 +643,12 @@ class GatewayRunner(SessionOps):
             had_activity=entry.reset_had_activity,
         )
 
-    async def _call_agent(self, key: str, request: TurnRequest, spec: AgentSpec) -> TurnOutcome:
-        """Run the agent; a failure becomes a short text for the user, never an exception."""
+    async def _call_agent(
+        self, key: str, request: TurnRequest, spec: AgentSpec, stream: Stream | None = None
+    ) -> TurnOutcome:
+        """Run the agent; a failure becomes a short text for the user, never an exception.
+        With a `stream`, an agent that can stream (`stream_turn`) shows its reply as it
+        writes it; one that cannot answers as before."""
         timeout = spec.config.gateway_timeout
         task = asyncio.current_task()
         assert task is not None
@@ -626,7 +656,11 @@ class GatewayRunner(SessionOps):
             async with self._turn_slots, self.agents.lease(key, spec.signature) as agent:
                 self._deadlines.arm(task, timeout)
                 try:
-                    result = await agent.run_turn(request)
+                    streaming = getattr(agent, "stream_turn", None) if stream else None
+                    if streaming is not None and stream is not None:
+                        result = await streaming(request, stream.update)
+                    else:
+                        result = await agent.run_turn(request)
                     check_tool_rounds(result.messages)
                 except asyncio.CancelledError:
                     # Ours (the deadline) unless someone else cancelled too (/stop).
@@ -710,6 +744,9 @@ class GatewayRunner(SessionOps):
         self, platform: str, chat_id: str, after: int, limit: int
     ) -> list[dict[str, Any]]:
         return await self.turnlog.replies_after(platform, chat_id, after, limit)
+
+    async def last_reply_seq(self, platform: str, chat_id: str) -> int:
+        return await self.turnlog.last_reply_seq(platform, chat_id)
 
     async def is_paired(self, platform: str, user_id: str) -> bool:
         return await self.pairing.is_paired(platform, user_id)

@@ -35,6 +35,7 @@ closed loop's chats); it neither decodes what it reads nor runs an agent.
     .venv/bin/python scripts/bench_gateway.py --cold           # start-up as after a boot (root)
     .venv/bin/python scripts/bench_gateway.py --strategy window  # the window context strategy
     .venv/bin/python scripts/bench_gateway.py --schedules 10000  # the scheduler (issue 17)
+    .venv/bin/python scripts/bench_gateway.py --stream  # streamed replies (issue 18)
 
 Keys are random among the N sessions; a key with a message in flight is not picked again
 until its reply arrived, so every message gets its own turn and its own reply (two
@@ -490,6 +491,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="only the scheduler: the daemon's idle CPU with N schedules and the delay from"
         " a fire time to its turn begun (scripts/bench_schedules.py; --quick: shorter)",
     )
+    parser.add_argument(
+        "--stream",
+        action="store_true",
+        help="only streamed replies: edits per reply and first token -> first visible text"
+        " p50/p99 (scripts/bench_stream.py; --quick: shorter)",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     defaults = {
@@ -555,6 +562,16 @@ def schedules_section(args: argparse.Namespace) -> int:
     return 0
 
 
+def stream_section(args: argparse.Namespace) -> int:
+    """Streamed replies (issue 18): edits per reply, first token -> first visible text."""
+    from scripts import bench_stream
+
+    stream_args = bench_stream.parse_args(["--quick"] if args.quick else [])
+    for line in bench_stream.report(bench_stream.run(stream_args), stream_args):
+        print(line, flush=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker_home is not None:
@@ -563,6 +580,8 @@ def main(argv: list[str] | None = None) -> int:
         return recall_section(args)
     if args.schedules is not None:
         return schedules_section(args)
+    if args.stream:
+        return stream_section(args)
     cpus = os.cpu_count()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
     print(

@@ -134,3 +134,23 @@ def test_bench_gateway_schedules_reports_idle_cpu_and_fire_delay() -> None:
     assert int(spread.group(1)) == 20 and int(burst.group(1)) == 10, out
     assert float(spread.group(2)) < 1000, out  # fired on time, not a poll later
     assert "daemon log warnings/errors" not in out, out
+
+
+@pytest.mark.timeout(150)
+def test_bench_gateway_stream_reports_edits_and_first_visible_text() -> None:
+    """`--stream`: streamed replies through the real daemon, Telegram and a streaming
+    model: each reply one message, edits per reply and first token -> first text."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "bench_gateway.py"), "--stream", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, f"{out}\n{proc.stderr}"
+    assert "messages per reply 1.00" in out, out
+    edits = re.search(r"edits per reply ([\d.]+)", out)
+    first = re.search(r"first token -> first visible text: p50 ([\d.]+) ms, p99 ([\d.]+) ms", out)
+    assert edits is not None and float(edits.group(1)) >= 1, out
+    assert first is not None, out

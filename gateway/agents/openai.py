@@ -1,6 +1,9 @@
 """The ``openai`` backend: any OpenAI-compatible ``POST {base_url}/chat/completions``.
 
-Works with OpenAI, Ollama, vLLM, llama.cpp and OpenRouter. No streaming. A turn with
+Works with OpenAI, Ollama, vLLM, llama.cpp and OpenRouter. `stream_turn` streams
+(``stream: true``, server-sent events, usage asked for with ``stream_options``), handing
+the reply so far to its `on_text` and assembling tool calls from their deltas; `run_turn`
+asks for the whole answer at once. A turn with
 tools (`TurnRequest.tools`) runs OpenAI function calling: the model's tool calls are run
 (one after the other, in its order) and their results sent back, for at most
 `max_tool_rounds` rounds; a model still calling tools after that ends the turn with
@@ -13,8 +16,9 @@ The turn timeout is the runner's job, so requests have no total timeout here.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -112,10 +116,29 @@ class OpenAIAgent:
         if tools is None or not specs:  # no tools: one request, no loop
             message, usage = await self._complete({"model": self.model, "messages": messages})
             return TurnResult(_reply_text(message), usage)
-        return await self._tool_loop(tools, specs, messages)
+        return await self._tool_loop(tools, specs, messages, self._complete)
+
+    async def stream_turn(self, request: TurnRequest, on_text: Callable[[str], None]) -> TurnResult:
+        """`run_turn`, streamed: `on_text` gets the reply so far as it arrives (each
+        round of a tool loop starts over from its first words)."""
+        messages = build_messages(request)
+        tools = request.tools
+        specs = tools.specs() if tools is not None else []
+
+        def complete(body: dict[str, Any]) -> Awaitable[tuple[dict[str, Any], TokenUsage]]:
+            return self._complete_streamed(body, on_text)
+
+        if tools is None or not specs:
+            message, usage = await complete({"model": self.model, "messages": messages})
+            return TurnResult(_reply_text(message), usage)
+        return await self._tool_loop(tools, specs, messages, complete)
 
     async def _tool_loop(
-        self, tools: Tools, specs: list[dict[str, Any]], messages: list[dict[str, Any]]
+        self,
+        tools: Tools,
+        specs: list[dict[str, Any]],
+        messages: list[dict[str, Any]],
+        complete: Callable[[dict[str, Any]], Awaitable[tuple[dict[str, Any], TokenUsage]]],
     ) -> TurnResult:
         """Ask, run the tool calls asked for, send their results, ask again ... until the
         model answers without tool calls or `max_tool_rounds` rounds ran."""
@@ -123,7 +146,7 @@ class OpenAIAgent:
         new: list[dict[str, Any]] = []  # this turn's tool rounds, for the transcript
         usage = TokenUsage()
         for rounds in range(self.max_tool_rounds + 1):
-            message, used = await self._complete(body)
+            message, used = await complete(body)
             usage = _added(usage, used)
             calls = _tool_calls(message)
             if not calls:
@@ -164,6 +187,56 @@ class OpenAIAgent:
             raise AgentError(self._http_error(status, payload))
         return _parse_completion(payload)
 
+    async def _complete_streamed(
+        self, body: dict[str, Any], on_text: Callable[[str], None]
+    ) -> tuple[dict[str, Any], TokenUsage]:
+        """`_complete` with ``stream: true``: the same retries before the first byte, then
+        the events read as they come."""
+        body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        for attempt in range(len(self._backoff) + 1):
+            async with self._opened(body) as response:
+                if response.status == 200:
+                    with self._read_errors():
+                        return await _read_stream(response.content, on_text)
+                status, headers = response.status, response.headers.copy()
+                with self._read_errors():
+                    payload = await response.read()
+            if not (status == 429 or status >= 500) or attempt == len(self._backoff):
+                break
+            delay = _retry_after(headers)
+            if delay is None:
+                delay = self._backoff[attempt]
+            log.warning("model_retry", status=status, attempt=attempt + 1, delay=delay)
+            await asyncio.sleep(delay)
+        raise AgentError(self._http_error(status, payload))
+
+    @contextlib.asynccontextmanager
+    async def _opened(self, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
+            )
+        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+        with self._read_errors():
+            async with self._session.post(self.url, json=body, headers=headers) as response:
+                yield response
+
+    @contextlib.contextmanager
+    def _read_errors(self) -> Any:
+        """aiohttp's failures as `AgentError`s that say what went wrong, without secrets."""
+        try:
+            yield
+        except aiohttp.ClientConnectorError as exc:
+            refused = isinstance(exc.os_error, ConnectionRefusedError)
+            reason = "connection refused" if refused else exc.os_error.strerror or "unreachable"
+            raise AgentError(
+                f"cannot connect to the model server at {self._host}: {reason}"
+            ) from exc
+        except TimeoutError as exc:
+            raise AgentError(f"timed out connecting to the model server at {self._host}") from exc
+        except aiohttp.ClientError as exc:
+            raise AgentError(f"model server request failed ({type(exc).__name__})") from exc
+
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
@@ -175,19 +248,9 @@ class OpenAIAgent:
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
             )
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        try:
+        with self._read_errors():
             async with self._session.post(self.url, json=body, headers=headers) as response:
                 return response.status, response.headers.copy(), await response.read()
-        except aiohttp.ClientConnectorError as exc:
-            refused = isinstance(exc.os_error, ConnectionRefusedError)
-            reason = "connection refused" if refused else exc.os_error.strerror or "unreachable"
-            raise AgentError(
-                f"cannot connect to the model server at {self._host}: {reason}"
-            ) from exc
-        except TimeoutError as exc:
-            raise AgentError(f"timed out connecting to the model server at {self._host}") from exc
-        except aiohttp.ClientError as exc:
-            raise AgentError(f"model server request failed ({type(exc).__name__})") from exc
 
     def _http_error(self, status: int, payload: bytes) -> str:
         message = ""
@@ -220,17 +283,75 @@ def _parse_completion(payload: bytes) -> tuple[dict[str, Any], TokenUsage]:
         message = data["choices"][0]["message"]
         if not isinstance(message, dict):
             raise TypeError("message is not an object")
-        usage = data.get("usage") or {}
-        details = usage.get("prompt_tokens_details") or {}
-        token_usage = TokenUsage(
-            input_tokens=int(usage.get("prompt_tokens") or 0),
-            output_tokens=int(usage.get("completion_tokens") or 0),
-            cache_read_tokens=int(details.get("cached_tokens") or 0),
-        )
+        token_usage = _usage(data.get("usage") or {})
     except (ValueError, KeyError, IndexError, TypeError, AttributeError) as exc:
         raise AgentError(f"model server sent a malformed response ({type(exc).__name__})") from exc
     _reply_text(message)  # refuse a content that is not text now, whatever comes next
     return message, token_usage
+
+
+def _usage(usage: dict[str, Any]) -> TokenUsage:
+    details = usage.get("prompt_tokens_details") or {}
+    return TokenUsage(
+        input_tokens=int(usage.get("prompt_tokens") or 0),
+        output_tokens=int(usage.get("completion_tokens") or 0),
+        cache_read_tokens=int(details.get("cached_tokens") or 0),
+    )
+
+
+async def _read_stream(
+    content: aiohttp.StreamReader, on_text: Callable[[str], None]
+) -> tuple[dict[str, Any], TokenUsage]:
+    """A streamed completion's events (``data: {chunk}`` lines up to ``data: [DONE]``) as
+    the message `_parse_completion` would give: content joined, tool calls assembled
+    from their deltas by index (id and name once, arguments in pieces)."""
+    text = ""
+    calls: dict[int, dict[str, Any]] = {}
+    usage = TokenUsage()
+    try:
+        async for raw in content:
+            line = raw.strip()
+            if not line.startswith(b"data:"):
+                continue  # comments (keep-alives), event names, blank separators
+            data = line[5:].strip()
+            if data == b"[DONE]":
+                break
+            chunk = json.loads(data)
+            if chunk.get("usage"):
+                usage = _usage(chunk["usage"])
+            for choice in chunk.get("choices") or ():
+                delta = choice.get("delta") or {}
+                piece = delta.get("content") or delta.get("refusal")
+                if piece:
+                    if not isinstance(piece, str):
+                        raise TypeError("content is not text")
+                    text += piece
+                    on_text(text)
+                for call in delta.get("tool_calls") or ():
+                    _add_call_delta(calls, call)
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise AgentError(f"model server sent a malformed stream ({type(exc).__name__})") from exc
+    message: dict[str, Any] = {"role": "assistant", "content": text or None}
+    if calls:
+        message["tool_calls"] = [calls[index] for index in sorted(calls)]
+    return message, usage
+
+
+def _add_call_delta(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+    index = int(delta.get("index") or 0)
+    call = calls.setdefault(
+        index, {"id": "", "type": "function", "function": {"name": "", "arguments": ""}}
+    )
+    if delta.get("id"):
+        call["id"] = delta["id"]
+    function = delta.get("function") or {}
+    if function.get("name"):
+        call["function"]["name"] += function["name"]
+    arguments = function.get("arguments")
+    if isinstance(arguments, str):
+        call["function"]["arguments"] += arguments
+    elif arguments is not None:  # some servers send an object, whole
+        call["function"]["arguments"] = json.dumps(arguments)
 
 
 def _reply_text(message: dict[str, Any]) -> str:

@@ -6,6 +6,12 @@ the user may read about is an `AgentError`. An agent backed by a model may also 
 ``async summarize(SummaryRequest) -> str`` (`Summarizing`): the rolling summaries of the
 summary context strategy are then written by that model, else extracted without one.
 
+Streaming (issue 18): an agent may also offer
+``async stream_turn(TurnRequest, on_text) -> TurnResult`` (`Streaming`), calling
+``on_text(text)`` with its reply so far as the model writes it (a new tool round starts
+over from ""); the runner uses it when the reply's chat shows streamed text. The result
+is the same as `run_turn`'s, and only it is stored. An agent without it works as before.
+
 Tools: a turn may carry `TurnRequest.tools` (`Tools`, None when the agent has none):
 ``tools.specs()`` lists them in OpenAI's function-calling format and
 ``await tools.call(name, arguments)`` runs one, returning its result as text (JSON); a
@@ -28,6 +34,7 @@ __all__ = [
     "Agent",
     "AgentError",
     "AgentFactory",
+    "Streaming",
     "Summarizing",
     "SummaryRequest",
     "Tools",
@@ -84,6 +91,12 @@ class SummaryRequest:
 
 class Summarizing(Protocol):
     async def summarize(self, request: SummaryRequest) -> str: ...
+
+
+class Streaming(Protocol):
+    async def stream_turn(
+        self, request: TurnRequest, on_text: Callable[[str], None]
+    ) -> TurnResult: ...
 
 
 class Agent(Protocol):

@@ -26,6 +26,8 @@ class Metrics:
     commands_total: int = 0
     replies_sent_total: int = 0
     send_errors_total: int = 0
+    stream_edits_total: int = 0  # interim edits of streamed replies (issue 18)
+    stream_flood_waits_total: int = 0  # 429s that made a stream skip its edits
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_sum: float = 0.0
     schedule_runs: dict[str, int] = field(
@@ -80,6 +82,16 @@ class Metrics:
                 "send_errors_total",
                 "Reply chunks that failed to send",
                 lambda: self.send_errors_total,
+            ),
+            (
+                "stream_edits_total",
+                "Interim edits of streamed replies",
+                lambda: self.stream_edits_total,
+            ),
+            (
+                "stream_flood_waits_total",
+                "Flood waits (429) that made streamed replies skip edits",
+                lambda: self.stream_flood_waits_total,
             ),
         ]
         for name, help_text, value in counters:

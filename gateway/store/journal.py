@@ -15,6 +15,7 @@ outbound delivery ledger (SQL run by the database writer, see `gateway.store.db`
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Sequence
 from typing import Any
 
 from gateway.session import SessionSource
@@ -182,14 +183,18 @@ def record_outbound(
     reply_to: str | None,
     session_key: str | None,
     now: float,
+    edits: Sequence[str] = (),
 ) -> list[int]:
-    """Record reply chunks as pending, in order; returns their delivery ids."""
+    """Record reply chunks as pending, in order; returns their delivery ids.
+
+    `edits`: the platform messages a streamed reply showed so far; chunk i is delivered
+    as an edit of `edits[i]` (the rest as new messages)."""
     target_json = codec.dumps(target.to_dict())
     ids = []
-    for chunk in chunks:
+    for index, chunk in enumerate(chunks):
         cursor = conn.execute(
             "INSERT INTO outbound (platform, chat_id, target, text, reply_to, session_key,"
-            " state, created_at) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?)",
+            " state, created_at, edit_message_id) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
             (
                 target.platform.value,
                 target.chat_id,
@@ -198,6 +203,7 @@ def record_outbound(
                 reply_to,
                 session_key,
                 now,
+                edits[index] if index < len(edits) else None,
             ),
         )
         ids.append(int(cursor.lastrowid or 0))
@@ -216,8 +222,8 @@ def mark_sent(
 
 def pending_outbound(conn: sqlite3.Connection, created_before: float) -> list[dict[str, Any]]:
     rows = conn.execute(
-        "SELECT id, target, text, reply_to FROM outbound WHERE state = 'pending'"
-        " AND created_at < ? ORDER BY id",
+        "SELECT id, target, text, reply_to, edit_message_id FROM outbound"
+        " WHERE state = 'pending' AND created_at < ? ORDER BY id",
         (created_before,),
     )
     return [
@@ -226,9 +232,44 @@ def pending_outbound(conn: sqlite3.Connection, created_before: float) -> list[di
             "target": SessionSource.from_dict(codec.loads(target)),
             "text": text,
             "reply_to": reply_to,
+            "edit_message_id": edit_message_id,
         }
-        for delivery_id, target, text, reply_to in rows
+        for delivery_id, target, text, reply_to, edit_message_id in rows
     ]
+
+
+def last_reply_seq(conn: sqlite3.Connection, platform: str, chat_id: str) -> int:
+    """The newest delivery id recorded for one chat (0: none)."""
+    row = conn.execute(
+        "SELECT max(id) FROM outbound WHERE platform = ? AND chat_id = ?", (platform, chat_id)
+    ).fetchone()
+    return int(row[0] or 0)
+
+
+# --- streamed messages -------------------------------------------------------------------------
+
+
+def save_stream(
+    conn: sqlite3.Connection, session_key: str, message_ids: Sequence[str], now: float
+) -> None:
+    """The platform messages a running turn's streamed reply is shown in (upsert)."""
+    conn.execute(
+        "INSERT INTO streams (session_key, message_ids, updated_at) VALUES (?, ?, ?)"
+        " ON CONFLICT (session_key) DO UPDATE SET message_ids = excluded.message_ids,"
+        " updated_at = excluded.updated_at",
+        (session_key, codec.dumps(list(message_ids)), now),
+    )
+
+
+def get_stream(conn: sqlite3.Connection, session_key: str) -> list[str]:
+    row = conn.execute(
+        "SELECT message_ids FROM streams WHERE session_key = ?", (session_key,)
+    ).fetchone()
+    return list(codec.loads(row[0])) if row else []
+
+
+def end_stream(conn: sqlite3.Connection, session_key: str) -> None:
+    conn.execute("DELETE FROM streams WHERE session_key = ?", (session_key,))
 
 
 def replies_after(

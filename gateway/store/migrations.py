@@ -15,7 +15,7 @@ from typing import Any
 from gateway.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 12
+SCHEMA_VERSION = 13
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -295,6 +295,18 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         target     TEXT NOT NULL,
         updated_at REAL NOT NULL
     ) WITHOUT ROWID;
+    """,
+    # Streamed replies (issue 18): `streams` holds the platform messages a running turn
+    # is editing in place (written when the first is sent, gone with the turn's end), so
+    # a turn re-run after a crash edits them instead of sending a second reply; a reply
+    # chunk with `edit_message_id` is delivered as an edit of that message.
+    13: """
+    CREATE TABLE streams (
+        session_key  TEXT PRIMARY KEY,
+        message_ids  TEXT NOT NULL,
+        updated_at   REAL NOT NULL
+    ) WITHOUT ROWID;
+    ALTER TABLE outbound ADD COLUMN edit_message_id TEXT;
     """,
 }
 

@@ -9,6 +9,7 @@ damaged files aside and swaps the fresh database in.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sqlite3
 from datetime import UTC, datetime
@@ -39,7 +40,12 @@ _SCAN_ORDER = {  # WITHOUT ROWID
 
 def _copy_table(src: sqlite3.Connection, dst: sqlite3.Connection, table: str) -> str:
     """Copy rows in storage order until the first unreadable one; returns a summary."""
+    # The columns both have: a damaged file from before a migration that added one
+    # (outbound.edit_message_id, schema 13) still gives up its rows.
     names = [row[1] for row in dst.execute(f"PRAGMA table_info({table})")]
+    with contextlib.suppress(sqlite3.DatabaseError):
+        present = {row[1] for row in src.execute(f"PRAGMA table_info({table})")}
+        names = [name for name in names if name in present] if present else names
     columns = ", ".join(names)
     insert = f"INSERT OR IGNORE INTO {table} ({columns}) VALUES ({', '.join('?' * len(names))})"
     copied = skipped = 0

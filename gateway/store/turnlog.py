@@ -189,6 +189,7 @@ class TurnLog:
         messages: Sequence[dict[str, Any]] = (),
         writes: Sequence[Callable[[sqlite3.Connection], object]] = (),
         settles: Sequence[Callable[[sqlite3.Connection], object]] = (),
+        edits: Sequence[str] | None = None,
     ) -> tuple[list[int], TurnStart | None]:
         """Record the turn's outcome and its reply chunks; returns their delivery ids,
         and the start of the `then` turn.
@@ -203,6 +204,9 @@ class TurnLog:
         begun in the same transaction: a queued message's turn costs no transaction of
         its own (issue 14: at most two awaited transactions per turn). `settles` run
         whether the turn succeeded or not (a scheduled run's outcome, issue 17).
+        `edits` (a streamed reply, issue 18: the platform messages it was shown in, or []
+        when none was sent) ends the key's stream row here, and chunk i is delivered as an
+        edit of `edits[i]`; None (no stream) touches no stream row.
         """
         begin_next = None
         if then is not None:
@@ -232,6 +236,8 @@ class TurnLog:
             )
             journal.close_inbox(conn, list(event.inbox_ids), journal.DONE, now.timestamp())
             journal.end_turn(conn, session_key)
+            if edits is not None:
+                journal.end_stream(conn, session_key)
             ids = journal.record_outbound(
                 conn,
                 event.source,
@@ -239,6 +245,7 @@ class TurnLog:
                 reply_to=event.reply_to,
                 session_key=session_key,
                 now=now.timestamp(),
+                edits=edits or (),
             )
             return ids, None if begin_next is None else begin_next(conn, next_inbox)
 
@@ -264,6 +271,7 @@ class TurnLog:
             # The marker's own messages too: one accepted together with its turn's start
             # may not have reached the caller's list yet.
             marked = journal.end_turn(conn, session_key)
+            journal.end_stream(conn, session_key)  # a stopped reply's partial stays as it is
             journal.close_inbox(conn, [*inbox_ids, *marked], journal.DROPPED, now)
             if notice is not None:
                 target, chunks = notice
@@ -336,6 +344,23 @@ class TurnLog:
     ) -> Callable[[sqlite3.Connection], None]:
         now = time.time()
         return lambda conn: journal.mark_sent(conn, delivery_id, platform_message_id, now)
+
+    def save_stream(self, session_key: str, message_ids: Sequence[str]) -> asyncio.Future[None]:
+        """Remember the messages a streamed reply is shown in (issue 18), in the next
+        group commit: a turn re-run after a crash edits them instead of sending anew."""
+        now, ids = time.time(), list(message_ids)
+        saved = self.store.write_soon(
+            lambda conn: journal.save_stream(conn, session_key, ids, now), persist=True
+        )
+        saved.add_done_callback(_log_failed_mark)
+        return saved
+
+    async def stream_of(self, session_key: str) -> list[str]:
+        """The messages an interrupted turn's streamed reply was shown in ([]: none)."""
+        return await self.store.read(lambda conn: journal.get_stream(conn, session_key))
+
+    async def last_reply_seq(self, platform: str, chat_id: str) -> int:
+        return await self.store.read(lambda conn: journal.last_reply_seq(conn, platform, chat_id))
 
     async def open_inbox(self) -> list[dict[str, Any]]:
         return await self.store.read(journal.open_inbox)

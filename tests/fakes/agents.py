@@ -8,6 +8,7 @@ typing indicator). `scripted({"long": LONG_REPLY})` makes an agent factory.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import ClassVar
 
 from gateway.agents.protocol import TurnRequest, TurnResult
@@ -61,3 +62,23 @@ class NamedAgent:
 def named(session_key: str, options: dict[str, object]) -> NamedAgent:
     """`agent.backend: tests.fakes.agents:named`."""
     return NamedAgent(session_key, str(options.get("name", "?")))
+
+
+class StreamingAgent(ScriptedAgent):
+    """`ScriptedAgent` that also streams (issue 18): its reply comes word by word, one
+    every `step` seconds, through `on_text` (the reply so far)."""
+
+    step: ClassVar[float] = 0.02
+
+    async def stream_turn(self, request: TurnRequest, on_text: Callable[[str], None]) -> TurnResult:
+        reply = (await self.run_turn(request)).text
+        words = reply.split(" ")
+        for count in range(1, len(words) + 1):
+            await asyncio.sleep(self.step)
+            on_text(" ".join(words[:count]))
+        return TurnResult(reply)
+
+
+def streaming(replies: dict[str, str], step: float = 0.02) -> type[StreamingAgent]:
+    """A streaming agent factory: `scripted`'s replies, one word every `step` seconds."""
+    return type("Agent", (StreamingAgent,), {"replies": dict(replies), "step": step})

@@ -124,6 +124,10 @@ class FakeDiscord:
         self.gateway_url = ""
         self.sent: list[dict[str, Any]] = []
         self.send_attempts: list[float] = []  # time.monotonic() of each message POST
+        self.edit_attempts: list[float] = []  # time.monotonic() of each message PATCH
+        self.edits: list[dict[str, Any]] = []  # applied PATCH bodies (+ id, at)
+        self.deleted: list[str] = []
+        self._edit_faults: deque[_Fault] = deque()
         self.typing: list[str] = []
         self.threads_created: list[dict[str, Any]] = []
         self.identifies: list[dict[str, Any]] = []
@@ -171,6 +175,8 @@ class FakeDiscord:
         app.router.add_get(f"{api}/channels/{{cid}}", self._get_channel)
         app.router.add_post(f"{api}/channels/{{cid}}/messages", self._post_message)
         app.router.add_post(f"{api}/channels/{{cid}}/typing", self._post_typing)
+        app.router.add_patch(f"{api}/channels/{{cid}}/messages/{{mid}}", self._patch_message)
+        app.router.add_delete(f"{api}/channels/{{cid}}/messages/{{mid}}", self._delete_message)
         app.router.add_post(f"{api}/channels/{{cid}}/messages/{{mid}}/threads", self._post_thread)
         app.router.add_get("/gateway", self._gateway)
         app.router.add_route("*", "/{tail:.*}", self._unhandled)
@@ -409,6 +415,21 @@ class FakeDiscord:
         """Refuse the next message POST (429: rate limited for `retry_after` seconds)."""
         self._faults.append(_Fault(status=status, retry_after=retry_after))
 
+    def fail_next_edit(self, retry_after: float = 0.5, times: int = 1) -> None:
+        """Answer the next message PATCHes 429 (rate limited for `retry_after` seconds)."""
+        self._edit_faults.extend(_Fault(status=429, retry_after=retry_after) for _ in range(times))
+
+    def chat_view(self, channel_id: str) -> list[str]:
+        """The bot's messages in a channel as they read now (edits applied, deletions
+        gone), oldest first."""
+        return [
+            m["content"]
+            for m in self.messages.values()
+            if m["channel_id"] == channel_id
+            and m["author"]["id"] == self._bot_user["id"]
+            and not m.get("deleted")
+        ]
+
     def delay_next(self, seconds: float) -> None:
         """Sleep before answering the next message POST (normally)."""
         self._faults.append(_Fault(delay=seconds))
@@ -615,6 +636,32 @@ class FakeDiscord:
         if self._session is not None:
             await self.dispatch("MESSAGE_CREATE", message)  # Discord echoes the bot's own
         return _json(message, headers=_bucket_headers(4))
+
+    async def _patch_message(self, request: web.Request) -> web.Response:
+        message_id = request.match_info["mid"]
+        body = await request.json()
+        self.edit_attempts.append(time.monotonic())
+        if self._edit_faults:
+            fault = self._edit_faults.popleft()
+            return _rate_limited(fault.retry_after)
+        message = self.messages.get(message_id)
+        if message is None or message.get("deleted"):
+            return _json({"message": "Unknown Message", "code": 10008}, status=404)
+        if "content" in body:
+            if not body["content"]:
+                return _json({"message": "Cannot send an empty message", "code": 50006}, 400)
+            message["content"] = body["content"]
+            message["edited_timestamp"] = _now_iso()
+        self.edits.append(body | {"id": message_id, "at": time.monotonic()})
+        return _json(message, headers=_bucket_headers(4))
+
+    async def _delete_message(self, request: web.Request) -> web.Response:
+        message = self.messages.get(request.match_info["mid"])
+        if message is None or message.get("deleted"):
+            return _json({"message": "Unknown Message", "code": 10008}, status=404)
+        message["deleted"] = True
+        self.deleted.append(message["id"])
+        return web.Response(status=204)
 
     async def _post_typing(self, request: web.Request) -> web.Response:
         channel_id = request.match_info["cid"]

@@ -135,6 +135,13 @@ class FakeOpenAI:
         # which texts are near each other.
         self.embeddings: dict[str, list[float]] = {}
         self.embedding_dimensions = 8
+        # Streamed answers (``"stream": true``): words per content chunk, seconds between
+        # chunks, and when each content chunk was sent (time.monotonic()).
+        self.stream_chunk_words = 1
+        self.stream_delay = 0.0
+        self.tokens_sent: list[float] = []
+        #: per streamed request, by its last user message: (first, last) content chunk sent
+        self.token_times: dict[str, tuple[float, float]] = {}
 
     async def start(self) -> str:
         """Bind a free port on 127.0.0.1; returns the base URL (``http://127.0.0.1:N/v1``)."""
@@ -256,7 +263,65 @@ class FakeOpenAI:
             return _error(fault.status, fault.message, None, headers)
         if fault.malformed:
             return web.Response(text='{"choices": [', content_type="application/json")
+        if body.get("stream"):
+            return await self._stream(request, body)
         return web.json_response(self._completion(body))
+
+    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+        """The completion as OpenAI streams it: ``data: {chunk}`` events of
+        ``chat.completion.chunk`` (content `stream_chunk_words` words at a time, every
+        `stream_delay` seconds; each tool call's id and name first, then its arguments in
+        two pieces), the usage last when ``stream_options.include_usage``, then
+        ``data: [DONE]``."""
+        completion = self._completion(body)
+        message = completion["choices"][0]["message"]
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        base = {k: completion[k] for k in ("id", "created", "model")}
+        base["object"] = "chat.completion.chunk"
+
+        async def emit(delta: dict[str, Any], finish: str | None = None) -> None:
+            chunk = {**base, "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+            await response.write(f"data: {json.dumps(chunk)}\n\n".encode())
+
+        await emit({"role": "assistant", "content": ""})
+        words = (message.get("content") or "").split(" ")
+        step = max(1, self.stream_chunk_words)
+        for at in range(0, len(words) if message.get("content") else 0, step):
+            if self.stream_delay:
+                await asyncio.sleep(self.stream_delay)
+            piece = " ".join(words[at : at + step]) + (" " if at + step < len(words) else "")
+            now = time.monotonic()
+            self.tokens_sent.append(now)
+            asked = last_user_content(body)
+            self.token_times[asked] = (self.token_times.get(asked, (now, now))[0], now)
+            await emit({"content": piece})
+        for index, call in enumerate(message.get("tool_calls") or ()):
+            function = call["function"]
+            arguments = function["arguments"]
+            half = len(arguments) // 2
+            await emit(
+                {
+                    "tool_calls": [
+                        {
+                            "index": index,
+                            "id": call["id"],
+                            "type": "function",
+                            "function": {"name": function["name"], "arguments": arguments[:half]},
+                        }
+                    ]
+                }
+            )
+            await emit(
+                {"tool_calls": [{"index": index, "function": {"arguments": arguments[half:]}}]}
+            )
+        await emit({}, completion["choices"][0]["finish_reason"])
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage_chunk = {**base, "choices": [], "usage": completion["usage"]}
+            await response.write(f"data: {json.dumps(usage_chunk)}\n\n".encode())
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
 
     def _completion(self, body: dict[str, Any]) -> dict[str, Any]:
         usage = dict(self.usage(body) if callable(self.usage) else self.usage)

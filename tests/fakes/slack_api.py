@@ -182,6 +182,7 @@ class FakeSlack:
         self.app_token = app_token
         self.api_base_url = ""
         self.posted: list[dict[str, Any]] = []  # {"channel", "text", "thread_ts", "ts"}
+        self.updates: list[dict[str, Any]] = []  # chat.update: {"channel", "ts", "text", "at"}
         self.acks: list[str] = []
         self.requests: list[dict[str, Any]] = []  # {"method", "params"}
         self.connections = 0
@@ -249,7 +250,7 @@ class FakeSlack:
         scheme, _, token = request.headers.get("Authorization", "").partition(" ")
         token = token if scheme == "Bearer" else str(params.pop("token", ""))
         params.pop("token", None)
-        self.requests.append({"method": method, "params": params})
+        self.requests.append({"method": method, "params": params, "at": time.monotonic()})
         queue = self._faults.get(method)
         fault = queue.popleft() if queue else _Fault()
         if fault.delay:
@@ -280,6 +281,8 @@ class FakeSlack:
             return web.json_response({"ok": True, "url": url})
         if method == "chat.postMessage":
             return web.json_response(self._post_message(params))
+        if method in ("chat.update", "chat.delete"):
+            return web.json_response(self._change_message(method, params))
         return web.json_response({"ok": False, "error": "unknown_method"})
 
     def _post_message(self, params: dict[str, Any]) -> dict[str, Any]:
@@ -294,6 +297,27 @@ class FakeSlack:
         )
         self._notify()
         return {"ok": True, "channel": channel, "ts": ts, "message": {"text": text, "ts": ts}}
+
+    def _change_message(self, method: str, params: dict[str, Any]) -> dict[str, Any]:
+        channel, ts = params.get("channel"), params.get("ts")
+        posted = next((p for p in self.posted if p["channel"] == channel and p["ts"] == ts), None)
+        if posted is None or posted.get("deleted"):
+            return {"ok": False, "error": "message_not_found"}
+        if method == "chat.delete":
+            posted["deleted"] = True
+            self._notify()
+            return {"ok": True, "channel": channel, "ts": ts}
+        text = params.get("text")
+        if not text:
+            return {"ok": False, "error": "no_text"}
+        posted["text"] = text
+        self.updates.append({"channel": channel, "ts": ts, "text": text, "at": time.monotonic()})
+        self._notify()
+        return {"ok": True, "channel": channel, "ts": ts, "text": text}
+
+    def chat_view(self, channel: str) -> list[str]:
+        """The bot's messages in a channel as they read now (updates applied)."""
+        return [p["text"] for p in self.posted if p["channel"] == channel and not p.get("deleted")]
 
     # --- Socket Mode ---------------------------------------------------------------------
 

@@ -4,7 +4,9 @@ Speaks the real wire protocol: ``/bot<TOKEN>/<method>`` over GET or POST (query,
 JSON parameters), ``{"ok": true, "result": ...}`` answers and Telegram's error bodies
 (401 for a wrong token, 429 with ``parameters.retry_after``, 400 for bad MarkdownV2).
 getUpdates long-polls and honours ``offset`` exactly like Telegram: updates below it are
-confirmed and gone. sendMessage parses MarkdownV2 (escapes, `code`, ```pre```, bold /
+confirmed and gone. editMessageText (with "message is not modified") and deleteMessage
+act on the sent messages (`chat_view` shows what the chat shows). sendMessage parses
+MarkdownV2 (escapes, `code`, ```pre```, bold /
 italic / underline / strikethrough / spoiler; it is stricter than Telegram about links and
 quotes, which it rejects) and returns the rendered Message.
 
@@ -70,8 +72,12 @@ class FakeTelegram:
         self.token = token
         self.bot_user = dict(bot_user or BOT_USER)
         self.requests: list[tuple[str, dict[str, Any]]] = []
+        self.request_times: list[tuple[str, float]] = []  # (method, time.monotonic())
         self.sent: list[dict[str, Any]] = []
         self.sent_messages: list[dict[str, Any]] = []
+        self.edits: list[dict[str, Any]] = []  # params of each applied editMessageText
+        #: ("send" | "edit" | "delete", time.monotonic(), message_id, text), in order
+        self.timeline: list[tuple[str, float, Any, str]] = []
         self.chat_actions: list[dict[str, Any]] = []
         self.commands: list[dict[str, Any]] = []
         self.webhook: dict[str, Any] | None = None
@@ -271,6 +277,7 @@ class FakeTelegram:
         method = request.match_info["method"]
         params = await _read_params(request)
         self.requests.append((method, params))
+        self.request_times.append((method, time.monotonic()))
         if self._delays[method]:
             await asyncio.sleep(self._delays[method].popleft())
         if self._faults[method]:
@@ -393,7 +400,55 @@ class FakeTelegram:
         self._messages[(chat_id, message["message_id"])] = message
         self.sent.append(params)
         self.sent_messages.append(message)
+        self.timeline.append(("send", time.monotonic(), message["message_id"], rendered))
         return message
+
+    async def _api_editMessageText(self, request: web.Request, params: dict[str, Any]) -> Any:
+        chat_id, message_id = params.get("chat_id"), params.get("message_id")
+        message = self._messages.get((chat_id, message_id))
+        if message is None or message.get("deleted"):
+            raise _ApiError(400, "Bad Request: message to edit not found")
+        rendered, entities = self._render(params)
+        if rendered == message["text"] and entities == message.get("entities", []):
+            raise _ApiError(
+                400,
+                "Bad Request: message is not modified: specified new message content and "
+                "reply markup are exactly the same as a current content and reply markup "
+                "of the message",
+            )
+        message["text"] = rendered
+        message["entities"] = entities
+        message["edit_date"] = int(time.time())
+        self.edits.append(params)
+        self.timeline.append(("edit", time.monotonic(), message_id, rendered))
+        return message
+
+    async def _api_deleteMessage(self, request: web.Request, params: dict[str, Any]) -> Any:
+        message = self._messages.get((params.get("chat_id"), params.get("message_id")))
+        if message is None or message.get("deleted"):
+            raise _ApiError(400, "Bad Request: message to delete not found")
+        message["deleted"] = True
+        self.timeline.append(("delete", time.monotonic(), params.get("message_id"), ""))
+        return True
+
+    def _render(self, params: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
+        text = params.get("text")
+        if not isinstance(text, str):
+            raise _ApiError(400, "Bad Request: text is required")
+        if not params.get("parse_mode"):
+            return text, []
+        try:
+            return parse_markdown_v2(text)
+        except MarkdownError as exc:
+            raise _ApiError(400, f"Bad Request: can't parse entities: {exc}") from None
+
+    def chat_view(self, chat_id: int | str) -> list[str]:
+        """What the chat shows now: the bot's messages not deleted, oldest first."""
+        return [
+            m["text"]
+            for (chat, _), m in self._messages.items()
+            if chat == chat_id and not m.get("deleted") and m.get("from") == self.bot_user
+        ]
 
 
 class _ApiError(Exception):

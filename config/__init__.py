@@ -13,6 +13,7 @@ from config.schema import (
     HousekeepingConfig,
     HttpConfig,
     LoggingConfig,
+    MediaConfig,
     MemoryConfig,
     MemoryWeights,
     PlatformConfig,
@@ -26,6 +27,7 @@ from config.schema import (
     SlackConfig,
     StorageConfig,
     TelegramConfig,
+    TranscriptionConfig,
     resolve_timezone,
 )
 
@@ -43,6 +45,7 @@ __all__ = [
     "HousekeepingConfig",
     "HttpConfig",
     "LoggingConfig",
+    "MediaConfig",
     "MemoryConfig",
     "MemoryWeights",
     "PlatformConfig",
@@ -56,6 +59,7 @@ __all__ = [
     "SlackConfig",
     "StorageConfig",
     "TelegramConfig",
+    "TranscriptionConfig",
     "hermes_home",
     "load_config",
     "resolve_timezone",

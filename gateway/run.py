@@ -30,7 +30,7 @@ from typing import Any
 
 import structlog
 
-from adapters.base import Accepted, AcceptStatus, MessageEvent, PlatformAdapter
+from adapters.base import Accepted, AcceptStatus, Attachment, MessageEvent, PlatformAdapter
 from config import GatewayConfig, hermes_home
 from gateway import command_syntax, commands
 from gateway.agents.cache import AgentCache
@@ -39,6 +39,7 @@ from gateway.agents.roster import AgentSpec, Roster
 from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
 from gateway.housekeeping import Housekeeper
+from gateway.media import Intake, MediaIntake
 from gateway.memory.recall import Recall
 from gateway.memory.summaries import Memory
 from gateway.ops.logs import TurnLine
@@ -63,6 +64,7 @@ from gateway.session import (
     validate_id,
 )
 from gateway.session_ops import SessionOps
+from gateway.store import transcript
 from gateway.store.outage import StoreUnwritable
 from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog, TurnStart
@@ -85,6 +87,7 @@ class TurnOutcome:
     usage: TokenUsage | None = None
     status: str = "ok"
     messages: tuple[dict[str, Any], ...] = ()  # the tool rounds before the reply
+    attachments: tuple[Attachment, ...] = ()  # files sent after the reply's text
 
     @classmethod
     def failed(cls, text: str, status: str = "failed") -> TurnOutcome:
@@ -137,6 +140,7 @@ class GatewayRunner(SessionOps):
         self.scheduler = Scheduler(self, self.schedule_book)
         self.metrics = Metrics()
         self.delivery = Delivery(self.adapters, self.turnlog, self.metrics)
+        self.media = MediaIntake(self.home, config.media)  # files users send (issue 18)
         self.finalize_hooks: list[FinalizeHook] = []
         self.restart_requested = asyncio.Event()
         # Each agent's tools; None for the echo backend (no model calls tools) and for
@@ -252,6 +256,7 @@ class GatewayRunner(SessionOps):
             self._status_task.cancel()
             await asyncio.gather(self._status_task, return_exceptions=True)
         await self.agents.close_all()
+        await self.media.close()
         await self.recall.close()
         await self.store.close()
         if self.recovery.marked:
@@ -300,7 +305,7 @@ class GatewayRunner(SessionOps):
         if adapter is not None and not await adapter.authorize(event):
             return Accepted(AcceptStatus.IGNORED, detail="not authorized")
         text = event.text.strip()
-        if not text:
+        if not text and not event.media:
             return Accepted(AcceptStatus.IGNORED, detail="empty message")
 
         kind, command = command_syntax.classify(text, adapter.bot_username if adapter else None)
@@ -518,18 +523,25 @@ class GatewayRunner(SessionOps):
                 entry.session_id, begun.context, system_prompt, begun.text, agent.plan
             )
             tools = self._turn_tools(key, entry.session_id, source)
+            intake = None
+            if event.media:  # files: downloaded and read before the agent is asked
+                intake = await self._take_media(event, entry.session_id, begun.text, agent)
             request = TurnRequest(
                 session_key=key,
                 session_id=entry.session_id,
-                text=begun.text,
+                text=begun.text if intake is None else intake.text,
                 history=context.history,
                 system_prompt=system_prompt,
                 source=source,
                 tools=tools,
+                images=() if intake is None else tuple(intake.images),
             )
             typing = self.delivery.start_typing(source)
             try:
-                outcome = await self._call_agent(key, request, agent)
+                if intake is not None and intake.only_refusals:
+                    outcome = TurnOutcome.failed(intake.notices[0], "too_large")
+                else:
+                    outcome = await self._call_agent(key, request, agent)
             finally:
                 if typing is not None:
                     typing.cancel()
@@ -545,6 +557,8 @@ class GatewayRunner(SessionOps):
                 settles = (settle,)
             chunks = self.delivery.split(source, self._with_reset_notice(entry, text))
             turn.chunks = len(chunks)
+            if intake is not None and begun.user_row is not None:
+                settles = (*settles, self._media_message_tx(begun.user_row, event, intake))
             ids = await self._finish(key, begun, event, outcome, chunks, tools, settles)
             if run_status is not None:
                 self.metrics.count_schedule_run(run_status)
@@ -553,8 +567,11 @@ class GatewayRunner(SessionOps):
                 self.recovery.turn_succeeded(key)
             self.metrics.observe_turn(time.monotonic() - started)
             turn.sent = await self.delivery.send_recorded(
-                source, list(zip(ids, chunks, strict=True)), event.reply_to
+                source, list(zip(ids, chunks, strict=False)), event.reply_to
             )
+            if outcome.attachments:
+                files = list(zip(ids[len(chunks) :], outcome.attachments, strict=True))
+                await self.delivery.send_attachments(source, files, event.reply_to)
             turn.outcome = outcome.status
             # The token factor is learnt from one request's prompt: a turn with tool
             # rounds reports the sum of several.
@@ -596,6 +613,7 @@ class GatewayRunner(SessionOps):
                 messages=outcome.messages,
                 writes=tools.writes() if tools is not None else (),
                 settles=settles,
+                attachments=[a.to_dict() for a in outcome.attachments],
             )
         except BaseException:
             if waiting is not None and queue is not None:
@@ -653,8 +671,38 @@ class GatewayRunner(SessionOps):
                 "Sorry, something went wrong while answering. The error was logged.", "error"
             )
         return TurnOutcome(
-            reply=result.text, text=result.text, usage=result.usage, messages=result.messages
+            reply=result.text,
+            text=result.text,
+            usage=result.usage,
+            messages=result.messages,
+            attachments=tuple(result.attachments),
         )
+
+    async def _take_media(
+        self, event: MessageEvent, session_id: str, text: str, agent: AgentSpec
+    ) -> Intake | None:
+        """Download and read the message's files (`gateway.media`); notices (a file over
+        the size cap, transcription off) go to the user at once, unless the over-size
+        files were all the message had (then that notice is the turn's reply)."""
+        adapter = self.adapters.get(event.source.platform)
+        if adapter is None:
+            return None
+        intake = await self.media.take(
+            adapter, session_id, text, event.media, vision=agent.config.vision
+        )
+        if not intake.only_refusals:
+            for notice in intake.notices:
+                await self.deliver(event.source, notice, reply_to=event.reply_to)
+        return intake
+
+    @staticmethod
+    def _media_message_tx(row: int, event: MessageEvent, intake: Intake) -> Callable[[Any], None]:
+        """The user message rewritten to what the model read of its files, with their
+        references (paths under HERMES_HOME, never their bytes)."""
+        message: dict[str, Any] = {"role": "user", "content": intake.text, "media": intake.refs}
+        if event.message_id:
+            message["message_id"] = event.message_id
+        return lambda conn: transcript.update_message(conn, row, message)
 
     def toolbox_for(self, agent_id: str) -> Toolbox | None:
         """The agent's tools (None: its turns carry none)."""

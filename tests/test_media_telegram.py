@@ -4,27 +4,33 @@ real GatewayRunner in-process."""
 
 from __future__ import annotations
 
-import base64
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
 from adapters.telegram import TelegramAdapter
 from config import GatewayConfig
-from gateway.agents.protocol import Attachment, TurnRequest, TurnResult
 from gateway.run import GatewayRunner
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_api import FakeTelegram
+from tests.media_support import (
+    MODEL_KEY,
+    PHOTO,
+    VOICE,
+    FileAgent,
+    chat_requests,
+    image_bytes,
+    last_user,
+    media_config,
+)
 from tests.waiting import wait_for
 
 TOKEN = "123456:AAH-media-TOKEN_abcdefghijklmnopq"
 ADA = FakeTelegram.user(42, "Ada", "ada")
-PHOTO = b"\xff\xd8\xff\xe0" + b"jpeg-bytes" * 50
-VOICE = b"OggS" + b"voice" * 40
 
 
 @dataclass
@@ -49,23 +55,6 @@ class Gateway:
 MakeGateway = Callable[..., Awaitable[Gateway]]
 
 
-class FileAgent:
-    """Answers "send me X" with a photo attachment of the file at X."""
-
-    requests: ClassVar[list[TurnRequest]] = []
-
-    def __init__(self, session_key: str) -> None:
-        self.session_key = session_key
-
-    async def run_turn(self, request: TurnRequest) -> TurnResult:
-        FileAgent.requests.append(request)
-        path = request.text.removeprefix("send me ").strip()
-        return TurnResult("here it is", attachments=(Attachment(path, "photo", "a chart"),))
-
-    async def close(self) -> None:
-        pass
-
-
 @pytest.fixture
 async def tg() -> AsyncIterator[FakeTelegram]:
     async with FakeTelegram(token=TOKEN) as fake:
@@ -74,7 +63,7 @@ async def tg() -> AsyncIterator[FakeTelegram]:
 
 @pytest.fixture
 async def model() -> AsyncIterator[FakeOpenAI]:
-    async with FakeOpenAI(expected_key="sk-media") as fake:
+    async with FakeOpenAI(expected_key=MODEL_KEY) as fake:
         yield fake
 
 
@@ -98,17 +87,7 @@ async def make_gateway(
             {
                 "timezone": "UTC",
                 "platforms": {"telegram": settings},
-                "agent": {
-                    "backend": "openai",
-                    "base_url": model.base_url,
-                    "api_key": "sk-media",
-                    "model": "m",
-                    "vision": vision,
-                    "tools": [],
-                },
-                "media": media
-                if media is not None
-                else {"transcription": {"base_url": model.base_url, "api_key": "sk-media"}},
+                **media_config(model, media=media, vision=vision),
             }
         )
         home = home or tmp_path / f"home{len(made)}"
@@ -123,14 +102,6 @@ async def make_gateway(
     for gateway in made:
         if not gateway.stopped:
             await gateway.stop()
-
-
-def chat_requests(model: FakeOpenAI) -> list[dict[str, Any]]:
-    return [r["json"] for r in model.requests if r["path"].endswith("/chat/completions")]
-
-
-def last_user(body: dict[str, Any]) -> Any:
-    return [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
 
 
 def replies(tg: FakeTelegram) -> list[str]:
@@ -150,9 +121,8 @@ async def test_photo_reaches_the_model_as_an_image_part_and_is_stored_0600(
     (body,) = chat_requests(model)
     text_part, image_part = last_user(body)
     assert text_part == {"type": "text", "text": "what is this?\n\n[photo: photo-100.jpg]"}
-    url = image_part["image_url"]["url"]
-    assert image_part["type"] == "image_url" and url.startswith("data:image/jpeg;base64,")
-    assert base64.b64decode(url.split(",", 1)[1]) == PHOTO
+    assert image_part["image_url"]["url"].startswith("data:image/jpeg;base64,")
+    assert image_bytes(image_part) == PHOTO
     # Stored under media/<session_id>/ (0600 in a 0700 directory), referenced by path.
     session_id = await gw.session_id()
     (user, _assistant) = await gw.transcript()

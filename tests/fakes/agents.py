@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 from typing import ClassVar
 
-from gateway.agents.protocol import TurnRequest, TurnResult
+from gateway.agents.protocol import Attachment, TurnRequest, TurnResult
 
 
 class ScriptedAgent:
@@ -61,3 +61,23 @@ class NamedAgent:
 def named(session_key: str, options: dict[str, object]) -> NamedAgent:
     """`agent.backend: tests.fakes.agents:named`."""
     return NamedAgent(session_key, str(options.get("name", "?")))
+
+
+class AttachingAgent:
+    """A `module:factory` backend whose reply carries a file: "here it is" and the
+    `options.path` file as a photo captioned "a chart"."""
+
+    def __init__(self, session_key: str, path: str) -> None:
+        self.session_key = session_key
+        self.path = path
+
+    async def run_turn(self, request: TurnRequest) -> TurnResult:
+        return TurnResult("here it is", attachments=(Attachment(self.path, "photo", "a chart"),))
+
+    async def close(self) -> None:
+        pass
+
+
+def attaching(session_key: str, options: dict[str, object]) -> AttachingAgent:
+    """`agent.backend: tests.fakes.agents:attaching` with `options: {path: ...}`."""
+    return AttachingAgent(session_key, str(options["path"]))

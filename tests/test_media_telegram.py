@@ -4,6 +4,7 @@ real GatewayRunner in-process."""
 
 from __future__ import annotations
 
+import logging
 import stat
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -112,8 +113,9 @@ def replies(tg: FakeTelegram) -> list[str]:
 
 
 async def test_photo_reaches_the_model_as_an_image_part_and_is_stored_0600(
-    tg: FakeTelegram, model: FakeOpenAI, make_gateway: MakeGateway
+    tg: FakeTelegram, model: FakeOpenAI, make_gateway: MakeGateway, caplog: Any
 ) -> None:
+    caplog.set_level(logging.DEBUG)
     gw = await make_gateway()
     file_id = tg.add_file(PHOTO)
     tg.push_media(tg.private_chat(ADA), ADA, "photo", file_id, caption="what is this?")
@@ -135,6 +137,8 @@ async def test_photo_reaches_the_model_as_an_image_part_and_is_stored_0600(
     assert stat.S_IMODE(stored.parent.stat().st_mode) == 0o700
     # The database holds the reference, never the bytes.
     assert "jpeg-bytes" not in str(user)
+    # The file URL holds the bot token; no log line does.
+    assert tg.downloads and TOKEN not in caplog.text
 
 
 async def test_without_vision_the_model_gets_a_one_line_note(

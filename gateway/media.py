@@ -21,6 +21,8 @@ import contextlib
 import os
 import re
 import secrets
+import sqlite3
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -28,9 +30,10 @@ from typing import Any
 import aiohttp
 import structlog
 
-from adapters.base import InboundMedia, MediaTooLarge, PlatformAdapter
+from adapters.base import InboundMedia, MediaTooLarge, MessageEvent, PlatformAdapter, SessionSource
 from config import MediaConfig, TranscriptionConfig
 from gateway.agents.protocol import ImageInput
+from gateway.store import transcript
 from gateway.store.media_files import session_media_dir
 
 log = structlog.get_logger("gateway.media")
@@ -71,6 +74,16 @@ class Intake:
     def only_refusals(self) -> bool:
         return self.refused > 0 and not self.refs and not self.text.strip()
 
+    def transcript_tx(
+        self, row: int, message_id: str | None
+    ) -> Callable[[sqlite3.Connection], None]:
+        """The user's transcript message (row `row`) rewritten to what the model read,
+        with the files' references (paths under HERMES_HOME, never their bytes)."""
+        message: dict[str, Any] = {"role": "user", "content": self.text, "media": self.refs}
+        if message_id:
+            message["message_id"] = message_id
+        return lambda conn: transcript.update_message(conn, row, message)
+
 
 class MediaIntake:
     """Downloads, stores and reads the files users send (see the module's doc)."""
@@ -84,6 +97,28 @@ class MediaIntake:
         if self._http is not None:
             await self._http.close()
             self._http = None
+
+    async def for_turn(
+        self,
+        adapter: PlatformAdapter | None,
+        event: MessageEvent,
+        session_id: str,
+        text: str,
+        *,
+        vision: bool,
+        deliver: Callable[..., Awaitable[object]],
+    ) -> Intake | None:
+        """A turn's files, taken; the notices (a file over the cap, transcription off)
+        are `deliver`ed at once, unless over-size files were all the message had (that
+        notice is then the turn's reply). None when the platform has no adapter."""
+        if adapter is None:
+            return None
+        intake = await self.take(adapter, session_id, text, event.media, vision=vision)
+        if not intake.only_refusals:
+            target: SessionSource = event.source
+            for notice in intake.notices:
+                await deliver(target, notice, reply_to=event.reply_to)
+        return intake
 
     async def take(
         self,

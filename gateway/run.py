@@ -34,12 +34,18 @@ from adapters.base import Accepted, AcceptStatus, Attachment, MessageEvent, Plat
 from config import GatewayConfig, hermes_home
 from gateway import command_syntax, commands
 from gateway.agents.cache import AgentCache
-from gateway.agents.protocol import AgentError, AgentFactory, TurnRequest, check_tool_rounds
+from gateway.agents.protocol import (
+    AgentError,
+    AgentFactory,
+    TurnRequest,
+    check_attachments,
+    check_tool_rounds,
+)
 from gateway.agents.roster import AgentSpec, Roster
 from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
 from gateway.housekeeping import Housekeeper
-from gateway.media import Intake, MediaIntake
+from gateway.media import MediaIntake
 from gateway.memory.recall import Recall
 from gateway.memory.summaries import Memory
 from gateway.ops.logs import TurnLine
@@ -64,7 +70,6 @@ from gateway.session import (
     validate_id,
 )
 from gateway.session_ops import SessionOps
-from gateway.store import transcript
 from gateway.store.outage import StoreUnwritable
 from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog, TurnStart
@@ -525,7 +530,14 @@ class GatewayRunner(SessionOps):
             tools = self._turn_tools(key, entry.session_id, source)
             intake = None
             if event.media:  # files: downloaded and read before the agent is asked
-                intake = await self._take_media(event, entry.session_id, begun.text, agent)
+                intake = await self.media.for_turn(
+                    self.adapters.get(source.platform),
+                    event,
+                    entry.session_id,
+                    begun.text,
+                    vision=agent.config.vision,
+                    deliver=self.deliver,
+                )
             request = TurnRequest(
                 session_key=key,
                 session_id=entry.session_id,
@@ -558,7 +570,7 @@ class GatewayRunner(SessionOps):
             chunks = self.delivery.split(source, self._with_reset_notice(entry, text))
             turn.chunks = len(chunks)
             if intake is not None and begun.user_row is not None:
-                settles = (*settles, self._media_message_tx(begun.user_row, event, intake))
+                settles = (*settles, intake.transcript_tx(begun.user_row, event.message_id))
             ids = await self._finish(key, begun, event, outcome, chunks, tools, settles)
             if run_status is not None:
                 self.metrics.count_schedule_run(run_status)
@@ -646,6 +658,7 @@ class GatewayRunner(SessionOps):
                 try:
                     result = await agent.run_turn(request)
                     check_tool_rounds(result.messages)
+                    check_attachments(result.attachments)
                 except asyncio.CancelledError:
                     # Ours (the deadline) unless someone else cancelled too (/stop).
                     if self._deadlines.disarm(task) and task.uncancel() == 0:
@@ -677,32 +690,6 @@ class GatewayRunner(SessionOps):
             messages=result.messages,
             attachments=tuple(result.attachments),
         )
-
-    async def _take_media(
-        self, event: MessageEvent, session_id: str, text: str, agent: AgentSpec
-    ) -> Intake | None:
-        """Download and read the message's files (`gateway.media`); notices (a file over
-        the size cap, transcription off) go to the user at once, unless the over-size
-        files were all the message had (then that notice is the turn's reply)."""
-        adapter = self.adapters.get(event.source.platform)
-        if adapter is None:
-            return None
-        intake = await self.media.take(
-            adapter, session_id, text, event.media, vision=agent.config.vision
-        )
-        if not intake.only_refusals:
-            for notice in intake.notices:
-                await self.deliver(event.source, notice, reply_to=event.reply_to)
-        return intake
-
-    @staticmethod
-    def _media_message_tx(row: int, event: MessageEvent, intake: Intake) -> Callable[[Any], None]:
-        """The user message rewritten to what the model read of its files, with their
-        references (paths under HERMES_HOME, never their bytes)."""
-        message: dict[str, Any] = {"role": "user", "content": intake.text, "media": intake.refs}
-        if event.message_id:
-            message["message_id"] = event.message_id
-        return lambda conn: transcript.update_message(conn, row, message)
 
     def toolbox_for(self, agent_id: str) -> Toolbox | None:
         """The agent's tools (None: its turns carry none)."""

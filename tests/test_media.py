@@ -128,3 +128,11 @@ def test_a_media_directory_is_never_outside_the_media_root(tmp_path: Path) -> No
     for bad in ("..", "a/b", ""):
         with pytest.raises(ValueError):
             media_files.session_media_dir(tmp_path, bad)
+
+
+async def test_an_agent_returning_something_else_as_attachments_fails_its_turn_cleanly() -> None:
+    from gateway.agents.protocol import AgentError, check_attachments
+
+    check_attachments((Attachment("/tmp/a.png", "photo"),))
+    with pytest.raises(AgentError, match="not Attachment objects"):
+        check_attachments(({"source": "/tmp/a.png"},))

@@ -41,6 +41,7 @@ __all__ = [
     "Tools",
     "TurnRequest",
     "TurnResult",
+    "check_attachments",
     "check_tool_rounds",
 ]
 
@@ -147,6 +148,13 @@ def check_tool_rounds(messages: tuple[dict[str, Any], ...]) -> None:
         "the agent returned tool rounds the transcript cannot keep (each assistant message"
         " with tool_calls must be followed by one tool result per call)"
     )
+
+
+def check_attachments(attachments: Any) -> None:
+    """`TurnResult.attachments` as the ledger can keep them: `Attachment`s (an agent's
+    mistake is an `AgentError`, the user told the turn failed, not a crashed turn)."""
+    if not all(isinstance(a, Attachment) for a in attachments):
+        raise AgentError("the agent returned attachments that are not Attachment objects")
 
 
 def _call_ids(calls: Any) -> list[str]:

@@ -4,7 +4,10 @@ reply carries an attachment, and readers of what the model was sent."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from typing import Any, ClassVar
+
+import pytest
 
 from gateway.agents.protocol import Attachment, TurnRequest, TurnResult
 from tests.fakes.openai_server import FakeOpenAI
@@ -12,6 +15,13 @@ from tests.fakes.openai_server import FakeOpenAI
 MODEL_KEY = "sk-media"
 PHOTO = b"\xff\xd8\xff\xe0" + b"jpeg-bytes" * 50
 VOICE = b"OggS" + b"voice" * 40
+
+
+@pytest.fixture(name="model")
+async def model_fixture() -> AsyncIterator[FakeOpenAI]:
+    """The fake OpenAI server (chat and transcription), expecting MODEL_KEY."""
+    async with FakeOpenAI(expected_key=MODEL_KEY) as fake:
+        yield fake
 
 
 def media_config(

@@ -17,7 +17,6 @@ from gateway.run import GatewayRunner
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.openai_server import FakeOpenAI
 from tests.media_support import (
-    MODEL_KEY,
     PHOTO,
     VOICE,
     FileAgent,
@@ -25,6 +24,7 @@ from tests.media_support import (
     image_bytes,
     last_user,
     media_config,
+    model_fixture,  # noqa: F401 (the `model` fixture)
 )
 from tests.waiting import wait_for
 
@@ -45,12 +45,6 @@ def _restore_discord_globals() -> Any:
 async def dc() -> AsyncIterator[FakeDiscord]:
     async with FakeDiscord(token=TOKEN) as fake:
         fake.add_user(ALICE, "Alice")
-        yield fake
-
-
-@pytest.fixture
-async def model() -> AsyncIterator[FakeOpenAI]:
-    async with FakeOpenAI(expected_key=MODEL_KEY) as fake:
         yield fake
 
 

@@ -17,7 +17,6 @@ from gateway.run import GatewayRunner
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.slack_api import FakeSlack, dm
 from tests.media_support import (
-    MODEL_KEY,
     PHOTO,
     VOICE,
     FileAgent,
@@ -25,6 +24,7 @@ from tests.media_support import (
     image_bytes,
     last_user,
     media_config,
+    model_fixture,  # noqa: F401 (the `model` fixture)
 )
 
 BOT_TOKEN = "xoxb-media-9c1f-bot-token"
@@ -36,12 +36,6 @@ StartGateway = Callable[..., Awaitable[GatewayRunner]]
 @pytest.fixture
 async def slack() -> AsyncIterator[FakeSlack]:
     async with FakeSlack(bot_token=BOT_TOKEN, app_token=APP_TOKEN) as fake:
-        yield fake
-
-
-@pytest.fixture
-async def model() -> AsyncIterator[FakeOpenAI]:
-    async with FakeOpenAI(expected_key=MODEL_KEY) as fake:
         yield fake
 
 

@@ -19,7 +19,6 @@ from gateway.run import GatewayRunner
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_api import FakeTelegram
 from tests.media_support import (
-    MODEL_KEY,
     PHOTO,
     VOICE,
     FileAgent,
@@ -27,6 +26,7 @@ from tests.media_support import (
     image_bytes,
     last_user,
     media_config,
+    model_fixture,  # noqa: F401 (the `model` fixture)
 )
 from tests.waiting import wait_for
 
@@ -59,12 +59,6 @@ MakeGateway = Callable[..., Awaitable[Gateway]]
 @pytest.fixture
 async def tg() -> AsyncIterator[FakeTelegram]:
     async with FakeTelegram(token=TOKEN) as fake:
-        yield fake
-
-
-@pytest.fixture
-async def model() -> AsyncIterator[FakeOpenAI]:
-    async with FakeOpenAI(expected_key=MODEL_KEY) as fake:
         yield fake
 
 

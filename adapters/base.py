@@ -12,7 +12,7 @@ import logging
 import random
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -28,6 +28,7 @@ from config import (
     SlackConfig,
     TelegramConfig,
 )
+from gateway.attachments import Attachment, InboundMedia, MediaTooLarge
 from gateway.session import (
     Platform,
     SessionSource,
@@ -41,11 +42,14 @@ __all__ = [
     "MAX_RETRY_AFTER_SECONDS",
     "AcceptStatus",
     "Accepted",
+    "Attachment",
     "Backoff",
     "ChatPlatformConfig",
     "DiscordConfig",
     "FloodWait",
     "GatewayHandle",
+    "InboundMedia",
+    "MediaTooLarge",
     "MessageEvent",
     "Platform",
     "PlatformAdapter",
@@ -84,6 +88,8 @@ class MessageEvent:
     inbox_ids: tuple[int, ...] = ()
     #: re-run of a turn interrupted by a restart (its user message is already stored)
     resume: bool = False
+    #: files sent with the message (downloaded by the turn, see `gateway.media`)
+    media: tuple[InboundMedia, ...] = ()
 
     def __post_init__(self) -> None:
         # An empty (or blank) delivery id is no id. Kept, it would take part in dedup,
@@ -109,6 +115,7 @@ class MessageEvent:
             self.synthetic,
             inbox_ids,
             self.resume,
+            self.media,
         )
 
     def scrubbed(self) -> MessageEvent:
@@ -127,13 +134,16 @@ class MessageEvent:
         return replace(self, text=text, source=replace(src, **names) if names else src)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        data = {
             "source": self.source.to_dict(),
             "text": self.text,
             "message_id": self.message_id,
             "received_at": self.received_at.isoformat(),
             "synthetic": self.synthetic,
         }
+        if self.media:  # absent for plain text: the journal's record stays as it was
+            data["media"] = [m.to_dict() for m in self.media]
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], **changes: Any) -> MessageEvent:
@@ -143,6 +153,7 @@ class MessageEvent:
             message_id=coerce_id("message_id", data.get("message_id")),
             received_at=datetime.fromisoformat(data["received_at"]),
             synthetic=bool(data.get("synthetic")),
+            media=tuple(InboundMedia.from_dict(m) for m in data.get("media") or ()),
         )
         for name, value in changes.items():
             setattr(event, name, value)
@@ -440,6 +451,24 @@ class PlatformAdapter(ABC):
 
     async def push_delta(self, target: SessionSource, text: str) -> None:  # noqa: B027
         """Hand new reply text to `target`'s listeners ("push" platforms)."""
+
+    def open_media(self, media: InboundMedia) -> AsyncIterator[bytes]:
+        """The bytes of a file a user sent, in pieces, as the platform serves them (the
+        caller stops reading past `media.max_bytes`). Platforms without files raise."""
+        raise NotImplementedError(f"{self.platform.value} cannot download files")
+
+    async def send_attachment(
+        self,
+        target: SessionSource,
+        attachment: Attachment,
+        reply_to: str | None = None,
+        *,
+        delivery_id: int | None = None,
+    ) -> SendResult:
+        """Send one file (a photo, document or voice note) with its caption. Platforms
+        without uploads send the caption and where the file is, as text."""
+        text = f"{attachment.caption}\n" if attachment.caption else ""
+        return await self.send(target, f"{text}[{attachment.kind}: {attachment.source}]", reply_to)
 
     def split(self, text: str) -> list[str]:
         return split_message(text, self.max_message_length, self.length_fn)

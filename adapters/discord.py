@@ -2,6 +2,8 @@
 
     MESSAGE_CREATE -> MessageEvent -> gateway.handle_message      (on_message)
     runner -> send(target, chunk) -> POST /channels/{id}/messages  (one chunk <= 2000)
+    attachments in: each becomes an InboundMedia (its CDN URL and declared size), fetched
+    by the turn; attachments out: a file upload (multipart) with the caption as content
 
 Sessions: a DM is chat type "dm" keyed by its DM channel; a guild channel is "group"
 (agent:main:discord:group:<channel>:<user> with group_sessions_per_user); a thread is
@@ -31,9 +33,11 @@ import logging
 import math
 import re
 import time
+from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
+import aiohttp
 import discord
 from discord.gateway import DiscordWebSocket
 from discord.http import Route
@@ -41,9 +45,11 @@ from discord.http import Route
 from adapters.base import (
     MAX_RETRY_AFTER_SECONDS,
     AcceptStatus,
+    Attachment,
     Backoff,
     DiscordConfig,
     FloodWait,
+    InboundMedia,
     MessageEvent,
     Platform,
     PlatformAdapter,
@@ -327,7 +333,10 @@ class DiscordAdapter(PlatformAdapter):
             if not addressed:
                 return
             text = self._strip_my_mentions(message)
-        event = MessageEvent(source=source, text=text, message_id=str(message.id))
+        media = tuple(_media_of(a) for a in message.attachments)
+        if not text.strip() and not media:
+            return
+        event = MessageEvent(source=source, text=text, message_id=str(message.id), media=media)
         if self._wants_thread(message, source, text):
             if not await self.authorize(event):
                 return  # no thread for someone the bot will not answer
@@ -513,6 +522,44 @@ class DiscordAdapter(PlatformAdapter):
         )
         return channel.get_partial_message(int(message_id))
 
+    async def open_media(self, media: InboundMedia) -> AsyncIterator[bytes]:
+        """The attachment streamed from its CDN URL (no token needed or sent)."""
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=30)
+        async with (
+            aiohttp.ClientSession(timeout=timeout) as session,
+            session.get(media.ref) as response,
+        ):
+            if response.status != 200:
+                raise RuntimeError(f"attachment download failed: HTTP {response.status}")
+            async for piece in response.content.iter_chunked(1 << 16):
+                yield piece
+
+    async def send_attachment(
+        self,
+        target: SessionSource,
+        attachment: Attachment,
+        reply_to: str | None = None,
+        *,
+        delivery_id: int | None = None,
+    ) -> SendResult:
+        """A local file as an upload with the caption as the message text; a URL as text
+        (Discord shows its preview). The delivery id is the nonce, as for text."""
+        client = self._live_client()
+        channel = client.get_partial_messageable(int(target.thread_id or target.chat_id))
+        nonce = str(delivery_id) if delivery_id is not None else None
+        caption = (attachment.caption or "")[: self.max_message_length]
+        if attachment.is_url:
+            text = f"{caption}\n{attachment.source}" if caption else attachment.source
+            message = await channel.send(text, allowed_mentions=ALLOWED_MENTIONS, nonce=nonce)
+        else:
+            message = await channel.send(
+                caption or None,
+                file=discord.File(attachment.source, filename=attachment.name),
+                allowed_mentions=ALLOWED_MENTIONS,
+                nonce=nonce,
+            )
+        return SendResult(message_id=str(message.id))
+
     async def send_typing(self, target: SessionSource) -> None:
         client = self.client
         if client is None or client.is_closed():
@@ -525,6 +572,19 @@ class DiscordAdapter(PlatformAdapter):
         if self.client is None or self.client.is_closed():
             raise ConnectionError("the Discord adapter is not started")
         return self.client
+
+
+def _media_of(attachment: discord.Attachment) -> InboundMedia:
+    """An attachment as the turn fetches it: a photo, a voice message, audio or a file."""
+    mime = attachment.content_type
+    kind = "document"
+    if mime is not None and mime.startswith("image/"):
+        kind = "photo"
+    elif attachment.is_voice_message():
+        kind = "voice"
+    elif mime is not None and mime.startswith("audio/"):
+        kind = "audio"
+    return InboundMedia(kind, attachment.url, attachment.filename, mime, attachment.size)
 
 
 def _refusal(exc: BaseException | None) -> str | None:

@@ -9,6 +9,9 @@
                  -> MessageEvent(message_id=event_id) -> gateway.handle_message
     outbound     chat.postMessage, in the thread the message came from; 429s are waited
                  out (Retry-After) by the web client's retry handler
+    files        in: a message's `files` (url_private, fetched by the turn with the bot
+                 token in the Authorization header, never in a URL); out: files_upload_v2
+                 (getUploadURLExternal, upload, completeUploadExternal) into the thread
 
 Bolt acknowledges an event once our listener returned (`process_before_response`), and
 `handle_message` only records and queues, so Slack gets its ack within milliseconds; a
@@ -31,6 +34,8 @@ import re
 import time
 import urllib.parse
 from collections import OrderedDict
+from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -55,7 +60,9 @@ from slack_sdk.web.async_client import AsyncWebClient
 from adapters.base import (
     MAX_RETRY_AFTER_SECONDS,
     AcceptStatus,
+    Attachment,
     FloodWait,
+    InboundMedia,
     MessageEvent,
     Platform,
     PlatformAdapter,
@@ -412,12 +419,16 @@ class SlackAdapter(PlatformAdapter):
         mentioned = event.get("type") == "app_mention" or bool(self._mention.search(text))
         if not self.addressed_to_bot(source, mentioned=mentioned, replied_to_bot=False):
             return None
+        media = tuple(_media_of(f) for f in event.get("files") or () if f.get("url_private"))
+        if not text.strip() and not media:
+            return None
         if self._already_handled(channel, ts):
             return None
         return MessageEvent(
             source=source,
             text=_unescape(self._mention.sub(" ", text)).strip(),
             message_id=body.get("event_id"),
+            media=media,
         )
 
     def _already_handled(self, channel: str, ts: str) -> bool:
@@ -500,8 +511,71 @@ class SlackAdapter(PlatformAdapter):
                 raise FloodWait(seconds) from exc
             raise
 
+    async def open_media(self, media: InboundMedia) -> AsyncIterator[bytes]:
+        """A file's url_private, streamed; the bot token goes in the Authorization header
+        (Slack answers an HTML login page without it)."""
+        if self._session is None:
+            raise ConnectionError("the Slack adapter is not started")
+        headers = {"Authorization": f"Bearer {self.config.bot_token}"}
+        async with self._session.get(media.ref, headers=headers) as response:
+            if response.status != 200:
+                raise RuntimeError(f"Slack file download failed: HTTP {response.status}")
+            async for piece in response.content.iter_chunked(1 << 16):
+                yield piece
+
+    async def send_attachment(
+        self,
+        target: SessionSource,
+        attachment: Attachment,
+        reply_to: str | None = None,
+        *,
+        delivery_id: int | None = None,
+    ) -> SendResult:
+        """A local file through files_upload_v2 with the caption as its comment; a URL as
+        a message (Slack shows its preview)."""
+        if self._client is None:
+            raise ConnectionError("the Slack adapter is not started")
+        caption = _escape(attachment.caption) if attachment.caption else None
+        if attachment.is_url:
+            text = f"{caption}\n{attachment.source}" if caption else attachment.source
+            response = await self._client.chat_postMessage(
+                channel=target.chat_id, text=text, thread_ts=target.thread_id
+            )
+            return SendResult(message_id=response.get("ts"))
+        data = await asyncio.to_thread(Path(attachment.source).read_bytes)
+        response = await self._client.files_upload_v2(
+            channel=target.chat_id,
+            content=data,
+            filename=attachment.name,
+            title=attachment.name,
+            initial_comment=caption,
+            thread_ts=target.thread_id,
+        )
+        file = response.get("file") or {}
+        return SendResult(message_id=file.get("id"))
+
     async def send_typing(self, target: SessionSource) -> None:
         """Slack has no typing indicator for bots (only the legacy RTM API had one)."""
+
+
+def _media_of(file: dict[str, Any]) -> InboundMedia:
+    """A shared file as the turn fetches it: an image, a voice clip, audio or a file."""
+    mime = file.get("mimetype")
+    kind = "document"
+    if isinstance(mime, str) and mime.startswith("image/"):
+        kind = "photo"
+    elif file.get("subtype") == "slack_audio":  # a voice clip recorded in Slack
+        kind = "voice"
+    elif isinstance(mime, str) and mime.startswith("audio/"):
+        kind = "audio"
+    size = file.get("size")
+    return InboundMedia(
+        kind,
+        str(file["url_private"]),
+        str(file.get("name") or file.get("id") or "file"),
+        mime if isinstance(mime, str) else None,
+        size if isinstance(size, int) else None,
+    )
 
 
 def _user_name(event: dict[str, Any]) -> str | None:

@@ -6,6 +6,9 @@
               200 only after the gateway accepted it (else Telegram retries)
     replies:  sendMessage in MarkdownV2 (text escaped, `code` and ``` blocks kept), plain
               text when that cannot work; 429 retry_after honoured; into the forum topic
+    media:    photo, voice, audio and document messages carry their file_id (and declared
+              size); the turn downloads them (getFile, then the file URL, streamed);
+              attachments go out as sendPhoto / sendDocument / sendVoice
 
 A crash between accepting an update and moving the offset makes Telegram deliver the
 update again; the gateway's inbound dedup drops the copy, so nothing is lost or doubled.
@@ -22,10 +25,13 @@ import json
 import logging
 import re
 import warnings
+from collections.abc import AsyncIterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import httpx
 import telegram
 from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
@@ -44,8 +50,10 @@ from telegram.warnings import PTBDeprecationWarning, PTBUserWarning
 from adapters.base import (
     MAX_RETRY_AFTER_SECONDS,
     AcceptStatus,
+    Attachment,
     Backoff,
     FloodWait,
+    InboundMedia,
     MessageEvent,
     Platform,
     PlatformAdapter,
@@ -132,6 +140,7 @@ class TelegramAdapter(PlatformAdapter):
         self._bot = telegram.Bot(
             token,
             base_url=self.config.base_url,
+            base_file_url=self._file_base_url(),
             request=HTTPXRequest(
                 connection_pool_size=8,
                 connect_timeout=10.0,
@@ -415,8 +424,10 @@ class TelegramAdapter(PlatformAdapter):
             return None
         text = message.text if message.text is not None else message.caption
         chat_type = _CHAT_TYPES.get(message.chat.type)
-        if not text or chat_type is None:
+        media = _media_of(message)
+        if not (text or media) or chat_type is None:
             return None
+        text = text or ""
         user = message.from_user
         # message_thread_id is also set on replies in ordinary supergroups; only a forum
         # topic is a thread of its own (its General topic has no id and is the chat).
@@ -439,7 +450,10 @@ class TelegramAdapter(PlatformAdapter):
         ):
             return None
         return MessageEvent(
-            source=source, text=self._strip_mention(text), message_id=str(update.update_id)
+            source=source,
+            text=self._strip_mention(text),
+            message_id=str(update.update_id),
+            media=media,
         )
 
     def _mentions_bot(self, message: telegram.Message, text: str) -> bool:
@@ -604,6 +618,71 @@ class TelegramAdapter(PlatformAdapter):
         except RetryAfter as exc:
             raise FloodWait(_retry_after_seconds(exc)) from exc
 
+    async def open_media(self, media: InboundMedia) -> AsyncIterator[bytes]:
+        """getFile, then the file streamed from its URL (which holds the token: errors
+        are told without it)."""
+        bot = self._require_bot()
+        try:
+            file = await bot.get_file(media.ref)
+            if not file.file_path:
+                raise RuntimeError("Telegram gave no file path (the file may be over 20 MB)")
+            url = file.file_path
+            if not url.startswith(("http://", "https://")):
+                url = f"{self._file_base_url()}{self.config.token}/{url}"
+            async with (
+                httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client,
+                client.stream("GET", url) as response,
+            ):
+                if response.status_code != 200:
+                    raise RuntimeError(f"file download failed: HTTP {response.status_code}")
+                async for piece in response.aiter_bytes(1 << 16):
+                    yield piece
+        except (TelegramError, httpx.HTTPError) as exc:
+            raise RuntimeError(self._describe(exc)) from None
+
+    def _file_base_url(self) -> str:
+        """`.../bot` -> `.../file/bot`, as the Bot API serves files."""
+        base = str(self.config.base_url)
+        return base[: -len("bot")] + "file/bot" if base.endswith("/bot") else base + "/file/bot"
+
+    async def send_attachment(
+        self,
+        target: SessionSource,
+        attachment: Attachment,
+        reply_to: str | None = None,
+        *,
+        delivery_id: int | None = None,
+    ) -> SendResult:
+        """sendPhoto, sendDocument or sendVoice (a URL is passed for Telegram to fetch,
+        a path uploaded); the caption as plain text. 429 retry_after is waited out."""
+        bot = self._require_bot()
+        options: dict[str, Any] = {"chat_id": target.chat_id}
+        if attachment.caption:
+            options["caption"] = attachment.caption[:1024]  # Telegram's caption limit
+        if target.thread_id:
+            options["message_thread_id"] = int(target.thread_id)
+        if reply_to is not None and reply_to.isdigit():
+            options["reply_parameters"] = telegram.ReplyParameters(
+                message_id=int(reply_to), allow_sending_without_reply=True
+            )
+        method = {
+            "photo": bot.send_photo,
+            "voice": bot.send_voice,
+            "document": bot.send_document,
+        }[attachment.kind]
+        attempts = 0
+        while True:
+            attempts += 1
+            payload: Any = attachment.source if attachment.is_url else Path(attachment.source)
+            try:
+                message = await method(**{attachment.kind: payload}, **options)
+                return SendResult(message_id=str(message.message_id))
+            except RetryAfter as exc:
+                if attempts >= MAX_SEND_ATTEMPTS:
+                    raise
+                delay = min(_retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS)
+                await self.retry_pause("send_file", attempts, delay, self._describe(exc))
+
     async def send_typing(self, target: SessionSource) -> None:
         if self._bot is None:
             return
@@ -637,6 +716,34 @@ class TelegramAdapter(PlatformAdapter):
         if self._log_filter is not None:
             self._log_filter.remove()
             self._log_filter = None
+
+
+def _media_of(message: telegram.Message) -> tuple[InboundMedia, ...]:
+    """The files of a message (the largest size of a photo), with declared sizes."""
+    found: list[InboundMedia] = []
+    stamp = message.message_id
+    if message.photo:
+        photo = message.photo[-1]  # Telegram lists the sizes smallest first
+        found.append(
+            InboundMedia(
+                "photo", photo.file_id, f"photo-{stamp}.jpg", "image/jpeg", photo.file_size
+            )
+        )
+    if message.voice is not None:
+        voice = message.voice
+        mime = voice.mime_type or "audio/ogg"
+        found.append(
+            InboundMedia("voice", voice.file_id, f"voice-{stamp}.ogg", mime, voice.file_size)
+        )
+    if message.audio is not None:
+        audio = message.audio
+        name = audio.file_name or f"audio-{stamp}.mp3"
+        found.append(InboundMedia("audio", audio.file_id, name, audio.mime_type, audio.file_size))
+    if message.document is not None:
+        doc = message.document
+        name = doc.file_name or f"document-{stamp}"
+        found.append(InboundMedia("document", doc.file_id, name, doc.mime_type, doc.file_size))
+    return tuple(found)
 
 
 def _is_transient(exc: TelegramError) -> bool:

@@ -13,6 +13,7 @@ from config.schema import (
     HousekeepingConfig,
     HttpConfig,
     LoggingConfig,
+    MediaConfig,
     MemoryConfig,
     MemoryWeights,
     PlatformConfig,
@@ -27,6 +28,7 @@ from config.schema import (
     StorageConfig,
     StreamingConfig,
     TelegramConfig,
+    TranscriptionConfig,
     resolve_timezone,
 )
 
@@ -44,6 +46,7 @@ __all__ = [
     "HousekeepingConfig",
     "HttpConfig",
     "LoggingConfig",
+    "MediaConfig",
     "MemoryConfig",
     "MemoryWeights",
     "PlatformConfig",
@@ -58,6 +61,7 @@ __all__ = [
     "StorageConfig",
     "StreamingConfig",
     "TelegramConfig",
+    "TranscriptionConfig",
     "hermes_home",
     "load_config",
     "resolve_timezone",

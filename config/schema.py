@@ -128,6 +128,9 @@ class AgentConfig(BaseModel):
     # none), and how many rounds of tool calls one turn may make before it must answer.
     tools: tuple[str, ...] = TOOL_NAMES
     max_tool_rounds: int = Field(default=8, ge=1, le=64)
+    # Media in (README "Media"): photos go to the model as image parts only when it can
+    # see them; otherwise it gets a one-line note that a photo was sent.
+    vision: bool = False
 
     @field_validator("tools", mode="before")
     @classmethod
@@ -391,6 +394,31 @@ class StreamingConfig(BaseModel):
     max_floods: int = Field(default=3, ge=1)
 
 
+class TranscriptionConfig(BaseModel):
+    """Voice and audio to text through an OpenAI-compatible
+    ``POST {base_url}/audio/transcriptions`` (OpenAI, a local whisper server)."""
+
+    model_config = _MODEL_CONFIG
+
+    base_url: str
+    model: str = "whisper-1"
+    api_key: str | None = Field(default=None, repr=False)
+    timeout_seconds: float = Field(default=60.0, gt=0)
+
+
+class MediaConfig(BaseModel):
+    """Files users send (photos, voice, audio, documents): downloaded up to ``max_bytes``
+    into ``$HERMES_HOME/media/<session_id>/``, deleted with their session."""
+
+    model_config = _MODEL_CONFIG
+
+    max_bytes: int = Field(default=20 * 1024 * 1024, ge=1)
+    # Text documents (txt, md, csv, json, code) up to this many characters are given to
+    # the model inline; longer ones are cut here.
+    max_text_chars: int = Field(default=20_000, ge=0)
+    transcription: TranscriptionConfig | None = None  # None: voice notes are not transcribed
+
+
 class StorageConfig(BaseModel):
     model_config = _MODEL_CONFIG
 
@@ -450,6 +478,7 @@ class GatewayConfig(BaseModel):
     logging: LoggingConfig = LoggingConfig()
     memory: MemoryConfig = MemoryConfig()
     schedules: SchedulesConfig = SchedulesConfig()
+    media: MediaConfig = MediaConfig()
     # Who may use admin commands (/restart), as "platform:user_id", e.g. "telegram:12345".
     admins: list[str] = Field(default_factory=list)
     # Set by load_config; the loader rejects it as a YAML key.

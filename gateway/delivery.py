@@ -9,6 +9,9 @@ a restart never sends what was acknowledged again.
 A streamed reply's chunks (issue 18) carry the platform message they replace: each is
 delivered as an edit of it, when the chat's flood wait ends (a wait longer than
 `streaming.max_flood_wait` sends it as a new message instead and deletes the partial).
+
+A reply's attachments (files) are rows of the same ledger, sent after its text
+(`send_attachments`) with the same guarantee: each once.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Sequence
 
 import structlog
 
-from adapters.base import FloodWait, PlatformAdapter, SendResult
+from adapters.base import Attachment, FloodWait, PlatformAdapter, SendResult
 from gateway.faults import crash_point
 from gateway.ops.metrics import Metrics
 from gateway.session import Platform, SessionSource
@@ -199,12 +202,56 @@ class Delivery:
             for message_id in message_ids:
                 await self._drop_partial(adapter, target, message_id)
 
+    async def send_attachments(
+        self, target: SessionSource, attachments: list[tuple[int, Attachment]], reply_to: str | None
+    ) -> int:
+        """Send recorded attachments in order, each marked once the platform took it; the
+        first that fails stays pending (with the rest) for the next pass."""
+        adapter = self.adapters.get(target.platform)
+        if adapter is None:
+            log.warning("no_adapter_for_reply", platform=target.platform.value)
+            return 0
+        attachments = [(i, a) for i, a in attachments if i not in self._sending]
+        self._sending.update(i for i, _ in attachments)
+        sent = 0
+        try:
+            for delivery_id, attachment in attachments:
+                try:
+                    result = await adapter.send_attachment(
+                        target, attachment, reply_to, delivery_id=delivery_id
+                    )
+                except Exception as exc:
+                    self.metrics.send_errors_total += 1
+                    log.error(
+                        "attachment_send_failed",
+                        platform=target.platform.value,
+                        kind=attachment.kind,
+                        error=str(exc)[:300],
+                    )
+                    break
+                crash_point("before_ledger_mark")
+                self.turnlog.mark_sent_later(
+                    delivery_id,
+                    result.message_id,
+                    lambda _, i=delivery_id: self._sending.discard(i),
+                )
+                sent += 1
+        finally:
+            self._sending.difference_update(i for i, _ in attachments[sent:])
+        return sent
+
     async def resend_pending(self, min_age_seconds: float = 0) -> int:
         """Send recorded chunks that were never acknowledged (after a crash, or refused by
         the platform), once each. Periodic passes only take chunks older than
         `min_age_seconds`, leaving fresh ones to the turn that is sending them."""
         sent = 0
         for row in await self.turnlog.pending_outbound(min_age_seconds):
+            if row.get("attachment") is not None:
+                attachment = Attachment.from_dict(row["attachment"])
+                sent += await self.send_attachments(
+                    row["target"], [(row["id"], attachment)], row["reply_to"]
+                )
+                continue
             sent += await self.send_recorded(
                 row["target"],
                 [(row["id"], row["text"])],

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from gateway.store import media_files
 from gateway.store.outage import StoreUnwritable
 
 if TYPE_CHECKING:
@@ -96,6 +97,10 @@ class Housekeeper:
             if pruned:
                 log.info("sessions_pruned", count=pruned)
             await self.runner.turnlog.expire(self.runner.config.storage.inbound_dedup_days)
+        # Files of sessions deleted or pruned by any path (the CLI, forgetting a user).
+        swept = await media_files.sweep(self.runner.store)
+        if swept:
+            log.info("media_swept", sessions=swept)
 
     async def finalize_expired(self) -> int:
         runner = self.runner

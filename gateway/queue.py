@@ -43,6 +43,7 @@ class SessionQueue:
             event,
             text=f"{self._slot.text}\n{event.text}",
             inbox_ids=self._slot.inbox_ids + event.inbox_ids,
+            media=self._slot.media + event.media,  # files merge too, in order
         )
 
     def enqueue_fifo(self, event: MessageEvent) -> None:
@@ -69,6 +70,7 @@ class SessionQueue:
             self._slot,
             text=f"{event.text}\n{self._slot.text}",
             inbox_ids=event.inbox_ids + self._slot.inbox_ids,
+            media=event.media + self._slot.media,
         )
 
     def inbox_ids(self) -> list[int]:

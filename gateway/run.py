@@ -30,15 +30,22 @@ from typing import Any
 
 import structlog
 
-from adapters.base import Accepted, AcceptStatus, MessageEvent, PlatformAdapter
+from adapters.base import Accepted, AcceptStatus, Attachment, MessageEvent, PlatformAdapter
 from config import GatewayConfig, hermes_home
 from gateway import command_syntax, commands
 from gateway.agents.cache import AgentCache
-from gateway.agents.protocol import AgentError, AgentFactory, TurnRequest, check_tool_rounds
+from gateway.agents.protocol import (
+    AgentError,
+    AgentFactory,
+    TurnRequest,
+    check_attachments,
+    check_tool_rounds,
+)
 from gateway.agents.roster import AgentSpec, Roster
 from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
 from gateway.housekeeping import Housekeeper
+from gateway.media import MediaIntake
 from gateway.memory.recall import Recall
 from gateway.memory.summaries import Memory
 from gateway.ops.logs import TurnLine
@@ -86,6 +93,7 @@ class TurnOutcome:
     usage: TokenUsage | None = None
     status: str = "ok"
     messages: tuple[dict[str, Any], ...] = ()  # the tool rounds before the reply
+    attachments: tuple[Attachment, ...] = ()  # files sent after the reply's text
 
     @classmethod
     def failed(cls, text: str, status: str = "failed") -> TurnOutcome:
@@ -147,6 +155,7 @@ class GatewayRunner(SessionOps):
             self.streams.slots,
             config.streaming.max_flood_wait,
         )
+        self.media = MediaIntake(self.home, config.media)  # files users send (issue 18)
         self.finalize_hooks: list[FinalizeHook] = []
         self.restart_requested = asyncio.Event()
         # Each agent's tools; None for the echo backend (no model calls tools) and for
@@ -262,6 +271,7 @@ class GatewayRunner(SessionOps):
             self._status_task.cancel()
             await asyncio.gather(self._status_task, return_exceptions=True)
         await self.agents.close_all()
+        await self.media.close()
         await self.recall.close()
         await self.store.close()
         if self.recovery.marked:
@@ -310,7 +320,7 @@ class GatewayRunner(SessionOps):
         if adapter is not None and not await adapter.authorize(event):
             return Accepted(AcceptStatus.IGNORED, detail="not authorized")
         text = event.text.strip()
-        if not text:
+        if not text and not event.media:
             return Accepted(AcceptStatus.IGNORED, detail="empty message")
 
         kind, command = command_syntax.classify(text, adapter.bot_username if adapter else None)
@@ -529,21 +539,35 @@ class GatewayRunner(SessionOps):
                 entry.session_id, begun.context, system_prompt, begun.text, agent.plan
             )
             tools = self._turn_tools(key, entry.session_id, source)
+            intake = None
+            if event.media:  # files: downloaded and read before the agent is asked
+                intake = await self.media.for_turn(
+                    self.adapters.get(source.platform),
+                    event,
+                    entry.session_id,
+                    begun.text,
+                    vision=agent.config.vision,
+                    deliver=self.deliver,
+                )
             request = TurnRequest(
                 session_key=key,
                 session_id=entry.session_id,
-                text=begun.text,
+                text=begun.text if intake is None else intake.text,
                 history=context.history,
                 system_prompt=system_prompt,
                 source=source,
                 tools=tools,
+                images=() if intake is None else tuple(intake.images),
             )
             # A turn re-run after a crash finishes the messages its first run streamed.
             shown = await self.turnlog.stream_of(key) if begun.resumed else []
             stream = self.streams.open(key, source, event.reply_to, shown)
             typing = self.delivery.start_typing(source)
             try:
-                outcome = await self._call_agent(key, request, agent, stream)
+                if intake is not None and intake.only_refusals:
+                    outcome = TurnOutcome.failed(intake.notices[0], "too_large")
+                else:
+                    outcome = await self._call_agent(key, request, agent, stream)
                 edits = await stream.finish() if stream is not None else shown
             finally:
                 if typing is not None:
@@ -561,6 +585,8 @@ class GatewayRunner(SessionOps):
                 settles = (settle,)
             chunks = self.delivery.split(source, self._with_reset_notice(entry, text))
             turn.chunks = len(chunks)
+            if intake is not None and begun.user_row is not None:
+                settles = (*settles, intake.transcript_tx(begun.user_row, event.message_id))
             ids = await self._finish(
                 key, begun, event, outcome, chunks, tools, settles, edits if edits else None
             )
@@ -571,10 +597,13 @@ class GatewayRunner(SessionOps):
                 self.recovery.turn_succeeded(key)
             self.metrics.observe_turn(time.monotonic() - started)
             turn.sent = await self.delivery.send_recorded(
-                source, list(zip(ids, chunks, strict=True)), event.reply_to, edits
+                source, list(zip(ids, chunks, strict=False)), event.reply_to, edits
             )
             if len(edits) > len(chunks):
                 await self.delivery.delete_extra(source, edits[len(chunks) :])
+            if outcome.attachments:
+                files = list(zip(ids[len(chunks) :], outcome.attachments, strict=True))
+                await self.delivery.send_attachments(source, files, event.reply_to)
             turn.outcome = outcome.status
             # The token factor is learnt from one request's prompt: a turn with tool
             # rounds reports the sum of several.
@@ -622,6 +651,7 @@ class GatewayRunner(SessionOps):
                 writes=tools.writes() if tools is not None else (),
                 settles=settles,
                 edits=edits,
+                attachments=[a.to_dict() for a in outcome.attachments],
             )
         except BaseException:
             if waiting is not None and queue is not None:
@@ -662,6 +692,7 @@ class GatewayRunner(SessionOps):
                     else:
                         result = await agent.run_turn(request)
                     check_tool_rounds(result.messages)
+                    check_attachments(result.attachments)
                 except asyncio.CancelledError:
                     # Ours (the deadline) unless someone else cancelled too (/stop).
                     if self._deadlines.disarm(task) and task.uncancel() == 0:
@@ -687,7 +718,11 @@ class GatewayRunner(SessionOps):
                 "Sorry, something went wrong while answering. The error was logged.", "error"
             )
         return TurnOutcome(
-            reply=result.text, text=result.text, usage=result.usage, messages=result.messages
+            reply=result.text,
+            text=result.text,
+            usage=result.usage,
+            messages=result.messages,
+            attachments=tuple(result.attachments),
         )
 
     def toolbox_for(self, agent_id: str) -> Toolbox | None:

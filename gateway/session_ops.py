@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import sqlite3
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gateway.session import agent_id_of_key
-from gateway.store import archive, purge, search, titles
+from gateway.store import archive, media_files, purge, search, titles
 
 if TYPE_CHECKING:
     from gateway.agents.cache import AgentCache
@@ -25,8 +26,9 @@ SEARCH_DEFAULT_LIMIT = 5
 
 
 class SessionOps:
-    """Mixed into `GatewayRunner`; uses its `store`, `agents` and `is_busy`."""
+    """Mixed into `GatewayRunner`; uses its `store`, `agents`, `home` and `is_busy`."""
 
+    home: Path
     store: SessionStore
     agents: AgentCache
     recall: Recall
@@ -101,6 +103,7 @@ class SessionOps:
             return busy
         if done is None:
             return {"status": "not_found", "session_id": session_id}
+        media_files.remove_session_media(self.home, session_id)  # its files go with it
         if done["new_session_id"] is not None:
             await self.agents.evict(key)  # its context held the deleted messages
         # The session's chunks and vectors leave memory.db now, not at the indexer's next

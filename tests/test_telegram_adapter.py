@@ -253,12 +253,18 @@ async def test_only_new_text_messages_and_captions_are_read(
     photo = tg.make_message_update(chat, ADA, "")
     del photo["message"]["text"]
     photo["message"]["caption"] = "look at this"
-    photo["message"]["photo"] = [{"file_id": "p", "file_unique_id": "q", "width": 1, "height": 1}]
+    file_id = tg.add_file(b"jpeg")
+    photo["message"]["photo"] = [
+        {"file_id": file_id, "file_unique_id": "q", "width": 1, "height": 1, "file_size": 4}
+    ]
     for update in (sticker, edit, photo):
         tg.push_raw(update)
     await wait_for(lambda: len(tg.sent) == 1)
     await settle()
-    assert texts(tg) == ["echo: look at this"]
+    # The photo is read too (issue 18); the echo agent sees the line that stands for it.
+    assert texts(tg) == [
+        "echo: look at this\n\n[photo: photo-102.jpg (this model cannot see images)]"
+    ]
 
 
 async def test_an_update_the_library_cannot_read_is_skipped_not_blocking(

@@ -3,7 +3,8 @@
 Works with OpenAI, Ollama, vLLM, llama.cpp and OpenRouter. `stream_turn` streams
 (``stream: true``, server-sent events, usage asked for with ``stream_options``), handing
 the reply so far to its `on_text` and assembling tool calls from their deltas; `run_turn`
-asks for the whole answer at once. A turn with
+asks for the whole answer at once. Photos (`TurnRequest.images`) go as `image_url`
+content parts with data URLs. A turn with
 tools (`TurnRequest.tools`) runs OpenAI function calling: the model's tool calls are run
 (one after the other, in its order) and their results sent back, for at most
 `max_tool_rounds` rounds; a model still calling tools after that ends the turn with
@@ -16,6 +17,7 @@ The turn timeout is the runner's job, so requests have no total timeout here.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -60,8 +62,23 @@ def build_messages(request: TurnRequest) -> list[dict[str, Any]]:
         else:
             continue
         messages.append(item)
-    messages.append({"role": "user", "content": request.text})
+    messages.append({"role": "user", "content": _user_content(request)})
     return messages
+
+
+def _user_content(request: TurnRequest) -> str | list[dict[str, Any]]:
+    """This turn's text, or with photos (`agent.vision`) a list of content parts: the
+    text, then each image as an `image_url` data URL."""
+    if not request.images:
+        return request.text
+    parts: list[dict[str, Any]] = [{"type": "text", "text": request.text}]
+    for image in request.images:
+        with open(image.path, "rb") as file:
+            encoded = base64.b64encode(file.read()).decode("ascii")
+        parts.append(
+            {"type": "image_url", "image_url": {"url": f"data:{image.mime};base64,{encoded}"}}
+        )
+    return parts
 
 
 SUMMARY_INSTRUCTIONS = (

@@ -20,6 +20,11 @@ exception. An agent that calls tools returns the messages of its tool rounds in
 `TurnResult.messages` (assistant messages with ``tool_calls``, then one ``tool``
 message per call with its ``tool_call_id``, oldest first): the turn stores them before
 its reply, in the same transaction.
+
+Media: a turn may carry `TurnRequest.images` (photos the user sent, for a model that
+sees: `agent.vision`); voice transcripts and text documents are already in `text`. A
+reply may carry `TurnResult.attachments` (`Attachment`: a file path or URL, its kind
+photo/document/voice, a caption), sent after its text through the delivery ledger.
 """
 
 from __future__ import annotations
@@ -28,20 +33,32 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from gateway.attachments import Attachment
 from gateway.session import SessionSource, TokenUsage
 
 __all__ = [
     "Agent",
     "AgentError",
     "AgentFactory",
+    "Attachment",
+    "ImageInput",
     "Streaming",
     "Summarizing",
     "SummaryRequest",
     "Tools",
     "TurnRequest",
     "TurnResult",
+    "check_attachments",
     "check_tool_rounds",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """A photo the user sent, stored at `path` (for the model as an image part)."""
+
+    path: str
+    mime: str = "image/jpeg"
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +72,7 @@ class TurnRequest:
     system_prompt: str  # session-context block (+ configured system prompt); may be ""
     source: SessionSource | None = None
     tools: Tools | None = None  # the tools this turn may call (None: none)
+    images: tuple[ImageInput, ...] = ()  # photos sent with `text` (agent.vision only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +81,8 @@ class TurnResult:
     usage: TokenUsage = field(default_factory=TokenUsage)
     # The tool rounds before the reply (see the module's doc), stored before `text`.
     messages: tuple[dict[str, Any], ...] = ()
+    # Files sent after the reply's text, each once (recorded in the delivery ledger).
+    attachments: tuple[Attachment, ...] = ()
 
 
 class Tools(Protocol):
@@ -141,6 +161,13 @@ def check_tool_rounds(messages: tuple[dict[str, Any], ...]) -> None:
         "the agent returned tool rounds the transcript cannot keep (each assistant message"
         " with tool_calls must be followed by one tool result per call)"
     )
+
+
+def check_attachments(attachments: Any) -> None:
+    """`TurnResult.attachments` as the ledger can keep them: `Attachment`s (an agent's
+    mistake is an `AgentError`, the user told the turn failed, not a crashed turn)."""
+    if not all(isinstance(a, Attachment) for a in attachments):
+        raise AgentError("the agent returned attachments that are not Attachment objects")
 
 
 def _call_ids(calls: Any) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 from config import GatewayConfig
 from gateway.memory.recall import Namespace, Recall
 from gateway.ops.cliargs import platform_pair
-from gateway.store import purge
+from gateway.store import media_files, purge
 from gateway.store.session_store import SessionStore
 
 
@@ -106,8 +106,10 @@ async def _delete_all(recall: Recall, args: argparse.Namespace, platform: str, u
     try:
         count = await recall.forget_user(platform, user_id, args.agent)
     except purge.SessionBusy as exc:
+        await media_files.sweep(recall.store)  # the files of the sessions that went
         print(f"partly deleted: {exc}; run it again once the turn finished", file=sys.stderr)
         return 1
+    await media_files.sweep(recall.store)
     _report(args, {"deleted": count, "user": f"{platform}:{user_id}", "agent": args.agent})
     return 0
 

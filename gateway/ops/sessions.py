@@ -20,7 +20,7 @@ from typing import Any
 
 from config import AGENT_ID_PATTERN
 from gateway.memory.recall import Recall
-from gateway.store import archive, purge, search
+from gateway.store import archive, media_files, purge, search
 from gateway.store.session_store import SessionStore
 
 FORMATS = ("json", "markdown")
@@ -118,6 +118,7 @@ async def _delete(store: SessionStore, args: argparse.Namespace) -> int:
     if done is None:
         print(f"no session {session_id!r}", file=sys.stderr)
         return 1
+    media_files.remove_session_media(store.sessions_dir.parent, session_id)
     # Let search.db and memory.db forget the messages now, not at the daemon's next round.
     await store.search_index.catch_up()
     recall = Recall(store, store.config)

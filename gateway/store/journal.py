@@ -210,6 +210,38 @@ def record_outbound(
     return ids
 
 
+def record_attachments(
+    conn: sqlite3.Connection,
+    target: SessionSource,
+    attachments: list[dict[str, Any]],
+    *,
+    reply_to: str | None,
+    session_key: str | None,
+    now: float,
+) -> list[int]:
+    """Record a reply's attachments (`Attachment.to_dict()`) as pending, after its text
+    chunks; returns their delivery ids."""
+    target_json = codec.dumps(target.to_dict())
+    ids = []
+    for attachment in attachments:
+        cursor = conn.execute(
+            "INSERT INTO outbound (platform, chat_id, target, text, reply_to, session_key,"
+            " state, created_at, attachment) VALUES (?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+            (
+                target.platform.value,
+                target.chat_id,
+                target_json,
+                attachment.get("caption") or "",
+                reply_to,
+                session_key,
+                now,
+                codec.dumps(attachment),
+            ),
+        )
+        ids.append(int(cursor.lastrowid or 0))
+    return ids
+
+
 def mark_sent(
     conn: sqlite3.Connection, delivery_id: int, platform_message_id: str | None, now: float
 ) -> None:
@@ -222,7 +254,7 @@ def mark_sent(
 
 def pending_outbound(conn: sqlite3.Connection, created_before: float) -> list[dict[str, Any]]:
     rows = conn.execute(
-        "SELECT id, target, text, reply_to, edit_message_id FROM outbound"
+        "SELECT id, target, text, reply_to, edit_message_id, attachment FROM outbound"
         " WHERE state = 'pending' AND created_at < ? ORDER BY id",
         (created_before,),
     )
@@ -233,8 +265,9 @@ def pending_outbound(conn: sqlite3.Connection, created_before: float) -> list[di
             "text": text,
             "reply_to": reply_to,
             "edit_message_id": edit_message_id,
+            "attachment": codec.loads(attachment) if attachment else None,
         }
-        for delivery_id, target, text, reply_to, edit_message_id in rows
+        for delivery_id, target, text, reply_to, edit_message_id, attachment in rows
     ]
 
 
@@ -277,19 +310,22 @@ def replies_after(
 ) -> list[dict[str, Any]]:
     """Recorded replies to one chat with delivery id > `after` (the HTTP API's outbox)."""
     rows = conn.execute(
-        "SELECT id, text, target, reply_to FROM outbound WHERE platform = ? AND chat_id = ?"
-        " AND id > ? ORDER BY id LIMIT ?",
+        "SELECT id, text, target, reply_to, attachment FROM outbound WHERE platform = ?"
+        " AND chat_id = ? AND id > ? ORDER BY id LIMIT ?",
         (platform, chat_id, after, limit),
     )
-    return [
-        {
+    replies = []
+    for delivery_id, text, target, reply_to, attachment in rows:
+        reply = {
             "seq": delivery_id,
             "text": text,
             "thread_id": codec.loads(target).get("thread_id"),
             "in_reply_to": reply_to,
         }
-        for delivery_id, text, target, reply_to in rows
-    ]
+        if attachment:  # a file the reply carries (its caption is `text`)
+            reply["attachment"] = codec.loads(attachment)
+        replies.append(reply)
+    return replies
 
 
 def expire_outbound(conn: sqlite3.Connection, before: float, limit: int = EXPIRE_PAGE) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 from gateway.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -307,6 +307,12 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         updated_at   REAL NOT NULL
     ) WITHOUT ROWID;
     ALTER TABLE outbound ADD COLUMN edit_message_id TEXT;
+    """,
+    # Issue 18: media out. A reply's attachment waits in the delivery ledger like a text
+    # chunk: its row's `attachment` is the Attachment as JSON (path or URL, kind,
+    # caption; `text` holds the caption), NULL for text.
+    14: """
+    ALTER TABLE outbound ADD COLUMN attachment TEXT;
     """,
 }
 

@@ -126,8 +126,9 @@ def _scrub_journal(
         whose = "platform = ? AND chat_id = ? AND coalesce(session_key, ?) = ?"
         params = [*chat, key, key]
     outbound = conn.execute(
-        f"UPDATE outbound SET text = '' WHERE {whose} AND state = 'sent'"
-        " AND (created_at BETWEEN ? AND ? OR instr(text, ?) > 0) AND text != ''",
+        f"UPDATE outbound SET text = '', attachment = NULL WHERE {whose} AND state = 'sent'"
+        " AND (created_at BETWEEN ? AND ? OR instr(text, ?) > 0)"
+        " AND (text != '' OR attachment IS NOT NULL)",
         (*params, lo, hi, session_id),
     ).rowcount
     return inbox + outbound

@@ -56,6 +56,14 @@ def insert_message(conn: sqlite3.Connection, session_id: str, message: dict[str,
     return int(cursor.lastrowid or 0)
 
 
+def update_message(conn: sqlite3.Connection, row_id: int, message: dict[str, Any]) -> None:
+    """Rewrite the stored message of a row (what the model read of a message's files),
+    keeping its searchable `content`: the words the user typed."""
+    conn.execute(
+        "UPDATE messages SET message = ? WHERE id = ?", (codec.dumps(message, default=str), row_id)
+    )
+
+
 def append(conn: sqlite3.Connection, session_id: str, message: dict[str, Any]) -> int:
     _require_session(conn, session_id)
     return insert_message(conn, session_id, message)

@@ -45,6 +45,7 @@ class TurnStart:
     fresh: bool = False  # begin wrote the entry: a new session (new key or reset)
     active_minute: int | None = None  # the hot row's active_minute as begin read it
     context: Loaded = NOTHING_LOADED  # what the context strategy read (rows, summary checkpoint)
+    user_row: int | None = None  # the user message's transcript row (media rewrite it)
 
 
 class TurnLog:
@@ -155,7 +156,9 @@ class TurnLog:
                 asked = transcript.load_row(conn, marker["user_message_id"])
                 content = asked.get("content") if asked else None
                 resumed_text = content if isinstance(content, str) else text
-                return TurnStart(entry, True, resumed_text, fresh, minute, loaded)
+                return TurnStart(
+                    entry, True, resumed_text, fresh, minute, loaded, marker["user_message_id"]
+                )
             loaded = turn_context.load(conn, entry.session_id, plan)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
             if not loaded.messages:
@@ -172,7 +175,7 @@ class TurnLog:
                 event=record,
                 now=now,
             )
-            return TurnStart(entry, False, text, fresh, minute, loaded)
+            return TurnStart(entry, False, text, fresh, minute, loaded, user_row)
 
         return tx
 
@@ -190,6 +193,7 @@ class TurnLog:
         writes: Sequence[Callable[[sqlite3.Connection], object]] = (),
         settles: Sequence[Callable[[sqlite3.Connection], object]] = (),
         edits: Sequence[str] | None = None,
+        attachments: Sequence[dict[str, Any]] = (),
     ) -> tuple[list[int], TurnStart | None]:
         """Record the turn's outcome and its reply chunks; returns their delivery ids,
         and the start of the `then` turn.
@@ -207,6 +211,8 @@ class TurnLog:
         `edits` (a streamed reply, issue 18: the platform messages it was shown in, or []
         when none was sent) ends the key's stream row here, and chunk i is delivered as an
         edit of `edits[i]`; None (no stream) touches no stream row.
+        `attachments` (the reply's files, `Attachment.to_dict()`) are recorded after the
+        chunks; their delivery ids follow the chunks' in the returned list.
         """
         begin_next = None
         if then is not None:
@@ -247,6 +253,15 @@ class TurnLog:
                 now=now.timestamp(),
                 edits=edits or (),
             )
+            if attachments:
+                ids += journal.record_attachments(
+                    conn,
+                    event.source,
+                    list(attachments),
+                    reply_to=event.reply_to,
+                    session_key=session_key,
+                    now=now.timestamp(),
+                )
             return ids, None if begin_next is None else begin_next(conn, next_inbox)
 
         # Waits out a full disk: the reply is sent only once it is recorded.

@@ -11,7 +11,7 @@ import asyncio
 from collections.abc import Callable
 from typing import ClassVar
 
-from gateway.agents.protocol import TurnRequest, TurnResult
+from gateway.agents.protocol import Attachment, TurnRequest, TurnResult
 
 
 class ScriptedAgent:
@@ -82,3 +82,23 @@ class StreamingAgent(ScriptedAgent):
 def streaming(replies: dict[str, str], step: float = 0.02) -> type[StreamingAgent]:
     """A streaming agent factory: `scripted`'s replies, one word every `step` seconds."""
     return type("Agent", (StreamingAgent,), {"replies": dict(replies), "step": step})
+
+
+class AttachingAgent:
+    """A `module:factory` backend whose reply carries a file: "here it is" and the
+    `options.path` file as a photo captioned "a chart"."""
+
+    def __init__(self, session_key: str, path: str) -> None:
+        self.session_key = session_key
+        self.path = path
+
+    async def run_turn(self, request: TurnRequest) -> TurnResult:
+        return TurnResult("here it is", attachments=(Attachment(self.path, "photo", "a chart"),))
+
+    async def close(self) -> None:
+        pass
+
+
+def attaching(session_key: str, options: dict[str, object]) -> AttachingAgent:
+    """`agent.backend: tests.fakes.agents:attaching` with `options: {path: ...}`."""
+    return AttachingAgent(session_key, str(options["path"]))

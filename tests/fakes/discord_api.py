@@ -5,7 +5,9 @@ REST, under ``/api/v10`` (``Authorization: Bot <token>`` required, 401 otherwise
     GET  /users/@me, /oauth2/applications/@me, /applications/@me    login
     GET  /gateway, /gateway/bot                                     the websocket URL
     GET  /channels/{id}                                             one channel
-    POST /channels/{id}/messages                                    send; nonce dedup
+    POST /channels/{id}/messages                                    send (JSON, or multipart
+                                                                    with files); nonce dedup
+    GET  /attachments/{id}/{name}                                   the CDN, no auth
     POST /channels/{id}/typing                                      typing indicator
     POST /channels/{id}/messages/{mid}/threads                      thread from a message
 
@@ -136,6 +138,10 @@ class FakeDiscord:
         self.unhandled: list[tuple[str, str]] = []
         self.connections: list[dict[str, str]] = []  # the query of each gateway connection
         self.messages: dict[str, dict[str, Any]] = {}
+        self.uploads: list[dict[str, Any]] = []  # {filename, data, content, channel_id}
+        self.cdn: dict[str, bytes] = {}  # attachment id -> bytes
+        self.cdn_downloads: list[str] = []
+        self._base = ""
         self.users: dict[str, dict[str, Any]] = {}
         self._channels: dict[str, dict[str, Any]] = {}
         self._dm_channels: dict[str, str] = {}  # user id -> DM channel id
@@ -179,12 +185,14 @@ class FakeDiscord:
         app.router.add_delete(f"{api}/channels/{{cid}}/messages/{{mid}}", self._delete_message)
         app.router.add_post(f"{api}/channels/{{cid}}/messages/{{mid}}/threads", self._post_thread)
         app.router.add_get("/gateway", self._gateway)
+        app.router.add_get("/attachments/{aid}/{name}", self._cdn)
         app.router.add_route("*", "/{tail:.*}", self._unhandled)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
         host, port = self._runner.addresses[0][:2]
+        self._base = f"http://{host}:{port}"
         self.api_base_url = f"http://{host}:{port}{api}"
         self.gateway_url = f"ws://{host}:{port}/gateway"
 
@@ -379,9 +387,39 @@ class FakeDiscord:
 
     # --- driving the bot: user messages --------------------------------------------------
 
-    async def dm(self, user_id: str, text: str) -> str:
-        """A user writes the bot a DM; returns the message id."""
+    def attachment(
+        self,
+        filename: str,
+        data: bytes,
+        content_type: str | None,
+        *,
+        declared_size: int | None = None,
+        voice: bool = False,
+    ) -> dict[str, Any]:
+        """An attachment object (served by the fake CDN) for `dm(..., attachments=)`."""
+        attachment_id = self.snowflake()
+        self.cdn[attachment_id] = data
+        found: dict[str, Any] = {
+            "id": attachment_id,
+            "filename": filename,
+            "size": len(data) if declared_size is None else declared_size,
+            "url": f"{self._base}/attachments/{attachment_id}/{filename}",
+            "proxy_url": f"{self._base}/attachments/{attachment_id}/{filename}",
+        }
+        if content_type is not None:
+            found["content_type"] = content_type
+        if voice:
+            found["flags"] = 1 << 13  # IS_VOICE_MESSAGE
+            found["duration_secs"] = 3.0
+            found["waveform"] = ""
+        return found
+
+    async def dm(
+        self, user_id: str, text: str, *, attachments: Sequence[dict[str, Any]] = ()
+    ) -> str:
+        """A user writes the bot a DM (with `attachments`); returns the message id."""
         message = self._message(self.dm_channel(user_id), self._user(user_id), text)
+        message["attachments"] = list(attachments)
         await self.dispatch("MESSAGE_CREATE", message)
         return str(message["id"])
 
@@ -603,9 +641,25 @@ class FakeDiscord:
             return _json(UNKNOWN_CHANNEL, status=404)
         return _json(channel)
 
+    async def _cdn(self, request: web.Request) -> web.Response:
+        data = self.cdn.get(request.match_info["aid"])
+        if data is None:
+            return web.Response(status=404)
+        self.cdn_downloads.append(request.match_info["aid"])
+        return web.Response(body=data, content_type="application/octet-stream")
+
     async def _post_message(self, request: web.Request) -> web.Response:
         channel_id = request.match_info["cid"]
-        body = await request.json()
+        files: list[tuple[str, bytes]] = []
+        if request.content_type == "multipart/form-data":  # an upload: payload_json + files
+            form = await request.post()
+            payload = form.get("payload_json")
+            body = json.loads(payload) if isinstance(payload, str) else {}
+            files = [
+                (v.filename, v.file.read()) for v in form.values() if isinstance(v, web.FileField)
+            ]
+        else:
+            body = await request.json()
         self.send_attempts.append(time.monotonic())
         fault = self._faults.popleft() if self._faults else _Fault()
         if fault.delay:
@@ -619,7 +673,7 @@ class FakeDiscord:
         nonce = body.get("nonce")
         if body.get("enforce_nonce") and nonce is not None and nonce in self._nonces:
             return _json(self._nonces[nonce], headers=_bucket_headers(4))
-        if not body.get("content"):
+        if not body.get("content") and not files:
             return _json({"message": "Cannot send an empty message", "code": 50006}, 400)
         ref = body.get("message_reference") or {}
         reference = str(ref["message_id"]) if ref.get("message_id") is not None else None
@@ -628,8 +682,26 @@ class FakeDiscord:
                 return _json({"message": "Unknown message", "code": 10008}, 400)
             reference = None
         message = self._message(
-            channel_id, self._bot_user, body["content"], reference=reference, nonce=nonce
+            channel_id, self._bot_user, body.get("content") or "", reference=reference, nonce=nonce
         )
+        for filename, data in files:
+            self.uploads.append(
+                {
+                    "filename": filename,
+                    "data": data,
+                    "content": body.get("content"),
+                    "channel_id": channel_id,
+                }
+            )
+            message["attachments"].append(
+                {
+                    "id": self.snowflake(),
+                    "filename": filename,
+                    "size": len(data),
+                    "url": f"{self._base}/attachments/x/{filename}",
+                    "proxy_url": "",
+                }
+            )
         if nonce is not None:
             self._nonces[nonce] = message
         self.sent.append(body | {"id": message["id"], "channel_id": channel_id})

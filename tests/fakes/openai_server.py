@@ -13,6 +13,10 @@ that calls tools). ``script(*answers)`` queues answers, one per request; without
 results wrongly (a call without its result, a result without its call) is refused with
 400.
 
+Speech to text: ``POST /v1/audio/transcriptions`` (multipart ``file`` and ``model``)
+answers ``{"text": ...}``: ``transcripts[audio bytes]`` when set, else a text naming the
+file's size; each request is recorded in ``transcriptions``.
+
     async with FakeOpenAI(expected_key="sk-test") as fake:
         agent = OpenAIAgent(base_url=fake.base_url, model="m", api_key="sk-test")
 """
@@ -142,12 +146,15 @@ class FakeOpenAI:
         self.tokens_sent: list[float] = []
         #: per streamed request, by its last user message: (first, last) content chunk sent
         self.token_times: dict[str, tuple[float, float]] = {}
+        self.transcripts: dict[bytes, str] = {}
+        self.transcriptions: list[dict[str, Any]] = []  # {model, filename, data, auth}
 
     async def start(self) -> str:
         """Bind a free port on 127.0.0.1; returns the base URL (``http://127.0.0.1:N/v1``)."""
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_post("/v1/embeddings", self._embeddings)
+        app.router.add_post("/v1/audio/transcriptions", self._transcriptions)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -225,6 +232,27 @@ class FakeOpenAI:
             return self.embeddings[text]
         digest = hashlib.sha256(text.encode()).digest()
         return [(digest[i % len(digest)] - 127.5) / 127.5 for i in range(self.embedding_dimensions)]
+
+    async def _transcriptions(self, request: web.Request) -> web.Response:
+        form = await request.post()
+        upload, model = form.get("file"), form.get("model")
+        if not isinstance(upload, web.FileField) or not isinstance(model, str):
+            return _error(400, "'file' and 'model' are required", None)
+        data = upload.file.read()
+        self.transcriptions.append(
+            {
+                "model": model,
+                "filename": upload.filename,
+                "data": data,
+                "auth": request.headers.get("Authorization"),
+            }
+        )
+        if self.expected_key is not None:
+            sent = request.headers.get("Authorization", "").removeprefix("Bearer ")
+            if sent != self.expected_key:
+                return _error(401, "Incorrect API key provided", "invalid_api_key")
+        text = self.transcripts.get(data, f"(speech of {len(data)} bytes)")
+        return web.json_response({"text": text})
 
     async def _chat_completions(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()

@@ -6,6 +6,11 @@ Events API requests, speaking the real wire formats.
     Socket Mode GET /socket          websocket: `hello` on connect, `events_api` envelopes
                                      out, `{"envelope_id"}` acks in, `disconnect` out
     Events API  post_event(url, payload, secret=...)   a signed POST, as Slack sends it
+    Files       GET /files/{id}/{name}  url_private: needs `Authorization: Bearer <bot
+                token>` (Slack answers a login page otherwise); `add_file` stores one
+                and returns its file object for a message's `files`
+                files.getUploadURLExternal -> POST /upload/{id} -> files.completeUploadExternal
+                (files_upload_v2); completed uploads are recorded in `uploads`
 
     async with FakeSlack() as slack:
         adapter = SlackAdapter(SlackConfig(..., api_base_url=slack.api_base_url))
@@ -193,11 +198,18 @@ class FakeSlack:
         self._changed = asyncio.Event()  # set (and replaced) on each post, ack, (dis)connect
         self._runner: web.AppRunner | None = None
         self._port = 0
+        self.files: dict[str, bytes] = {}  # file id -> content
+        self.downloads: list[str] = []
+        self.uploads: list[dict[str, Any]] = []  # {filename, data, channel, comment, thread_ts}
+        self._pending_uploads: dict[str, dict[str, Any]] = {}
+        self._file_ids = itertools.count(1)
 
     async def start(self) -> str:
         app = web.Application()
         app.router.add_post("/api/{method}", self._api)
         app.router.add_get("/socket", self._websocket)
+        app.router.add_get("/files/{fid}/{name}", self._download)
+        app.router.add_post("/upload/{fid}", self._upload)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
@@ -237,6 +249,76 @@ class FakeSlack:
     def delay_next(self, method: str, seconds: float) -> None:
         """Sleep before answering the next call of `method` (normally)."""
         self._faults[method].append(_Fault(delay=seconds))
+
+    # --- files ---------------------------------------------------------------------------
+
+    def add_file(
+        self,
+        name: str,
+        data: bytes,
+        mimetype: str,
+        *,
+        declared_size: int | None = None,
+        subtype: str | None = None,
+    ) -> dict[str, Any]:
+        """Store a file; returns its file object (for `dm(..., files=[...])`)."""
+        file_id = f"F{next(self._file_ids)}"
+        self.files[file_id] = data
+        url = f"http://127.0.0.1:{self._port}/files/{file_id}/{name}"
+        found = {
+            "id": file_id,
+            "name": name,
+            "mimetype": mimetype,
+            "size": len(data) if declared_size is None else declared_size,
+            "url_private": url,
+            "url_private_download": url + "?download=1",
+        }
+        if subtype is not None:
+            found["subtype"] = subtype
+        return found
+
+    async def _download(self, request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != f"Bearer {self.bot_token}":
+            return web.Response(text="<html>sign in</html>", content_type="text/html")
+        data = self.files.get(request.match_info["fid"])
+        if data is None:
+            return web.Response(status=404)
+        self.downloads.append(request.match_info["fid"])
+        return web.Response(body=data, content_type="application/octet-stream")
+
+    async def _upload(self, request: web.Request) -> web.Response:
+        pending = self._pending_uploads.get(request.match_info["fid"])
+        if pending is None:
+            return web.Response(status=404)
+        pending["data"] = await request.read()
+        return web.Response(text="OK - 1")
+
+    def _get_upload_url(self, params: dict[str, Any]) -> dict[str, Any]:
+        file_id = f"F{next(self._file_ids)}"
+        self._pending_uploads[file_id] = {"filename": params.get("filename"), "data": None}
+        url = f"http://127.0.0.1:{self._port}/upload/{file_id}"
+        return {"ok": True, "upload_url": url, "file_id": file_id}
+
+    def _complete_upload(self, params: dict[str, Any]) -> dict[str, Any]:
+        files = params.get("files")
+        if isinstance(files, str):
+            files = json.loads(files)
+        done = []
+        for item in files or []:
+            pending = self._pending_uploads.pop(item["id"], None)
+            if pending is None or pending["data"] is None:
+                return {"ok": False, "error": "file_not_found"}
+            self.uploads.append(
+                {
+                    **pending,
+                    "channel": params.get("channel_id"),
+                    "comment": params.get("initial_comment"),
+                    "thread_ts": params.get("thread_ts"),
+                }
+            )
+            done.append({"id": item["id"], "name": pending["filename"], "title": item.get("title")})
+        self._notify()
+        return {"ok": True, "files": done}
 
     # --- Web API -------------------------------------------------------------------------
 
@@ -283,6 +365,10 @@ class FakeSlack:
             return web.json_response(self._post_message(params))
         if method in ("chat.update", "chat.delete"):
             return web.json_response(self._change_message(method, params))
+        if method == "files.getUploadURLExternal":
+            return web.json_response(self._get_upload_url(params))
+        if method == "files.completeUploadExternal":
+            return web.json_response(self._complete_upload(params))
         return web.json_response({"ok": False, "error": "unknown_method"})
 
     def _post_message(self, params: dict[str, Any]) -> dict[str, Any]:

@@ -8,7 +8,10 @@ confirmed and gone. editMessageText (with "message is not modified") and deleteM
 act on the sent messages (`chat_view` shows what the chat shows). sendMessage parses
 MarkdownV2 (escapes, `code`, ```pre```, bold /
 italic / underline / strikethrough / spoiler; it is stricter than Telegram about links and
-quotes, which it rejects) and returns the rendered Message.
+quotes, which it rejects) and returns the rendered Message. Files: `add_file` stores
+bytes under a file_id, getFile answers its file_path (and file_size), and
+``/file/bot<TOKEN>/<file_path>`` serves them; sendPhoto / sendDocument / sendVoice take
+an uploaded file (multipart) or a URL and are recorded in ``sent_files``.
 
     async with FakeTelegram(token="123:TEST") as tg:
         bot = telegram.Bot("123:TEST", base_url=tg.base_url)
@@ -42,6 +45,10 @@ BOT_USER = {
 _STRING_PARAMS = frozenset(
     {"text", "caption", "parse_mode", "url", "secret_token", "action", "language_code"}
 )
+
+
+# A photo/document/voice given as a URL or file_id string stays a string.
+_FILE_PARAMS = frozenset({"photo", "document", "voice"})
 
 
 def utf16_len(text: str) -> int:
@@ -81,6 +88,10 @@ class FakeTelegram:
         self.chat_actions: list[dict[str, Any]] = []
         self.commands: list[dict[str, Any]] = []
         self.webhook: dict[str, Any] | None = None
+        self.sent_files: list[dict[str, Any]] = []  # {method, params, filename, data}
+        self.files: dict[str, bytes] = {}  # file_id -> content
+        self.file_sizes: dict[str, int] = {}  # file_id -> the size getFile declares
+        self.downloads: list[str] = []  # file paths fetched
         self.deliveries: dict[int, int] = defaultdict(int)  # update_id -> times returned
         self.port = 0
         self._updates: list[dict[str, Any]] = []  # unconfirmed, in update_id order
@@ -107,6 +118,7 @@ class FakeTelegram:
     async def start(self) -> FakeTelegram:
         app = web.Application()
         app.router.add_route("*", "/bot{token}/{method}", self._handle)
+        app.router.add_get("/file/bot{token}/{path:.+}", self._download)
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", 0).start()
@@ -204,6 +216,53 @@ class FakeTelegram:
         """Queue a new message for getUpdates; returns its update_id."""
         return self.push_raw(self.make_message_update(chat, from_user, text, **options))
 
+    def add_file(self, data: bytes, *, declared_size: int | None = None) -> str:
+        """Store a file; returns its file_id. `declared_size`: what getFile and the
+        message say (default: the real size)."""
+        file_id = f"file-{len(self.files) + 1}"
+        self.files[file_id] = data
+        self.file_sizes[file_id] = len(data) if declared_size is None else declared_size
+        return file_id
+
+    def push_media(
+        self,
+        chat: dict[str, Any],
+        from_user: dict[str, Any],
+        kind: str,
+        file_id: str,
+        *,
+        caption: str | None = None,
+        file_name: str | None = None,
+        mime_type: str | None = None,
+    ) -> int:
+        """Queue a photo / voice / audio / document message for the file `file_id`."""
+        update = self.make_message_update(chat, from_user, "")
+        message = update["message"]
+        del message["text"]
+        message.pop("entities", None)
+        size = self.file_sizes[file_id]
+        meta: dict[str, Any] = {
+            "file_id": file_id,
+            "file_unique_id": f"u{file_id}",
+            "file_size": size,
+        }
+        if kind == "photo":
+            small = {**meta, "file_id": file_id + "-small", "width": 90, "height": 90}
+            message["photo"] = [small, {**meta, "width": 1280, "height": 960}]
+        elif kind in ("voice", "audio"):
+            message[kind] = {**meta, "duration": 3, "mime_type": mime_type or "audio/ogg"}
+            if file_name:
+                message[kind]["file_name"] = file_name
+        else:
+            message["document"] = {
+                **meta,
+                "file_name": file_name or "file.bin",
+                "mime_type": mime_type or "application/octet-stream",
+            }
+        if caption is not None:
+            message["caption"] = caption
+        return self.push_raw(update)
+
     def push_raw(self, update: dict[str, Any]) -> int:
         """Queue any Update object (its update_id must be new and increasing)."""
         update_id = int(update["update_id"])
@@ -293,6 +352,70 @@ class FakeTelegram:
         if isinstance(result, web.StreamResponse):
             return result
         return web.json_response({"ok": True, "result": result})
+
+    async def _download(self, request: web.Request) -> web.StreamResponse:
+        if request.match_info["token"] != self.token:
+            return web.Response(status=401, text="Unauthorized")
+        path = request.match_info["path"]
+        file_id = path.rsplit("/", 1)[-1]
+        if file_id not in self.files:
+            return web.Response(status=404, text="Not Found")
+        self.downloads.append(path)
+        return web.Response(body=self.files[file_id])
+
+    async def _api_getFile(self, request: web.Request, params: dict[str, Any]) -> Any:
+        file_id = str(params.get("file_id"))
+        if file_id not in self.files:
+            raise _ApiError(400, "Bad Request: invalid file_id")
+        if self.file_sizes[file_id] > 20 * 1024 * 1024:
+            raise _ApiError(400, "Bad Request: file is too big")
+        return {
+            "file_id": file_id,
+            "file_unique_id": f"u{file_id}",
+            "file_size": self.file_sizes[file_id],
+            "file_path": f"documents/{file_id}",
+        }
+
+    async def _send_file(self, request: web.Request, params: dict[str, Any], kind: str) -> Any:
+        chat_id = params.get("chat_id")
+        upload = params.get("_files", {}).get(kind)
+        given = params.get(kind)
+        if chat_id in (None, "") or (upload is None and not isinstance(given, str)):
+            raise _ApiError(400, f"Bad Request: chat_id and {kind} are required")
+        filename, data = upload if upload is not None else (None, None)
+        message: dict[str, Any] = {
+            "message_id": next(self._message_ids),
+            "from": self.bot_user,
+            "chat": {"id": chat_id, "type": "private"},
+            "date": int(time.time()),
+            kind: {"file_id": f"sent-{len(self.sent_files) + 1}", "file_unique_id": "x"},
+        }
+        if kind == "photo":
+            message["photo"] = [{**message["photo"], "width": 1, "height": 1}]
+        elif kind == "voice":
+            message["voice"]["duration"] = 1
+        if params.get("caption"):
+            message["caption"] = params["caption"]
+        self.sent_files.append(
+            {
+                "method": request.match_info["method"],
+                "params": params,
+                "filename": filename,
+                "data": data,
+                "url": given if upload is None else None,
+            }
+        )
+        self.sent_messages.append(message)
+        return message
+
+    async def _api_sendPhoto(self, request: web.Request, params: dict[str, Any]) -> Any:
+        return await self._send_file(request, params, "photo")
+
+    async def _api_sendDocument(self, request: web.Request, params: dict[str, Any]) -> Any:
+        return await self._send_file(request, params, "document")
+
+    async def _api_sendVoice(self, request: web.Request, params: dict[str, Any]) -> Any:
+        return await self._send_file(request, params, "voice")
 
     async def _api_getMe(self, request: web.Request, params: dict[str, Any]) -> Any:
         return self.bot_user
@@ -479,9 +602,12 @@ async def _read_params(request: web.Request) -> dict[str, Any]:
         else:
             form = await request.post()
             raw.update({k: v for k, v in form.items() if isinstance(v, str)})
+            files = {k: v for k, v in form.items() if isinstance(v, web.FileField)}
+            if files:  # multipart uploads (sendPhoto ...): kept as (filename, bytes)
+                raw["_files"] = {k: (f.filename, f.file.read()) for k, f in files.items()}
     params: dict[str, Any] = {}
     for key, value in raw.items():
-        if isinstance(value, str) and key not in _STRING_PARAMS:
+        if isinstance(value, str) and key not in _STRING_PARAMS and key not in _FILE_PARAMS:
             try:
                 value = json.loads(value)
             except ValueError:

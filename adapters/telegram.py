@@ -508,13 +508,7 @@ class TelegramAdapter(PlatformAdapter):
         chat_id: int | str = target.chat_id
         formatted = to_markdown_v2(text)
         markdown = utf16_len(formatted) <= self.max_message_length
-        options: dict[str, Any] = {}
-        if target.thread_id:
-            options["message_thread_id"] = int(target.thread_id)
-        if reply_to is not None and reply_to.isdigit():
-            options["reply_parameters"] = telegram.ReplyParameters(
-                message_id=int(reply_to), allow_sending_without_reply=True
-            )
+        options = _send_options(target, reply_to)
         backoff = Backoff(initial=0.5, maximum=5.0)
         attempts = network_errors = 0
         while True:
@@ -554,13 +548,7 @@ class TelegramAdapter(PlatformAdapter):
         self, target: SessionSource, text: str, reply_to: str | None = None
     ) -> SendResult:
         """The first message of a streamed reply: one try, a flood wait raised."""
-        options: dict[str, Any] = {}
-        if target.thread_id:
-            options["message_thread_id"] = int(target.thread_id)
-        if reply_to is not None and reply_to.isdigit():
-            options["reply_parameters"] = telegram.ReplyParameters(
-                message_id=int(reply_to), allow_sending_without_reply=True
-            )
+        options = _send_options(target, reply_to)
         bot = self._require_bot()
         message = await self._formatted(
             lambda text, mode: bot.send_message(
@@ -637,6 +625,18 @@ class TelegramAdapter(PlatformAdapter):
         if self._log_filter is not None:
             self._log_filter.remove()
             self._log_filter = None
+
+
+def _send_options(target: SessionSource, reply_to: str | None) -> dict[str, Any]:
+    """sendMessage's forum topic and reply-to parameters for `target`."""
+    options: dict[str, Any] = {}
+    if target.thread_id:
+        options["message_thread_id"] = int(target.thread_id)
+    if reply_to is not None and reply_to.isdigit():
+        options["reply_parameters"] = telegram.ReplyParameters(
+            message_id=int(reply_to), allow_sending_without_reply=True
+        )
+    return options
 
 
 def _is_transient(exc: TelegramError) -> bool:

@@ -237,7 +237,8 @@ class FakeTelegram:
             )
 
     def fail_parse_next(self, times: int = 1) -> None:
-        """The next sendMessage with a parse_mode fails as if its markup were invalid."""
+        """The next sendMessage (or editMessageText) with a parse_mode fails as if its
+        markup were invalid."""
         self._parse_faults += times
 
     def drop_connections(self, times: int = 1) -> None:
@@ -440,6 +441,9 @@ class FakeTelegram:
             raise _ApiError(400, "Bad Request: text is required")
         if not params.get("parse_mode"):
             return text, []
+        if self._parse_faults:
+            self._parse_faults -= 1
+            raise _ApiError(400, "Bad Request: can't parse entities: Can't find end of entity")
         try:
             return parse_markdown_v2(text)
         except MarkdownError as exc:

@@ -522,13 +522,7 @@ class TelegramAdapter(PlatformAdapter):
         chat_id: int | str = target.chat_id
         formatted = to_markdown_v2(text)
         markdown = utf16_len(formatted) <= self.max_message_length
-        options: dict[str, Any] = {}
-        if target.thread_id:
-            options["message_thread_id"] = int(target.thread_id)
-        if reply_to is not None and reply_to.isdigit():
-            options["reply_parameters"] = telegram.ReplyParameters(
-                message_id=int(reply_to), allow_sending_without_reply=True
-            )
+        options = _send_options(target, reply_to)
         backoff = Backoff(initial=0.5, maximum=5.0)
         attempts = network_errors = 0
         while True:
@@ -568,13 +562,7 @@ class TelegramAdapter(PlatformAdapter):
         self, target: SessionSource, text: str, reply_to: str | None = None
     ) -> SendResult:
         """The first message of a streamed reply: one try, a flood wait raised."""
-        options: dict[str, Any] = {}
-        if target.thread_id:
-            options["message_thread_id"] = int(target.thread_id)
-        if reply_to is not None and reply_to.isdigit():
-            options["reply_parameters"] = telegram.ReplyParameters(
-                message_id=int(reply_to), allow_sending_without_reply=True
-            )
+        options = _send_options(target, reply_to)
         bot = self._require_bot()
         message = await self._formatted(
             lambda text, mode: bot.send_message(
@@ -656,15 +644,9 @@ class TelegramAdapter(PlatformAdapter):
         """sendPhoto, sendDocument or sendVoice (a URL is passed for Telegram to fetch,
         a path uploaded); the caption as plain text. 429 retry_after is waited out."""
         bot = self._require_bot()
-        options: dict[str, Any] = {"chat_id": target.chat_id}
+        options: dict[str, Any] = {"chat_id": target.chat_id, **_send_options(target, reply_to)}
         if attachment.caption:
             options["caption"] = attachment.caption[:1024]  # Telegram's caption limit
-        if target.thread_id:
-            options["message_thread_id"] = int(target.thread_id)
-        if reply_to is not None and reply_to.isdigit():
-            options["reply_parameters"] = telegram.ReplyParameters(
-                message_id=int(reply_to), allow_sending_without_reply=True
-            )
         method = {
             "photo": bot.send_photo,
             "voice": bot.send_voice,
@@ -744,6 +726,18 @@ def _media_of(message: telegram.Message) -> tuple[InboundMedia, ...]:
         name = doc.file_name or f"document-{stamp}"
         found.append(InboundMedia("document", doc.file_id, name, doc.mime_type, doc.file_size))
     return tuple(found)
+
+
+def _send_options(target: SessionSource, reply_to: str | None) -> dict[str, Any]:
+    """sendMessage's forum topic and reply-to parameters for `target`."""
+    options: dict[str, Any] = {}
+    if target.thread_id:
+        options["message_thread_id"] = int(target.thread_id)
+    if reply_to is not None and reply_to.isdigit():
+        options["reply_parameters"] = telegram.ReplyParameters(
+            message_id=int(reply_to), allow_sending_without_reply=True
+        )
+    return options
 
 
 def _is_transient(exc: TelegramError) -> bool:

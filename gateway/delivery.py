@@ -152,10 +152,7 @@ class Delivery:
             await slot.wait_turn()
             try:
                 wait = slot.flood_until - time.monotonic()
-                if wait > self.max_flood_wait:
-                    edit_of = await self._drop_partial(adapter, target, edit_of)
-                elif wait > 0:
-                    await asyncio.sleep(wait)
+                edit_of = await self._wait_out(adapter, target, edit_of, wait)
                 return await self._final(adapter, target, chunk, reply_to, delivery_id, edit_of)
             finally:
                 slot.next_at = time.monotonic() + _interval(adapter)
@@ -176,15 +173,23 @@ class Delivery:
                 await adapter.edit(target, edit_of, chunk)
                 return SendResult(message_id=edit_of)
             except FloodWait as exc:
-                if exc.retry_after > self.max_flood_wait:
-                    edit_of = await self._drop_partial(adapter, target, edit_of)
-                else:
-                    await asyncio.sleep(exc.retry_after)
+                edit_of = await self._wait_out(adapter, target, edit_of, exc.retry_after)
             except Exception as exc:
                 # Deleted by the user, too old to edit: the final goes out as a new message.
                 log.warning("stream_final_edit_failed", error=f"{type(exc).__name__}: {exc}")
                 edit_of = await self._drop_partial(adapter, target, edit_of)
         return await adapter.send(target, chunk, reply_to, delivery_id=delivery_id)
+
+    async def _wait_out(
+        self, adapter: PlatformAdapter, target: SessionSource, edit_of: str | None, wait: float
+    ) -> str | None:
+        """A flood wait before the final: slept when within `max_flood_wait`; past it, the
+        partial goes and the final is sent as a new message (None: nothing to edit)."""
+        if wait > self.max_flood_wait:
+            return await self._drop_partial(adapter, target, edit_of)
+        if wait > 0:
+            await asyncio.sleep(wait)
+        return edit_of
 
     async def _drop_partial(
         self, adapter: PlatformAdapter, target: SessionSource, message_id: str | None

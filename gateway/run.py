@@ -560,7 +560,7 @@ class GatewayRunner(SessionOps):
                 images=() if intake is None else tuple(intake.images),
             )
             # A turn re-run after a crash finishes the messages its first run streamed.
-            shown = await self.turnlog.stream_of(key) if begun.resumed else []
+            shown = await self.turnlog.stream_of(key) if event.resume else []
             stream = self.streams.open(key, source, event.reply_to, shown)
             typing = self.delivery.start_typing(source)
             try:

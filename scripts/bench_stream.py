@@ -25,10 +25,7 @@ import asyncio
 import shutil
 import sys
 import tempfile
-import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +35,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 from scripts.harness import Daemon, fmt_ms, percentile
 from tests.fakes.openai_server import serve_in_a_thread
 from tests.fakes.telegram_api import FakeTelegram
+from tests.fakes.telegram_api import serve_in_a_thread as serve_telegram
 
 TOKEN = "123456:AAH-bench-TOKEN_abcdefghijklmnopqrst"
 FIRST_USER = 10_000
@@ -59,22 +57,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-@contextmanager
-def telegram_in_a_thread() -> Iterator[tuple[FakeTelegram, asyncio.AbstractEventLoop]]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    fake = FakeTelegram(token=TOKEN)
-    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
-    try:
-        yield fake, loop
-    finally:
-        asyncio.run_coroutine_threadsafe(fake.close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-
-
 def settings(tg: FakeTelegram, model_url: str, args: argparse.Namespace) -> str:
     text = (
         "  telegram:\n    enabled: true\n"
@@ -94,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="bench-stream-"))
     try:
         with (
-            telegram_in_a_thread() as (tg, loop),
+            serve_telegram(TOKEN) as (tg, loop),
             serve_in_a_thread(
                 reply=lambda body: f"{words} (to {body['messages'][-1]['content']})"
             ) as (model, _),

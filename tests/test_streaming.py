@@ -83,6 +83,8 @@ async def test_a_streamed_reply_is_one_message_edited_to_the_final_text(
         assert tg.chat_view(42) == [STORY]
         assert min(gaps(tg.timeline)) >= INTERVAL * 0.9  # never more often than the interval
         assert tg.sent[0]["text"] != STORY  # the first text was a partial
+        edited = [params["text"] for params in tg.edits]
+        assert all(a != b for a, b in itertools.pairwise(edited))  # never the same text twice
         # The transcript keeps the final text only.
         key = (await runner.store.list_sessions())[0].session_key
         assert [m["content"] for m in await transcript(runner, key)] == [
@@ -186,8 +188,28 @@ async def test_markdown_refused_in_an_edit_falls_back_to_plain_text(
     reply = "story: a *bold* move, then `code` and more words to stream along here."
     runner = await run_telegram(tg, tmp_path, "tell a story", streaming({"story": reply}, 0.01))
     try:
-        await wait_for(lambda: len(tg.chat_view(42)) == 1 and "code" in tg.chat_view(42)[0])
-        assert tg.chat_view(42)[0].startswith("story: a *bold* move")
+        await wait_for(lambda: len(tg.sent) == 1)
+        tg.fail_parse_next(times=50)  # every formatted edit from now on is refused
+        await wait_for(lambda: tg.chat_view(42) == [reply], within=10)
+        assert tg.edits[-1].get("parse_mode") is None  # the final went out plain
+    finally:
+        await runner.stop()
+
+
+async def test_stop_mid_stream_ends_the_edits_and_forgets_the_stream(
+    tg: FakeTelegram, tmp_path: Path
+) -> None:
+    runner = await run_telegram(tg, tmp_path, "tell a story", streaming({"story": STORY}, 0.05))
+    try:
+        await wait_for(lambda: len(tg.sent) == 1, within=10)
+        tg.push_message(tg.private_chat(ADA), ADA, "/stop")
+        await wait_for(lambda: not runner.busy_sessions(), within=10)
+        calls = len(tg.timeline)
+        await asyncio.sleep(INTERVAL * 3)
+        assert len(tg.timeline) == calls  # no edit after the stop
+        rows = await runner.store.read(lambda c: c.execute("SELECT * FROM streams").fetchall())
+        assert rows == []
+        assert STORY not in tg.chat_view(42)
     finally:
         await runner.stop()
 

@@ -20,6 +20,7 @@ from tests.fakes.openai_server import serve_in_a_thread
 from tests.fakes.slack_api import FakeSlack
 from tests.fakes.slack_api import dm as slack_dm
 from tests.fakes.telegram_api import FakeTelegram
+from tests.fakes.telegram_api import serve_in_a_thread as serve_telegram
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,18 +31,8 @@ REPLY = "the answer: " + " ".join(f"word{n}" for n in range(50)) + "."
 
 @pytest.fixture
 def telegram() -> Iterator[tuple[FakeTelegram, asyncio.AbstractEventLoop]]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    fake = FakeTelegram(token=TOKEN)
-    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
-    try:
-        yield fake, loop
-    finally:
-        asyncio.run_coroutine_threadsafe(fake.close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    with serve_telegram(TOKEN) as served:
+        yield served
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:

@@ -192,14 +192,8 @@ class OpenAIAgent:
     async def _complete(self, body: dict[str, Any]) -> tuple[dict[str, Any], TokenUsage]:
         for attempt in range(len(self._backoff) + 1):
             status, headers, payload = await self._post(body)
-            retryable = status == 429 or status >= 500
-            if not retryable or attempt == len(self._backoff):
+            if not await self._waited_to_retry(attempt, status, headers):
                 break
-            delay = _retry_after(headers)
-            if delay is None:
-                delay = self._backoff[attempt]
-            log.warning("model_retry", status=status, attempt=attempt + 1, delay=delay)
-            await asyncio.sleep(delay)
         if status >= 400:
             raise AgentError(self._http_error(status, payload))
         return _parse_completion(payload)
@@ -213,22 +207,28 @@ class OpenAIAgent:
         for attempt in range(len(self._backoff) + 1):
             async with self._opened(body) as response:
                 if response.status == 200:
-                    with self._read_errors():
-                        return await _read_stream(response.content, on_text)
+                    return await _read_stream(response.content, on_text)
                 status, headers = response.status, response.headers.copy()
-                with self._read_errors():
-                    payload = await response.read()
-            if not (status == 429 or status >= 500) or attempt == len(self._backoff):
+                payload = await response.read()
+            if not await self._waited_to_retry(attempt, status, headers):
                 break
-            delay = _retry_after(headers)
-            if delay is None:
-                delay = self._backoff[attempt]
-            log.warning("model_retry", status=status, attempt=attempt + 1, delay=delay)
-            await asyncio.sleep(delay)
         raise AgentError(self._http_error(status, payload))
+
+    async def _waited_to_retry(self, attempt: int, status: int, headers: Mapping[str, str]) -> bool:
+        """After a 429 or 5xx with retries left: wait (Retry-After, else our backoff) and
+        say so; False: the answer stands."""
+        if not (status == 429 or status >= 500) or attempt == len(self._backoff):
+            return False
+        delay = _retry_after(headers)
+        if delay is None:
+            delay = self._backoff[attempt]
+        log.warning("model_retry", status=status, attempt=attempt + 1, delay=delay)
+        await asyncio.sleep(delay)
+        return True
 
     @contextlib.asynccontextmanager
     async def _opened(self, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
+        """The POST's response, open (reading it fails as `AgentError`s too)."""
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -260,14 +260,8 @@ class OpenAIAgent:
             self._session = None
 
     async def _post(self, body: dict[str, Any]) -> tuple[int, Mapping[str, str], bytes]:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
-            )
-        headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-        with self._read_errors():
-            async with self._session.post(self.url, json=body, headers=headers) as response:
-                return response.status, response.headers.copy(), await response.read()
+        async with self._opened(body) as response:
+            return response.status, response.headers.copy(), await response.read()
 
     def _http_error(self, status: int, payload: bytes) -> str:
         message = ""

@@ -24,8 +24,11 @@ import asyncio
 import itertools
 import json
 import re
+import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -293,7 +296,8 @@ class FakeTelegram:
             )
 
     def fail_parse_next(self, times: int = 1) -> None:
-        """The next sendMessage with a parse_mode fails as if its markup were invalid."""
+        """The next sendMessage (or editMessageText) with a parse_mode fails as if its
+        markup were invalid."""
         self._parse_faults += times
 
     def drop_connections(self, times: int = 1) -> None:
@@ -560,6 +564,9 @@ class FakeTelegram:
             raise _ApiError(400, "Bad Request: text is required")
         if not params.get("parse_mode"):
             return text, []
+        if self._parse_faults:
+            self._parse_faults -= 1
+            raise _ApiError(400, "Bad Request: can't parse entities: Can't find end of entity")
         try:
             return parse_markdown_v2(text)
         except MarkdownError as exc:
@@ -715,3 +722,24 @@ def _code_body(text: str, start: int, closing: str) -> tuple[str, int]:
             body.append(text[i])
             i += 1
     return "".join(body), -1
+
+
+@contextmanager
+def serve_in_a_thread(
+    token: str = "123:TEST",
+) -> Iterator[tuple[FakeTelegram, asyncio.AbstractEventLoop]]:
+    """The fake on a loop of its own: for tests and benchmarks whose gateway is a
+    subprocess, driven by blocking calls (`loop.call_soon_threadsafe(fake.push_message,
+    ...)`)."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    fake = FakeTelegram(token=token)
+    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
+    try:
+        yield fake, loop
+    finally:
+        asyncio.run_coroutine_threadsafe(fake.close(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

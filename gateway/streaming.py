@@ -105,7 +105,6 @@ class Stream:
         self.text_pushed = ""  # "push" platforms: what listeners were given
         self.edits = 0
         self.floods = 0
-        self.first_visible_at: float | None = None  # time.monotonic()
         self._changed = asyncio.Event()
         self._closing = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
@@ -162,8 +161,6 @@ class Stream:
             log.info("stream_flood_wait", retry_after=exc.retry_after, floods=self.floods)
         finally:
             slot.next_at = time.monotonic() + self.interval
-        if self.first_visible_at is None and self._shown_chars:
-            self.first_visible_at = time.monotonic()
 
     async def _push_text(self, text: str) -> None:
         shown = self.text_pushed

@@ -1,5 +1,6 @@
-"""The agent's Markdown as a platform renders it: Telegram's MarkdownV2 (`to_markdown_v2`)
-and Slack's mrkdwn (`to_mrkdwn`, with the maintained `md2mrkdwn` converter).
+"""The agent's Markdown as a platform renders it: Telegram's MarkdownV2 (`to_markdown_v2`,
+with the maintained `telegramify-markdown` converter) and Slack's mrkdwn (`to_mrkdwn`,
+with the maintained `md2mrkdwn` converter).
 
 Pure text, no platform library: a helper the platform adapters share, like
 `adapters.base`.
@@ -10,11 +11,12 @@ from __future__ import annotations
 import logging
 import re
 
+import telegramify_markdown
 from md2mrkdwn import convert as convert_to_mrkdwn
 
 from adapters.base import utf16_len
 
-__all__ = ["markdown_v2_len", "to_markdown_v2", "to_mrkdwn"]
+__all__ = ["escaped_markdown_v2", "markdown_v2_len", "to_markdown_v2", "to_mrkdwn"]
 
 log = logging.getLogger("adapters.markdown")
 
@@ -46,11 +48,27 @@ _CODE_SPECIAL = re.compile(r"([`\\])")
 
 
 def to_markdown_v2(text: str) -> str:
-    """`text` as MarkdownV2 that renders as the same text: every reserved character is
-    escaped, except that `inline code` and ``` fenced blocks ``` stay code.
+    """`text` (the agent's Markdown) as Telegram MarkdownV2: bold, italics, links, lists,
+    headings and code rendered, every other reserved character escaped. Should the
+    converter fail, `escaped_markdown_v2` (the text shown as written, code kept); should
+    Telegram refuse the result, the adapter sends plain text: a reply is never lost to
+    its formatting."""
+    core = text.strip()
+    if not core:
+        return text
+    start = text.index(core)
+    try:
+        # The converter trims the ends; a chunk of a split reply keeps them.
+        converted = telegramify_markdown.markdownify(core).strip()
+        return text[:start] + converted + text[start + len(core) :]
+    except Exception as exc:  # a converter bug must not cost the reply
+        log.warning("telegram: MarkdownV2 conversion failed (%s); escaping instead", exc)
+        return escaped_markdown_v2(text)
 
-    Other markup (*bold*, links) is shown literally: agents' Markdown dialects differ and
-    a wrong guess would be a parse error."""
+
+def escaped_markdown_v2(text: str) -> str:
+    """`text` as MarkdownV2 that renders as the same text: every reserved character is
+    escaped, except that `inline code` and ``` fenced blocks ``` stay code."""
     out: list[str] = []
     at = 0
     for match in _CODE.finditer(text):

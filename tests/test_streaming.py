@@ -15,11 +15,12 @@ import aiohttp
 import pytest
 
 from adapters.http import HttpAdapter
+from adapters.markdown import to_markdown_v2
 from adapters.telegram import TelegramAdapter
 from config import GatewayConfig
 from gateway.run import GatewayRunner
 from tests.fakes.agents import ScriptedAgent, streaming
-from tests.fakes.telegram_api import FakeTelegram
+from tests.fakes.telegram_api import FakeTelegram, parse_markdown_v2
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -101,8 +102,10 @@ async def test_a_long_streamed_reply_rolls_over_into_a_second_message(
     agent = streaming({"long": LONG}, 0.002)
     runner = await run_telegram(tg, tmp_path, "long please", agent, edit_interval=0.05)
     try:
-        expected = TelegramAdapter.split(runner.adapters[next(iter(runner.adapters))], LONG)
-        assert len(expected) == 2
+        chunks = TelegramAdapter.split(runner.adapters[next(iter(runner.adapters))], LONG)
+        assert len(chunks) == 2
+        # as Telegram shows each: Markdown rendered ("0." paragraphs are a list, drawn tight)
+        expected = [parse_markdown_v2(to_markdown_v2(chunk))[0] for chunk in chunks]
         await wait_for(lambda: tg.chat_view(42) == expected, within=20)
         await asyncio.sleep(0.3)
         assert len(tg.sent) == 2

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from adapters.base import utf16_len
-from adapters.markdown import to_markdown_v2
+from adapters.markdown import escaped_markdown_v2, to_markdown_v2
 from adapters.telegram import COMMANDS, TelegramAdapter
 from config import GatewayConfig
 from gateway.pairing import Pairing
@@ -301,7 +301,7 @@ async def test_long_reply_arrives_in_order_in_chunks_within_the_limit(
     assert "".join(texts(tg)) == LONG_REPLY
 
 
-async def test_markdown_is_escaped_and_code_stays_code(
+async def test_markdown_is_rendered_and_code_stays_code(
     tg: FakeTelegram, make_gateway: MakeGateway
 ) -> None:
     await make_gateway()
@@ -309,20 +309,16 @@ async def test_markdown_is_escaped_and_code_stays_code(
     await wait_for(lambda: len(tg.sent) == 1)
     (params,) = tg.sent
     assert params["parse_mode"] == "MarkdownV2"
-    assert params["text"] == (
-        "Use \\*stars\\*, \\_underscores\\_ and dots\\.\\.\\. \\(see \\[docs\\]\\) \\- done\\!\n"
-        "Run `make_test()` first\\.\n"
-        '```python\nprint("a.b")  # \\`x\\` \\\\ y\n```\n'
-        "That's all\\."
-    )
     message = tg.sent_messages[0]
     assert message["text"] == (
-        "Use *stars*, _underscores_ and dots... (see [docs]) - done!\n"
+        "Use stars, underscores and dots... (see [docs]) - done!\n"
         "Run make_test() first.\n"
         'print("a.b")  # `x` \\ y\n\n'
         "That's all."
     )
     assert [(e["type"], e.get("language")) for e in message["entities"]] == [
+        ("italic", None),
+        ("italic", None),
         ("code", None),
         ("pre", "python"),
     ]
@@ -341,7 +337,8 @@ async def test_markdown_refused_by_telegram_falls_back_to_plain_text_once(
     assert texts(tg) == [MARKDOWN_REPLY]
 
 
-def test_markdown_v2_conversion_renders_as_the_original_text() -> None:
+def test_markdown_v2_escaping_renders_as_the_original_text() -> None:
+    """The converter's fallback: everything shown as written, code kept as code."""
     cases = {
         "plain": "plain",
         "a_b*c[d](e)~f`g>h#i+j-k=l|m{n}o.p!q\\r": "a_b*c[d](e)~f`g>h#i+j-k=l|m{n}o.p!q\\r",
@@ -351,8 +348,21 @@ def test_markdown_v2_conversion_renders_as_the_original_text() -> None:
         "```one.line```": "one.line",
     }
     for original, shown in cases.items():
-        rendered, _ = parse_markdown_v2(to_markdown_v2(original))
+        rendered, _ = parse_markdown_v2(escaped_markdown_v2(original))
         assert rendered == shown, original
+
+
+def test_markdown_v2_conversion_renders_the_agents_markup() -> None:
+    """Bold, italics, code and links become entities; reserved characters in plain
+    text are shown as they are."""
+    rendered, entities = parse_markdown_v2(
+        to_markdown_v2("**Total:** 3 + 4 = 7. See [docs](https://example.com/a_b) or `x_y`!")
+    )
+    assert rendered == "Total: 3 + 4 = 7. See docs or x_y!"
+    kinds = {entity["type"] for entity in entities}
+    assert {"bold", "text_link", "code"} <= kinds
+    plain, _ = parse_markdown_v2(to_markdown_v2("a_b c.d (e) 1-2 #3 {x} 5>4 pipe|"))
+    assert plain == "a_b c.d (e) 1-2 #3 {x} 5>4 pipe|"
 
 
 # --- delivery under faults ------------------------------------------------------------

@@ -644,6 +644,7 @@ def parse_markdown_v2(text: str) -> tuple[str, list[dict[str, Any]]]:
     out: list[str] = []
     entities: list[dict[str, Any]] = []
     open_at: dict[str, tuple[int, int]] = {}  # marker -> (utf16 offset, byte offset)
+    links: list[tuple[int, int]] = []  # open link texts: (utf16 offset, byte offset)
     i = 0
 
     def offset() -> int:
@@ -691,6 +692,18 @@ def parse_markdown_v2(text: str) -> tuple[str, list[dict[str, Any]]]:
             else:
                 open_at[marker] = (offset(), byte_offset(i))
             i += len(marker)
+        elif char == "[":  # an inline link's text: [text](url)
+            links.append((offset(), byte_offset(i)))
+            i += 1
+        elif char == "]" and links and text.startswith("(", i + 1):
+            url, end = _link_url(text, i + 2)
+            if end < 0:
+                raise MarkdownError(f"Can't find end of a URL at byte offset {byte_offset(i)}")
+            start, _ = links.pop()
+            entities.append(
+                {"type": "text_link", "offset": start, "length": offset() - start, "url": url}
+            )
+            i = end + 1
         elif char in _RESERVED:
             raise MarkdownError(
                 f"Character '{char}' is reserved and must be escaped with the preceding '\\'"
@@ -698,12 +711,30 @@ def parse_markdown_v2(text: str) -> tuple[str, list[dict[str, Any]]]:
         else:
             out.append(char)
             i += 1
+    if links:
+        raise MarkdownError(f"Can't find end of TextUrl entity at byte offset {links[0][1]}")
     if open_at:
         marker, (_, at) = next(iter(open_at.items()))
         name = _TOGGLES[marker].capitalize()
         raise MarkdownError(f"Can't find end of {name} entity at byte offset {at}")
     entities.sort(key=lambda e: e["offset"])
     return "".join(out), entities
+
+
+def _link_url(text: str, start: int) -> tuple[str, int]:
+    """The unescaped URL of an inline link from `start`, and where its `)` is (-1: none)."""
+    url: list[str] = []
+    i = start
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text):
+            url.append(text[i + 1])
+            i += 2
+        elif text[i] == ")":
+            return "".join(url), i
+        else:
+            url.append(text[i])
+            i += 1
+    return "".join(url), -1
 
 
 def _code_body(text: str, start: int, closing: str) -> tuple[str, int]:

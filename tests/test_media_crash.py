@@ -4,7 +4,6 @@ a loop of its own in this process."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -12,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from scripts.harness import Daemon
-from tests.fakes.telegram_api import FakeTelegram
+from tests.fakes.telegram_api import FakeTelegram, serve_in_a_thread
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,18 +21,8 @@ ADA = FakeTelegram.user(42, "Ada", "ada")
 
 @pytest.fixture
 def tg_loop() -> Iterator[tuple[FakeTelegram, asyncio.AbstractEventLoop]]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    fake = FakeTelegram(token=TOKEN)
-    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
-    try:
-        yield fake, loop
-    finally:
-        asyncio.run_coroutine_threadsafe(fake.close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
+    with serve_in_a_thread(TOKEN) as served:
+        yield served
 
 
 def wait(predicate: Callable[[], bool], within: float = 20.0) -> None:

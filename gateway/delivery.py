@@ -19,7 +19,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
 
 import structlog
 
@@ -36,6 +37,8 @@ FINAL_EDIT_ATTEMPTS = 3
 log = structlog.get_logger("gateway.delivery")
 
 TYPING_REFRESH_SECONDS = 4.0
+
+_Item = TypeVar("_Item")  # what a ledger row sends: a text chunk or an attachment
 
 
 class Delivery:
@@ -95,31 +98,51 @@ class Delivery:
         order); the next start or housekeeping pass sends it. `edits[i]`: the streamed
         message chunk i replaces (issue 18).
         """
+        slot = self.slots.get(target)  # a streamed reply in this chat: take turns with it
+
+        async def send(
+            adapter: PlatformAdapter, index: int, delivery_id: int, chunk: str
+        ) -> SendResult:
+            edit_of = edits[index] if index < len(edits) else None
+            if slot is not None or edit_of is not None:
+                return await self._send_in_slot(
+                    adapter, target, chunk, reply_to, delivery_id, edit_of, slot
+                )
+            return await adapter.send(target, chunk, reply_to, delivery_id=delivery_id)
+
+        def failed(_chunk: str, exc: Exception) -> None:
+            log.error("send_failed", platform=target.platform.value, error=str(exc))
+
+        return await self._send_in_order(target, chunks, send, failed, count_replies=True)
+
+    async def _send_in_order(
+        self,
+        target: SessionSource,
+        items: list[tuple[int, _Item]],
+        send: Callable[[PlatformAdapter, int, int, _Item], Awaitable[SendResult]],
+        failed: Callable[[_Item, Exception], None],
+        count_replies: bool = False,
+    ) -> int:
+        """Send recorded ledger rows (`(delivery_id, item)`) in order through
+        `send(adapter, position, delivery_id, item)`, each marked sent once the platform
+        acknowledged it; the first that fails (`failed` logs it) stays pending with the
+        rest behind it, to keep the order."""
         adapter = self.adapters.get(target.platform)
         if adapter is None:
             log.warning("no_adapter_for_reply", platform=target.platform.value)
             return 0
         # Claimed before the first await, so a housekeeping re-send never doubles them; a
-        # sent chunk stays claimed until its ledger mark is committed.
-        chunks = [(i, text) for i, text in chunks if i not in self._sending]
-        self._sending.update(i for i, _ in chunks)
+        # sent row stays claimed until its ledger mark is committed.
+        items = [(i, item) for i, item in items if i not in self._sending]
+        self._sending.update(i for i, _ in items)
         sent = 0
-        slot = self.slots.get(target)  # a streamed reply in this chat: take turns with it
         try:
-            for index, (delivery_id, chunk) in enumerate(chunks):
-                edit_of = edits[index] if index < len(edits) else None
+            for index, (delivery_id, item) in enumerate(items):
                 try:
-                    if slot is not None or edit_of is not None:
-                        result = await self._send_in_slot(
-                            adapter, target, chunk, reply_to, delivery_id, edit_of, slot
-                        )
-                    else:
-                        result = await adapter.send(
-                            target, chunk, reply_to, delivery_id=delivery_id
-                        )
+                    result = await send(adapter, index, delivery_id, item)
                 except Exception as exc:
                     self.metrics.send_errors_total += 1
-                    log.error("send_failed", platform=target.platform.value, error=str(exc))
+                    failed(item, exc)
                     break
                 crash_point("before_ledger_mark")
                 self.turnlog.mark_sent_later(
@@ -128,9 +151,10 @@ class Delivery:
                     lambda _, i=delivery_id: self._sending.discard(i),
                 )
                 sent += 1
-                self.metrics.replies_sent_total += 1
+                if count_replies:
+                    self.metrics.replies_sent_total += 1
         finally:
-            self._sending.difference_update(i for i, _ in chunks[sent:])
+            self._sending.difference_update(i for i, _ in items[sent:])
         return sent
 
     async def _send_in_slot(
@@ -212,38 +236,23 @@ class Delivery:
     ) -> int:
         """Send recorded attachments in order, each marked once the platform took it; the
         first that fails stays pending (with the rest) for the next pass."""
-        adapter = self.adapters.get(target.platform)
-        if adapter is None:
-            log.warning("no_adapter_for_reply", platform=target.platform.value)
-            return 0
-        attachments = [(i, a) for i, a in attachments if i not in self._sending]
-        self._sending.update(i for i, _ in attachments)
-        sent = 0
-        try:
-            for delivery_id, attachment in attachments:
-                try:
-                    result = await adapter.send_attachment(
-                        target, attachment, reply_to, delivery_id=delivery_id
-                    )
-                except Exception as exc:
-                    self.metrics.send_errors_total += 1
-                    log.error(
-                        "attachment_send_failed",
-                        platform=target.platform.value,
-                        kind=attachment.kind,
-                        error=str(exc)[:300],
-                    )
-                    break
-                crash_point("before_ledger_mark")
-                self.turnlog.mark_sent_later(
-                    delivery_id,
-                    result.message_id,
-                    lambda _, i=delivery_id: self._sending.discard(i),
-                )
-                sent += 1
-        finally:
-            self._sending.difference_update(i for i, _ in attachments[sent:])
-        return sent
+
+        async def send(
+            adapter: PlatformAdapter, _index: int, delivery_id: int, attachment: Attachment
+        ) -> SendResult:
+            return await adapter.send_attachment(
+                target, attachment, reply_to, delivery_id=delivery_id
+            )
+
+        def failed(attachment: Attachment, exc: Exception) -> None:
+            log.error(
+                "attachment_send_failed",
+                platform=target.platform.value,
+                kind=attachment.kind,
+                error=str(exc)[:300],
+            )
+
+        return await self._send_in_order(target, attachments, send, failed)
 
     async def resend_pending(self, min_age_seconds: float = 0) -> int:
         """Send recorded chunks that were never acknowledged (after a crash, or refused by

@@ -1,15 +1,21 @@
 """What the per-platform media tests share: the agent settings that point the real
-`openai` backend (chat and transcription) at the fake OpenAI server, an agent whose
-reply carries an attachment, and readers of what the model was sent."""
+`openai` backend (chat and transcription) at the fake OpenAI server, the gateway config
+and runners built on them, an agent whose reply carries an attachment, and readers of
+what the model was sent."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
+from types import TracebackType
 from typing import Any, ClassVar
 
 import pytest
 
+from adapters.base import PlatformAdapter
+from config import GatewayConfig
 from gateway.agents.protocol import Attachment, TurnRequest, TurnResult
+from gateway.run import GatewayRunner
 from tests.fakes.openai_server import FakeOpenAI
 
 MODEL_KEY = "sk-media"
@@ -41,6 +47,63 @@ def media_config(
         if media is not None
         else {"transcription": {"base_url": model.base_url, "api_key": MODEL_KEY}},
     }
+
+
+def media_gateway_config(
+    model: FakeOpenAI,
+    platform: str,
+    settings: dict[str, Any],
+    *,
+    media: dict[str, Any] | None = None,
+    vision: bool = True,
+) -> GatewayConfig:
+    """A gateway with the one platform `settings` and the model sections of
+    `media_config`."""
+    return GatewayConfig.model_validate(
+        {
+            "timezone": "UTC",
+            "platforms": {platform: settings},
+            **media_config(model, media=media, vision=vision),
+        }
+    )
+
+
+class Runners:
+    """The runners a test starts, each stopped once: by the test (`stop`), or on leaving
+    the `async with` (inside the fixture, so before the fakes it talks to close)."""
+
+    def __init__(self) -> None:
+        self.started = 0  # how many were started, stopped ones too: a fresh home each
+        self._running: list[GatewayRunner] = []
+
+    async def start(
+        self, config: GatewayConfig, adapter: PlatformAdapter, *, agent: Any, home: Path
+    ) -> GatewayRunner:
+        runner = GatewayRunner(config, [adapter], agent_factory=agent, home=home)
+        try:
+            await runner.start()
+        except BaseException:
+            await runner.stop()
+            raise
+        self.started += 1
+        self._running.append(runner)
+        return runner
+
+    async def stop(self, runner: GatewayRunner) -> None:
+        self._running.remove(runner)
+        await runner.stop()
+
+    async def __aenter__(self) -> Runners:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        while self._running:
+            await self.stop(self._running[-1])
 
 
 class FileAgent:

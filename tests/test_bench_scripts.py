@@ -12,17 +12,23 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.timeout(150)
-def test_bench_gateway_quick_runs_and_prints_its_table() -> None:
+def run_script(script: str, *args: str, timeout: float = 100) -> str:
+    """`scripts/<script> args` in a fresh interpreter: its standard output, once it
+    exited 0."""
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_gateway.py"), "--quick", "--split"],
+        [sys.executable, str(ROOT / "scripts" / script), *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
-    out = proc.stdout
-    assert proc.returncode == 0, f"{out}\n{proc.stderr}"
+    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+@pytest.mark.timeout(150)
+def test_bench_gateway_quick_runs_and_prints_its_table() -> None:
+    out = run_script("bench_gateway.py", "--quick", "--split", timeout=120)
     lines = out.splitlines()
     header = next((line for line in lines if line.split()[:1] == ["sessions"]), None)
     assert header is not None, out
@@ -55,19 +61,7 @@ def test_bench_gateway_quick_runs_and_prints_its_table() -> None:
 
 @pytest.mark.timeout(120)
 def test_bench_context_runs_and_prints_each_case() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_context.py"),
-            *("--messages", "500", "--runs", "5"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, f"{out}\n{proc.stderr}"
+    out = run_script("bench_context.py", "--messages", "500", "--runs", "5")
     sent = {}
     for case in ("window", "summary, none", "summary, checkpoint"):
         line = next((line for line in out.splitlines() if line.startswith(case + " ")), None)
@@ -83,49 +77,20 @@ def test_bench_context_runs_and_prints_each_case() -> None:
 def test_bench_recall_indexes_the_users_chunks_and_times_searches() -> None:
     """The recall benchmark measures searches over chunks it really indexed (it once
     timed an empty index when transcript indexing became opt-in)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_recall.py"),
-            "--chunks",
-            "400",
-            "--per-session",
-            "50",
-            "--others",
-            "2",
-            "--queries",
-            "20",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=100,
+    out = run_script(
+        "bench_recall.py",
+        *("--chunks", "400", "--per-session", "50", "--others", "2", "--queries", "20"),
     )
-    assert proc.returncode == 0, f"{proc.stdout}\n{proc.stderr}"
-    found = re.search(r"recall over (\d+) chunks of one user .*p99 ([\d.]+) ms", proc.stdout)
-    assert found is not None, proc.stdout
-    assert int(found.group(1)) == 400, proc.stdout
+    found = re.search(r"recall over (\d+) chunks of one user .*p99 ([\d.]+) ms", out)
+    assert found is not None, out
+    assert int(found.group(1)) == 400, out
 
 
 @pytest.mark.timeout(120)
 def test_bench_gateway_schedules_reports_idle_cpu_and_fire_delay() -> None:
     """`--schedules N`: the scheduler's idle CPU at N schedules and the delay from fire
     times to turns begun, measured on runs that really fired (all of them)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_gateway.py"),
-            "--schedules",
-            "300",
-            "--quick",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, f"{out}\n{proc.stderr}"
+    out = run_script("bench_gateway.py", "--schedules", "300", "--quick")
     idle = re.search(r"scheduler at 300 schedules .*idle CPU ([\d.]+)% of one core", out)
     assert idle is not None, out
     spread = re.search(r"turn begun, (\d+) runs one every 50 ms: p50 ([\d.]+) ms", out)
@@ -140,15 +105,7 @@ def test_bench_gateway_schedules_reports_idle_cpu_and_fire_delay() -> None:
 def test_bench_gateway_stream_reports_edits_and_first_visible_text() -> None:
     """`--stream`: streamed replies through the real daemon, Telegram and a streaming
     model: each reply one message, edits per reply and first token -> first text."""
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_gateway.py"), "--stream", "--quick"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    out = proc.stdout
-    assert proc.returncode == 0, f"{out}\n{proc.stderr}"
+    out = run_script("bench_gateway.py", "--stream", "--quick")
     assert "messages per reply 1.00" in out, out
     edits = re.search(r"edits per reply ([\d.]+)", out)
     first = re.search(r"first token -> first visible text: p50 ([\d.]+) ms, p99 ([\d.]+) ms", out)

@@ -14,14 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from discord.gateway import DiscordWebSocket, KeepAliveHandler
-from discord.http import Route
+from discord.gateway import KeepAliveHandler
 
 from adapters.discord import DiscordAdapter
 from config import DiscordConfig, GatewayConfig
 from gateway.pairing import Pairing
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
+from tests.discord_support import restore_discord_globals  # noqa: F401 (autouse)
 from tests.fakes.agents import scripted
 from tests.fakes.discord_api import FakeDiscord
 from tests.waiting import wait_for
@@ -52,14 +52,6 @@ async def replies(dc: FakeDiscord, channel: str, count: int, within: float = 5.0
     """The bot's messages in `channel` once there are at least `count` of them."""
     await wait_for(lambda: len(dc.sent_to(channel)) >= count, within)
     return dc.sent_to(channel)
-
-
-@pytest.fixture(autouse=True)
-def _restore_discord_globals() -> Any:
-    """The adapter points discord.py's process-wide URLs at the fake; put them back."""
-    base, gateway = Route.BASE, DiscordWebSocket.DEFAULT_GATEWAY
-    yield
-    Route.BASE, DiscordWebSocket.DEFAULT_GATEWAY = base, gateway
 
 
 @pytest.fixture

@@ -4,15 +4,15 @@ a loop of its own in this process."""
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from scripts.harness import Daemon
-from tests.fakes.telegram_api import FakeTelegram
+from tests.fakes.telegram_api import FakeTelegram, serve_in_a_thread
+from tests.waiting import wait_blocking
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,25 +22,8 @@ ADA = FakeTelegram.user(42, "Ada", "ada")
 
 @pytest.fixture
 def tg_loop() -> Iterator[tuple[FakeTelegram, asyncio.AbstractEventLoop]]:
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, daemon=True)
-    thread.start()
-    fake = FakeTelegram(token=TOKEN)
-    asyncio.run_coroutine_threadsafe(fake.start(), loop).result(10)
-    try:
-        yield fake, loop
-    finally:
-        asyncio.run_coroutine_threadsafe(fake.close(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-
-
-def wait(predicate: Callable[[], bool], within: float = 20.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.05)
+    with serve_in_a_thread(TOKEN) as served:
+        yield served
 
 
 def test_kill9_after_the_reply_was_recorded_sends_the_attachment_exactly_once(
@@ -64,7 +47,7 @@ def test_kill9_after_the_reply_was_recorded_sends_the_attachment_exactly_once(
         daemon.proc.wait(timeout=20)
         assert tg.sent_files == [] and tg.sent == []
         daemon.start()
-        wait(lambda: len(tg.sent_files) == 1 and len(tg.sent) == 1)
+        wait_blocking(lambda: len(tg.sent_files) == 1 and len(tg.sent) == 1)
         time.sleep(1.5)  # a duplicate would show up by now
         assert len(tg.sent_files) == 1 and tg.sent_files[0]["data"] == b"\x89PNG chart"
         assert [m.get("text") or m.get("caption") for m in tg.sent_messages] == [

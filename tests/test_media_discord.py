@@ -8,22 +8,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from discord.gateway import DiscordWebSocket
-from discord.http import Route
 
 from adapters.discord import DiscordAdapter
-from config import GatewayConfig
 from gateway.run import GatewayRunner
+from tests.discord_support import restore_discord_globals  # noqa: F401 (autouse)
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.openai_server import FakeOpenAI
 from tests.media_support import (
     PHOTO,
     VOICE,
     FileAgent,
+    Runners,
     chat_requests,
     image_bytes,
     last_user,
-    media_config,
+    media_gateway_config,
     model_fixture,  # noqa: F401 (the `model` fixture)
 )
 from tests.waiting import wait_for
@@ -32,13 +31,6 @@ TOKEN = "MTEwMA.fake-media-token.Zq7Xk9"
 ALICE = "42"
 
 MakeBot = Callable[..., Awaitable[GatewayRunner]]
-
-
-@pytest.fixture(autouse=True)
-def _restore_discord_globals() -> Any:
-    base, gateway = Route.BASE, DiscordWebSocket.DEFAULT_GATEWAY
-    yield
-    Route.BASE, DiscordWebSocket.DEFAULT_GATEWAY = base, gateway
 
 
 @pytest.fixture
@@ -50,39 +42,23 @@ async def dc() -> AsyncIterator[FakeDiscord]:
 
 @pytest.fixture
 async def make_bot(dc: FakeDiscord, model: FakeOpenAI, tmp_path: Path) -> AsyncIterator[MakeBot]:
-    made: list[GatewayRunner] = []
+    async with Runners() as runners:
 
-    async def make(*, media: dict[str, Any] | None = None, agent: Any = None) -> GatewayRunner:
-        settings = {
-            "enabled": True,
-            "token": TOKEN,
-            "api_base_url": dc.api_base_url,
-            "allowed_users": [ALICE],
-        }
-        config = GatewayConfig.model_validate(
-            {
-                "timezone": "UTC",
-                "platforms": {"discord": settings},
-                **media_config(model, media=media),
+        async def make(*, media: dict[str, Any] | None = None, agent: Any = None) -> GatewayRunner:
+            settings = {
+                "enabled": True,
+                "token": TOKEN,
+                "api_base_url": dc.api_base_url,
+                "allowed_users": [ALICE],
             }
-        )
-        adapter = DiscordAdapter(
-            config.platforms.discord, guild_ready_timeout=0.05, ready_timeout=5.0
-        )
-        runner = GatewayRunner(
-            config, [adapter], agent_factory=agent, home=tmp_path / f"home{len(made)}"
-        )
-        try:
-            await runner.start()
-        except BaseException:
-            await runner.stop()
-            raise
-        made.append(runner)
-        return runner
+            config = media_gateway_config(model, "discord", settings, media=media)
+            adapter = DiscordAdapter(
+                config.platforms.discord, guild_ready_timeout=0.05, ready_timeout=5.0
+            )
+            home = tmp_path / f"home{runners.started}"
+            return await runners.start(config, adapter, agent=agent, home=home)
 
-    yield make
-    for runner in made:
-        await runner.stop()
+        yield make
 
 
 async def test_image_attachment_reaches_the_model_as_an_image_part(

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from adapters.slack import SlackAdapter
-from config import GatewayConfig
 from gateway.run import GatewayRunner
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.slack_api import FakeSlack, dm
@@ -20,10 +19,11 @@ from tests.media_support import (
     PHOTO,
     VOICE,
     FileAgent,
+    Runners,
     chat_requests,
     image_bytes,
     last_user,
-    media_config,
+    media_gateway_config,
     model_fixture,  # noqa: F401 (the `model` fixture)
 )
 
@@ -43,32 +43,21 @@ async def slack() -> AsyncIterator[FakeSlack]:
 async def start_gateway(
     tmp_path: Path, slack: FakeSlack, model: FakeOpenAI
 ) -> AsyncIterator[StartGateway]:
-    running: list[GatewayRunner] = []
+    async with Runners() as runners:
 
-    async def start(*, media: dict[str, Any] | None = None, agent: Any = None) -> GatewayRunner:
-        settings = {
-            "enabled": True,
-            "bot_token": BOT_TOKEN,
-            "app_token": APP_TOKEN,
-            "api_base_url": slack.api_base_url,
-            "allowed_users": ["U42"],
-        }
-        config = GatewayConfig.model_validate(
-            {
-                "timezone": "UTC",
-                "platforms": {"slack": settings},
-                **media_config(model, media=media),
+        async def start(*, media: dict[str, Any] | None = None, agent: Any = None) -> GatewayRunner:
+            settings = {
+                "enabled": True,
+                "bot_token": BOT_TOKEN,
+                "app_token": APP_TOKEN,
+                "api_base_url": slack.api_base_url,
+                "allowed_users": ["U42"],
             }
-        )
-        adapter = SlackAdapter(config.platforms.slack, ping_interval=0.5)
-        runner = GatewayRunner(config, [adapter], agent_factory=agent, home=tmp_path / "home")
-        running.append(runner)
-        await runner.start()
-        return runner
+            config = media_gateway_config(model, "slack", settings, media=media)
+            adapter = SlackAdapter(config.platforms.slack, ping_interval=0.5)
+            return await runners.start(config, adapter, agent=agent, home=tmp_path / "home")
 
-    yield start
-    for runner in running:
-        await runner.stop()
+        yield start
 
 
 async def test_shared_image_reaches_the_model_as_an_image_part_fetched_with_the_token(

@@ -14,7 +14,6 @@ from typing import Any
 import pytest
 
 from adapters.telegram import TelegramAdapter
-from config import GatewayConfig
 from gateway.run import GatewayRunner
 from tests.fakes.openai_server import FakeOpenAI
 from tests.fakes.telegram_api import FakeTelegram
@@ -22,10 +21,11 @@ from tests.media_support import (
     PHOTO,
     VOICE,
     FileAgent,
+    Runners,
     chat_requests,
     image_bytes,
     last_user,
-    media_config,
+    media_gateway_config,
     model_fixture,  # noqa: F401 (the `model` fixture)
 )
 from tests.waiting import wait_for
@@ -38,11 +38,10 @@ ADA = FakeTelegram.user(42, "Ada", "ada")
 class Gateway:
     runner: GatewayRunner
     home: Path
-    stopped: bool = False
+    runners: Runners
 
     async def stop(self) -> None:
-        self.stopped = True
-        await self.runner.stop()
+        await self.runners.stop(self.runner)
 
     async def transcript(self) -> list[dict[str, Any]]:
         (entry,) = await self.runner.store.list_sessions()
@@ -66,37 +65,29 @@ async def tg() -> AsyncIterator[FakeTelegram]:
 async def make_gateway(
     tg: FakeTelegram, model: FakeOpenAI, tmp_path: Path
 ) -> AsyncIterator[MakeGateway]:
-    made: list[Gateway] = []
+    async with Runners() as runners:
 
-    async def make(
-        *, media: dict[str, Any] | None = None, vision: bool = True, agent: Any = None, home=None
-    ) -> Gateway:
-        settings = {
-            "enabled": True,
-            "token": TOKEN,
-            "base_url": tg.base_url,
-            "poll_timeout": 1,
-            "allowed_users": ["42"],
-        }
-        config = GatewayConfig.model_validate(
-            {
-                "timezone": "UTC",
-                "platforms": {"telegram": settings},
-                **media_config(model, media=media, vision=vision),
+        async def make(
+            *,
+            media: dict[str, Any] | None = None,
+            vision: bool = True,
+            agent: Any = None,
+            home: Path | None = None,
+        ) -> Gateway:
+            settings = {
+                "enabled": True,
+                "token": TOKEN,
+                "base_url": tg.base_url,
+                "poll_timeout": 1,
+                "allowed_users": ["42"],
             }
-        )
-        home = home or tmp_path / f"home{len(made)}"
-        runner = GatewayRunner(
-            config, [TelegramAdapter(config.platforms.telegram)], agent_factory=agent, home=home
-        )
-        await runner.start()
-        made.append(Gateway(runner, home))
-        return made[-1]
+            config = media_gateway_config(model, "telegram", settings, media=media, vision=vision)
+            home = home or tmp_path / f"home{runners.started}"
+            adapter = TelegramAdapter(config.platforms.telegram)
+            runner = await runners.start(config, adapter, agent=agent, home=home)
+            return Gateway(runner, home, runners)
 
-    yield make
-    for gateway in made:
-        if not gateway.stopped:
-            await gateway.stop()
+        yield make
 
 
 def replies(tg: FakeTelegram) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from tests.fakes.slack_api import FakeSlack
 from tests.fakes.slack_api import dm as slack_dm
 from tests.fakes.telegram_api import FakeTelegram
 from tests.fakes.telegram_api import serve_in_a_thread as serve_telegram
+from tests.waiting import wait_blocking
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,15 +34,6 @@ REPLY = "the answer: " + " ".join(f"word{n}" for n in range(50)) + "."
 def telegram() -> Iterator[tuple[FakeTelegram, asyncio.AbstractEventLoop]]:
     with serve_telegram(TOKEN) as served:
         yield served
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError("condition never met")
 
 
 def stream_rows(daemon: Daemon) -> int:
@@ -72,7 +64,7 @@ def daemon_settings(tg: FakeTelegram, model_url: str) -> str:
 
 
 def assert_one_complete_reply(tg: FakeTelegram, daemon: Daemon) -> None:
-    wait_until(lambda: tg.chat_view(42) == [REPLY], timeout=30)
+    wait_blocking(lambda: tg.chat_view(42) == [REPLY], within=30)
     time.sleep(1.0)  # anything duplicated would arrive by now
     assert tg.chat_view(42) == [REPLY]
     assert len(tg.sent) == 1  # the one message, edited to the end
@@ -92,7 +84,7 @@ def test_kill9_mid_stream_leaves_exactly_one_complete_reply(
             daemon.start()
             loop.call_soon_threadsafe(tg.push_message, tg.private_chat(ADA), ADA, "tell me")
             # The streamed message is sent and recorded, and the stream goes on.
-            wait_until(lambda: stream_rows(daemon) == 1 and len(tg.edits) >= 1)
+            wait_blocking(lambda: stream_rows(daemon) == 1 and len(tg.edits) >= 1)
             partial = tg.chat_view(42)
             assert len(partial) == 1 and partial[0] != REPLY
             daemon.kill9()
@@ -228,13 +220,13 @@ def test_kill9_mid_stream_on_discord_and_slack_leaves_one_complete_reply(
             try:
                 daemon.start()
                 side.say("tell me")
-                wait_until(lambda: stream_rows(daemon) == 1 and len(side.view()) == 1)
+                wait_blocking(lambda: stream_rows(daemon) == 1 and len(side.view()) == 1)
                 time.sleep(0.5)  # an edit or two
                 assert side.view() != [REPLY]
                 daemon.kill9()
 
                 daemon.start()
-                wait_until(lambda: side.view() == [REPLY], timeout=30)
+                wait_blocking(lambda: side.view() == [REPLY], within=30)
                 time.sleep(1.0)
                 assert side.view() == [REPLY] and side.sent() == 1
                 assert stream_rows(daemon) == 0

@@ -9,16 +9,14 @@ import asyncio
 import itertools
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from discord.gateway import DiscordWebSocket
-from discord.http import Route
 
 from adapters.discord import DiscordAdapter
 from adapters.slack import SlackAdapter
 from config import GatewayConfig
 from gateway.run import GatewayRunner
+from tests.discord_support import restore_discord_globals  # noqa: F401 (autouse)
 from tests.fakes.agents import streaming
 from tests.fakes.discord_api import FakeDiscord
 from tests.fakes.slack_api import FakeSlack, dm
@@ -38,13 +36,6 @@ def at_least_apart(times: list[float], interval: float) -> bool:
 
 
 # --- Discord ---------------------------------------------------------------------------------
-
-
-@pytest.fixture(autouse=True)
-def _restore_discord_globals() -> Any:
-    base, gateway = Route.BASE, DiscordWebSocket.DEFAULT_GATEWAY
-    yield
-    Route.BASE, DiscordWebSocket.DEFAULT_GATEWAY = base, gateway
 
 
 @pytest.fixture

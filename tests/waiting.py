@@ -1,4 +1,4 @@
-"""Waiting in async tests for a condition, polled: bounded in time, never a bare sleep."""
+"""Waiting in tests for a condition, polled: bounded in time, never a bare sleep."""
 
 from __future__ import annotations
 
@@ -20,3 +20,13 @@ async def wait_for(predicate: Callable[[], Any], within: float = 5.0) -> None:
 
 async def _truthy(value: Any) -> bool:
     return bool(await value) if isinstance(value, Awaitable) else bool(value)
+
+
+def wait_blocking(predicate: Callable[[], Any], within: float = 20.0) -> None:
+    """`wait_for` for tests with no loop of their own (a daemon in a subprocess, the
+    fakes on a thread): blocks until `predicate()` is truthy."""
+    deadline = time.monotonic() + within
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not reached within {within} s")
+        time.sleep(0.02)

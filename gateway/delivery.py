@@ -99,11 +99,15 @@ class Delivery:
         message chunk i replaces (issue 18).
         """
         slot = self.slots.get(target)  # a streamed reply in this chat: take turns with it
+        # By delivery id, not position: rows already being sent elsewhere are left out
+        # of `chunks` before sending, which would shift every later chunk's target.
+        # (`edits` may be shorter: a final split longer than what was streamed.)
+        edit_for = {i: edit for (i, _), edit in zip(chunks, edits, strict=False)}
 
         async def send(
-            adapter: PlatformAdapter, index: int, delivery_id: int, chunk: str
+            adapter: PlatformAdapter, _index: int, delivery_id: int, chunk: str
         ) -> SendResult:
-            edit_of = edits[index] if index < len(edits) else None
+            edit_of = edit_for.get(delivery_id)
             if slot is not None or edit_of is not None:
                 return await self._send_in_slot(
                     adapter, target, chunk, reply_to, delivery_id, edit_of, slot

@@ -117,7 +117,8 @@ def measure_idle(pid: int, home: Path, window: float) -> IdleReport:
 
 def wait_settled(daemon: Daemon, session_key: str, timeout: float = 30.0) -> None:
     """Until what one message leaves behind has landed: the mirror names its session and
-    the search index has applied every logged message (bounded)."""
+    the search index and the memory index (its report in `log_readers`) have applied
+    every logged message (bounded)."""
     deadline = time.monotonic() + timeout
     search = daemon.home / "sessions" / "search.db"
     while time.monotonic() < deadline:
@@ -144,11 +145,13 @@ def _index_caught_up(daemon: Daemon, search: Path) -> bool:
         (last,) = state.execute(
             "SELECT coalesce((SELECT seq FROM sqlite_sequence WHERE name = 'fts_log'), 0)"
         ).fetchone()
+        # The memory indexer (transcripts on, the default) reports its own progress.
+        memory = state.execute("SELECT applied FROM log_readers WHERE name = 'memory'").fetchone()
     except sqlite3.Error:
         return False
     finally:
         state.close()
-    return row is not None and row[0] >= last
+    return row is not None and row[0] >= last and (memory is None or memory[0] >= last)
 
 
 def run(window: float, settle: float, base: Path | None) -> IdleReport:

@@ -31,7 +31,8 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -148,6 +149,20 @@ def connect(memory_path: Path, state_path: Path) -> sqlite3.Connection:
     return connect_index(memory_path, state_path, _SCHEMA)
 
 
+@contextmanager
+def _immediate(conn: sqlite3.Connection) -> Iterator[None]:
+    """One write transaction on memory.db, taken at once (the daemon and the CLI may
+    both write it), committed, or rolled back on any error."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        yield
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
 def _meta(conn: sqlite3.Connection, key: str) -> int | str | None:
     row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
     return row[0] if row else None
@@ -169,8 +184,7 @@ def apply_logs(
     """One round (see the module docstring), in one transaction. With `embedder` (one
     that embeds on the caller's thread, like `hash`), the round's new chunks get their
     vectors in the same transaction, instead of waiting as `pending_vectors`."""
-    conn.execute("BEGIN IMMEDIATE")  # two processes (daemon, CLI) may index at once
-    try:
+    with _immediate(conn):
         notes, note_seq, notes_more = _apply_notes(conn, settings)
         if settings.index_transcripts:
             messages, message_seq, messages_more = _apply_messages(
@@ -182,11 +196,6 @@ def apply_logs(
             _embed_waiting(conn, embedder, INLINE_VECTORS)
         purged = _meta(conn, "purged")
         _set_meta(conn, "purged", None)
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
     if purged:
         forget_tokens(conn)
     return RoundResult(notes + messages, message_seq, note_seq, notes_more or messages_more)
@@ -457,8 +466,7 @@ def transcript_namespace(key: str, origin: object, settings: IndexSettings) -> s
 def requeue_other_models(conn: sqlite3.Connection, model_id: str) -> int:
     """At start: when the embedder changed, every chunk is queued to be embedded again
     (its old vector stays, unscored, until the new one replaces it)."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
+    with _immediate(conn):
         count = 0
         if _meta(conn, "model") != model_id:
             count = conn.execute(
@@ -468,11 +476,6 @@ def requeue_other_models(conn: sqlite3.Connection, model_id: str) -> int:
                 (model_id,),
             ).rowcount
             _set_meta(conn, "model", model_id)
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
     return count
 
 
@@ -493,14 +496,8 @@ def store_vectors(
     conn: sqlite3.Connection, chunk_ids: list[int], vectors: np.ndarray, model_id: str
 ) -> None:
     """Vectors for chunks still there, in a transaction of their own."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
+    with _immediate(conn):
         _put_vectors(conn, chunk_ids, vectors, model_id)
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
 
 
 def _put_vectors(
@@ -540,16 +537,10 @@ def _embed_waiting(conn: sqlite3.Connection, embedder: SyncEmbedder, limit: int)
 def forget_namespaces(conn: sqlite3.Connection, namespaces: list[str]) -> int:
     """Every chunk (with its full-text entry, tags, sources and vector) of these
     memories, now; returns how many chunks went."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
+    with _immediate(conn):
         count = 0
         for namespace in namespaces:
             count += _delete_chunks(conn, "namespace = ?", (namespace,))
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-        raise
     forget_tokens(conn)
     return count
 

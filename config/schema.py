@@ -426,6 +426,19 @@ class StorageConfig(BaseModel):
     # costs one write rather than one per message.
     mirror_interval_seconds: float = Field(default=5.0, ge=0.05)
     inbound_dedup_days: int = Field(default=7, ge=1)
+    # sqlite: state.db under $HERMES_HOME (zero-config). postgres: the tables in the
+    # database `dsn` names, shared by every replica (README, "Running several replicas").
+    backend: Literal["sqlite", "postgres"] = "sqlite"
+    # postgresql://user:${HERMES_PG_PASSWORD}@host:5432/db; never logged (repr=False).
+    dsn: str | None = Field(default=None, repr=False)
+
+    @model_validator(mode="after")
+    def _dsn_for_postgres(self) -> StorageConfig:
+        if self.backend == "postgres" and not self.dsn:
+            raise ValueError("dsn: required when backend is postgres (postgresql://...)")
+        if self.dsn and not self.dsn.startswith(("postgresql://", "postgres://")):
+            raise ValueError("dsn: must start with postgresql://")
+        return self
 
 
 class HousekeepingConfig(BaseModel):

@@ -9,9 +9,44 @@ every time. To explore with fresh random examples:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
+import pytest
 from hypothesis import settings
+
+from tests.pg_support import StorageBackend, fresh_schema
 
 settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# --- store backends ---------------------------------------------------------------------
+# A test that takes the `store_backend` fixture runs once per backend: SQLite files, and a
+# schema of its own on the PostgreSQL test server (tests/pg_support.py; skipped, with the
+# reason, only when no server answers). `@pytest.mark.sqlite_only` keeps a test about
+# state.db's files (damage, sessions.json, WAL) to SQLite.
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "sqlite_only: the test is about SQLite's files; not run on PostgreSQL"
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "store_backend" in metafunc.fixturenames:
+        backends = ["sqlite"]
+        if metafunc.definition.get_closest_marker("sqlite_only") is None:
+            backends.append("postgres")
+        metafunc.parametrize("store_backend", backends, indirect=True)
+
+
+@pytest.fixture
+def store_backend(request: pytest.FixtureRequest) -> Iterator[StorageBackend]:
+    """The backend under test: `storage` config for it (None for SQLite's default)."""
+    if request.param == "sqlite":
+        yield StorageBackend("sqlite", None)
+        return
+    with fresh_schema() as dsn:
+        yield StorageBackend("postgres", dsn)

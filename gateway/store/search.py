@@ -20,6 +20,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gateway.store.entries import agent_key_range
+from gateway.store.pg import search as pg_search
+from gateway.store.pg.dialect import is_postgres
 from gateway.store.titles import shown
 
 MAX_RESULTS = 100
@@ -85,6 +87,8 @@ def search(
     stops at the `limit`th hit. A chat's search is driven from the chat's own messages
     (its key's sessions, then one index look-up per message), so its cost is the chat's
     size, not the index's: 1.5-3 ms for a 60-message chat in a 300,000-message index."""
+    if is_postgres(conn):
+        return _search_postgres(conn, text, scope, limit)
     query = fts_query(text)
     if query is None or limit <= 0:
         return []
@@ -109,6 +113,23 @@ def search(
             f" WHERE messages_fts MATCH ?{where} ORDER BY f.rowid DESC LIMIT ?"
         )
     rows = conn.execute(sql, (*MARK, query, *params, min(limit, MAX_RESULTS))).fetchall()
+    return _hits(rows)
+
+
+def _search_postgres(conn: Any, text: str, scope: Scope, limit: int) -> list[dict[str, Any]]:
+    """`search` over the GIN index on `messages` (gateway.store.pg.search)."""
+    query = pg_search.tsquery(text)
+    if query is None or limit <= 0:
+        return []
+    expression, words = query
+    where, params = scope.sql()
+    sql = pg_search.search_sql(expression, where)
+    # The expression appears twice (headline, match): its words twice, in that order.
+    rows = conn.execute(sql, (*words, *words, *params, min(limit, MAX_RESULTS))).fetchall()
+    return _hits(rows)
+
+
+def _hits(rows: list[Any]) -> list[dict[str, Any]]:
     return [
         {
             "session_id": session_id,

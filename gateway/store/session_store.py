@@ -33,6 +33,8 @@ from gateway.session import (
 )
 from gateway.store import entries, summary_checkpoints, transcript
 from gateway.store.db import Database, T
+from gateway.store.pg.db import PgDatabase
+from gateway.store.pg.search import PgSearchIndex
 from gateway.store.fts import FtsIndexer
 from gateway.store.mirror import (
     SessionsMirror,
@@ -68,8 +70,15 @@ class SessionStore:
         self._active_check_failure: str | None = None  # the failing check's error type
         self.db_path = self.sessions_dir / STATE_DB
         self.json_path = self.sessions_dir / SESSIONS_JSON
-        self._db = Database(self.db_path)
-        self.search_index = FtsIndexer(self._db, self.sessions_dir)
+        # On PostgreSQL every replica shares the tables; search.db and sessions.json are
+        # SQLite-side files (transcript search is a GIN index there; no mirror to keep).
+        self.postgres = config.storage.backend == "postgres"
+        self._db: Database = (
+            PgDatabase(config.storage.dsn or "") if self.postgres else Database(self.db_path)
+        )
+        self.search_index: FtsIndexer | PgSearchIndex = (
+            PgSearchIndex(self._db) if self.postgres else FtsIndexer(self._db, self.sessions_dir)
+        )
         self._mirror = SessionsMirror(
             self.json_path, self.db_path, config.storage.mirror_interval_seconds
         )
@@ -89,6 +98,8 @@ class SessionStore:
         self.sessions_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.created = not self.db_path.exists() and not self.json_path.exists()
         await self._db.open()
+        if self.postgres:
+            return self
         # Import when the database holds no session at all, not only when the file was
         # absent: a crash between creating state.db and committing the import leaves an
         # empty database, and the next mirror write would then erase the legacy index.
@@ -108,6 +119,9 @@ class SessionStore:
     async def close(self) -> None:
         if not self._db.is_open:
             return
+        if self.postgres:
+            await self._db.close()
+            return
         await self.search_index.stop()
         try:
             await self._mirror.stop()
@@ -123,8 +137,10 @@ class SessionStore:
         await self.close()
 
     async def flush_mirror(self) -> None:
-        """Write sessions.json now if anything changed (also done at close)."""
-        await self._mirror.flush()
+        """Write sessions.json now if anything changed (also done at close). None on
+        PostgreSQL: sessions.json mirrors a local state.db."""
+        if not self.postgres:
+            await self._mirror.flush()
 
     @staticmethod
     def _import_entries(conn: sqlite3.Connection, imported: dict[str, SessionEntry]) -> int:

@@ -1,0 +1,1 @@
+"""The PostgreSQL backend of the store: its schema, connection and SQL dialect."""

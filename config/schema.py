@@ -436,8 +436,6 @@ class StorageConfig(BaseModel):
     def _dsn_for_postgres(self) -> StorageConfig:
         if self.backend == "postgres" and not self.dsn:
             raise ValueError("dsn: required when backend is postgres (postgresql://...)")
-        if self.dsn and not self.dsn.startswith(("postgresql://", "postgres://")):
-            raise ValueError("dsn: must start with postgresql://")
         return self
 
 

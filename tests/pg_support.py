@@ -13,11 +13,13 @@ import os
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import psycopg
 import pytest
 from psycopg.conninfo import make_conninfo
 
+from config import GatewayConfig
 from gateway.store.pg.dsn import redact
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
@@ -67,3 +69,26 @@ def pg_schema_dsn() -> Iterator[str]:
     """A DSN on a fresh schema of the test server (import this fixture to use it)."""
     with fresh_schema() as dsn:
         yield dsn
+
+
+@dataclass(frozen=True)
+class StorageBackend:
+    """A store backend under test (the `store_backend` fixture, tests/conftest.py)."""
+
+    name: str  # "sqlite" or "postgres"
+    dsn: str | None  # the PostgreSQL schema's DSN
+
+    @property
+    def postgres(self) -> bool:
+        return self.name == "postgres"
+
+    def storage(self) -> dict[str, str]:
+        """The `storage:` config keys that select this backend."""
+        return {"backend": "postgres", "dsn": self.dsn or ""} if self.postgres else {}
+
+    def apply(self, config: GatewayConfig) -> GatewayConfig:
+        """`config` with its store on this backend."""
+        if not self.postgres:
+            return config
+        storage = config.storage.model_copy(update=self.storage())
+        return config.model_copy(update={"storage": storage})

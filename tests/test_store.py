@@ -1,4 +1,5 @@
-"""SessionStore (gateway/store/session_store.py) on real SQLite files: every operation and rule."""
+"""SessionStore (gateway/store/session_store.py) on real SQLite files and on PostgreSQL
+(`store_backend`, tests/conftest.py): every operation and rule."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from config import GatewayConfig
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage, build_session_key
 from gateway.store.db import DatabaseError
 from gateway.store.session_store import SessionStore
+from tests.pg_support import StorageBackend
 
 T0 = datetime(2026, 5, 1, 12, 0, tzinfo=UTC)
 SESSION_ID = re.compile(r"^\d{8}_\d{6}_[0-9a-f]{8}$")
@@ -64,8 +66,11 @@ def sessions_dir(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-async def make_store(sessions_dir: Path) -> AsyncIterator[StoreFactory]:
-    """Open stores on `sessions_dir` (or another directory); all are closed at teardown."""
+async def make_store(
+    sessions_dir: Path, store_backend: StorageBackend
+) -> AsyncIterator[StoreFactory]:
+    """Open stores on `sessions_dir` (or another directory) on the backend under test;
+    all are closed at teardown."""
     opened: list[SessionStore] = []
 
     async def factory(
@@ -74,7 +79,8 @@ async def make_store(sessions_dir: Path) -> AsyncIterator[StoreFactory]:
         directory: Path | None = None,
         active: Callable[[str], bool] | None = None,
     ) -> SessionStore:
-        store = SessionStore(directory or sessions_dir, config or make_config(), active)
+        config = store_backend.apply(config or make_config())
+        store = SessionStore(directory or sessions_dir, config, active)
         await store.open()
         opened.append(store)
         return store
@@ -787,6 +793,7 @@ async def test_everything_survives_a_restart(
     assert (await reopened.get_or_create_session(dm("b"))).auto_reset_reason == "suspended"
 
 
+@pytest.mark.sqlite_only
 async def test_files_and_mirror_format(
     make_store: StoreFactory, sessions_dir: Path, clock: Any
 ) -> None:
@@ -810,6 +817,7 @@ async def test_files_and_mirror_format(
     assert not temp_files(sessions_dir)
 
 
+@pytest.mark.sqlite_only
 async def test_async_with_and_flush_mirror(sessions_dir: Path) -> None:
     async with SessionStore(sessions_dir, make_config()) as store:
         entry = await store.get_or_create_session(dm())
@@ -821,6 +829,7 @@ async def test_async_with_and_flush_mirror(sessions_dir: Path) -> None:
     await store.close()  # closing twice is harmless
 
 
+@pytest.mark.sqlite_only
 async def test_mirror_coalesces_writes(
     make_store: StoreFactory, sessions_dir: Path, clock: Any
 ) -> None:
@@ -849,6 +858,7 @@ def _remove_db(directory: Path) -> None:
         (directory / f"state.db{suffix}").unlink(missing_ok=True)
 
 
+@pytest.mark.sqlite_only
 async def test_imports_sessions_json_when_state_db_is_missing(
     make_store: StoreFactory, sessions_dir: Path, clock: Any
 ) -> None:
@@ -878,6 +888,7 @@ async def test_imports_sessions_json_when_state_db_is_missing(
     assert (back.input_tokens, back.output_tokens, back.total_tokens) == (40, 2, 42)
 
 
+@pytest.mark.sqlite_only
 async def test_import_skips_damaged_entries(make_store: StoreFactory, sessions_dir: Path) -> None:
     good = SessionEntry(
         session_key="agent:main:telegram:dm:1",
@@ -911,6 +922,7 @@ def _legacy_index() -> dict[str, Any]:
     return {entry.session_key: entry.to_dict()}
 
 
+@pytest.mark.sqlite_only
 async def test_imports_sessions_json_into_an_empty_state_db(
     make_store: StoreFactory, sessions_dir: Path
 ) -> None:
@@ -929,6 +941,7 @@ async def test_imports_sessions_json_into_an_empty_state_db(
     assert set(data) == {*legacy, "agent:main:telegram:dm:other"}
 
 
+@pytest.mark.sqlite_only
 async def test_importing_sessions_json_warns_what_it_cannot_bring_back(
     make_store: StoreFactory, sessions_dir: Path
 ) -> None:
@@ -951,6 +964,7 @@ def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
 
+@pytest.mark.sqlite_only
 @pytest.mark.parametrize("content", [b"", os.urandom(4096)], ids=["0 bytes", "random bytes"])
 async def test_a_state_db_that_is_empty_or_not_a_database_is_damage(
     make_store: StoreFactory, sessions_dir: Path, content: bytes
@@ -965,6 +979,7 @@ async def test_a_state_db_that_is_empty_or_not_a_database_is_damage(
     assert _files(sessions_dir) == before  # no byte changed, no -wal or -shm made
 
 
+@pytest.mark.sqlite_only
 async def test_a_crash_while_creating_state_db_leaves_no_state_db(
     make_store: StoreFactory, sessions_dir: Path
 ) -> None:
@@ -982,6 +997,7 @@ async def test_a_crash_while_creating_state_db_leaves_no_state_db(
     assert stat.S_IMODE((sessions_dir / "state.db").stat().st_mode) == 0o600
 
 
+@pytest.mark.sqlite_only
 async def test_a_missing_state_db_beside_its_wal_is_not_recreated(
     make_store: StoreFactory, sessions_dir: Path
 ) -> None:
@@ -992,6 +1008,7 @@ async def test_a_missing_state_db_beside_its_wal_is_not_recreated(
     assert set(_files(sessions_dir)) == {"state.db-wal"}
 
 
+@pytest.mark.sqlite_only
 async def test_existing_sessions_are_not_overwritten_by_an_import(
     make_store: StoreFactory, sessions_dir: Path
 ) -> None:
@@ -1003,6 +1020,7 @@ async def test_existing_sessions_are_not_overwritten_by_an_import(
     assert [e.session_id for e in await reopened.list_sessions()] == [entry.session_id]
 
 
+@pytest.mark.sqlite_only
 @pytest.mark.parametrize("content", [b"[]", b"null", b'"text"'])
 async def test_non_object_sessions_json_is_set_aside(
     make_store: StoreFactory, sessions_dir: Path, content: bytes
@@ -1018,6 +1036,7 @@ async def test_non_object_sessions_json_is_set_aside(
     assert data[entry.session_key]["session_id"] == entry.session_id
 
 
+@pytest.mark.sqlite_only
 async def test_corrupt_sessions_json_with_state_db(
     make_store: StoreFactory, sessions_dir: Path
 ) -> None:
@@ -1038,6 +1057,7 @@ async def test_corrupt_sessions_json_with_state_db(
     assert data == expected
 
 
+@pytest.mark.sqlite_only
 async def test_corrupt_sessions_json_without_state_db(
     make_store: StoreFactory, sessions_dir: Path
 ) -> None:
@@ -1057,6 +1077,7 @@ def _future_schema_db(directory: Path) -> None:
     conn.close()
 
 
+@pytest.mark.sqlite_only
 async def test_newer_schema_is_refused(sessions_dir: Path) -> None:
     _future_schema_db(sessions_dir)
     store = SessionStore(sessions_dir, make_config())
@@ -1131,7 +1152,7 @@ async def test_group_commit_concurrent_appends(store: SessionStore) -> None:
     first_rollback = ops.index("ROLLBACK")
     assert "SAVEPOINT OP" not in ops[:first_rollback]
     failed_at = ops.index("ROLLBACK TO OP")
-    begin = max(i for i in range(failed_at) if ops[i] == "BEGIN IMMEDIATE")
+    begin = max(i for i in range(failed_at) if ops[i] in ("BEGIN IMMEDIATE", "BEGIN"))
     end = ops.index("COMMIT", failed_at)
     released = ops[begin:end].count("RELEASE OP")
     assert released - 1 > 1  # minus the failed one's own RELEASE

@@ -72,13 +72,14 @@ def on_rewind(conn: sqlite3.Connection, session_id: str, first_undone: int, now:
     before = read(conn, session_id)
     invalidated = before is not None and before.covered_up_to >= first_undone
     conn.execute(
-        "INSERT INTO summary_checkpoints (session_id, epoch, covered_up_to, summary, messages,"
-        " updated_at) VALUES (?, 1, 0, NULL, 0, ?)"
-        " ON CONFLICT (session_id) DO UPDATE SET epoch = epoch + 1,"
+        "INSERT INTO summary_checkpoints AS c (session_id, epoch, covered_up_to, summary,"
+        " messages, updated_at) VALUES (?, 1, 0, NULL, 0, ?)"
+        # Qualified: PostgreSQL reads a bare column here as ambiguous with `excluded`.
+        " ON CONFLICT (session_id) DO UPDATE SET epoch = c.epoch + 1,"
         " updated_at = excluded.updated_at,"
-        " covered_up_to = CASE WHEN covered_up_to >= ? THEN 0 ELSE covered_up_to END,"
-        " summary = CASE WHEN covered_up_to >= ? THEN NULL ELSE summary END,"
-        " messages = CASE WHEN covered_up_to >= ? THEN 0 ELSE messages END",
+        " covered_up_to = CASE WHEN c.covered_up_to >= ? THEN 0 ELSE c.covered_up_to END,"
+        " summary = CASE WHEN c.covered_up_to >= ? THEN NULL ELSE c.summary END,"
+        " messages = CASE WHEN c.covered_up_to >= ? THEN 0 ELSE c.messages END",
         (session_id, now, first_undone, first_undone, first_undone),
     )
     return invalidated
@@ -89,7 +90,7 @@ def rewind(conn: sqlite3.Connection, session_id: str, n: int) -> dict[str, Any]:
     session's summary (`on_rewind`), in the caller's transaction."""
     (first,) = conn.execute(
         "SELECT MIN(id) FROM (SELECT id FROM messages WHERE session_id = ? AND active = 1"
-        " AND role = 'user' ORDER BY id DESC LIMIT ?)",
+        " AND role = 'user' ORDER BY id DESC LIMIT ?) AS recent",
         (session_id, n),
     ).fetchone()
     result = transcript.rewind(conn, session_id, n)

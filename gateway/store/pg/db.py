@@ -31,6 +31,7 @@ from gateway.store.db import Database, DatabaseError, _settle
 from gateway.store.outage import Outage, StoreUnwritable
 from gateway.store.pg import schema
 from gateway.store.pg.dialect import PgConn, configure, unreachable
+from gateway.store.pg.dsn import redact
 
 T = TypeVar("T")
 
@@ -38,16 +39,6 @@ log = structlog.get_logger("gateway.store.pg")
 
 READERS = 4  # reader connections: reads of different turns run side by side
 CONNECT_TIMEOUT = 5  # seconds
-
-
-def redact(dsn: str) -> str:
-    """`dsn` fit for a log line or an error: host, port and database, never a password."""
-    try:
-        info = psycopg.conninfo.conninfo_to_dict(dsn)
-    except psycopg.ProgrammingError:
-        return "postgresql://(unparsable dsn)"
-    host, port, name = info.get("host", "localhost"), info.get("port", "5432"), info.get("dbname")
-    return f"postgresql://{host}:{port}/{name or ''}"
 
 
 def connect(dsn: str, *, read_only: bool = False) -> PgConn:
@@ -97,8 +88,7 @@ class PgDatabase(Database):
 
     def _open_writer(self) -> PgConn:
         conn = self._connection(read_only=False)
-        with conn.raw.transaction():
-            schema.migrate(conn.raw)
+        schema.migrate(conn.raw)
         return conn
 
     def _connection(self, *, read_only: bool) -> PgConn:

@@ -49,7 +49,6 @@ IDENTITY_TABLES = frozenset(
         "schedule_runs",
         "fts_log",
         "note_log",
-        "summary_checkpoints",
     }
 )
 

@@ -14,6 +14,7 @@ from config import GatewayConfig
 from gateway.session import Platform, SessionSource, TokenUsage
 from gateway.store import journal
 from gateway.store.session_store import SessionStore
+from tests.pg_support import StorageBackend
 from gateway.store.turnlog import TurnLog
 
 SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")
@@ -22,8 +23,9 @@ USAGE = TokenUsage(input_tokens=7, output_tokens=3)
 
 
 @pytest.fixture
-async def store(tmp_path: Path):
-    async with SessionStore(tmp_path / "sessions", CONFIG) as opened:
+async def store(tmp_path: Path, store_backend: StorageBackend):
+    """The journal on each backend (`store_backend`, tests/conftest.py)."""
+    async with SessionStore(tmp_path / "sessions", store_backend.apply(CONFIG)) as opened:
         yield opened
 
 

@@ -28,7 +28,7 @@ BASELINE = 14
 # ("hermesmg" in ASCII).
 MIGRATION_LOCK_KEY = 0x6865726D65736D67
 
-_BASELINE_DDL = """
+BASELINE_DDL = """
 CREATE TABLE sessions (
     session_id          TEXT PRIMARY KEY,
     session_key         TEXT NOT NULL,
@@ -344,7 +344,7 @@ def migrate(conn: psycopg.Connection) -> None:
                 return
             if current == 0:
                 conn.execute("CREATE TABLE hermes_schema (version INTEGER NOT NULL)")
-                conn.execute(_BASELINE_DDL)
+                conn.execute(BASELINE_DDL)
                 version = BASELINE
                 conn.execute("INSERT INTO hermes_schema (version) VALUES (%s)", (version,))
             else:

@@ -1,0 +1,94 @@
+"""What the cluster's background tasks share: their own database connections (connect
+with a deadline, retry with a bounded, jittered backoff, close without waiting on a dead
+peer) and their callbacks, run one at a time in the order of the events."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import psycopg
+import structlog
+
+log = structlog.get_logger("gateway.cluster")
+
+Callback = Callable[[], Awaitable[None]]
+
+# What a lost or refused connection raises (OSError: a socket error before libpq wraps
+# it; TimeoutError: our own deadline on a peer that does not answer).
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    psycopg.OperationalError,
+    psycopg.InterfaceError,
+    OSError,
+    TimeoutError,
+)
+
+
+async def connect(dsn: str, within: float, purpose: str) -> psycopg.AsyncConnection[Any]:
+    """An autocommit connection, or TimeoutError after `within` seconds (libpq's own
+    `connect_timeout` counts whole seconds and at least 2). `purpose` becomes its
+    `application_name` (cut to Postgres's 63 bytes), so `pg_stat_activity` names it."""
+    opening = psycopg.AsyncConnection.connect(
+        dsn, autocommit=True, application_name=f"hermes {purpose}"[:63]
+    )
+    return await asyncio.wait_for(opening, within)
+
+
+async def close_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:
+    if conn is None:
+        return
+    try:
+        await asyncio.wait_for(conn.close(), 1.0)
+    except Exception:
+        pass  # a dead peer: the socket goes with the object
+
+
+class Backoff:
+    """Delays between reconnection attempts: doubling from `first` up to `cap`, each
+    jittered by +-20% so replicas that lost the database together do not retry in step."""
+
+    def __init__(self, first: float, cap: float) -> None:
+        self.first = first
+        self.cap = cap
+        self._next = first
+
+    def reset(self) -> None:
+        self._next = self.first
+
+    def next_delay(self) -> float:
+        delay = self._next
+        self._next = min(self.cap, self._next * 2)
+        return delay * random.uniform(0.8, 1.2)
+
+
+async def nothing() -> None:
+    return None
+
+
+class SerialCallbacks:
+    """Runs async callbacks as tasks, one at a time, in the order they were scheduled:
+    an `on_lose` never overtakes the `on_gain` before it. A failing callback is logged."""
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+        self._lock = asyncio.Lock()  # FIFO among waiters
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def schedule(self, callback: Callback) -> None:
+        async def run() -> None:
+            async with self._lock:
+                try:
+                    await callback()
+                except Exception:
+                    log.exception("cluster_callback_failed", task=self.label)
+
+        task = asyncio.create_task(run(), name=f"{self.label} callback")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def wait(self) -> None:
+        """Until every scheduled callback has run."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,118 @@
+"""Named leases in the `leases` table: who owns a thing, until when.
+
+Every time is the database's (`clock_timestamp()` as epoch seconds), never a replica's:
+replicas whose clocks disagree still agree on who holds what. Each function is one
+statement run on the caller's connection, inside the caller's transaction (or in
+autocommit), so a lease can be taken in the same transaction as the work it guards.
+
+A lease whose `expires_at` has passed is nobody's: `renew` no longer extends it and
+`try_acquire` hands it to the first replica that asks, its former owner included.
+
+The sync functions take a `psycopg.Connection`; the `a`-prefixed ones are the same
+statements on a `psycopg.AsyncConnection`, for the cluster's own background tasks.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+from typing import Any
+
+import psycopg
+
+# The database's clock now, as epoch seconds: `now()` would be frozen at the start of
+# the caller's transaction, and a long transaction must not see a lease as live.
+NOW = "extract(epoch from clock_timestamp())"
+
+# Takes a free, expired or own lease; keeps `acquired_at` when the owner renews it.
+ACQUIRE_SQL = f"""
+INSERT INTO leases (name, owner, expires_at, acquired_at)
+VALUES (%s, %s, {NOW} + %s, {NOW})
+ON CONFLICT (name) DO UPDATE
+SET owner = EXCLUDED.owner,
+    expires_at = EXCLUDED.expires_at,
+    acquired_at = CASE WHEN leases.owner = EXCLUDED.owner
+                       THEN leases.acquired_at ELSE EXCLUDED.acquired_at END
+WHERE leases.owner = EXCLUDED.owner OR leases.expires_at < {NOW}
+RETURNING owner
+"""
+
+RENEW_SQL = f"UPDATE leases SET expires_at = {NOW} + %s WHERE owner = %s AND expires_at >= {NOW}"
+RELEASE_SQL = "DELETE FROM leases WHERE name = %s AND owner = %s"
+RELEASE_ALL_SQL = "DELETE FROM leases WHERE owner = %s"
+HOLDER_SQL = f"SELECT owner, expires_at - {NOW} FROM leases WHERE name = %s AND expires_at >= {NOW}"
+EXPIRED_SQL = f"""
+SELECT name FROM leases
+WHERE name LIKE %s ESCAPE '\\' AND expires_at < {NOW}
+ORDER BY expires_at LIMIT %s
+"""
+
+
+def make_owner_id() -> str:
+    """A replica's owner id: readable (host and pid, for `status` and the logs) and
+    unique across restarts (a random part, since a pid is reused)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
+
+
+def _like_prefix(prefix: str) -> str:
+    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return escaped + "%"
+
+
+def try_acquire(conn: psycopg.Connection[Any], name: str, owner: str, ttl: float) -> bool:
+    """Take lease `name` for `ttl` seconds if it is free, expired or already `owner`'s
+    (then it is renewed). True when `owner` holds it afterwards."""
+    return conn.execute(ACQUIRE_SQL, (name, owner, ttl)).fetchone() is not None
+
+
+def renew(conn: psycopg.Connection[Any], owner: str, ttl: float) -> int:
+    """Extend every live lease of `owner` to `ttl` seconds from now; how many."""
+    return conn.execute(RENEW_SQL, (ttl, owner)).rowcount
+
+
+def release(conn: psycopg.Connection[Any], name: str, owner: str) -> bool:
+    """Give up lease `name` if `owner` has it (live or expired). True if it did."""
+    return conn.execute(RELEASE_SQL, (name, owner)).rowcount > 0
+
+
+def release_all(conn: psycopg.Connection[Any], owner: str) -> int:
+    """Give up every lease of `owner` (a clean shutdown); how many."""
+    return conn.execute(RELEASE_ALL_SQL, (owner,)).rowcount
+
+
+def holder(conn: psycopg.Connection[Any], name: str) -> str | None:
+    """The owner of lease `name` if it is live, else None."""
+    row = conn.execute(HOLDER_SQL, (name,)).fetchone()
+    return None if row is None else row[0]
+
+
+def expired_names(conn: psycopg.Connection[Any], prefix: str, limit: int) -> list[str]:
+    """Up to `limit` names starting with `prefix` (taken literally) whose lease has
+    expired, oldest expiry first: the work a dead replica left behind."""
+    rows = conn.execute(EXPIRED_SQL, (_like_prefix(prefix), limit)).fetchall()
+    return [row[0] for row in rows]
+
+
+async def atry_acquire(
+    conn: psycopg.AsyncConnection[Any], name: str, owner: str, ttl: float
+) -> bool:
+    """`try_acquire` on an async connection."""
+    cur = await conn.execute(ACQUIRE_SQL, (name, owner, ttl))
+    return await cur.fetchone() is not None
+
+
+async def arenew(conn: psycopg.AsyncConnection[Any], owner: str, ttl: float) -> int:
+    """`renew` on an async connection."""
+    return (await conn.execute(RENEW_SQL, (ttl, owner))).rowcount
+
+
+async def arelease(conn: psycopg.AsyncConnection[Any], name: str, owner: str) -> bool:
+    """`release` on an async connection."""
+    return (await conn.execute(RELEASE_SQL, (name, owner))).rowcount > 0
+
+
+async def aholder(conn: psycopg.AsyncConnection[Any], name: str) -> tuple[str, float] | None:
+    """The live owner of lease `name` and its seconds left by the database's clock."""
+    row = await (await conn.execute(HOLDER_SQL, (name,))).fetchone()
+    return None if row is None else (row[0], float(row[1]))

@@ -281,6 +281,12 @@ class PlatformAdapter(ABC):
     #: the bot's own @name, so `/new@otherbot` in a group is left alone
     bot_username: str | None = None
 
+    @property
+    def single_connection(self) -> bool:
+        """One connection per bot (long polling, a gateway socket): with several replicas
+        only the leader runs it (gateway.replica). False: every replica may serve it."""
+        return False
+
     def __init__(self, config: PlatformConfig | None = None) -> None:
         self.config = config
         self.gateway: GatewayHandle | None = None

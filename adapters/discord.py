@@ -134,6 +134,10 @@ class DiscordAdapter(PlatformAdapter):
     it calls the connection ready (seconds; discord.py's default is 2).
     """
 
+    @property
+    def single_connection(self) -> bool:
+        return True  # one gateway session per bot (more would get every event twice)
+
     platform = Platform.DISCORD
     stream_mode = "edit"  # a message, then message edits (issue 18)
     max_message_length = 2000  # Discord counts Unicode code points, as len() does

@@ -38,6 +38,7 @@ import hmac
 import json
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import structlog
@@ -124,6 +125,8 @@ class HttpAdapter(PlatformAdapter):
         # Long-pollers waiting per chat; present only while someone waits, so GETs for
         # unknown chats cost no memory beyond the request itself.
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
+        # Several replicas (issue 19): tells the others a chat has a new reply.
+        self.publish: Callable[[str], object] | None = None
         # Stream listeners per chat, each a queue of ("delta", text) / ("final", "") /
         # ("stop", ""); present only while someone listens.
         self._listeners: dict[str, set[asyncio.Queue[tuple[str, str]]]] = {}
@@ -203,7 +206,13 @@ class HttpAdapter(PlatformAdapter):
         outbox (durable, numbered across restarts): delivering it means waking the
         chat's long-pollers."""
         self._wake(target.chat_id)
+        if self.publish is not None:
+            self.publish(target.chat_id)  # the chat's long-pollers on other replicas
         return SendResult(message_id=str(delivery_id) if delivery_id is not None else None)
+
+    def wake(self, chat_id: str) -> None:
+        """A reply for `chat_id` was recorded by another replica (gateway.replica)."""
+        self._wake(chat_id)
 
     def _wake(self, chat_id: str) -> None:
         for waiter in self._waiters.get(chat_id, ()):

@@ -136,6 +136,10 @@ class SlackAdapter(PlatformAdapter):
     pings and how soon a dead connection is noticed and replaced.
     """
 
+    @property
+    def single_connection(self) -> bool:
+        return self.config.mode == "socket"  # one Socket Mode connection per app
+
     platform = Platform.SLACK
     stream_mode = "edit"  # chat.postMessage, then chat.update (issue 18)
     max_message_length = 40000  # chat.postMessage truncates text beyond this

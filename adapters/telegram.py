@@ -127,6 +127,10 @@ class TelegramAdapter(PlatformAdapter):
         self._webhook_runner: web.AppRunner | None = None
         self._log_filter: RedactSecret | None = None
 
+    @property
+    def single_connection(self) -> bool:
+        return self.config.mode == "polling"  # getUpdates: one poller per bot token
+
     # --- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> None:

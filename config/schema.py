@@ -439,6 +439,17 @@ class StorageConfig(BaseModel):
         return self
 
 
+class ClusterConfig(BaseModel):
+    """Several replicas on one PostgreSQL store (README, "Running several replicas")."""
+
+    model_config = _MODEL_CONFIG
+
+    # How long a dead replica's sessions and leader roles (Telegram polling, the Discord
+    # gateway, Slack Socket Mode, housekeeping) wait before another replica takes them:
+    # the life of a lease, renewed every third of it.
+    failover_seconds: float = Field(default=15.0, ge=1.0, le=600.0)
+
+
 class HousekeepingConfig(BaseModel):
     """The background watcher: expiry finalization, idle-agent sweep, pruning."""
 
@@ -484,6 +495,7 @@ class GatewayConfig(BaseModel):
     queue: QueueConfig = QueueConfig()
     platforms: PlatformsConfig = PlatformsConfig()
     storage: StorageConfig = StorageConfig()
+    cluster: ClusterConfig = ClusterConfig()
     streaming: StreamingConfig = StreamingConfig()
     housekeeping: HousekeepingConfig = HousekeepingConfig()
     logging: LoggingConfig = LoggingConfig()

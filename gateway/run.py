@@ -32,7 +32,7 @@ import structlog
 
 from adapters.base import Accepted, AcceptStatus, Attachment, MessageEvent, PlatformAdapter
 from config import GatewayConfig, hermes_home
-from gateway import command_syntax, commands
+from gateway import command_syntax, commands, replica
 from gateway.agents.cache import AgentCache
 from gateway.agents.protocol import (
     AgentError,
@@ -55,6 +55,7 @@ from gateway.pairing import Pairing
 from gateway.policy import reset_notice
 from gateway.queue import QueueFull, SessionQueue
 from gateway.recovery import Recovery
+from gateway.replica import Replica
 from gateway.schedules.book import ScheduleBook, iso
 from gateway.schedules.loop import Scheduler
 from gateway.session import (
@@ -126,6 +127,9 @@ class GatewayRunner(SessionOps):
             self.store, history_limit=main.config.history_limit, plan=main.plan, plan_for=plan_for
         )
         self.recovery = Recovery(self)
+        # Several replicas on one PostgreSQL store (issue 19): a session runs where its
+        # lease is; on SQLite this process is the only one and holds everything.
+        self.cluster = Replica(self) if self.store.postgres else None
         self.pairing = Pairing(self.store)
         # One cache for all agents: its keys are session keys, which name their agent.
         self.agents = AgentCache(
@@ -205,6 +209,9 @@ class GatewayRunner(SessionOps):
         self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
         await self.store.open()
         await self.recall.start()  # its indexer catches up in the background
+        if self.cluster is not None:
+            await self._start_replica()
+            return
         await self.recovery.prepare()
         self._held = []
         self._accepting = True
@@ -236,6 +243,43 @@ class GatewayRunner(SessionOps):
             clean_start=self.recovery.was_clean,
         )
 
+    async def _start_replica(self) -> None:
+        """`start` for one replica of several (gateway.replica): no start-up recovery (the
+        sweeper resumes, key by key, what no live replica holds), single-connection
+        platforms and housekeeping only on their leader."""
+        assert self.cluster is not None
+        self._accepting = True
+        for adapter in self.adapters.values():
+            adapter.bind(self)
+            if adapter.single_connection:
+                self.cluster.lead_adapter(adapter)
+            else:
+                await adapter.start()
+            if hasattr(adapter, "publish"):  # the HTTP API: long-polls on every replica
+                adapter.publish = self.cluster.publish_reply
+
+        async def gain() -> None:
+            await self.scheduler.start()
+            self._housekeeper.start()
+
+        async def lose() -> None:
+            await self.scheduler.stop()
+            await self._housekeeper.stop()
+
+        self.cluster.lead(replica.HOUSEKEEPING, gain, lose)
+        await self.cluster.start()
+        self._status_task = asyncio.create_task(keep_status(self.home, self.status_snapshot))
+        gc.collect()
+        gc.freeze()
+        log.info(
+            "gateway_started",
+            agent=self.roster.main.description,
+            agents=self.roster.describe(),
+            adapters=[p.value for p in self.adapters],
+            home=str(self.home),
+            replica=self.cluster.owner,
+        )
+
     async def stop(self, *, restart: bool = False) -> None:
         """Drain: refuse new messages, let running turns finish up to
         `agent.restart_drain_timeout`, then cancel the rest and mark them resume_pending
@@ -243,6 +287,8 @@ class GatewayRunner(SessionOps):
         unless start-up failed before recovery consumed it."""
         self._accepting = False
         self._draining = True
+        if self.cluster is not None:
+            await self.cluster.stop_leading()  # another replica leads from now on
         await self.scheduler.stop()
         workers = dict(self._workers)
         if workers:
@@ -273,6 +319,8 @@ class GatewayRunner(SessionOps):
         await self.agents.close_all()
         await self.media.close()
         await self.recall.close()
+        if self.cluster is not None:
+            await self.cluster.stop()  # the sessions' leases, for the others to resume
         await self.store.close()
         if self.recovery.marked:
             write_status(self.home, {**self.status_snapshot(), "state": "stopped"})
@@ -327,6 +375,8 @@ class GatewayRunner(SessionOps):
         if kind == "queue":
             assert command is not None
             event = replace(event, text=command.args)
+        if self.cluster is not None:
+            return await self._handle_on_replica(key, event, kind, command)
         if kind != "command" and self._held is None and key not in self._workers:
             return await self._accept_and_start(key, event, kind)
         inbox_id = await self.turnlog.accept(event, key, kind, done=kind == "command")
@@ -337,6 +387,56 @@ class GatewayRunner(SessionOps):
             self._held.append((key, event, kind, command))
             return Accepted(AcceptStatus.PENDING, session_key=key, detail="gateway is starting")
         return await self._dispatch(key, event, kind, command)
+
+    async def _handle_on_replica(
+        self, key: str, event: MessageEvent, kind: str, command: command_syntax.Command | None
+    ) -> Accepted:
+        """`_handle_message` on one replica of several: run the message here when this
+        replica holds (or takes) its session's lease, else journal it for the holder."""
+        cluster = self.cluster
+        assert cluster is not None
+        if not cluster.healthy:
+            self.metrics.messages_unavailable_total += 1
+            return Accepted(AcceptStatus.UNAVAILABLE, detail="the database is unreachable")
+        async with cluster.key_lock(key):
+            if key not in self._workers and not await cluster.claim(key):
+                inbox_id = await cluster.forward(key, event, kind)
+                if inbox_id is None:
+                    return Accepted(AcceptStatus.DUPLICATE, session_key=key)
+                return Accepted(
+                    AcceptStatus.PENDING, session_key=key, detail="run by another replica"
+                )
+            if kind != "command" and key not in self._workers:
+                return await self._accept_and_start(key, event, kind)
+            inbox_id = await self.turnlog.accept(event, key, kind, done=kind == "command")
+            if inbox_id is None:
+                return Accepted(AcceptStatus.DUPLICATE, session_key=key)
+            cluster.took(key, (inbox_id,))
+            event = event.with_inbox_ids((inbox_id,))
+            if kind != "command":  # queued behind the running turn, still under the lock
+                return await self._dispatch(key, event, kind, command)
+        # A command runs outside the lock: /stop waits for the worker, whose end takes it.
+        return await self._dispatch(key, event, kind, command)
+
+    async def run_forwarded_command(self, key: str, event: MessageEvent) -> None:
+        """A command another replica journaled for this one (it runs the session)."""
+        adapter = self.adapters.get(event.source.platform)
+        _, command = command_syntax.classify(
+            event.text.strip(), adapter.bot_username if adapter else None
+        )
+        await self.turnlog.close_inbox(list(event.inbox_ids))
+        if command is not None:
+            await self._dispatch(key, event, "command", command)
+
+    async def cancel_all_turns(self) -> None:
+        """The database is gone for longer than a lease lives (gateway.replica): stop every
+        turn at once, writing nothing; their markers let the next holder resume them."""
+        self._queues.clear()
+        self._next_begun.clear()
+        tasks = list(self._workers.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _dispatch(
         self, key: str, event: MessageEvent, kind: str, command: command_syntax.Command | None
@@ -354,7 +454,13 @@ class GatewayRunner(SessionOps):
         stopping, or the claim refused (nothing was written)."""
         if not self._accepting or key in self._workers:
             return False
-        accepted = await self._accept_and_start(key, event, "turn", text, claim)
+        if self.cluster is not None:
+            async with self.cluster.key_lock(key):
+                if key in self._workers or not await self.cluster.claim(key):
+                    return False
+                accepted = await self._accept_and_start(key, event, "turn", text, claim)
+        else:
+            accepted = await self._accept_and_start(key, event, "turn", text, claim)
         return accepted.status == AcceptStatus.STARTED
 
     async def _accept_and_start(
@@ -386,6 +492,8 @@ class GatewayRunner(SessionOps):
             if not begun.done():
                 begun.set_result(None)
             return Accepted(AcceptStatus.DUPLICATE, session_key=key)
+        if self.cluster is not None:
+            self.cluster.took(key, (result[0],))
         if not begun.done():  # done: /stop cancelled the worker meanwhile
             begun.set_result(result)
         return Accepted(AcceptStatus.STARTED, session_key=key)
@@ -500,6 +608,8 @@ class GatewayRunner(SessionOps):
             queue = self._queues.get(key)
             if queue is not None and not queue:
                 del self._queues[key]
+            if self.cluster is not None:
+                self.cluster.worker_ended(key)
 
     def _turn_text(self, event: MessageEvent) -> str:
         """The user message as stored: prefixed with its sender in a shared session."""

@@ -14,8 +14,8 @@ from config import GatewayConfig
 from gateway.session import Platform, SessionSource, TokenUsage
 from gateway.store import journal
 from gateway.store.session_store import SessionStore
-from tests.pg_support import StorageBackend
 from gateway.store.turnlog import TurnLog
+from tests.pg_support import StorageBackend
 
 SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})

@@ -33,8 +33,6 @@ from gateway.session import (
 )
 from gateway.store import entries, summary_checkpoints, transcript
 from gateway.store.db import Database, T
-from gateway.store.pg.db import PgDatabase
-from gateway.store.pg.search import PgSearchIndex
 from gateway.store.fts import FtsIndexer
 from gateway.store.mirror import (
     SessionsMirror,
@@ -42,6 +40,8 @@ from gateway.store.mirror import (
     log_imported,
     read_sessions_json,
 )
+from gateway.store.pg.db import PgDatabase
+from gateway.store.pg.search import PgSearchIndex
 
 log = structlog.get_logger(__name__)
 NEVER_RESET = SessionResetPolicy(mode="none")

@@ -63,6 +63,9 @@ class TurnLog:
         # session key its agent's plan (None: every key reads `plan`).
         self.plan = plan or Plan.newest(history_limit)
         self.plan_for = plan_for
+        # Several replicas (gateway.replica): run first in a turn's begin and finish
+        # transactions, it fails them when this replica no longer holds the session.
+        self.fence: Callable[[Any, str], None] | None = None
 
     async def accept(
         self, event: MessageEvent, session_key: str, kind: str, *, done: bool = False
@@ -105,7 +108,11 @@ class TurnLog:
         accept = self._accept_tx(event, session_key, kind, journal.ACCEPTED, record)
         begin = self._begin_tx(event, session_key, text, record)
 
+        fence = self.fence
+
         def tx(conn: sqlite3.Connection) -> tuple[int, TurnStart] | None:
+            if fence is not None:
+                fence(conn, session_key)
             if claim is not None and not claim(conn):
                 return None
             inbox_id = accept(conn)
@@ -141,8 +148,11 @@ class TurnLog:
             user_message["message_id"] = event.message_id
         now = time.time()
         plan = self.plan if self.plan_for is None else self.plan_for(session_key)
+        fence = self.fence
 
         def tx(conn: sqlite3.Connection, inbox_ids: list[int]) -> TurnStart:
+            if fence is not None:
+                fence(conn, session_key)
             entry, fresh, minute = route(conn)
             marker = journal.get_turn(conn, session_key) if event.resume else None
             if (
@@ -225,8 +235,11 @@ class TurnLog:
         minute = entries.minute_of(now)
         if minute == start.active_minute:
             minute = None  # the row has it: its index entry is not rewritten
+        fence = self.fence
 
         def tx(conn: sqlite3.Connection) -> tuple[list[int], TurnStart | None]:
+            if fence is not None:
+                fence(conn, session_key)
             if succeeded:
                 for write in writes:
                     write(conn)
@@ -295,6 +308,13 @@ class TurnLog:
                 )
 
         await self.store.write(tx, dirty=False)
+
+    async def close_inbox(self, inbox_ids: list[int]) -> None:
+        """Messages answered without a turn (a command another replica journaled)."""
+        now = time.time()
+        await self.store.write(
+            lambda conn: journal.close_inbox(conn, inbox_ids, journal.DONE, now), dirty=False
+        )
 
     async def abandon_inbox(self, inbox_ids: list[int]) -> None:
         """Messages refused after acceptance (queue full): settled, never replayed."""

@@ -152,7 +152,9 @@ class PgDatabase(Database):
         batch, self._pending = self._pending, []
         self._in_flight = True
         loop = asyncio.get_running_loop()
-        done = loop.run_in_executor(self._writer_pool, self._commit_batch, [fn for fn, _, _ in batch])
+        done = loop.run_in_executor(
+            self._writer_pool, self._commit_batch, [fn for fn, _, _ in batch]
+        )
         done.add_done_callback(lambda outcome: self._committed(batch, outcome))
 
     def _commit_batch(self, fns: list[Callable[[Any], Any]]) -> tuple[Any, int]:

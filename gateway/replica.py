@@ -1,0 +1,400 @@
+"""One replica of several on a shared PostgreSQL store (issue 19): which replica runs a
+session, and what moves when a replica dies or loses the database.
+
+Rule: a replica touches a session's turns only while it holds the session's lease
+(`session:{key}` in `leases`, gateway.cluster.leases), for `cluster.failover_seconds`,
+renewed by the heartbeat and by every turn's own begin and finish transactions (the
+fence: a transaction of a replica that lost the lease fails, nothing of it commits).
+
+    message for key K arrives at replica A
+      A runs K already, or takes K's free lease -> as on one node (accept, run)
+      another replica B holds K               -> A records it `accepted` in the inbox
+                                                 and NOTIFYs B, which queues it
+    B's worker for K ends                     -> B releases K, unless messages wait
+    a replica dies (no heartbeat)             -> its leases expire; the sweeper of any
+                                                 replica finds K's open messages with
+                                                 no live lease, takes K and resumes
+                                                 the interrupted turn (its marker) once
+
+Messages are journaled before they are acknowledged, so the worst a race can do is leave
+one waiting a sweep (a second at most), never run it twice: taking a lease is one row
+in the database, and a turn begins and finishes only under it. Replicas agree on time by
+the database's clock. Leader roles (the Telegram polling loop, the Discord gateway, Slack
+Socket Mode, and housekeeping with the scheduler) are leases too (gateway.cluster.leader).
+
+Start-up recovery as on one node (`.clean_shutdown`, marking recently active sessions)
+does not run: another replica may be in the middle of those turns. The sweeper is the
+recovery, key by key.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import structlog
+
+from adapters.base import MessageEvent
+from gateway.cluster import leases
+from gateway.cluster.heartbeat import Heartbeat
+from gateway.cluster.leader import LeaderRole
+from gateway.cluster.notify import Listener
+from gateway.store import codec, journal
+
+if TYPE_CHECKING:
+    from adapters.base import PlatformAdapter
+    from gateway.run import GatewayRunner
+
+log = structlog.get_logger("gateway.replica")
+
+INBOX_CHANNEL = "hermes_inbox"  # payload: a session key with a message waiting
+REPLIES_CHANNEL = "hermes_replies"  # payload: an HTTP API chat id with a new reply
+SWEEP_SECONDS = 1.0
+SWEEP_LIMIT = 200
+HOUSEKEEPING = "leader:housekeeping"
+
+
+class LeaseLost(RuntimeError):
+    """This replica no longer holds the session's lease: another one runs it now."""
+
+
+def lease_name(session_key: str) -> str:
+    return f"session:{session_key}"
+
+
+_FENCE = (
+    "UPDATE leases SET expires_at = extract(epoch from clock_timestamp()) + ?"
+    " WHERE name = ? AND owner = ? AND expires_at >= extract(epoch from clock_timestamp())"
+)
+_RELEASE_IF_IDLE = (
+    "DELETE FROM leases WHERE name = ? AND owner = ? AND NOT EXISTS"
+    " (SELECT 1 FROM inbox WHERE session_key = ? AND state = 'accepted')"
+)
+_ORPHANED = (
+    "SELECT DISTINCT i.session_key FROM inbox i WHERE i.state = 'accepted' AND NOT EXISTS"
+    " (SELECT 1 FROM leases l WHERE l.name = 'session:' || i.session_key"
+    " AND l.expires_at >= extract(epoch from clock_timestamp())) LIMIT ?"
+)
+_OPEN_FOR_KEY = (
+    "SELECT id, kind, event FROM inbox WHERE session_key = ? AND state = 'accepted' ORDER BY id"
+)
+
+
+class Replica:
+    """The runner's side of the cluster: leases of the sessions it runs, the sweeper,
+    the heartbeat, the LISTEN connection and the leader roles."""
+
+    def __init__(self, runner: GatewayRunner) -> None:
+        self.runner = runner
+        settings = runner.config.cluster
+        self.dsn = runner.config.storage.dsn or ""
+        self.ttl = settings.failover_seconds
+        self.owner = leases.make_owner_id()
+        self.healthy = True
+        self.takeovers = 0  # sessions resumed from another replica's leftovers
+        self.forwarded = 0  # messages handed to the replica running their session
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._taken: dict[str, set[int]] = {}  # key -> inbox ids this replica runs
+        self._sweep_wake = asyncio.Event()
+        self._sweeper: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.heartbeat = Heartbeat(
+            self.dsn,
+            self.owner,
+            ttl=self.ttl,
+            on_unhealthy=self._unhealthy,
+            on_healthy=self._healthy,
+        )
+        self.listener = Listener(self.dsn, on_reconnect=self._wake_sweeper)
+        self.listener.add(INBOX_CHANNEL, self._on_inbox)
+        self.listener.add(REPLIES_CHANNEL, self._on_reply)
+        self.roles: list[LeaderRole] = []
+
+    # --- lifecycle -----------------------------------------------------------------------
+
+    def lead(
+        self,
+        name: str,
+        on_gain: Callable[[], Awaitable[None]],
+        on_lose: Callable[[], Awaitable[None]],
+    ) -> LeaderRole:
+        """A leader role: `on_gain` runs on the one replica holding `name`."""
+        role = LeaderRole(
+            self.dsn, name, self.owner, on_gain=on_gain, on_lose=on_lose, ttl=self.ttl
+        )
+        self.roles.append(role)
+        return role
+
+    def lead_adapter(self, adapter: PlatformAdapter) -> None:
+        """A platform with one connection per bot (polling, a gateway socket): started on
+        the leader of `leader:{platform}` only, stopped when it stops leading."""
+        self.lead(f"leader:{adapter.platform.value}", adapter.start, adapter.stop)
+
+    async def start(self) -> None:
+        self.runner.turnlog.fence = self.fence
+        self.listener.start()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.listener.subscribed(), self.ttl)
+        self.heartbeat.start()
+        for role in self.roles:
+            role.start()
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="replica-sweeper")
+        log.info("replica_started", owner=self.owner, failover_seconds=self.ttl)
+
+    async def stop_leading(self) -> None:
+        """First step of a shutdown: hand the leader roles over at once."""
+        for role in self.roles:
+            await role.stop()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            await asyncio.gather(self._sweeper, return_exceptions=True)
+            self._sweeper = None
+
+    async def stop(self) -> None:
+        """Last step: give every session lease back, so other replicas resume at once
+        what this one left (drained turns keep their markers), then disconnect."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await self.runner.store.write(lambda conn: leases.release_all(conn.raw, self.owner))
+            await self.runner.store.write(lambda conn: _notify(conn, INBOX_CHANNEL, ""))
+        await self.heartbeat.stop()
+        await self.listener.stop()
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "owner": self.owner,
+            "healthy": self.healthy,
+            "sessions_held": len(self._taken),
+            "leader_of": [role.name for role in self.roles if role.is_leader],
+            "takeovers": self.takeovers,
+            "forwarded": self.forwarded,
+        }
+
+    # --- one session ---------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def key_lock(self, key: str) -> AsyncIterator[None]:
+        """Taking, using and giving back one key's lease, one at a time in this process:
+        a message accepted meanwhile is never also picked up from the inbox."""
+        lock = self._locks.setdefault(key, asyncio.Lock())
+        try:
+            async with lock:
+                yield
+        finally:
+            if not lock.locked() and self._locks.get(key) is lock:
+                del self._locks[key]
+
+    async def claim(self, key: str) -> bool:
+        """Take (or keep) `key`'s lease; False when another replica holds it."""
+        name, owner, ttl = lease_name(key), self.owner, self.ttl
+        return await self.runner.store.write(
+            lambda conn: leases.try_acquire(conn.raw, name, owner, ttl)
+        )
+
+    def took(self, key: str, inbox_ids: Any) -> None:
+        """This replica runs these messages of `key` (a pickup skips them)."""
+        self._taken.setdefault(key, set()).update(inbox_ids)
+
+    def fence(self, conn: Any, key: str) -> None:
+        """In a turn's own transaction: renew `key`'s lease, or fail the transaction when
+        another replica holds it now (the turn is theirs to resume)."""
+        if conn.execute(_FENCE, (self.ttl, lease_name(key), self.owner)).rowcount != 1:
+            raise LeaseLost(f"session {key} is run by another replica now")
+
+    async def forward(self, key: str, event: MessageEvent, kind: str) -> int | None:
+        """Another replica runs `key`: journal the message for it and wake it."""
+
+        def tx(conn: Any) -> int | None:
+            inbox_id = journal.accept(
+                conn,
+                source=event.source,
+                message_id=event.message_id,
+                session_key=key,
+                kind=kind,
+                event=codec.dumps(event.to_dict()),
+                now=time.time(),
+            )
+            if inbox_id is not None:
+                _notify(conn, INBOX_CHANNEL, key)
+            return inbox_id
+
+        inbox_id = await self.runner.store.write(tx)
+        if inbox_id is not None:
+            self.forwarded += 1
+        return inbox_id
+
+    def worker_ended(self, key: str) -> None:
+        """The key's worker ran out of messages: give its lease back (in the background)."""
+        if self.runner._draining:
+            return  # stop() gives every lease back at once
+        task = asyncio.create_task(self._release(key), name=f"release:{key}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _release(self, key: str) -> None:
+        async with self.key_lock(key):
+            if self.runner.is_busy(key):
+                return  # a new message started it again meanwhile: the lease stays
+            self._taken.pop(key, None)
+            name, owner = lease_name(key), self.owner
+            try:
+                outcome = await self.runner.store.write(
+                    lambda conn: _release_if_idle(conn, name, owner, key, self.ttl)
+                )
+            except Exception as exc:  # the database is away: the lease expires by itself
+                log.warning("lease_release_failed", session_key=key, error=str(exc))
+                return
+            if outcome == "busy":
+                await self._pick_up(key)  # messages forwarded while it ran
+
+    # --- picking up --------------------------------------------------------------------
+
+    def _on_inbox(self, key: str) -> None:
+        """A message waits for `key`: queue it if this replica runs the key, else let
+        the sweeper see whether the key is free."""
+        if key and self.runner.is_busy(key):
+            self._spawn(self._pick_up_held(key))
+        else:
+            self._wake_sweeper()
+
+    async def _pick_up_held(self, key: str) -> None:
+        async with self.key_lock(key):
+            if self.runner.is_busy(key):
+                await self._pick_up(key)
+
+    async def _pick_up(self, key: str) -> int:
+        """Queue `key`'s open messages this replica does not run yet (its lease held,
+        under its lock); an interrupted turn's marker is resumed first. Returns how many."""
+        marker, rows = await self.runner.store.read(lambda conn: _open_work(conn, key))
+        taken = self._taken.setdefault(key, set())
+        queued = 0
+        runner = self.runner
+        if marker is not None and not taken.issuperset(marker["inbox_ids"]):
+            entry = await runner.store.get_entry(key)
+            if entry is not None and not entry.resume_pending:
+                await runner.store.mark_resume_pending(key, "replica_takeover")
+            event = MessageEvent.from_dict(
+                marker["event"], inbox_ids=tuple(marker["inbox_ids"]), resume=True, synthetic=True
+            )
+            taken.update(marker["inbox_ids"])
+            await runner.submit(key, event)
+            queued += 1
+        for inbox_id, kind, data in rows:
+            if inbox_id in taken:
+                continue
+            taken.add(inbox_id)
+            event = MessageEvent.from_dict(codec.loads(data), inbox_ids=(inbox_id,))
+            if kind == "command":
+                await runner.run_forwarded_command(key, event)
+            else:
+                await runner.submit(key, event, fifo=kind == "queue")
+            queued += 1
+        if not runner.is_busy(key):
+            # Nothing left to run (commands only): give the lease back.
+            self._taken.pop(key, None)
+            name, owner = lease_name(key), self.owner
+            await runner.store.write(
+                lambda conn: conn.execute(_RELEASE_IF_IDLE, (name, owner, key))
+            )
+        return queued
+
+    # --- the sweeper -----------------------------------------------------------------------
+
+    def _wake_sweeper(self) -> None:
+        self._sweep_wake.set()
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._sweep_wake.wait(), SWEEP_SECONDS)
+            self._sweep_wake.clear()
+            if not self.healthy or not self.runner._accepting:
+                continue
+            try:
+                await self.sweep()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("sweep_failed", error=str(exc))
+
+    async def sweep(self) -> int:
+        """Take the sessions whose messages wait with no live lease: a dead replica's,
+        or ones forwarded just as their holder let go. Returns how many it took."""
+        keys = await self.runner.store.read(
+            lambda conn: [row[0] for row in conn.execute(_ORPHANED, (SWEEP_LIMIT,))]
+        )
+        taken = 0
+        for key in keys:
+            async with self.key_lock(key):
+                if self.runner.is_busy(key) or not await self.claim(key):
+                    continue
+                if await self._pick_up(key):
+                    taken += 1
+        if taken:
+            self.takeovers += taken
+            log.info("sessions_taken_over", sessions=taken, owner=self.owner)
+        return taken
+
+    # --- health and replies ----------------------------------------------------------------
+
+    async def _unhealthy(self) -> None:
+        """The database has not renewed this replica's leases for nearly their whole
+        life: before another replica may take them, stop every turn (their markers stay;
+        whoever takes the session resumes it) and refuse messages (503)."""
+        self.healthy = False
+        log.warning(
+            "replica_lost_database", owner=self.owner, running_turns=self.runner.busy_sessions()
+        )
+        await self.runner.cancel_all_turns()
+        self._taken.clear()
+
+    async def _healthy(self) -> None:
+        self.healthy = True
+        log.info("replica_database_back", owner=self.owner)
+        self._wake_sweeper()
+
+    def publish_reply(self, chat_id: str) -> None:
+        """A reply for an HTTP API chat was recorded: wake its long-pollers everywhere."""
+        self._spawn(self.runner.store.write(lambda conn: _notify(conn, REPLIES_CHANNEL, chat_id)))
+
+    def _on_reply(self, chat_id: str) -> None:
+        for adapter in self.runner.adapters.values():
+            wake = getattr(adapter, "wake", None)
+            if wake is not None:
+                wake(chat_id)
+
+    def _spawn(self, work: Awaitable[Any]) -> None:
+        async def run() -> None:
+            try:
+                await work
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("replica_task_failed", error=str(exc))
+
+        task = asyncio.create_task(run())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+
+def _notify(conn: Any, channel: str, payload: str) -> None:
+    conn.raw.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+
+
+def _release_if_idle(conn: Any, name: str, owner: str, key: str, ttl: float) -> str:
+    """Give the lease back unless messages wait: `released`, `busy` (they wait, the lease
+    stays), or `lost` (another replica holds it now: nothing here is ours to run)."""
+    if conn.execute(_FENCE, (ttl, name, owner)).rowcount != 1:
+        return "lost"
+    if conn.execute(_RELEASE_IF_IDLE, (name, owner, key)).rowcount:
+        return "released"
+    return "busy"
+
+
+def _open_work(conn: Any, key: str) -> tuple[dict[str, Any] | None, list[Any]]:
+    return journal.get_turn(conn, key), conn.execute(_OPEN_FOR_KEY, (key,)).fetchall()

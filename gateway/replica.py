@@ -108,7 +108,7 @@ class Replica:
             on_unhealthy=self._unhealthy,
             on_healthy=self._healthy,
         )
-        self.listener = Listener(self.dsn, on_reconnect=self._wake_sweeper)
+        self.listener = Listener(self.dsn, on_reconnect=self._reconnected)
         self.listener.add(INBOX_CHANNEL, self._on_inbox)
         self.listener.add(REPLIES_CHANNEL, self._on_reply)
         self.roles: list[LeaderRole] = []
@@ -307,6 +307,10 @@ class Replica:
 
     def _wake_sweeper(self) -> None:
         self._sweep_wake.set()
+
+    async def _reconnected(self) -> None:
+        """Notifications sent while the listener was away are lost: sweep now."""
+        self._wake_sweeper()
 
     async def _sweep_loop(self) -> None:
         while True:

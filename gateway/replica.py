@@ -53,6 +53,10 @@ log = structlog.get_logger("gateway.replica")
 INBOX_CHANNEL = "hermes_inbox"  # payload: a session key with a message waiting
 REPLIES_CHANNEL = "hermes_replies"  # payload: an HTTP API chat id with a new reply
 SWEEP_SECONDS = 1.0
+# A lease lives this share of `cluster.failover_seconds`: a standby retries every third
+# of a lease's life, so a dead holder's role moves within 0.7 * (1 + 1/3) of it, and its
+# sessions within 0.7 of it plus one sweep.
+LEASE_SHARE = 0.7
 SWEEP_LIMIT = 200
 HOUSEKEEPING = "leader:housekeeping"
 
@@ -91,7 +95,7 @@ class Replica:
         self.runner = runner
         settings = runner.config.cluster
         self.dsn = runner.config.storage.dsn or ""
-        self.ttl = settings.failover_seconds
+        self.ttl = settings.failover_seconds * LEASE_SHARE
         self.owner = leases.make_owner_id()
         self.healthy = True
         self.takeovers = 0  # sessions resumed from another replica's leftovers

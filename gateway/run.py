@@ -909,18 +909,29 @@ class GatewayRunner(SessionOps):
     def health(self) -> dict[str, Any]:
         adapters = {p.value: a.health() for p, a in self.adapters.items()}
         store = self.store.write_health()
+        # On a replica, a single-connection platform runs on its leader only: elsewhere it
+        # is on standby, not down.
+        serving = [
+            health
+            for platform, health in adapters.items()
+            if self.cluster is None or not self.adapters[Platform(platform)].single_connection
+        ]
+        accepting = self._accepting and (self.cluster is None or self.cluster.healthy)
         ok = (
-            self._accepting
+            accepting
             and store["state"] == "writable"
-            and all(h.get("state") == "running" for h in adapters.values())
+            and all(h.get("state") == "running" for h in serving)
         )
-        return {
+        health = {
             "status": "ok" if ok else "degraded",
-            "accepting": self._accepting,
+            "accepting": accepting,
             "uptime_seconds": round(time.monotonic() - self._started_at, 1),
             "store": store,
             "adapters": adapters,
         }
+        if self.cluster is not None:
+            health["replica"] = self.cluster.status()
+        return health
 
     def status_snapshot(self) -> dict[str, Any]:
         """What `hermes-gateway status` shows (status.json, rewritten when this changes)."""

@@ -8,6 +8,9 @@ typing indicator). `scripted({"long": LONG_REPLY})` makes an agent factory.
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import time
 from collections.abc import Callable
 from typing import ClassVar
 
@@ -102,3 +105,42 @@ class AttachingAgent:
 def attaching(session_key: str, options: dict[str, object]) -> AttachingAgent:
     """`agent.backend: tests.fakes.agents:attaching` with `options: {path: ...}`."""
     return AttachingAgent(session_key, str(options["path"]))
+
+
+class RecordingAgent:
+    """`tests.fakes.agents:recording` (the cluster test, issue 19): answers `done: <text>`
+    after `delay` seconds, and appends a JSON line to the file `path` when each turn starts
+    and ends (event, session key, text, pid, wall time), so a test can check from outside
+    that no two turns of one session overlapped across processes."""
+
+    def __init__(self, session_key: str, path: str, delay: float) -> None:
+        self.session_key = session_key
+        self.path = path
+        self.delay = delay
+
+    def _record(self, event: str, text: str) -> None:
+        line = json.dumps(
+            {
+                "ev": event,
+                "key": self.session_key,
+                "text": text,
+                "pid": os.getpid(),
+                "t": time.time(),
+            }
+        )
+        # One write of one short line in append mode: lines of several processes never mix.
+        with open(self.path, "a", encoding="utf-8") as file:
+            file.write(line + "\n")
+
+    async def run_turn(self, request: TurnRequest) -> TurnResult:
+        self._record("start", request.text)
+        await asyncio.sleep(self.delay)
+        self._record("end", request.text)
+        return TurnResult(f"done: {request.text}")
+
+    async def close(self) -> None:
+        pass
+
+
+def recording(session_key: str, options: dict[str, object]) -> RecordingAgent:
+    return RecordingAgent(session_key, str(options["path"]), float(str(options.get("delay", 0.3))))

@@ -42,7 +42,7 @@ from gateway.cluster import leases
 from gateway.cluster.heartbeat import Heartbeat
 from gateway.cluster.leader import LeaderRole
 from gateway.cluster.notify import Listener
-from gateway.store import codec, journal
+from gateway.store import codec, journal, schedules
 
 if TYPE_CHECKING:
     from adapters.base import PlatformAdapter
@@ -115,6 +115,7 @@ class Replica:
         self.listener = Listener(self.dsn, on_reconnect=self._reconnected)
         self.listener.add(INBOX_CHANNEL, self._on_inbox)
         self.listener.add(REPLIES_CHANNEL, self._on_reply)
+        self.listener.add(schedules.CHANNEL, lambda _: runner.scheduler.wake())
         self.roles: list[LeaderRole] = []
 
     # --- lifecycle -----------------------------------------------------------------------

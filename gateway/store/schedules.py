@@ -18,6 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from gateway.store import entries, purge
+from gateway.store.pg.dialect import is_postgres
 
 ACTIVE, PAUSED, DONE = "active", "paused", "done"
 RUNNING, OK, FAILED, MISSED, INTERRUPTED = "running", "ok", "failed", "missed", "interrupted"
@@ -44,7 +45,19 @@ def _row(values: tuple[Any, ...]) -> dict[str, Any]:
     return dict(zip(_NAMES, values, strict=True))
 
 
+#: PostgreSQL: a schedule added, removed, paused or resumed (by any replica, or the CLI)
+#: is announced here, at commit, so the scheduler of the leader looks again at once.
+CHANNEL = "hermes_schedules"
+
+
+def _announce(conn: Any) -> None:
+    """On SQLite the scheduler notices another process's commit by `data_version`."""
+    if is_postgres(conn):
+        conn.raw.execute("SELECT pg_notify(%s, '')", (CHANNEL,))
+
+
 def insert(conn: sqlite3.Connection, row: dict[str, Any]) -> None:
+    _announce(conn)
     conn.execute(
         f"INSERT INTO schedules ({_COLUMNS}) VALUES ({', '.join('?' * len(_NAMES))})",
         tuple(row.get(name) for name in _NAMES),
@@ -99,6 +112,7 @@ def count_for_user(conn: sqlite3.Connection, platform: str, user_id: str) -> int
 
 def delete(conn: sqlite3.Connection, schedule_id: str) -> bool:
     """The schedule and its runs."""
+    _announce(conn)
     conn.execute("DELETE FROM schedule_runs WHERE schedule_id = ?", (schedule_id,))
     return conn.execute("DELETE FROM schedules WHERE schedule_id = ?", (schedule_id,)).rowcount > 0
 
@@ -136,6 +150,7 @@ def delete_for_user(
 def set_status(
     conn: sqlite3.Connection, schedule_id: str, status: str, next_run_at: float | None, now: float
 ) -> bool:
+    _announce(conn)
     return (
         conn.execute(
             "UPDATE schedules SET status = ?, next_run_at = ?, consecutive_failures = 0,"

@@ -16,6 +16,7 @@ the two engines is a handful of spellings, translated here once per distinct sta
   becomes `ILIKE`;
 - an INSERT into a table with an identity id gets `RETURNING id`, so `lastrowid` works;
 - the schema-version pragmas read and write `hermes_schema` (the group commit's probe);
+- `? IS NULL` casts the parameter to text (PostgreSQL must know every parameter's type);
 - `BEGIN IMMEDIATE` is `BEGIN` (every PostgreSQL write takes its row locks as it goes).
 
 Errors that mean the database cannot be reached or cannot write (connection lost, server
@@ -57,6 +58,7 @@ _INSERT = re.compile(r"^\s*INSERT\s+(OR\s+(IGNORE|REPLACE)\s+)?INTO\s+(\w+)", re
 _COLUMNS = re.compile(r"INTO\s+\w+\s*\(([^)]*)\)", re.IGNORECASE)
 _JSON_EACH = re.compile(r"json_each\(\?\)", re.IGNORECASE)
 _JSON_EXTRACT = re.compile(r"json_extract\(([\w.]+),\s*'\$\.(\w+)'\)", re.IGNORECASE)
+_UNTYPED_NULL_TEST = re.compile(r"\?(\s+IS\s+(?:NOT\s+)?NULL)", re.IGNORECASE)
 _INSTR = re.compile(r"\binstr\(", re.IGNORECASE)
 _LIKE = re.compile(r"(?<!NOT )\bLIKE\b", re.IGNORECASE)
 _PRAGMA_READ = re.compile(r"^\s*PRAGMA\s+user_version\s*$", re.IGNORECASE)
@@ -104,6 +106,8 @@ def translate(sql: str) -> Translated:
     text = _JSON_EACH.sub("json_array_elements_text(?::json)", text)
     text = _JSON_EXTRACT.sub(r"(\1::json ->> '\2')", text)
     text = _INSTR.sub("strpos(", text)
+    # `? IS NULL`: PostgreSQL must know a parameter's type, and nothing else says it.
+    text = _UNTYPED_NULL_TEST.sub(r"CAST(? AS TEXT)\1", text)
     text = _LIKE.sub("ILIKE", text)
     return Translated(_placeholders(text), returns_id)
 

@@ -11,16 +11,21 @@ load goes on to the two left. Then, from the replies and the agent's record:
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
+import urllib.error
+import urllib.request
 from collections import Counter, defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from scripts.harness import Daemon
+from tests.fakes.tcp_proxy import TcpProxy
 from tests.pg_support import fresh_schema
 
 pytestmark = pytest.mark.timeout(240)
@@ -38,15 +43,18 @@ def dsn() -> Iterator[str]:
         yield schema_dsn
 
 
-@pytest.fixture
-def replicas(tmp_path: Path, dsn: str) -> Iterator[list[Daemon]]:
-    record = tmp_path / "turns.jsonl"
-    settings = (
+def replica_settings(record: Path, dsn: str, turn_seconds: float = TURN_SECONDS) -> str:
+    return (
         "agent:\n  backend: tests.fakes.agents:recording\n"
-        f"  options:\n    path: {json.dumps(str(record))}\n    delay: {TURN_SECONDS}\n"
+        f"  options:\n    path: {json.dumps(str(record))}\n    delay: {turn_seconds}\n"
         f"storage:\n  backend: postgres\n  dsn: {json.dumps(dsn)}\n"
         f"cluster:\n  failover_seconds: {FAILOVER}\n"
     )
+
+
+@pytest.fixture
+def replicas(tmp_path: Path, dsn: str) -> Iterator[list[Daemon]]:
+    settings = replica_settings(tmp_path / "turns.jsonl", dsn)
     made = [Daemon(tmp_path / f"replica{i}", settings) for i in range(3)]
     try:
         for daemon in made:
@@ -172,5 +180,74 @@ def test_three_replicas_survive_a_sigkill(replicas: list[Daemon], tmp_path: Path
             by_key[run["key"]].append((run["t"], end))
     for key, spans in by_key.items():
         spans.sort()
-        for (_, earlier_end), (later_start, _) in zip(spans, spans[1:], strict=False):
+        for (_, earlier_end), (later_start, _) in itertools.pairwise(spans):
             assert later_start >= earlier_end, f"overlapping turns in {key}: {spans}"
+
+
+def post_status(daemon: Daemon, chat: str, text: str) -> int:
+    """The HTTP status of a POST (the harness's `post` expects 202)."""
+    request = urllib.request.Request(
+        f"{daemon.url}/v1/messages",
+        data=json.dumps({"chat_id": chat, "user_id": "u1", "text": text}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def accepting(daemon: Daemon) -> bool:
+    return bool(daemon.get("/healthz", timeout=5)["accepting"])
+
+
+def test_a_replica_that_loses_the_database_stops_and_comes_back(tmp_path: Path, dsn: str) -> None:
+    """Replica A reaches PostgreSQL through a proxy the test cuts while A runs a turn: A
+    answers 503 and stops the turn before its lease can pass; B resumes the turn once; A
+    serves again when the proxy is restored."""
+    record = tmp_path / "turns.jsonl"
+    proxy = TcpProxy("127.0.0.1", int(conninfo_to_dict(dsn).get("port") or 5432))
+    proxy.start()
+    via_proxy = make_conninfo(dsn, port=proxy.port)
+    a = Daemon(tmp_path / "a", replica_settings(record, via_proxy, turn_seconds=2.5))
+    b = Daemon(tmp_path / "b", replica_settings(record, dsn, turn_seconds=2.5))
+    try:
+        a.start()
+        b.start()
+        assert a.proc is not None
+        a_pid = a.proc.pid
+        a.post("c1", "long job", message_id="job-1")
+        wait_for(
+            "the turn to start on A",
+            lambda: any(r["pid"] == a_pid and r["ev"] == "start" for r in records(record)),
+            10,
+            interval=0.01,
+        )
+        proxy.cut()
+        cut_at = time.monotonic()
+        wait_for("A to stop accepting", lambda: not accepting(a), FAILOVER + 2)
+        stopped_after = time.monotonic() - cut_at
+        assert stopped_after <= FAILOVER, stopped_after
+        assert post_status(a, "c2", "refused while cut") == 503
+
+        replies = wait_for("the reply, from B", lambda: b.replies("c1"), FAILOVER + 15, 0.1)
+        assert [m["text"] for m in replies] == ["done: long job"]
+        # A never finished the turn it lost: B ran it, once.
+        runs = [r for r in records(record) if r["text"] == "long job"]
+        assert [(r["ev"], r["pid"] == a_pid) for r in runs] == [
+            ("start", True),
+            ("start", False),
+            ("end", False),
+        ], runs
+
+        proxy.restore()
+        wait_for("A to accept again", lambda: accepting(a), FAILOVER * 4, interval=0.1)
+        a.post("c3", "after", message_id="after-1")
+        assert [m["text"] for m in a.wait_replies("c3", 1, timeout=15)] == ["done: after"]
+        time.sleep(1.0)
+        assert [m["text"] for m in b.replies("c1")] == ["done: long job"]  # still once
+    finally:
+        a.ensure_stopped()
+        b.ensure_stopped()
+        proxy.stop()

@@ -24,8 +24,10 @@ from gateway.cluster._support import (
     Backoff,
     Callback,
     SerialCallbacks,
+    bounded,
     close_quietly,
     connect,
+    describe,
     nothing,
 )
 
@@ -111,7 +113,7 @@ class Listener:
                 backoff.reset()
                 await self._receive()
             except CONNECTION_ERRORS as exc:
-                log.warning("listener_disconnected", error=str(exc))
+                log.warning("listener_disconnected", error=describe(exc))
             self._synced.clear()
             self._listening.clear()
             await close_quietly(self._conn)
@@ -129,10 +131,8 @@ class Listener:
     async def _listen_missing(self) -> None:
         assert self._conn is not None
         for channel in [c for c in self._handlers if c not in self._listening]:
-            await asyncio.wait_for(
-                self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel))),
-                self.ping_seconds,
-            )
+            listening = self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            await bounded(self._conn, listening, self.ping_seconds)
             self._listening.add(channel)
         if all(c in self._listening for c in self._handlers):
             self._synced.set()
@@ -149,7 +149,7 @@ class Listener:
             await self._listen_missing()
             if loop.time() - quiet_since >= self.ping_seconds:
                 # A peer that vanished without closing the socket shows here.
-                await asyncio.wait_for(self._conn.execute("SELECT 1"), self.ping_seconds)
+                await bounded(self._conn, self._conn.execute("SELECT 1"), self.ping_seconds)
                 quiet_since = loop.time()
 
     def _dispatch(self, channel: str, payload: str) -> None:

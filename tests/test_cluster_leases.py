@@ -218,7 +218,11 @@ async def roles(dsn: str) -> AsyncIterator[list[LeaderRole]]:
         await role.stop()
 
 
-def leader_role(dsn: str, owner: str, events: list[tuple[str, str]], ttl: float) -> LeaderRole:
+def leader_role(dsn: str, name: str, events: list[tuple[str, str]], ttl: float) -> LeaderRole:
+    """A role on "leader:test" whose owner id is `name` and a part unique to this run
+    (a backend is killed by its application_name: never another run's)."""
+    owner = f"{name}-{secrets.token_hex(4)}"
+
     async def gained() -> None:
         events.append(("gain", owner))
 
@@ -264,7 +268,7 @@ async def test_a_leader_whose_backend_is_killed_keeps_or_hands_over_never_both(
     b.start()
     watch = Overlap([a, b])
     await asyncio.sleep(0.3)
-    assert terminate(dsn, "hermes leader:test killa") == 1
+    assert terminate(dsn, f"hermes leader:test {a.owner}") == 1
     await asyncio.sleep(2.5)  # beyond the lease's 1.5 s
     await watch.stop()
     assert watch.both == []
@@ -367,7 +371,8 @@ async def test_heartbeat_survives_a_killed_backend_and_turns_unhealthy_when_cut_
         relay.freeze()
         cut = time.monotonic()
         await wait_for(lambda: not beat.healthy, within=2)
-        assert time.monotonic() - cut < 1.5 - 0.3  # at ttl - margin after the last beat
+        # at ttl - margin after the last beat, which was before the cut (+ the polling)
+        assert time.monotonic() - cut < 1.5 - 0.3 + 0.05
         await asyncio.sleep(0.6)
         assert calls == ["unhealthy"]
         relay.thaw()
@@ -413,7 +418,8 @@ async def test_listener_delivers_committed_notifies_and_rescans_after_reconnect(
     async def rescan() -> None:
         rescans.append(listener.connections)
 
-    listener = Listener(dsn, on_reconnect=rescan)
+    label = f"test-{secrets.token_hex(4)}"
+    listener = Listener(dsn, on_reconnect=rescan, label=label)
     listener.add("replies", got.append)
     listener.add("replies", on_async)
     listener.start()
@@ -426,7 +432,7 @@ async def test_listener_delivers_committed_notifies_and_rescans_after_reconnect(
                 assert got == []  # not before the sender's commit
             await wait_for(lambda: got == ["s1:7"] and got_async == ["s1:7"], within=2)
 
-            assert terminate(dsn, "hermes listener") == 1
+            assert terminate(dsn, f"hermes listener {label}") == 1
             await wait_for(lambda: rescans == [2], within=3)
             await asyncio.wait_for(listener.subscribed(), 3)
             notify(writer, "replies", "s1:8")

@@ -58,12 +58,14 @@ class Listener:
         dsn: str,
         *,
         on_reconnect: Callback = nothing,
+        label: str = "",
         ping_seconds: float = 5.0,
         backoff_cap: float = 5.0,
         poll_seconds: float = 0.2,
     ) -> None:
         self.dsn = dsn
         self.on_reconnect = on_reconnect
+        self.label = label  # in its application_name: the replica's owner id, say
         self.ping_seconds = ping_seconds
         self.backoff_cap = backoff_cap
         # How long a handler added while running waits for its LISTEN, at most: the
@@ -121,7 +123,9 @@ class Listener:
             await asyncio.sleep(backoff.next_delay())
 
     async def _connect_and_listen(self) -> None:
-        self._conn = await connect(self.dsn, max(self.ping_seconds, 1.0), "listener")
+        self._conn = await connect(
+            self.dsn, max(self.ping_seconds, 1.0), f"listener {self.label}".strip()
+        )
         await self._listen_missing()
         self.connections += 1
         if self.connections > 1:

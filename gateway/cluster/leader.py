@@ -108,9 +108,8 @@ class LeaderRole:
                 won = await bounded(self._conn, acquiring, self.period)
                 live = None
                 if not won:
-                    live = await asyncio.wait_for(
-                        leases.aholder(self._conn, self.name), self.period
-                    )
+                    looking = leases.aholder(self._conn, self.name)
+                    live = await bounded(self._conn, looking, self.period)
             except CONNECTION_ERRORS as exc:
                 log.warning("leader_db_unreachable", lease=self.name, error=describe(exc))
                 await close_quietly(self._conn)

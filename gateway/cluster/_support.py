@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import structlog
@@ -15,6 +15,7 @@ import structlog
 log = structlog.get_logger("gateway.cluster")
 
 Callback = Callable[[], Awaitable[None]]
+T = TypeVar("T")
 
 # What a lost or refused connection raises (OSError: a socket error before libpq wraps
 # it; TimeoutError: our own deadline on a peer that does not answer).
@@ -26,6 +27,11 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+def describe(exc: BaseException) -> str:
+    """An error for the log: its message, or its type when it has none (a timeout)."""
+    return str(exc).strip() or type(exc).__name__
+
+
 async def connect(dsn: str, within: float, purpose: str) -> psycopg.AsyncConnection[Any]:
     """An autocommit connection, or TimeoutError after `within` seconds (libpq's own
     `connect_timeout` counts whole seconds and at least 2). `purpose` becomes its
@@ -34,6 +40,32 @@ async def connect(dsn: str, within: float, purpose: str) -> psycopg.AsyncConnect
         dsn, autocommit=True, application_name=f"hermes {purpose}"[:63]
     )
     return await asyncio.wait_for(opening, within)
+
+
+async def bounded(conn: psycopg.AsyncConnection[Any], operation: Awaitable[T], within: float) -> T:
+    """`operation` on `conn`, or TimeoutError after `within` seconds with `conn` closed.
+
+    Not `asyncio.wait_for`: cancelling a running query makes psycopg ask the server to
+    cancel it and wait for the answer, up to 10 s, from a server that may be the one
+    not answering. Closing the connection first abandons the query at once. The same
+    holds when our caller is cancelled (`stop()` while the database hangs).
+    """
+    task = asyncio.ensure_future(operation)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=within)
+    except asyncio.CancelledError:
+        await _abandon(conn, task)
+        raise
+    if not done:
+        await _abandon(conn, task)
+        raise TimeoutError(f"no answer from the database within {within:.1f} s")
+    return task.result()
+
+
+async def _abandon(conn: psycopg.AsyncConnection[Any], task: asyncio.Future[Any]) -> None:
+    await conn.close()  # immediate: libpq's finish(), no round trip
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
 
 
 async def close_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:

@@ -26,8 +26,10 @@ from gateway.cluster._support import (
     Backoff,
     Callback,
     SerialCallbacks,
+    bounded,
     close_quietly,
     connect,
+    describe,
     nothing,
 )
 
@@ -94,12 +96,11 @@ class Heartbeat:
                 if self._conn is None:
                     self._conn = await connect(self.dsn, self.interval, f"heartbeat {self.owner}")
                 sent = loop.time()
-                count = await asyncio.wait_for(
-                    leases.arenew(self._conn, self.owner, self.ttl), self.interval
-                )
+                renewing = leases.arenew(self._conn, self.owner, self.ttl)
+                count = await bounded(self._conn, renewing, self.interval)
             except CONNECTION_ERRORS as exc:
                 self.failures += 1
-                log.warning("heartbeat_failed", owner=self.owner, error=str(exc))
+                log.warning("heartbeat_failed", owner=self.owner, error=describe(exc))
                 await close_quietly(self._conn)
                 self._conn = None
                 await asyncio.sleep(backoff.next_delay())

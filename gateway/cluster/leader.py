@@ -24,8 +24,10 @@ from gateway.cluster._support import (
     Backoff,
     Callback,
     SerialCallbacks,
+    bounded,
     close_quietly,
     connect,
+    describe,
     nothing,
 )
 
@@ -84,11 +86,13 @@ class LeaderRole:
             self._task = None
         self._step_down("stopped")
         await self._callbacks.wait()
-        if self._conn is not None:  # without it the lease runs out in `ttl` seconds
-            try:
-                await asyncio.wait_for(leases.arelease(self._conn, self.name, self.owner), 2.0)
-            except CONNECTION_ERRORS as exc:
-                log.warning("leader_release_failed", lease=self.name, error=str(exc))
+        try:  # on failure the lease runs out by itself in `ttl` seconds
+            if self._conn is None or self._conn.closed:
+                self._conn = await connect(self.dsn, self.period, f"{self.name} {self.owner}")
+            releasing = leases.arelease(self._conn, self.name, self.owner)
+            await bounded(self._conn, releasing, self.period)
+        except CONNECTION_ERRORS as exc:
+            log.warning("leader_release_failed", lease=self.name, error=describe(exc))
         await close_quietly(self._conn)
         self._conn = None
 
@@ -100,16 +104,14 @@ class LeaderRole:
                 if self._conn is None:
                     self._conn = await connect(self.dsn, self.period, f"{self.name} {self.owner}")
                 sent = loop.time()
-                won = await asyncio.wait_for(
-                    leases.atry_acquire(self._conn, self.name, self.owner, self.ttl), self.period
-                )
+                acquiring = leases.atry_acquire(self._conn, self.name, self.owner, self.ttl)
+                won = await bounded(self._conn, acquiring, self.period)
                 live = None
                 if not won:
-                    live = await asyncio.wait_for(
-                        leases.aholder(self._conn, self.name), self.period
-                    )
+                    looking = leases.aholder(self._conn, self.name)
+                    live = await bounded(self._conn, looking, self.period)
             except CONNECTION_ERRORS as exc:
-                log.warning("leader_db_unreachable", lease=self.name, error=str(exc))
+                log.warning("leader_db_unreachable", lease=self.name, error=describe(exc))
                 await close_quietly(self._conn)
                 self._conn = None
                 await asyncio.sleep(backoff.next_delay())

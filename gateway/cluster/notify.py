@@ -24,8 +24,10 @@ from gateway.cluster._support import (
     Backoff,
     Callback,
     SerialCallbacks,
+    bounded,
     close_quietly,
     connect,
+    describe,
     nothing,
 )
 
@@ -56,12 +58,14 @@ class Listener:
         dsn: str,
         *,
         on_reconnect: Callback = nothing,
+        label: str = "",
         ping_seconds: float = 5.0,
         backoff_cap: float = 5.0,
         poll_seconds: float = 0.2,
     ) -> None:
         self.dsn = dsn
         self.on_reconnect = on_reconnect
+        self.label = label  # in its application_name: the replica's owner id, say
         self.ping_seconds = ping_seconds
         self.backoff_cap = backoff_cap
         # How long a handler added while running waits for its LISTEN, at most: the
@@ -111,7 +115,7 @@ class Listener:
                 backoff.reset()
                 await self._receive()
             except CONNECTION_ERRORS as exc:
-                log.warning("listener_disconnected", error=str(exc))
+                log.warning("listener_disconnected", error=describe(exc))
             self._synced.clear()
             self._listening.clear()
             await close_quietly(self._conn)
@@ -119,7 +123,9 @@ class Listener:
             await asyncio.sleep(backoff.next_delay())
 
     async def _connect_and_listen(self) -> None:
-        self._conn = await connect(self.dsn, max(self.ping_seconds, 1.0), "listener")
+        self._conn = await connect(
+            self.dsn, max(self.ping_seconds, 1.0), f"listener {self.label}".strip()
+        )
         await self._listen_missing()
         self.connections += 1
         if self.connections > 1:
@@ -129,10 +135,8 @@ class Listener:
     async def _listen_missing(self) -> None:
         assert self._conn is not None
         for channel in [c for c in self._handlers if c not in self._listening]:
-            await asyncio.wait_for(
-                self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel))),
-                self.ping_seconds,
-            )
+            listening = self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            await bounded(self._conn, listening, self.ping_seconds)
             self._listening.add(channel)
         if all(c in self._listening for c in self._handlers):
             self._synced.set()
@@ -149,7 +153,7 @@ class Listener:
             await self._listen_missing()
             if loop.time() - quiet_since >= self.ping_seconds:
                 # A peer that vanished without closing the socket shows here.
-                await asyncio.wait_for(self._conn.execute("SELECT 1"), self.ping_seconds)
+                await bounded(self._conn, self._conn.execute("SELECT 1"), self.ping_seconds)
                 quiet_since = loop.time()
 
     def _dispatch(self, channel: str, payload: str) -> None:

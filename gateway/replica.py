@@ -112,7 +112,7 @@ class Replica:
             on_unhealthy=self._unhealthy,
             on_healthy=self._healthy,
         )
-        self.listener = Listener(self.dsn, on_reconnect=self._reconnected)
+        self.listener = Listener(self.dsn, on_reconnect=self._reconnected, label=self.owner)
         self.listener.add(INBOX_CHANNEL, self._on_inbox)
         self.listener.add(REPLIES_CHANNEL, self._on_reply)
         self.listener.add(schedules.CHANNEL, lambda _: runner.scheduler.wake())
@@ -127,8 +127,10 @@ class Replica:
         on_lose: Callable[[], Awaitable[None]],
     ) -> LeaderRole:
         """A leader role: `on_gain` runs on the one replica holding `name`."""
+        # An owner id of its own: the heartbeat (which renews every lease of `owner`)
+        # must not keep a leader lease alive while the role's own connection is down.
         role = LeaderRole(
-            self.dsn, name, self.owner, on_gain=on_gain, on_lose=on_lose, ttl=self.ttl
+            self.dsn, name, f"{self.owner}/lead", on_gain=on_gain, on_lose=on_lose, ttl=self.ttl
         )
         self.roles.append(role)
         return role

@@ -36,6 +36,7 @@ from datetime import datetime
 from typing import Any
 
 from gateway.store import codec, entries
+from gateway.store.pg.dialect import is_postgres
 
 SCRUBBED_EVENT = "{}"  # what a finished inbox row keeps of its event
 # Left to gateway.store.entries (its tables are being reshaped; never raw SQL here).
@@ -49,15 +50,23 @@ class SessionBusy(Exception):
 def tables_with_session_id(conn: sqlite3.Connection) -> list[str]:
     """Every table of state.db with a `session_id` column, `sessions` last (it is what
     the others refer to)."""
-    names = [
-        name
-        for (name,) in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
-            " ORDER BY name"
+    if is_postgres(conn):
+        # The tables of the schema on the search_path (the store's own).
+        found = conn.execute(
+            "SELECT table_name FROM information_schema.columns WHERE column_name = 'session_id'"
+            " AND table_schema = current_schema() ORDER BY table_name"
         )
-        if not name.startswith(_ROUTING_TABLE_PREFIX)
-        and any(col[1] == "session_id" for col in conn.execute(f'PRAGMA table_info("{name}")'))
-    ]
+        names = [name for (name,) in found if not name.startswith(_ROUTING_TABLE_PREFIX)]
+    else:
+        names = [
+            name
+            for (name,) in conn.execute(
+                "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+                " ORDER BY name"
+            )
+            if not name.startswith(_ROUTING_TABLE_PREFIX)
+            and any(col[1] == "session_id" for col in conn.execute(f'PRAGMA table_info("{name}")'))
+        ]
     return sorted(names, key=lambda name: name == "sessions")
 
 

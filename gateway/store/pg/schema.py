@@ -271,7 +271,7 @@ CREATE TABLE streams (
 );
 
 -- Cluster leases (gateway.cluster): a named role or turn held by one replica until
--- expires_at (Unix seconds, the database's clock), renewed by its owner.
+-- expires_at (Unix seconds), renewed by its owner.
 CREATE TABLE leases (
     name        TEXT PRIMARY KEY,
     owner       TEXT NOT NULL,

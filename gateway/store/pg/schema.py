@@ -349,6 +349,9 @@ def migrate(conn: psycopg.Connection) -> None:
                 conn.execute("INSERT INTO hermes_schema (version) VALUES (%s)", (version,))
             else:
                 version = max(current, BASELINE - 1) + 1
-                conn.execute(_STEPS[version])
+                step = _STEPS.get(version)
+                if step is None:  # a SQLite step added without its twin here
+                    raise psycopg.ProgrammingError(f"no PostgreSQL step for version {version}")
+                conn.execute(step)
                 conn.execute("UPDATE hermes_schema SET version = %s", (version,))
     raise AssertionError("unreachable: migrate made no progress")  # pragma: no cover

@@ -279,3 +279,32 @@ def test_a_home_without_state_db_is_refused(tmp_path: Path) -> None:
     done = cli(tmp_path, "storage", "migrate", "--to", pg_dsn())
     assert done.returncode == 1
     assert "nothing to copy" in done.stderr
+
+
+async def _read_back(sessions: Path, config: GatewayConfig) -> dict[str, Any]:
+    """What the store shows of the three chats: their entries and transcripts."""
+    shown: dict[str, Any] = {}
+    async with SessionStore(sessions, config) as store:
+        for n in range(3):
+            entry = await store.get_entry(store.session_key_for(source(n)))
+            assert entry is not None
+            shown[entry.session_key] = (
+                entry.to_dict(),
+                await store.load_transcript(entry.session_id),
+                await store.count_messages(entry.session_id),
+            )
+    return shown
+
+
+def test_the_copied_store_opens_on_postgres_as_it_was(home: Path, pg_schema_dsn: str) -> None:
+    on_sqlite = asyncio.run(_read_back(home / "sessions", GatewayConfig()))
+
+    done = cli(home, "storage", "migrate", "--to", pg_schema_dsn)
+    assert done.returncode == 0, done.stderr
+
+    config = GatewayConfig.model_validate(
+        {"storage": {"backend": "postgres", "dsn": pg_schema_dsn}}
+    )
+    on_postgres = asyncio.run(_read_back(home / "elsewhere", config))
+    assert on_postgres == on_sqlite
+    assert len(on_postgres) == 3

@@ -420,6 +420,10 @@ class MediaConfig(BaseModel):
 
 
 class StorageConfig(BaseModel):
+    """Where state lives: `sqlite` (state.db in the home, zero-config) or `postgres` (the
+    database at `dsn`, shared by every replica; `hermes-gateway storage migrate` moves an
+    existing home there)."""
+
     model_config = _MODEL_CONFIG
 
     # Upper bound on how often sessions.json is rewritten, so a burst of messages
@@ -430,13 +434,19 @@ class StorageConfig(BaseModel):
     # database `dsn` names, shared by every replica (README, "Running several replicas").
     backend: Literal["sqlite", "postgres"] = "sqlite"
     # postgresql://user:${HERMES_PG_PASSWORD}@host:5432/db; never logged (repr=False).
-    dsn: str | None = Field(default=None, repr=False)
+    # Checked as a field (validate_default: also when absent) so the error names
+    # `storage.dsn` itself; `backend` is declared first, so its value is known here.
+    dsn: str | None = Field(default=None, repr=False, validate_default=True)
 
-    @model_validator(mode="after")
-    def _dsn_for_postgres(self) -> StorageConfig:
-        if self.backend == "postgres" and not self.dsn:
-            raise ValueError("dsn: required when backend is postgres (postgresql://...)")
-        return self
+    @field_validator("dsn")
+    @classmethod
+    def _dsn_for_postgres(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("backend") == "postgres" and not (value and value.strip()):
+            raise ValueError(
+                "is required when storage.backend is postgres"
+                " (postgresql://USER:${HERMES_PG_PASSWORD}@HOST:PORT/DB)"
+            )
+        return value
 
 
 class ClusterConfig(BaseModel):

@@ -565,3 +565,41 @@ def test_example_shows_every_field() -> None:
     shown = set(yaml_key_paths(yaml.safe_load(example_with_optional_settings_enabled())))
     missing = set(schema_key_paths(GatewayConfig)) - shown
     assert not missing, f"hermes.yaml.example does not show: {sorted(missing)}"
+
+
+# --- storage backend ------------------------------------------------------------------
+
+
+def test_storage_defaults_to_sqlite_without_a_dsn() -> None:
+    assert GatewayConfig().storage.backend == "sqlite"
+    assert GatewayConfig().storage.dsn is None
+
+
+def test_postgres_without_a_dsn_names_storage_dsn(tmp_path: Path) -> None:
+    error = config_error(tmp_path, "storage:\n  backend: postgres\n")
+    assert error.problems == [
+        "storage.dsn: is required when storage.backend is postgres"
+        " (postgresql://USER:${HERMES_PG_PASSWORD}@HOST:PORT/DB)"
+    ]
+
+
+def test_postgres_dsn_expands_its_password_and_hides_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HERMES_PG_PASSWORD", "pg-SECRET7")
+    path = write_config(
+        tmp_path,
+        """
+        storage:
+          backend: postgres
+          dsn: postgresql://hermes:${HERMES_PG_PASSWORD}@db:5432/hermes
+        """,
+    )
+    config = load_config(path)
+    assert config.storage.dsn == "postgresql://hermes:pg-SECRET7@db:5432/hermes"
+    assert "pg-SECRET7" not in repr(config)
+
+
+def test_an_unknown_storage_backend_is_refused(tmp_path: Path) -> None:
+    error = config_error(tmp_path, "storage:\n  backend: mysql\n")
+    assert error.problems == ["storage.backend: Input should be 'sqlite' or 'postgres'"]

@@ -17,6 +17,7 @@ from tests.pg_support import pg_schema_dsn
 __all__ = ["pg_schema_dsn"]  # the fixture, imported for pytest
 
 PG_ONLY = {"leases", "hermes_schema"}
+ONE_SESSION = "INSERT INTO sessions (session_id, session_key, started_at) VALUES ('s', 'k', 1)"
 
 
 def sqlite_tables() -> dict[str, dict[str, bool]]:
@@ -153,9 +154,12 @@ def test_triggers_log_messages_and_notes_as_on_sqlite(pg_schema_dsn: str) -> Non
             "INSERT INTO notes (note_id, namespace, agent_id, platform, user_id, content,"
             " created_at, updated_at) VALUES ('n1', 'ns', 'main', 'http', 'u', 'x', 1, 1)"
         )
+        counted = [conn.execute("SELECT count(*) FROM note_log").fetchone()[0]]
         conn.execute("UPDATE notes SET content = 'y'")
+        counted.append(conn.execute("SELECT count(*) FROM note_log").fetchone()[0])
         conn.execute("DELETE FROM notes")
         logged = conn.execute("SELECT note_id FROM note_log ORDER BY seq").fetchall()
+        assert counted == [1, 2]
         assert logged == [("n1",)] * 3
 
 

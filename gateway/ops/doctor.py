@@ -7,6 +7,9 @@ deleted: it is set aside as `state.db.corrupt-<time>`, a fresh database is built
 it from every row that can still be read, and the routing index is rebuilt from the
 transcripts and the `sessions.json` mirror.
 
+With `storage.backend: postgres` the state.db checks give way to the database's: it
+answers, its schema version, its `leases` table (`check_postgres`).
+
 Exit codes: 0 no errors, 1 errors (remaining after --repair), or --repair refused.
 """
 
@@ -34,6 +37,8 @@ from gateway.store.fts import search_files
 from gateway.store.homelock import HomeInUse, HomeLock, held_by
 from gateway.store.migrations import SCHEMA_VERSION
 from gateway.store.mirror import IMPORT_CANNOT_RESTORE, write_sessions_json
+from gateway.store.pg import health as pg_health
+from gateway.store.pg.dsn import redact
 from gateway.store.salvage import create_database, salvage
 from gateway.store.session_store import SESSIONS_JSON, STATE_DB
 
@@ -333,10 +338,58 @@ def check_clean_shutdown(paths: Paths) -> Finding:
     return Finding("clean shutdown", OK, detail)
 
 
-def run_checks(paths: Paths) -> list[Finding]:
+def check_postgres(dsn: str) -> list[Finding]:
+    """A PostgreSQL store (storage.backend: postgres): it answers, its schema is this
+    gateway's (or older: the next start migrates it), and the cluster's lease table is
+    there. Reads only; the DSN is shown without its password."""
+    found = pg_health.inspect(dsn)
+    where = redact(dsn)
+    if found.error is not None:
+        return [Finding("postgres", ERROR, f"cannot connect to {where}: {found.error}")]
+    findings = [Finding("postgres", OK, f"{where} ({found.server})")]
+    name = "postgres schema"
+    if found.schema is None:
+        detail = "search_path names no schema that exists: nowhere to create the tables"
+        return [*findings, Finding(name, ERROR, detail)]
+    if found.version > SCHEMA_VERSION:
+        detail = (
+            f"schema version {found.version} is newer than this gateway ({SCHEMA_VERSION}):"
+            " upgrade hermes-gateway"
+        )
+        return [*findings, Finding(name, ERROR, detail)]
+    if found.version == 0:
+        detail = "no schema yet (the first start creates it; storage migrate fills it)"
+        return [*findings, Finding(name, OK, detail)]
+    if found.version < SCHEMA_VERSION:
+        detail = f"schema version {found.version}: the next start migrates it to {SCHEMA_VERSION}"
+        findings.append(Finding(name, WARN, detail))
+    else:
+        findings.append(Finding(name, OK, f"schema version {found.version} in {found.schema}"))
+    if not found.leases_table:
+        detail = "table `leases` is missing: the schema is damaged (replicas cannot coordinate)"
+        return [*findings, Finding("leases", ERROR, detail)]
+    expired = f", {found.expired_leases} expired" if found.expired_leases else ""
+    return [*findings, Finding("leases", OK, f"{found.leases} held{expired}")]
+
+
+def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Finding]:
     home = check_home(paths)
     if home.status == ERROR:
         return [home]
+    storage = config.storage if config is not None else None
+    if storage is not None and storage.backend == "postgres" and storage.dsn:
+        # The store is in the database: state.db and its journal are not the gateway's.
+        found = [
+            home,
+            check_sessions_dir(paths),
+            check_permissions(paths),
+            check_env_file(paths),
+            *check_postgres(storage.dsn),
+            check_temp_files(paths),
+            check_restart_counts(paths),
+            check_clean_shutdown(paths),
+        ]
+        return [finding for finding in found if finding is not None]
     db = check_state_db(paths)
     found = [
         home,
@@ -501,7 +554,7 @@ def cmd_doctor(args: argparse.Namespace, config: GatewayConfig) -> int:
         if done is None:
             return 1
         repaired = done
-    findings = run_checks(paths)
+    findings = run_checks(paths, config)
     if findings[0].status != ERROR:
         holder = held_by(paths.home)
         if holder is not None:

@@ -37,7 +37,8 @@ def passwords(dsn: str) -> list[str]:
     for pattern in _patterns(dsn):
         for match in pattern.finditer(dsn):
             raw = match.group("pw")
-            found |= {raw, unquote(raw), raw.strip("'")}
+            quoted = raw.strip("'")
+            found |= {raw, unquote(raw), quoted, re.sub(r"\\(.)", r"\1", quoted)}
     return sorted((p for p in found if p), key=len, reverse=True)
 
 

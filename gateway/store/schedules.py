@@ -81,7 +81,7 @@ def listed(
 ) -> list[dict[str, Any]]:
     """Schedules, oldest first. With `user_id`: the user's own, and those of the chat
     `chat_id` that nobody in particular made (the operator's, from the CLI)."""
-    where, params = ["1"], []
+    where, params = ["TRUE"], []  # TRUE, not 1: PostgreSQL wants a boolean
     if agent_id is not None:
         where.append("agent_id = ?")
         params.append(agent_id)

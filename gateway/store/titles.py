@@ -98,7 +98,8 @@ def find(conn: sqlite3.Connection, session_key: str, text: str) -> list[tuple[st
     pattern = wanted.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
     shown_title = f"coalesce(title, '{DEFAULT_TITLE}')"
     rows = conn.execute(
-        f"SELECT session_id, {shown_title}, {shown_title} = ? COLLATE NOCASE FROM sessions"
+        # lower() on both sides, not COLLATE NOCASE: the same on SQLite and PostgreSQL.
+        f"SELECT session_id, {shown_title}, lower({shown_title}) = lower(?) FROM sessions"
         f" WHERE session_key = ? AND {shown_title} LIKE ? ESCAPE '\\'"
         " ORDER BY started_at DESC, session_id DESC",
         (wanted, session_key, pattern),

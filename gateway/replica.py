@@ -42,6 +42,7 @@ from gateway.cluster import leases
 from gateway.cluster.heartbeat import Heartbeat
 from gateway.cluster.leader import LeaderRole
 from gateway.cluster.notify import Listener
+from gateway.housekeeping import RESEND_AFTER_SECONDS
 from gateway.store import codec, journal, schedules
 
 if TYPE_CHECKING:
@@ -117,6 +118,7 @@ class Replica:
         self.listener.add(REPLIES_CHANNEL, self._on_reply)
         self.listener.add(schedules.CHANNEL, lambda _: runner.scheduler.wake())
         self.roles: list[LeaderRole] = []
+        self._adapter_roles: dict[str, LeaderRole] = {}
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -138,7 +140,8 @@ class Replica:
     def lead_adapter(self, adapter: PlatformAdapter) -> None:
         """A platform with one connection per bot (polling, a gateway socket): started on
         the leader of `leader:{platform}` only, stopped when it stops leading."""
-        self.lead(f"leader:{adapter.platform.value}", adapter.start, adapter.stop)
+        role = self.lead(f"leader:{adapter.platform.value}", adapter.start, adapter.stop)
+        self._adapter_roles[adapter.platform.value] = role
 
     async def start(self) -> None:
         self.runner.turnlog.fence = self.fence
@@ -341,6 +344,8 @@ class Replica:
         )
         taken = 0
         for key in keys:
+            if not self.can_run(key):
+                continue
             async with self.key_lock(key):
                 if self.runner.is_busy(key) or not await self.claim(key):
                     continue
@@ -349,7 +354,22 @@ class Replica:
         if taken:
             self.takeovers += taken
             log.info("sessions_taken_over", sessions=taken, owner=self.owner)
+            # Replies a dead replica recorded but did not send (older than a live sender
+            # can still be busy with): sent now, not at the next housekeeping pass.
+            await self.runner.resend_pending(RESEND_AFTER_SECONDS)
         return taken
+
+    def can_run(self, key: str) -> bool:
+        """Whether this replica may run `key`: a session of a single-connection platform
+        (Telegram polling, Discord, Slack Socket Mode) only on that platform's leader,
+        the one replica that can send there."""
+        parts = key.split(":")
+        platform = parts[2] if len(parts) > 2 else ""
+        for adapter in self.runner.adapters.values():
+            if adapter.platform.value == platform and adapter.single_connection:
+                role = self._adapter_roles.get(platform)
+                return role is not None and role.is_leader
+        return True
 
     # --- health and replies ----------------------------------------------------------------
 

@@ -21,8 +21,8 @@ from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage
 from tests.fakes.openai_server import FakeOpenAI
-from tests.pg_support import StorageBackend
 from tests.gateway_client import GatewayClient
+from tests.pg_support import StorageBackend
 
 SESSION_ID = re.compile(r"\d{8}_\d{6}_[0-9a-f]{8}")
 
@@ -72,9 +72,7 @@ MakeGateway = Callable[..., Awaitable[Gateway]]
 
 
 @pytest.fixture
-async def make_gateway(
-    tmp_path: Path, store_backend: StorageBackend
-) -> AsyncIterator[MakeGateway]:
+async def make_gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterator[MakeGateway]:
     """Gateways on the backend under test (`store_backend`): on PostgreSQL each runs as a
     replica (gateway.replica), alone on its schema."""
     made: list[Gateway] = []

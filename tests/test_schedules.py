@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from adapters.http import HttpAdapter
@@ -28,8 +29,10 @@ from gateway.run import GatewayRunner
 from gateway.schedules.cadence import Cadence
 from gateway.session import schedule_session_key
 from gateway.store import schedules as rows
+from gateway.store.pg.dialect import translate
 from tests.fakes.openai_server import FakeOpenAI, serve_in_a_thread, tool_calls, tool_results
 from tests.gateway_client import GatewayClient, RunningGateway
+from tests.pg_support import StorageBackend
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -56,7 +59,9 @@ MakeGateway = Callable[..., Awaitable[Gateway]]
 
 
 @pytest.fixture
-async def make_gateway(tmp_path: Path) -> AsyncIterator[MakeGateway]:
+async def make_gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterator[MakeGateway]:
+    """Gateways on the backend under test (`store_backend`; on PostgreSQL a replica,
+    whose scheduler runs once it leads housekeeping)."""
     made: list[Gateway] = []
 
     async def make(
@@ -74,6 +79,7 @@ async def make_gateway(tmp_path: Path) -> AsyncIterator[MakeGateway]:
                 **settings,
             }
         )
+        config = store_backend.apply(config)
         adapter = HttpAdapter(config.platforms.http)
         runner = GatewayRunner(
             config,
@@ -407,8 +413,12 @@ async def test_forgetting_a_user_deletes_their_schedules(make_gateway: MakeGatew
 # --- after downtime, after a crash -------------------------------------------------------------
 
 
-def _rewrite(home: Path, sql: str, *params: Any) -> None:
-    """Change state.db while no gateway runs on it (what hours of downtime leave)."""
+def _rewrite(backend: StorageBackend, home: Path, sql: str, *params: Any) -> None:
+    """Change the store while no gateway runs on it (what hours of downtime leave)."""
+    if backend.postgres:
+        with psycopg.connect(backend.dsn or "", autocommit=True) as pg:
+            pg.execute(translate(sql).sql, params)
+        return
     conn = sqlite3.connect(home / "sessions" / "state.db")
     try:
         conn.execute(sql, params)
@@ -419,7 +429,7 @@ def _rewrite(home: Path, sql: str, *params: Any) -> None:
 
 @pytest.mark.parametrize("catch_up", ["once", "skip"])
 async def test_three_hours_down_with_an_hourly_schedule(
-    make_gateway: MakeGateway, tmp_path: Path, catch_up: str
+    make_gateway: MakeGateway, tmp_path: Path, catch_up: str, store_backend: StorageBackend
 ) -> None:
     home = tmp_path / "down"
     gw = await make_gateway(home=home)
@@ -431,6 +441,7 @@ async def test_three_hours_down_with_an_hourly_schedule(
     anchor = now - 3 * 3600 - 600
     cadence = Cadence("interval", "UTC", seconds=3600, anchor=anchor)
     _rewrite(
+        store_backend,
         home,
         "UPDATE schedules SET cadence = ?, next_run_at = ? WHERE schedule_id = ?",
         cadence.to_json(),
@@ -460,7 +471,7 @@ async def test_three_hours_down_with_an_hourly_schedule(
 
 
 async def test_a_claimed_run_whose_turn_is_gone_is_recorded_interrupted(
-    make_gateway: MakeGateway, tmp_path: Path
+    make_gateway: MakeGateway, tmp_path: Path, store_backend: StorageBackend
 ) -> None:
     home = tmp_path / "crashed"
     gw = await make_gateway(home=home)
@@ -469,6 +480,7 @@ async def test_a_claimed_run_whose_turn_is_gone_is_recorded_interrupted(
     # A run claimed before a crash, whose turn marker the stuck-loop guard then dropped.
     fire = time.time() - 60
     _rewrite(
+        store_backend,
         home,
         "INSERT INTO schedule_runs (schedule_id, fire_time, status, started_at)"
         " VALUES (?, ?, 'running', ?)",

@@ -1,0 +1,99 @@
+"""Single-connection platforms on several replicas (issue 19): Telegram long polling runs
+on exactly one replica, the holder of `leader:telegram`, and moves to the other when the
+holder stops. Two gateways in one event loop on one PostgreSQL schema, against the fake
+Bot API."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from adapters.telegram import TelegramAdapter
+from config import GatewayConfig
+from gateway.run import GatewayRunner
+from tests.fakes.agents import scripted
+from tests.fakes.telegram_api import FakeTelegram
+from tests.pg_support import fresh_schema
+from tests.waiting import wait_for
+
+TOKEN = "123456:AAH-test-TOKEN_abcdefghijklmnopqrst"
+ADA = FakeTelegram.user(42, "Ada", "ada")
+FAILOVER = 1.5
+
+
+@pytest.fixture
+async def tg() -> AsyncIterator[FakeTelegram]:
+    async with FakeTelegram(token=TOKEN) as fake:
+        yield fake
+
+
+@pytest.fixture
+def dsn() -> AsyncIterator[str]:
+    with fresh_schema() as schema_dsn:
+        yield schema_dsn
+
+
+def replica(tg: FakeTelegram, dsn: str, home: Path) -> tuple[GatewayRunner, TelegramAdapter]:
+    config = GatewayConfig.model_validate(
+        {
+            "timezone": "UTC",
+            "storage": {"backend": "postgres", "dsn": dsn},
+            "cluster": {"failover_seconds": FAILOVER},
+            "platforms": {
+                "telegram": {
+                    "enabled": True,
+                    "token": TOKEN,
+                    "base_url": tg.base_url,
+                    "poll_timeout": 1,
+                    "allowed_users": ["42"],
+                }
+            },
+        }
+    )
+    adapter = TelegramAdapter(config.platforms.telegram)
+    return GatewayRunner(config, [adapter], agent_factory=scripted({}), home=home), adapter
+
+
+def polling(adapters: list[TelegramAdapter]) -> list[TelegramAdapter]:
+    return [a for a in adapters if a.health().get("state") == "running"]
+
+
+async def test_telegram_polling_runs_on_one_replica_and_moves_when_it_stops(
+    tg: FakeTelegram, dsn: str, tmp_path: Path
+) -> None:
+    runners, adapters = [], []
+    for i in range(2):
+        runner, adapter = replica(tg, dsn, tmp_path / f"home{i}")
+        await runner.start()
+        runners.append(runner)
+        adapters.append(adapter)
+    stopped: list[GatewayRunner] = []
+    try:
+        await wait_for(lambda: len(polling(adapters)) == 1, within=FAILOVER * 3)
+        # Never two pollers at once, sampled for a while.
+        for _ in range(20):
+            assert len(polling(adapters)) <= 1
+            await asyncio.sleep(0.05)
+        (leader,) = polling(adapters)
+        tg.push_message(tg.private_chat(ADA), ADA, "first")
+        await wait_for(lambda: len(tg.sent) == 1)
+
+        index = adapters.index(leader)
+        moved_from = time.monotonic()
+        await runners[index].stop()  # a clean stop hands the role over at once
+        stopped.append(runners[index])
+        other = adapters[1 - index]
+        await wait_for(lambda: polling(adapters) == [other], within=FAILOVER * 2)
+        assert time.monotonic() - moved_from <= FAILOVER
+        tg.push_message(tg.private_chat(ADA), ADA, "second")
+        await wait_for(lambda: len(tg.sent) == 2)
+        await asyncio.sleep(0.5)
+        assert [m["text"] for m in tg.sent_messages] == ["echo: first", "echo: second"]
+    finally:
+        for runner in runners:
+            if runner not in stopped:
+                await runner.stop()

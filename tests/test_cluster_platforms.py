@@ -9,6 +9,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,7 +38,9 @@ def dsn() -> AsyncIterator[str]:
         yield schema_dsn
 
 
-def replica(tg: FakeTelegram, dsn: str, home: Path) -> tuple[GatewayRunner, TelegramAdapter]:
+def replica(
+    tg: FakeTelegram, dsn: str, home: Path, **telegram: Any
+) -> tuple[GatewayRunner, TelegramAdapter]:
     config = GatewayConfig.model_validate(
         {
             "timezone": "UTC",
@@ -50,6 +53,7 @@ def replica(tg: FakeTelegram, dsn: str, home: Path) -> tuple[GatewayRunner, Tele
                     "base_url": tg.base_url,
                     "poll_timeout": 1,
                     "allowed_users": ["42"],
+                    **telegram,
                 }
             },
         }
@@ -97,3 +101,42 @@ async def test_telegram_polling_runs_on_one_replica_and_moves_when_it_stops(
         for runner in runners:
             if runner not in stopped:
                 await runner.stop()
+
+
+async def test_telegram_webhooks_on_every_replica_answer_each_update_once(
+    tg: FakeTelegram, dsn: str, tmp_path: Path
+) -> None:
+    """Webhook mode behind a load balancer: both replicas serve the hook, and an update
+    Telegram sends again (to whichever replica the balancer picks) is answered once."""
+    webhook = {
+        "mode": "webhook",
+        "webhook_url": "https://hermes.example/telegram/hook",
+        "webhook_secret": "s3cret-Token_1",
+        "port": 0,
+    }
+    runners, adapters = [], []
+    try:
+        for i in range(2):
+            runner, adapter = replica(tg, dsn, tmp_path / f"home{i}", **webhook)
+            await runner.start()
+            runners.append(runner)
+            adapters.append(adapter)
+        assert [a.single_connection for a in adapters] == [False, False]
+        urls = [f"http://127.0.0.1:{a.webhook_port}/telegram/hook" for a in adapters]
+        updates = [tg.make_message_update(tg.private_chat(ADA), ADA, f"m{i}") for i in range(6)]
+        for i, update in enumerate(updates):
+            # Round robin, and every update once more to the other replica (a retry).
+            for url in (urls[i % 2], urls[(i + 1) % 2]):
+                assert await tg.post_webhook(url, update, secret=webhook["webhook_secret"]) == 200
+
+        def answered() -> list[str]:
+            # Messages that arrive while a turn runs are answered together, one per line.
+            texts = [m["text"].removeprefix("echo: ") for m in tg.sent_messages]
+            return [line for text in texts for line in text.split("\n")]
+
+        await wait_for(lambda: len(answered()) >= 6, within=10)
+        await asyncio.sleep(0.5)
+        assert sorted(answered()) == [f"m{i}" for i in range(6)], tg.sent_messages
+    finally:
+        for runner in runners:
+            await runner.stop()

@@ -58,6 +58,7 @@ SWEEP_SECONDS = 1.0
 # of a lease's life, so a dead holder's role moves within 0.7 * (1 + 1/3) of it, and its
 # sessions within 0.7 of it plus one sweep.
 LEASE_SHARE = 0.7
+IDLE_LEASE_CHECK_ROUNDS = 5  # sweeps between looks for leases held with nothing running
 SWEEP_LIMIT = 200
 HOUSEKEEPING = "leader:housekeeping"
 
@@ -83,6 +84,7 @@ _ORPHANED = (
     " (SELECT 1 FROM leases l WHERE l.name = 'session:' || i.session_key"
     " AND l.expires_at >= extract(epoch from clock_timestamp())) LIMIT ?"
 )
+_HELD = "SELECT name FROM leases WHERE owner = ? AND name LIKE 'session:%'"
 _OPEN_FOR_KEY = (
     "SELECT id, kind, event FROM inbox WHERE session_key = ? AND state = 'accepted' ORDER BY id"
 )
@@ -323,14 +325,18 @@ class Replica:
         self._wake_sweeper()
 
     async def _sweep_loop(self) -> None:
+        rounds = 0
         while True:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._sweep_wake.wait(), SWEEP_SECONDS)
             self._sweep_wake.clear()
             if not self.healthy or not self.runner._accepting:
                 continue
+            rounds += 1
             try:
                 await self.sweep()
+                if rounds % IDLE_LEASE_CHECK_ROUNDS == 0:
+                    await self.release_idle()
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -358,6 +364,24 @@ class Replica:
             # can still be busy with): sent now, not at the next housekeeping pass.
             await self.runner.resend_pending(RESEND_AFTER_SECONDS)
         return taken
+
+    async def release_idle(self) -> int:
+        """Give back session leases this replica holds with nothing running for them (a
+        safety net: the heartbeat would renew a forgotten one for ever, and messages
+        forwarded to it would wait)."""
+        owner = self.owner
+        names = await self.runner.store.read(
+            lambda conn: [row[0] for row in conn.execute(_HELD, (owner,))]
+        )
+        idle = [
+            name.removeprefix("session:")
+            for name in names
+            if not self.runner.is_busy(name.removeprefix("session:"))
+            and name.removeprefix("session:") not in self._locks
+        ]
+        for key in idle:
+            await self._release(key)
+        return len(idle)
 
     def can_run(self, key: str) -> bool:
         """Whether this replica may run `key`: a session of a single-connection platform

@@ -407,17 +407,30 @@ class GatewayRunner(SessionOps):
                 return Accepted(
                     AcceptStatus.PENDING, session_key=key, detail="run by another replica"
                 )
-            if kind != "command" and key not in self._workers:
-                return await self._accept_and_start(key, event, kind)
-            inbox_id = await self.turnlog.accept(event, key, kind, done=kind == "command")
-            if inbox_id is None:
-                return Accepted(AcceptStatus.DUPLICATE, session_key=key)
-            cluster.took(key, (inbox_id,))
-            event = event.with_inbox_ids((inbox_id,))
-            if kind != "command":  # queued behind the running turn, still under the lock
-                return await self._dispatch(key, event, kind, command)
-        # A command runs outside the lock: /stop waits for the worker, whose end takes it.
-        return await self._dispatch(key, event, kind, command)
+            try:
+                if kind != "command" and key not in self._workers:
+                    return await self._accept_and_start(key, event, kind)  # its worker's end
+                inbox_id = await self.turnlog.accept(event, key, kind, done=kind == "command")
+                if inbox_id is not None:
+                    cluster.took(key, (inbox_id,))
+                    event = event.with_inbox_ids((inbox_id,))
+                    if kind != "command":  # queued behind the running turn, under the lock
+                        return await self._dispatch(key, event, kind, command)
+            except BaseException:
+                if key not in self._workers:
+                    cluster.worker_ended(key)  # nothing runs here: the lease goes back
+                raise
+        if inbox_id is None:
+            if key not in self._workers:
+                cluster.worker_ended(key)
+            return Accepted(AcceptStatus.DUPLICATE, session_key=key)
+        # A command runs under the lease but outside the lock: /stop waits for the worker,
+        # whose end takes the lock. The lease goes back after it, unless a turn runs.
+        try:
+            return await self._dispatch(key, event, kind, command)
+        finally:
+            if key not in self._workers:
+                cluster.worker_ended(key)
 
     async def run_forwarded_command(self, key: str, event: MessageEvent) -> None:
         """A command another replica journaled for this one (it runs the session)."""

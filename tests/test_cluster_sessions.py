@@ -1,0 +1,98 @@
+"""Sessions across two replicas in one event loop on one PostgreSQL schema (issue 19):
+messages and commands that reach the replica not running the session are handed to the
+one that does, and a replica holds a session's lease only while something runs there."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from adapters.http import HttpAdapter
+from config import GatewayConfig
+from gateway.run import GatewayRunner
+from tests.gateway_client import GatewayClient
+from tests.pg_support import fresh_schema
+from tests.waiting import wait_for
+
+NAMED = "tests.fakes.agents:named"  # "hang" in a text: the turn never ends by itself
+
+
+@dataclass
+class Replica:
+    runner: GatewayRunner
+    client: GatewayClient
+
+
+@pytest.fixture
+def dsn() -> AsyncIterator[str]:
+    with fresh_schema() as schema_dsn:
+        yield schema_dsn
+
+
+@pytest.fixture
+async def pair(dsn: str, tmp_path: Path) -> AsyncIterator[list[Replica]]:
+    made: list[Replica] = []
+    for i in range(2):
+        config = GatewayConfig.model_validate(
+            {
+                "timezone": "UTC",
+                "agent": {"backend": NAMED, "options": {"name": "bot"}},
+                "storage": {"backend": "postgres", "dsn": dsn},
+                "cluster": {"failover_seconds": 2},
+                "platforms": {"http": {"enabled": True, "port": 0}},
+            }
+        )
+        adapter = HttpAdapter(config.platforms.http)
+        runner = GatewayRunner(config, [adapter], home=tmp_path / f"home{i}")
+        await runner.start()
+        made.append(Replica(runner, GatewayClient(adapter.url)))
+    yield made
+    for replica in made:
+        await replica.client.close()
+        await replica.runner.stop()
+
+
+def session_leases(dsn: str) -> list[tuple[str, str]]:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute(
+            "SELECT name, owner FROM leases WHERE name LIKE 'session:%' ORDER BY name"
+        ).fetchall()
+
+
+async def test_a_message_and_a_stop_sent_to_the_other_replica_reach_the_running_turn(
+    pair: list[Replica], dsn: str
+) -> None:
+    a, b = pair
+    await a.client.post("c1", "hang on")
+    await wait_for(lambda: a.runner.is_busy("agent:main:http:dm:c1"))
+    # B does not run the session: it journals the message for A, which queues it.
+    answer = await b.client.post("c1", "/queue next please")
+    assert answer["status"] == "pending"
+    await wait_for(lambda: a.runner.queue_depth("agent:main:http:dm:c1") == 1)
+    assert not b.runner.is_busy("agent:main:http:dm:c1")
+    # /stop sent to B stops A's turn and drops the queue.
+    await b.client.post("c1", "/stop")
+    await wait_for(lambda: not a.runner.is_busy("agent:main:http:dm:c1"))
+    replies = await b.client.replies("c1", 1)
+    assert "stop" in replies[0].lower(), replies
+    assert await b.client.no_more_replies("c1", settle=0.5) == []  # none from the turns
+    # Nothing runs: no replica keeps the session's lease.
+    await wait_for(lambda: session_leases(dsn) == [], within=3)
+
+
+async def test_a_command_to_an_idle_session_leaves_no_lease_behind(
+    pair: list[Replica], dsn: str
+) -> None:
+    a, b = pair
+    await b.client.post("c2", "/status")
+    (status,) = await b.client.replies("c2", 1)
+    assert "main" in status
+    await wait_for(lambda: session_leases(dsn) == [], within=3)
+    # The session is free: a message to A now runs on A.
+    await a.client.post("c2", "hello")
+    assert await b.client.replies("c2", 1) == ["bot: hello"]  # the reply, on either replica
+    await wait_for(lambda: session_leases(dsn) == [], within=3)

@@ -36,6 +36,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 import structlog
+from psycopg import errors as pg_errors
 
 from adapters.base import MessageEvent
 from gateway.cluster import leases
@@ -202,11 +203,16 @@ class Replica:
                 del self._locks[key]
 
     async def claim(self, key: str) -> bool:
-        """Take (or keep) `key`'s lease; False when another replica holds it."""
+        """Take (or keep) `key`'s lease; False when another replica holds it, or when
+        taking it ran into another replica's transaction (a deadlock PostgreSQL broke):
+        the message is then journaled for whoever runs the session, which is safe."""
         name, owner, ttl = lease_name(key), self.owner, self.ttl
-        return await self.runner.store.write(
-            lambda conn: leases.try_acquire(conn.raw, name, owner, ttl)
-        )
+        try:
+            return await self.runner.store.write(
+                lambda conn: leases.try_acquire(conn.raw, name, owner, ttl)
+            )
+        except (pg_errors.DeadlockDetected, pg_errors.LockNotAvailable):
+            return False
 
     def took(self, key: str, inbox_ids: Any) -> None:
         """This replica runs these messages of `key` (a pickup skips them)."""

@@ -38,7 +38,17 @@ WHERE leases.owner = EXCLUDED.owner OR leases.expires_at < {NOW}
 RETURNING owner
 """
 
-RENEW_SQL = f"UPDATE leases SET expires_at = {NOW} + %s WHERE owner = %s AND expires_at >= {NOW}"
+# SKIP LOCKED: a lease whose row the owner's own writer holds (a turn's transaction renews
+# it too) is left to that transaction. Locking the owner's rows in one statement while the
+# writer locks them one by one in its own order deadlocked (PostgreSQL broke it after its
+# 1 s deadlock_timeout, holding up a batch of turns that long).
+RENEW_SQL = f"""
+UPDATE leases SET expires_at = {NOW} + %s
+WHERE name IN (
+    SELECT name FROM leases WHERE owner = %s AND expires_at >= {NOW}
+    FOR UPDATE SKIP LOCKED
+)
+"""
 RELEASE_SQL = "DELETE FROM leases WHERE name = %s AND owner = %s"
 RELEASE_ALL_SQL = "DELETE FROM leases WHERE owner = %s"
 HOLDER_SQL = f"SELECT owner, expires_at - {NOW} FROM leases WHERE name = %s AND expires_at >= {NOW}"

@@ -42,6 +42,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from array import array
 from collections import Counter
@@ -64,6 +65,7 @@ REPLY_TIMEOUT = 30.0  # seconds a chat waits for one reply before it counts as a
 MAX_TURNS_PER_CHAT = 100_000  # a bound on each chat's loop besides its deadline
 FINAL_PAGES = 1_000  # pages of 500 replies read per chat at the end, at most
 SETTLE_SECONDS = 0.5  # after the last reply: time for a reply sent twice to show up
+WAIT_SAMPLE = 0.02  # seconds between two looks at what the PostgreSQL backends do
 HEADER = (
     f"{'backend':<8} {'replicas':>8} {'turns/s':>8} {'p50_ms':>7} {'p99_ms':>7} {'max_ms':>7}"
     f" {'errors':>6} {'missing':>7} {'dup':>4} {'gw_cpu%':>7} {'pg_cpu%':>7} {'client%':>7}"
@@ -120,9 +122,9 @@ def socket_ports(pids: list[int]) -> set[int]:
     return ports
 
 
-def pg_server_pids(dsn: str, client_pids: list[int]) -> list[int]:
-    """PostgreSQL processes working for these clients: the backends whose client port is
-    one of theirs, and the server's background processes (shared with any other client)."""
+def pg_server_pids(dsn: str, client_pids: list[int]) -> tuple[list[int], list[int]]:
+    """PostgreSQL processes working for these clients: (the backends whose client port is
+    one of theirs, the server's background processes, which serve any other client too)."""
     import psycopg
 
     ports = socket_ports(client_pids)
@@ -131,11 +133,35 @@ def pg_server_pids(dsn: str, client_pids: list[int]) -> list[int]:
             "SELECT pid, client_port, backend_type FROM pg_stat_activity"
             " WHERE pid <> pg_backend_pid()"
         ).fetchall()
-    return [
-        pid
-        for pid, port, kind in rows
-        if (kind == "client backend" and port in ports) or kind != "client backend"
-    ]
+    backends = [pid for pid, port, kind in rows if kind == "client backend" and port in ports]
+    return backends, [pid for pid, _, kind in rows if kind != "client backend"]
+
+
+def sample_waits(dsn: str, pids: list[int], stop: threading.Event, seconds: float) -> Counter:
+    """What these backends do, sampled from pg_stat_activity every WAIT_SAMPLE seconds
+    until `stop` (or `seconds`): the number of samples, and per busy backend (a statement
+    running, or a transaction open) what it was doing: `running`, its wait event, or
+    `in transaction, waiting for the gateway`. Idle backends are not counted."""
+    import psycopg
+
+    counts: Counter[str] = Counter()
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+        for _ in range(int(seconds / WAIT_SAMPLE) + 1):
+            if stop.is_set():
+                break
+            counts["(samples)"] += 1
+            rows = conn.execute(
+                "SELECT state, wait_event_type, wait_event FROM pg_stat_activity"
+                " WHERE pid = ANY(%s) AND state <> 'idle'",
+                (pids,),
+            ).fetchall()
+            for state, kind, event in rows:
+                if state == "idle in transaction":
+                    counts["in transaction, waiting for the gateway"] += 1
+                else:
+                    counts["running" if kind is None else f"{kind}:{event}"] += 1
+            stop.wait(WAIT_SAMPLE)
+    return counts
 
 
 def cpu_of(pids: list[int]) -> dict[int, float]:
@@ -293,11 +319,20 @@ async def drive(
             for i, chat in enumerate(chats)
         ]
         await asyncio.sleep(max(0.0, tally.warm - loop.time()))
+        waits: asyncio.Future[Counter] | None = None
+        stop = threading.Event()
+        backends: list[int] = []
         if pg_dsn is not None:
-            cpu.pg_pids = await asyncio.to_thread(pg_server_pids, pg_dsn, cpu.daemon_pids)
+            backends, background = await asyncio.to_thread(pg_server_pids, pg_dsn, cpu.daemon_pids)
+            cpu.pg_pids = backends + background
+            waits = asyncio.ensure_future(
+                asyncio.to_thread(sample_waits, pg_dsn, backends, stop, args.seconds)
+            )
         cpu.begin()
         await asyncio.sleep(max(0.0, tally.end - loop.time()))
         usage = cpu.end()
+        stop.set()
+        pg_waits = dict(await waits) if waits is not None else {}
         # Every chat ends with at most one reply outstanding, REPLY_TIMEOUT at most.
         await asyncio.wait_for(asyncio.gather(*tasks), REPLY_TIMEOUT + POLL_WAIT + 5)
         await asyncio.sleep(SETTLE_SECONDS)
@@ -323,6 +358,8 @@ async def drive(
         "duplicated": duplicated,
         "unexpected": unexpected,
         "cpu_percent": usage,
+        "pg_backends": len(backends),
+        "pg_waits": pg_waits,
     }
 
 
@@ -382,6 +419,20 @@ def format_row(r: dict[str, Any]) -> str:
     )
 
 
+def waits_line(r: dict[str, Any]) -> str | None:
+    """Where the replicas' PostgreSQL backends spent the window (sampled), or None."""
+    waits = dict(r.get("pg_waits") or {})
+    samples = waits.pop("(samples)", 0)
+    if not samples:
+        return None
+    busy = sum(waits.values())
+    shares = ", ".join(f"{what} {100 * n / busy:.0f}%" for what, n in Counter(waits).most_common(5))
+    return (
+        f"PostgreSQL: {r['pg_backends']} backends of the replicas, on average"
+        f" {busy / samples:.2f} busy ({samples} samples){': ' + shares if busy else ''}"
+    )
+
+
 def failures(r: dict[str, Any]) -> list[str]:
     """What went wrong in a run, one line each (none when it was clean)."""
     lines = []
@@ -401,6 +452,8 @@ def notes(r: dict[str, Any]) -> list[str]:
     """The failures, then the daemons' log warnings (shown, not failing the run: a
     replica that stops logs the leader role it gives up as a warning)."""
     lines = failures(r)
+    if (waits := waits_line(r)) is not None:
+        lines.append(waits)
     if r["log_problems"]:
         lines.append(f"daemon log warnings/errors: {r['log_problems']}")
         lines += [f"  {sample}" for sample in r["log_samples"][:5]]

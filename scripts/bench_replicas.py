@@ -173,9 +173,24 @@ def cpu_of(pids: list[int]) -> dict[int, float]:
     return found
 
 
+def waited_for_cpu(pids: list[int]) -> dict[int, float]:
+    """Seconds the threads of each process were runnable but not running (waiting for a
+    CPU: /proc schedstat), summed over its threads."""
+    found = {}
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total = 0
+            for task in os.listdir(f"/proc/{pid}/task"):
+                with contextlib.suppress(OSError), open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                    total += int(f.read().split()[1])
+            found[pid] = total / 1e9
+    return found
+
+
 @dataclass
 class CpuWindow:
-    """Process CPU over the measured window, as % of one core (100 = a whole core)."""
+    """Process CPU over the measured window, as % of one core (100 = a whole core), and
+    the time their threads waited for a CPU, in the same unit."""
 
     daemon_pids: list[int]
     pg_pids: list[int] = field(default_factory=list)
@@ -187,6 +202,8 @@ class CpuWindow:
             "client": time.process_time(),
             "daemons": cpu_of(self.daemon_pids),
             "pg": cpu_of(self.pg_pids),
+            "daemons_runq": waited_for_cpu(self.daemon_pids),
+            "pg_runq": waited_for_cpu(self.pg_pids),
         }
 
     def begin(self) -> None:
@@ -205,6 +222,8 @@ class CpuWindow:
             "daemons": 100 * used("daemons") / wall,
             "pg": 100 * used("pg") / wall if self.pg_pids else math.nan,
             "client": 100 * (end["client"] - self.start["client"]) / wall,
+            "daemons_runq": 100 * used("daemons_runq") / wall,
+            "pg_runq": 100 * used("pg_runq") / wall if self.pg_pids else math.nan,
         }
 
 
@@ -452,6 +471,14 @@ def notes(r: dict[str, Any]) -> list[str]:
     """The failures, then the daemons' log warnings (shown, not failing the run: a
     replica that stops logs the leader role it gives up as a warning)."""
     lines = failures(r)
+    cpu = r["cpu_percent"]
+    pg_runq = (
+        "" if math.isnan(cpu["pg_runq"]) else f", its PostgreSQL processes {cpu['pg_runq']:.0f}%"
+    )
+    lines.append(
+        f"waiting for a CPU (runnable, not running; % of one core): the daemons' threads"
+        f" {cpu['daemons_runq']:.0f}%{pg_runq}"
+    )
     if (waits := waits_line(r)) is not None:
         lines.append(waits)
     if r["log_problems"]:

@@ -519,6 +519,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.error("--replicas: counts separated by commas, such as 1,2,3")
         if args.backend is None:
             args.backend = "postgres"
+        if args.backend == "sqlite" and args.replicas != [1]:
+            parser.error("--backend sqlite runs one node: --replicas 1 (or none)")
     quick = args.quick
     defaults = {
         "sizes": [SMALL] if quick else [SMALL, 10_000, BIG],

@@ -89,9 +89,14 @@ def pg_schema(dsn: str) -> Iterator[str]:
     import psycopg
     from psycopg.conninfo import make_conninfo
 
+    from gateway.store.pg.dsn import redact
+
     schema = f"bench_{secrets.token_hex(6)}"
-    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+    except psycopg.Error as exc:
+        raise SystemExit(f"no PostgreSQL at {redact(dsn)} (--dsn): {str(exc).strip()}") from None
     try:
         yield make_conninfo(dsn, options=f"-c search_path={schema}")
     finally:

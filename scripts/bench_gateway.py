@@ -36,6 +36,7 @@ closed loop's chats); it neither decodes what it reads nor runs an agent.
     .venv/bin/python scripts/bench_gateway.py --strategy window  # the window context strategy
     .venv/bin/python scripts/bench_gateway.py --schedules 10000  # the scheduler (issue 17)
     .venv/bin/python scripts/bench_gateway.py --stream  # streamed replies (issue 18)
+    .venv/bin/python scripts/bench_gateway.py --backend postgres --replicas 1,2,3  # issue 19
 
 Keys are random among the N sessions; a key with a message in flight is not picked again
 until its reply arrived, so every message gets its own turn and its own reply (two
@@ -497,7 +498,29 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="only streamed replies: edits per reply and first token -> first visible text"
         " p50/p99 (scripts/bench_stream.py; --quick: shorter)",
     )
+    parser.add_argument(
+        "--backend",
+        choices=("sqlite", "postgres"),
+        default=None,
+        help="only replicas over HTTP (scripts/bench_replicas.py): one node on SQLite, then"
+        " (postgres) each --replicas count on one PostgreSQL; --concurrency chats",
+    )
+    parser.add_argument(
+        "--replicas",
+        default=None,
+        metavar="N,N,...",
+        help="with --backend postgres: the replica counts to run (default 1,2,3)",
+    )
     args = parser.parse_args(argv)
+    if args.replicas is not None:
+        try:
+            args.replicas = [int(n) for n in args.replicas.split(",") if n.strip()]
+        except ValueError:
+            parser.error("--replicas: counts separated by commas, such as 1,2,3")
+        if args.backend is None:
+            args.backend = "postgres"
+        if args.backend == "sqlite" and args.replicas != [1]:
+            parser.error("--backend sqlite runs one node: --replicas 1 (or none)")
     quick = args.quick
     defaults = {
         "sizes": [SMALL] if quick else [SMALL, 10_000, BIG],
@@ -572,6 +595,35 @@ def stream_section(args: argparse.Namespace) -> int:
     return 0
 
 
+def replicas_section(args: argparse.Namespace) -> int:
+    """Replicas on PostgreSQL (issue 19): closed-loop turns/s and reply latency over the
+    HTTP API, SQLite on one node first."""
+    from scripts import bench_replicas
+
+    runs = [("sqlite", 1)]
+    if args.backend == "postgres":
+        runs += [("postgres", n) for n in args.replicas or [1, 2, 3]]
+    window = ["--seconds", "3", "--warmup", "1"] if args.quick else []
+    print(bench_replicas.machine_line())
+    print(
+        f"closed loop: {args.concurrency} chats, chat i on replica i % N, POST then long-poll"
+        " the reply on the same replica; echo agent; CPU in % of one core"
+    )
+    print(bench_replicas.HEADER, flush=True)
+    failed = False
+    for backend, replicas in runs:
+        options = ["--backend", backend, "--replicas", str(replicas)]
+        replica_args = bench_replicas.parse_args(
+            [*options, "--chats", str(args.concurrency), *window]
+        )
+        result = bench_replicas.run(replica_args)
+        print(bench_replicas.format_row(result), flush=True)
+        for line in bench_replicas.notes(result):
+            print(f"  {line}", flush=True)
+        failed = failed or bool(bench_replicas.failures(result))
+    return 1 if failed else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker_home is not None:
@@ -582,6 +634,8 @@ def main(argv: list[str] | None = None) -> int:
         return schedules_section(args)
     if args.stream:
         return stream_section(args)
+    if args.backend is not None:
+        return replicas_section(args)
     cpus = os.cpu_count()
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
     print(

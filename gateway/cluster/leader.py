@@ -155,5 +155,7 @@ class LeaderRole:
         self.losses += 1
         if self.holder == self.owner:
             self.holder = None
-        log.warning("leader_lost", lease=self.name, owner=self.owner, reason=reason)
+        # A clean stop hands the role over on purpose: not worth a warning.
+        report = log.info if reason == "stopped" else log.warning
+        report("leader_lost", lease=self.name, owner=self.owner, reason=reason)
         self._callbacks.schedule(self.on_lose)

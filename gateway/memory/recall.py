@@ -353,9 +353,11 @@ class Recall:
                 )
                 return
             changed = conn.execute(
-                "UPDATE notes SET content = ?, tags = ?, updated_at = max(?, created_at)"
+                # CASE, not SQLite's two-argument max(): PostgreSQL spells that greatest().
+                "UPDATE notes SET content = ?, tags = ?,"
+                " updated_at = CASE WHEN ? > created_at THEN ? ELSE created_at END"
                 " WHERE note_id = ? AND namespace = ?",
-                (content, tags_json, now, note_id, namespace),
+                (content, tags_json, now, now, note_id, namespace),
             ).rowcount
             if not changed:
                 raise ValueError(f"there is no note {note_id} in this memory")
@@ -451,14 +453,14 @@ class Recall:
                 row[0]
                 for row in conn.execute(
                     "SELECT DISTINCT namespace FROM notes WHERE platform = ? AND user_id = ?"
-                    " AND (? IS NULL OR agent_id = ?)",
-                    (platform, user_id, agent_id, agent_id),
+                    " AND agent_id = coalesce(?, agent_id)",
+                    (platform, user_id, agent_id),
                 )
             }
             count = conn.execute(
                 "DELETE FROM notes WHERE platform = ? AND user_id = ?"
-                " AND (? IS NULL OR agent_id = ?)",
-                (platform, user_id, agent_id, agent_id),
+                " AND agent_id = coalesce(?, agent_id)",
+                (platform, user_id, agent_id),
             ).rowcount
             busy = []
             for session_id, key, origin in conn.execute(
@@ -514,9 +516,9 @@ class Recall:
         rows = await self.store.read(
             lambda conn: conn.execute(
                 "SELECT note_id, agent_id, content, tags, created_at, updated_at FROM notes"
-                " WHERE platform = ? AND user_id = ? AND (? IS NULL OR agent_id = ?)"
+                " WHERE platform = ? AND user_id = ? AND agent_id = coalesce(?, agent_id)"
                 " ORDER BY agent_id, created_at, note_id",
-                (platform, user_id, agent_id, agent_id),
+                (platform, user_id, agent_id),
             ).fetchall()
         )
         return [

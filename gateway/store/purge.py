@@ -36,10 +36,12 @@ from datetime import datetime
 from typing import Any
 
 from gateway.store import codec, entries
+from gateway.store.pg.dialect import is_postgres
 
 SCRUBBED_EVENT = "{}"  # what a finished inbox row keeps of its event
 # Left to gateway.store.entries (its tables are being reshaped; never raw SQL here).
 _ROUTING_TABLE_PREFIX = "session_entries"
+_MEMORY_INDEX_PREFIX = "memory_"  # PostgreSQL: long-term memory's index tables
 
 
 class SessionBusy(Exception):
@@ -48,7 +50,20 @@ class SessionBusy(Exception):
 
 def tables_with_session_id(conn: sqlite3.Connection) -> list[str]:
     """Every table of state.db with a `session_id` column, `sessions` last (it is what
-    the others refer to)."""
+    the others refer to). On PostgreSQL, the store's schema's tables, but not long-term
+    memory's index (`memory_*`): derived, it follows the deleted messages through
+    `fts_log` as memory.db does (gateway.memory.pg_index)."""
+    if is_postgres(conn):
+        names = [
+            name
+            for (name,) in conn.execute(
+                "SELECT table_name FROM information_schema.columns"
+                " WHERE table_schema = current_schema() AND column_name = 'session_id'"
+                " ORDER BY table_name"
+            )
+            if not name.startswith((_ROUTING_TABLE_PREFIX, _MEMORY_INDEX_PREFIX))
+        ]
+        return sorted(names, key=lambda name: name == "sessions")
     names = [
         name
         for (name,) in conn.execute(

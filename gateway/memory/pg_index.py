@@ -193,7 +193,10 @@ def _apply_messages(
         work += _delete_chunks(conn, "kind = 'transcript'")
         # Every message visible now is read by the rebuild's pages; one committed later
         # (or not yet visible) keeps its log entry for a later round.
-        conn.execute("DELETE FROM fts_log")
+        cleared = conn.execute(
+            "WITH gone AS (DELETE FROM fts_log RETURNING seq) SELECT max(seq) FROM gone"
+        ).fetchone()
+        _report_taken(conn, cleared[0] if cleared else None)
         _set_meta(conn, "rebuild_after", 0)
         _set_meta(conn, "transcripts_built", 1)
     ids: list[int] = []
@@ -210,15 +213,20 @@ def _apply_messages(
     taken = _take(conn, "fts_log", "id", MESSAGE_PAGE)
     ids += [row[1] for row in taken]
     hi = max((row[0] for row in taken), default=None)
+    _report_taken(conn, hi)
+    work += _index_messages(conn, list(dict.fromkeys(ids)), settings, namespaces)
+    more = len(taken) == MESSAGE_PAGE or _meta(conn, "rebuild_after") is not None
+    return work, hi, more
+
+
+def _report_taken(conn: psycopg.Connection[Any], hi: int | None) -> None:
+    """Our row in `log_readers`: the highest fts_log entry taken so far."""
     if hi is not None:
         conn.execute(
             "INSERT INTO log_readers (name, applied) VALUES (%s, %s) ON CONFLICT (name)"
             " DO UPDATE SET applied = greatest(log_readers.applied, EXCLUDED.applied)",
             (LOG_READER, hi),
         )
-    work += _index_messages(conn, list(dict.fromkeys(ids)), settings, namespaces)
-    more = len(taken) == MESSAGE_PAGE or _meta(conn, "rebuild_after") is not None
-    return work, hi, more
 
 
 def _drop_transcripts(conn: psycopg.Connection[Any]) -> tuple[int, bool]:

@@ -137,6 +137,7 @@ class RoundResult:
     message_seq: int | None  # fts_log applied up to (None: transcripts not indexed)
     note_seq: int  # note_log applied up to
     more: bool  # a page was full: another round has work
+    skipped: bool = False  # PostgreSQL: another replica's round held the lock (pg_index)
 
 
 def memory_files(sessions_dir: Path) -> list[Path]:

@@ -116,7 +116,7 @@ def apply_logs(
     round at all (work 0) while another replica's round holds the lock."""
     with conn.transaction():
         if not _lock(conn, wait):
-            return RoundResult(0, None, 0, False)
+            return RoundResult(0, None, 0, False, skipped=True)
         notes, note_seq, notes_more = _apply_notes(conn, settings)
         if settings.index_transcripts:
             messages, message_seq, messages_more = _apply_messages(
@@ -490,13 +490,17 @@ class PgRecallSql:
         where, params = _tag_filter(tags)
         word_query = "plainto_tsquery('simple', %s)"
         score = " + ".join(f"%s * ts_rank_cd(c.words, {word_query}, 1)" for _ in words)
+        # The words' chunks first, through the GIN index (the kept words are held by at
+        # most about MAX_POSTINGS chunks in all), then the namespace: left to itself, the
+        # planner may walk the whole namespace instead, testing each chunk's words.
         rows = conn.execute(
-            f"SELECT c.id, {score} AS score FROM memory_chunks c"
-            f" WHERE c.words @@ ({' || '.join(word_query for _ in words)})"
-            f" AND c.namespace = %s{where} ORDER BY score DESC, c.id LIMIT %s",
+            "WITH m AS MATERIALIZED (SELECT id, namespace, words FROM memory_chunks"
+            f" WHERE words @@ ({' || '.join(word_query for _ in words)}))"
+            f" SELECT c.id, {score} AS score FROM m c"
+            f" WHERE c.namespace = %s{where} ORDER BY score DESC, c.id LIMIT %s",
             (
-                *[value for pair in zip(idf, words, strict=True) for value in pair],
                 *words,
+                *[value for pair in zip(idf, words, strict=True) for value in pair],
                 namespace,
                 *params,
                 CANDIDATES,
@@ -524,10 +528,12 @@ class PgRecallSql:
             " coalesce(n.created_at, c.created_at), coalesce(n.updated_at, c.updated_at)"
             " FROM memory_chunks c LEFT JOIN notes n ON n.note_id = c.note_id"
             " WHERE c.id = ANY(%s) AND CASE WHEN c.kind = 'note' THEN n.note_id IS NOT NULL"
-            " ELSE EXISTS (SELECT 1 FROM memory_chunk_sources s"
+            # uncorrelated, on the candidates only: the planner hashed the correlated
+            # EXISTS over every source and message (17 ms at 20,000 chunks; this: <1 ms)
+            " ELSE c.id IN (SELECT s.chunk_id FROM memory_chunk_sources s"
             "   JOIN messages m ON m.id = s.message_id"
-            "   WHERE s.chunk_id = c.id AND m.active = 1) END",
-            (chunk_ids,),
+            "   WHERE s.chunk_id = ANY(%s) AND m.active = 1) END",
+            (chunk_ids, chunk_ids),
         ).fetchall()
 
 

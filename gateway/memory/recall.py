@@ -146,6 +146,9 @@ class MemoryIndexer(ThreadedSqliteTask):
         self.embeddings_ok = True
         self._lock = asyncio.Lock()
         self._reported: int | None = None  # the fts_log number last told to state.db
+        # PostgreSQL: the last round was left to another replica holding the lock; the
+        # loop looks again next time, commits or not (what it logged may be unseen).
+        self.skipped = False
         self._embed_outage = Outage(log, "memory_embedding_failed", path=str(self.path))
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
@@ -192,6 +195,7 @@ class MemoryIndexer(ThreadedSqliteTask):
         while True:
             result = await self.run(apply, self.settings, self.namespaces, self.inline)
             total += result.work
+            self.skipped = result.skipped
             await self._report(result)
             if not result.more:
                 break
@@ -247,7 +251,7 @@ class MemoryIndexer(ThreadedSqliteTask):
                 worked = commits != seen
                 if worked:
                     worked = bool(await self.catch_up(wait=False))
-                    seen = commits
+                    seen = -1 if self.skipped else commits
                 failures = 0
                 failing.ended()
             except (sqlite3.Error, psycopg.Error, OSError, StoreUnwritable) as exc:

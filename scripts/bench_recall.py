@@ -12,6 +12,10 @@ untimed search that loads the user's vectors.
 
     .venv/bin/python scripts/bench_recall.py                 # 100,000 chunks
     .venv/bin/python scripts/bench_recall.py --chunks 10000  # quicker
+    .venv/bin/python scripts/bench_recall.py --postgres postgresql://postgres@127.0.0.1/test
+
+With --postgres the store (and so the index: gateway.memory.pg_index) is on that server,
+in a schema of its own, dropped at the end.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
+import secrets
 import shutil
 import sys
 import tempfile
@@ -27,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import psycopg
+from psycopg.conninfo import make_conninfo
 
 from config import GatewayConfig
 from gateway.memory.recall import Namespace, Recall
@@ -85,7 +93,10 @@ def percentile(values: list[float], p: float) -> float:
 
 
 async def measure(home: Path, args: argparse.Namespace) -> dict[str, float]:
-    config = GatewayConfig.model_validate({"memory": {"index_transcripts": True}})
+    storage = {"backend": "postgres", "dsn": args.schema_dsn} if args.postgres else {}
+    config = GatewayConfig.model_validate(
+        {"memory": {"index_transcripts": True}, "storage": storage}
+    )
     async with SessionStore(home / "sessions", config) as store:
         await fill(store, args.chunks, args.per_session, args.others, args.seed)
         recall = Recall(store, config)
@@ -93,9 +104,10 @@ async def measure(home: Path, args: argparse.Namespace) -> dict[str, float]:
         started = time.perf_counter()
         await recall.indexer.catch_up()
         index_s = time.perf_counter() - started
+        table, mark = ("memory_chunks", "%s") if args.postgres else ("chunks", "?")
         chunk_count = await recall.indexer.run(
             lambda conn, ns: conn.execute(
-                "SELECT count(*) FROM chunks WHERE namespace = ?", (ns,)
+                f"SELECT count(*) FROM {table} WHERE namespace = {mark}", (ns,)
             ).fetchone()[0],
             str(Namespace("main", "telegram", USER)),
         )
@@ -120,10 +132,18 @@ async def measure(home: Path, args: argparse.Namespace) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, float]:
     home = Path(tempfile.mkdtemp(prefix="bench-recall-"))
+    schema = f"bench_{secrets.token_hex(4)}"
+    if args.postgres:
+        with psycopg.connect(args.postgres, autocommit=True) as conn:
+            conn.execute(f"CREATE SCHEMA {schema}")
+        args.schema_dsn = make_conninfo(args.postgres, options=f"-c search_path={schema}")
     try:
         return asyncio.run(measure(home, args))
     finally:
         shutil.rmtree(home, ignore_errors=True)
+        if args.postgres:
+            with psycopg.connect(args.postgres, autocommit=True) as conn:
+                conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -133,6 +153,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--others", type=int, default=20, help="other users (one session each)")
     parser.add_argument("--queries", type=int, default=300)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--postgres", metavar="DSN", help="the store on this PostgreSQL server")
     return parser.parse_args(argv)
 
 
@@ -140,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     result = run(args)
     print(
-        f"recall over {result['chunks']} chunks of one user (hash embedding):"
+        f"recall over {result['chunks']} chunks of one user (hash embedding"
+        f"{', PostgreSQL' if args.postgres else ''}):"
         f" p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms,"
         f" max {result['max_ms']:.1f} ms ({args.queries} queries);"
         f" indexing them took {result['index_s']:.1f} s"

@@ -16,7 +16,17 @@ from tests.pg_support import pg_schema_dsn
 
 __all__ = ["pg_schema_dsn"]  # the fixture, imported for pytest
 
-PG_ONLY = {"leases", "hermes_schema"}
+PG_ONLY = {
+    "leases",
+    "hermes_schema",
+    # long-term memory's index: memory.db's tables on SQLite (gateway.memory.pg_index)
+    "memory_meta",
+    "memory_chunks",
+    "memory_chunk_tags",
+    "memory_chunk_sources",
+    "memory_vectors",
+    "memory_pending_vectors",
+}
 ONE_SESSION = "INSERT INTO sessions (session_id, session_key, started_at) VALUES ('s', 'k', 1)"
 
 

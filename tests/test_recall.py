@@ -1,7 +1,11 @@
 """Issue 16, items 1, 2 and 5: notes, hybrid recall over notes and past transcripts,
 embeddings (hash; openai through the fake server), background indexing, forgetting.
 Real SQLite files, the real runner with the HTTP adapter, the fake OpenAI-compatible
-server on 127.0.0.1, and the command line as a subprocess."""
+server on 127.0.0.1, and the command line as a subprocess.
+
+Tests about behaviour take `store_backend` and run on both store backends (issue 19: on
+PostgreSQL the index is the store's `memory_*` tables); those about memory.db's files
+and FTS5 are `sqlite_only`."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psycopg
 import pytest
 
 from adapters.http import HttpAdapter
@@ -38,6 +43,7 @@ from tests.commandline import cli
 from tests.fakes.agents import ScriptedAgent as EchoAgent
 from tests.fakes.openai_server import FakeOpenAI
 from tests.gateway_client import GatewayClient
+from tests.pg_support import StorageBackend
 from tests.scanning import tables_holding
 from tests.waiting import wait_for
 
@@ -56,9 +62,42 @@ def config_of(**memory: Any) -> GatewayConfig:
     )
 
 
+def index_count(backend: StorageBackend, sessions: Path, table: str) -> int:
+    """Rows of one of the memory index's tables (memory.db's name), on either backend;
+    -1 when there is no such table (yet)."""
+    if not backend.postgres:
+        return _count(sessions / MEMORY_DB, table)
+    with psycopg.connect(backend.dsn or "") as conn:
+        found = conn.execute("SELECT to_regclass(%s)", (f"memory_{table}",)).fetchone()
+        if not found or found[0] is None:
+            return -1
+        return conn.execute(f"SELECT count(*) FROM memory_{table}").fetchone()[0]
+
+
+def pg_tables_holding(dsn: str, needle: str) -> list[str]:
+    """The PostgreSQL store's tables with a row whose text holds `needle` (every
+    column, as the row's text form)."""
+    with psycopg.connect(dsn) as conn:
+        tables = [
+            row[0]
+            for row in conn.execute(
+                "SELECT table_name FROM information_schema.tables"
+                " WHERE table_schema = current_schema() AND table_type = 'BASE TABLE'"
+            )
+        ]
+        return sorted(
+            table
+            for table in tables
+            if conn.execute(
+                f"SELECT EXISTS (SELECT 1 FROM {table} t WHERE strpos(t::text, %s) > 0)",
+                (needle,),
+            ).fetchone()[0]
+        )
+
+
 @pytest.fixture
-async def recall(tmp_path: Path) -> AsyncIterator[Recall]:
-    config = config_of()
+async def recall(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterator[Recall]:
+    config = store_backend.apply(config_of())
     async with SessionStore(tmp_path, config) as store:
         memory = Recall(store, config)
         await memory.open()
@@ -250,7 +289,7 @@ async def test_hash_matches_words_not_meaning(recall: Recall) -> None:
 
 @pytest.mark.parametrize(("vector", "text", "first"), [(0.7, 0.3, "near"), (0.2, 0.8, "words")])
 async def test_hybrid_ranking_follows_the_weights(
-    tmp_path: Path, vector: float, text: float, first: str
+    tmp_path: Path, vector: float, text: float, first: str, store_backend: StorageBackend
 ) -> None:
     query = "where did I leave my umbrella"
     near = "The brolly hangs behind the office door"  # no word in common, vector-near
@@ -269,6 +308,7 @@ async def test_hybrid_ranking_follows_the_weights(
             weights={"vector": vector, "text": text},
             dimensions=4,
         )
+        config = store_backend.apply(config)
         async with SessionStore(tmp_path, config) as store:
             recall = Recall(store, config)
             await recall.open()
@@ -286,9 +326,12 @@ def other(name: str) -> str:
     return "words" if name == "near" else "near"
 
 
-async def test_a_down_embedding_server_leaves_text_recall_working(tmp_path: Path) -> None:
+async def test_a_down_embedding_server_leaves_text_recall_working(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
     async with FakeOpenAI() as fake:
         config = config_of(embedding="openai", base_url=fake.base_url, dimensions=8)
+        config = store_backend.apply(config)
         async with SessionStore(tmp_path, config) as store:
             recall = Recall(store, config)
             await recall.open()
@@ -297,15 +340,15 @@ async def test_a_down_embedding_server_leaves_text_recall_working(tmp_path: Path
             assert [h.id for h in await recall.search(ALICE, "spare key")] == [note]
             # Once it answers again, the waiting chunk gets its vector.
             await recall.indexer.catch_up()
-            memory = sqlite3.connect(tmp_path / MEMORY_DB)
-            assert memory.execute("SELECT count(*) FROM pending_vectors").fetchone() == (0,)
-            assert memory.execute("SELECT count(*) FROM vectors").fetchone() == (1,)
-            memory.close()
+            assert index_count(store_backend, tmp_path, "pending_vectors") == 0
+            assert index_count(store_backend, tmp_path, "vectors") == 1
             await recall.close()
 
 
-async def test_a_new_embedding_backend_reembeds_everything(tmp_path: Path) -> None:
-    config = config_of()
+async def test_a_new_embedding_backend_reembeds_everything(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    config = store_backend.apply(config_of())
     async with SessionStore(tmp_path, config) as store:
         recall = Recall(store, config)
         await recall.open()
@@ -313,15 +356,21 @@ async def test_a_new_embedding_backend_reembeds_everything(tmp_path: Path) -> No
         await recall.save(ALICE, "second note about egrets")
         await recall.close()
     async with FakeOpenAI() as fake:
-        other_config = config_of(embedding="openai", base_url=fake.base_url)
+        other_config = store_backend.apply(config_of(embedding="openai", base_url=fake.base_url))
         async with SessionStore(tmp_path, other_config) as store:
             recall = Recall(store, other_config)
             await recall.open()
             await recall.indexer.catch_up()
             await recall.close()
-    memory = sqlite3.connect(tmp_path / MEMORY_DB)
-    models = memory.execute("SELECT model, count(*) FROM vectors GROUP BY model").fetchall()
-    memory.close()
+    if store_backend.postgres:
+        with psycopg.connect(store_backend.dsn or "") as conn:
+            models = conn.execute(
+                "SELECT model, count(*) FROM memory_vectors GROUP BY model"
+            ).fetchall()
+    else:
+        memory = sqlite3.connect(tmp_path / MEMORY_DB)
+        models = memory.execute("SELECT model, count(*) FROM vectors GROUP BY model").fetchall()
+        memory.close()
     assert models == [("openai:text-embedding-3-small", 2)]  # the hash vectors replaced
 
 
@@ -333,6 +382,7 @@ class Gateway:
     runner: GatewayRunner
     client: GatewayClient
     home: Path
+    backend: StorageBackend
 
     async def say(self, user: str, text: str) -> str:
         await self.client.post(f"dm-{user}", text, user_id=user)
@@ -341,12 +391,12 @@ class Gateway:
 
 
 @pytest.fixture
-async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
-    config = config_of()
+async def gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterator[Gateway]:
+    config = store_backend.apply(config_of())
     adapter = HttpAdapter(config.platforms.http)
     runner = GatewayRunner(config, [adapter], agent_factory=EchoAgent, home=tmp_path)
     await runner.start()
-    gw = Gateway(runner, GatewayClient(adapter.url), tmp_path)
+    gw = Gateway(runner, GatewayClient(adapter.url), tmp_path, store_backend)
     yield gw
     await gw.client.close()
     await runner.stop()
@@ -374,6 +424,7 @@ async def test_undone_messages_are_not_recalled(gateway: Gateway) -> None:
     assert await gateway.runner.recall.search(ALICE, "marmalade") == []
 
 
+@pytest.mark.sqlite_only
 async def test_the_index_holds_exactly_the_indexable_messages(gateway: Gateway) -> None:
     """A round indexes its messages set-wise: each indexable message's chunks (the same
     words twice in a session are one chunk, linked from both), every chunk in the
@@ -468,16 +519,26 @@ def test_an_older_memory_db_loses_its_full_text_triggers(tmp_path: Path) -> None
 async def test_deleting_a_session_deletes_its_chunks_and_vectors(gateway: Gateway) -> None:
     await gateway.say("alice", "kumquat harvest notes")
     await gateway.runner.recall.indexer.catch_up()
-    memory = gateway.home / "sessions" / MEMORY_DB
-    assert tables_holding(memory, "kumquat")
+    sessions = gateway.home / "sessions"
+    backend = gateway.backend
+
+    def holding(needle: str) -> list[str]:
+        if backend.postgres:
+            return pg_tables_holding(backend.dsn or "", needle)
+        return tables_holding(sessions / MEMORY_DB, needle)
+
+    assert holding("kumquat")
+    assert index_count(backend, sessions, "vectors") == 2  # the message and its echo
     entry = await gateway.runner.store.get_entry("agent:main:http:dm:dm-alice")
     assert entry is not None
     done = await gateway.runner.delete_session(entry.session_id)
     assert done["status"] == "deleted"
-    assert tables_holding(memory, "kumquat") == []
-    assert _count(memory, "vectors") == 0 and _count(memory, "chunks") == 0
+    assert holding("kumquat") == []
+    assert index_count(backend, sessions, "vectors") == 0
+    assert index_count(backend, sessions, "chunks") == 0
 
 
+@pytest.mark.sqlite_only
 async def test_indexing_catches_up_after_memory_db_is_lost(tmp_path: Path) -> None:
     config = config_of()
     adapter = HttpAdapter(config.platforms.http)
@@ -501,6 +562,38 @@ async def test_indexing_catches_up_after_memory_db_is_lost(tmp_path: Path) -> No
         await runner.stop()
 
 
+async def test_forgetting_a_user_leaves_nothing_of_theirs_in_any_table(gateway: Gateway) -> None:
+    """`forget_user` on either backend: notes, sessions, transcripts, chunks and vectors
+    of Alice (every agent) go, table by table; Bob's stay and are still recalled."""
+    recall = gateway.runner.recall
+    await recall.save(ALICE, "alice's wombat diary entry", ["diary"])
+    await recall.save(Namespace("coder", "http", "alice"), "alice wombat code review")
+    await recall.save(BOB, "bob's wombat list")
+    await gateway.say("alice", "tell nobody about the wombat zeppelin")
+    await gateway.say("bob", "bob wombat zeppelin too")
+    await recall.indexer.catch_up()
+    sessions, backend = gateway.home / "sessions", gateway.backend
+
+    def holding(needle: str) -> list[str]:
+        if backend.postgres:
+            return pg_tables_holding(backend.dsn or "", needle)
+        return [t for f in sorted(sessions.glob("*.db")) for t in tables_holding(f, needle)]
+
+    assert holding("tell nobody") and holding("memory:coder:http:alice")
+    assert await recall.forget_user("http", "alice") >= 3
+    await recall.indexer.catch_up()
+    for needle in ("tell nobody", "alice's wombat", "alice wombat", "memory:main:http:alice"):
+        assert holding(needle) == [], needle
+    assert holding("memory:coder:http:alice") == []
+    # Bob: a note and two messages (his and the echo), each a chunk with its vector
+    assert index_count(backend, sessions, "vectors") == index_count(backend, sessions, "chunks")
+    assert index_count(backend, sessions, "chunks") == 3
+    assert next(h.text for h in await recall.search(BOB, "wombat")).startswith("bob")
+    assert await recall.search(ALICE, "wombat") == []
+    assert await recall.list_notes(ALICE) == []
+
+
+@pytest.mark.sqlite_only
 async def test_memory_cli_lists_exports_and_forgets_a_user(gateway: Gateway) -> None:
     recall = gateway.runner.recall
     note = await recall.save(ALICE, "alice's wombat diary entry", ["diary"])
@@ -547,6 +640,7 @@ async def test_memory_cli_lists_exports_and_forgets_a_user(gateway: Gateway) -> 
     assert await recall.list_notes(ALICE) == []
 
 
+@pytest.mark.sqlite_only
 async def test_memory_cli_deletes_one_note(gateway: Gateway) -> None:
     keep = await gateway.runner.recall.save(ALICE, "keep this one")
     drop = await gateway.runner.recall.save(ALICE, "drop this one")

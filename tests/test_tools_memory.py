@@ -19,6 +19,7 @@ from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
 from tests.fakes.openai_server import FakeOpenAI, tool_calls, tool_results
 from tests.gateway_client import GatewayClient
+from tests.pg_support import StorageBackend
 
 
 class Gateway:
@@ -38,7 +39,9 @@ class Gateway:
 
 
 @pytest.fixture
-async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
+async def gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterator[Gateway]:
+    """The runner on either store backend (issue 19: the notes and their index on
+    PostgreSQL too)."""
     async with FakeOpenAI(check_pairing=True) as fake:
         config = GatewayConfig.model_validate(
             {
@@ -47,6 +50,7 @@ async def gateway(tmp_path: Path) -> AsyncIterator[Gateway]:
                 "agent": {"backend": "openai", "base_url": fake.base_url, "model": "m"},
             }
         )
+        config = store_backend.apply(config)
         adapter = HttpAdapter(config.platforms.http)
         runner = GatewayRunner(config, [adapter], home=tmp_path)
         await runner.start()

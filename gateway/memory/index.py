@@ -31,11 +31,11 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -137,6 +137,7 @@ class RoundResult:
     message_seq: int | None  # fts_log applied up to (None: transcripts not indexed)
     note_seq: int  # note_log applied up to
     more: bool  # a page was full: another round has work
+    skipped: bool = False  # PostgreSQL: another replica's round held the lock (pg_index)
 
 
 def memory_files(sessions_dir: Path) -> list[Path]:
@@ -422,7 +423,7 @@ class NamespaceCache:
         self._known: dict[str, str | None] = {}
 
     def lookup(
-        self, conn: sqlite3.Connection, session_ids: set[str], settings: IndexSettings
+        self, conn: Any, session_ids: set[str], settings: IndexSettings
     ) -> dict[str, str | None]:
         known = self._known
         missing = [sid for sid in session_ids if sid not in known]
@@ -430,15 +431,19 @@ class NamespaceCache:
             if len(known) + len(missing) > self.LIMIT:
                 known.clear()
             found: dict[str, str | None] = dict.fromkeys(missing)
-            for sid, key, origin in conn.execute(
-                "SELECT session_id, session_key, origin FROM st.sessions"
-                " WHERE session_id IN (SELECT value FROM json_each(?))",
-                (codec.dumps(missing),),
-            ):
+            for sid, key, origin in self._origins(conn, missing):
                 if origin:
                     found[sid] = transcript_namespace(key, codec.loads(origin), settings)
             known.update(found)
         return known
+
+    def _origins(self, conn: Any, session_ids: list[str]) -> Iterable[tuple[str, str, Any]]:
+        """(session id, key, origin) of these sessions, from state.db (attached as `st`)."""
+        return conn.execute(
+            "SELECT session_id, session_key, origin FROM st.sessions"
+            " WHERE session_id IN (SELECT value FROM json_each(?))",
+            (codec.dumps(session_ids),),
+        )
 
 
 def transcript_namespace(key: str, origin: object, settings: IndexSettings) -> str | None:

@@ -6,12 +6,15 @@ A namespace is `memory:{agent_id}:{platform}:{user_id}`: every read and write na
 and nothing of another namespace is scored, listed, changed or told apart from "no such
 note". Notes are stored in state.db (`notes`, the data of record); their chunks, the
 transcripts' chunks and all vectors in memory.db (gateway.memory.index), which the
-indexer keeps up in the background and which a search first brings up to date.
+indexer keeps up in the background and which a search first brings up to date. With the
+store on PostgreSQL, the index is the store's `memory_*` tables instead, shared by every
+replica (gateway.memory.pg_index); the calls below are the same.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import sqlite3
 import uuid
@@ -21,12 +24,13 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import psycopg
 import structlog
 
-from gateway.memory import index
+from gateway.memory import index, pg_index
 from gateway.memory.chunking import normalize_tags
 from gateway.memory.embeddings import EmbeddingError, HashEmbedder, build_embedder
-from gateway.memory.retrieval import Scored, VectorCache, hybrid, tags_of
+from gateway.memory.retrieval import SQLITE, RecallSql, Scored, VectorCache, hybrid, tags_of
 from gateway.session import SessionSource, schedule_session_key
 from gateway.store import codec, purge, schedules
 from gateway.store.background import ThreadedSqliteTask
@@ -130,42 +134,68 @@ class MemoryIndexer(ThreadedSqliteTask):
         self.embedder = embedder
         self.path = store.sessions_dir / index.MEMORY_DB
         self.cache = VectorCache()
-        self.namespaces = index.NamespaceCache()
+        # On PostgreSQL the index is the store's `memory_*` tables: the same rounds and
+        # recall, in that backend's SQL (gateway.memory.pg_index).
+        self.postgres = bool(getattr(store, "postgres", False))
+        self.ops: Any = pg_index if self.postgres else index
+        self.sql: RecallSql = pg_index.PG if self.postgres else SQLITE
+        self.namespaces = pg_index.PgNamespaceCache() if self.postgres else index.NamespaceCache()
         # `hash` embeds on the worker thread inside each round; a remote one in batches
         # after it (it may be slow or down, and text recall must not wait for it).
         self.inline = embedder if isinstance(embedder, HashEmbedder) else None
         self.embeddings_ok = True
         self._lock = asyncio.Lock()
         self._reported: int | None = None  # the fts_log number last told to state.db
+        # PostgreSQL: the last round was left to another replica holding the lock; the
+        # loop looks again next time, commits or not (what it logged may be unseen).
+        self.skipped = False
         self._embed_outage = Outage(log, "memory_embedding_failed", path=str(self.path))
 
     async def run(self, fn: Callable[..., T], *args: object) -> T:
-        """`fn(conn, *args)` on memory.db (state.db attached as `st`), on the worker thread."""
+        """`fn(conn, *args)` on memory.db (state.db attached as `st`), or on a connection
+        of the indexer's own to the PostgreSQL store, on the worker thread."""
         async with self._lock:
             if self._conn is None:
-                self._conn = await self._in_thread(index.connect, self.path, self.store.db_path)
+                if self.postgres:
+                    dsn = self.store.config.storage.dsn or ""
+                    self._conn = await self._in_thread(pg_index.connect, dsn)
+                else:
+                    self._conn = await self._in_thread(index.connect, self.path, self.store.db_path)
             return await self._in_thread(fn, self._conn, *args)
 
     async def prepare(self) -> None:
         """Before the first round: hold state.db's fts_log for us (or let it go, with
-        transcripts off), and queue every chunk for the current embedder if it changed."""
-        if self.settings.index_transcripts:
+        transcripts off), and queue every chunk for the current embedder if it changed.
+        On PostgreSQL the rounds take the log themselves (gateway.memory.pg_index)."""
+        if self.postgres:
+            log.info(
+                "memory_index", backend="postgres", vectors=await self.run(pg_index.vector_path)
+            )
+        elif self.settings.index_transcripts:
             sql = "INSERT OR IGNORE INTO log_readers (name, applied) VALUES (?, 0)"
         else:
             sql = "DELETE FROM log_readers WHERE name = ?"
-        await self.store.write(lambda conn: conn.execute(sql, (index.LOG_READER,)), dirty=False)
-        queued = await self.run(index.requeue_other_models, self.embedder.model_id)
+        if not self.postgres:
+            await self.store.write(lambda conn: conn.execute(sql, (index.LOG_READER,)), dirty=False)
+        queued = await self.run(self.ops.requeue_other_models, self.embedder.model_id)
         if queued:
             log.info("memory_reembedding", chunks=queued, model=self.embedder.model_id)
 
-    async def catch_up(self, *, embed: bool = True, namespace: str | None = None) -> int:
+    async def catch_up(
+        self, *, embed: bool = True, namespace: str | None = None, wait: bool = True
+    ) -> int:
         """Apply everything logged so far; then (embed) vectors for the waiting chunks,
         of `namespace` only when given. A failing embedder is logged, not raised: text
-        recall works meanwhile and the chunks stay queued."""
+        recall works meanwhile and the chunks stay queued. On PostgreSQL, with `wait`
+        False, a round another replica is running is left to it (the background loop)."""
         total = 0
+        apply = (
+            functools.partial(pg_index.apply_logs, wait=wait) if self.postgres else index.apply_logs
+        )
         while True:
-            result = await self.run(index.apply_logs, self.settings, self.namespaces, self.inline)
+            result = await self.run(apply, self.settings, self.namespaces, self.inline)
             total += result.work
+            self.skipped = result.skipped
             await self._report(result)
             if not result.more:
                 break
@@ -176,7 +206,7 @@ class MemoryIndexer(ThreadedSqliteTask):
     async def embed_pending(self, namespace: str | None = None) -> int:
         done = 0
         while True:
-            waiting = await self.run(index.pending_chunks, EMBED_BATCH, namespace)
+            waiting = await self.run(self.ops.pending_chunks, EMBED_BATCH, namespace)
             if not waiting:
                 self._embed_outage.ended()
                 return done
@@ -186,12 +216,15 @@ class MemoryIndexer(ThreadedSqliteTask):
             except EmbeddingError as exc:
                 self._embed_outage.failed(str(exc))
                 return done
-            await self.run(index.store_vectors, ids, vectors, self.embedder.model_id)
+            await self.run(self.ops.store_vectors, ids, vectors, self.embedder.model_id)
             done += len(ids)
 
     async def _report(self, result: index.RoundResult) -> None:
         """Tell state.db how far we got: its fts_log is trimmed behind that, and the
-        note log behind us (we are its only reader)."""
+        note log behind us (we are its only reader). On PostgreSQL the round itself took
+        its log entries (gateway.memory.pg_index)."""
+        if self.postgres:
+            return
         seq, note_seq = result.message_seq, result.note_seq
 
         def tell(conn: sqlite3.Connection) -> None:
@@ -217,11 +250,11 @@ class MemoryIndexer(ThreadedSqliteTask):
             try:
                 worked = commits != seen
                 if worked:
-                    worked = bool(await self.catch_up())
-                    seen = commits
+                    worked = bool(await self.catch_up(wait=False))
+                    seen = -1 if self.skipped else commits
                 failures = 0
                 failing.ended()
-            except (sqlite3.Error, OSError, StoreUnwritable) as exc:
+            except (sqlite3.Error, psycopg.Error, OSError, StoreUnwritable) as exc:
                 failures += 1
                 failing.failed(str(exc))
                 await self._reset()
@@ -324,9 +357,11 @@ class Recall:
                 )
                 return
             changed = conn.execute(
-                "UPDATE notes SET content = ?, tags = ?, updated_at = max(?, created_at)"
+                # CASE, not SQLite's two-argument max(): PostgreSQL spells that greatest().
+                "UPDATE notes SET content = ?, tags = ?,"
+                " updated_at = CASE WHEN ? > created_at THEN ? ELSE created_at END"
                 " WHERE note_id = ? AND namespace = ?",
-                (content, tags_json, now, note_id, namespace),
+                (content, tags_json, now, now, note_id, namespace),
             ).rowcount
             if not changed:
                 raise ValueError(f"there is no note {note_id} in this memory")
@@ -385,6 +420,7 @@ class Recall:
             except EmbeddingError as exc:
                 log.warning("memory_query_embedding_failed", error=str(exc))
         vector_weight, text_weight = self.weights
+        sql = self.indexer.sql
         cache, model, floor = (
             self.indexer.cache,
             self.embedder.model_id,
@@ -403,6 +439,7 @@ class Recall:
                 vector_weight=vector_weight,
                 text_weight=text_weight,
                 min_similarity=floor,
+                sql=sql,
             )
         )
         return [_hit(item) for item in scored]
@@ -420,14 +457,14 @@ class Recall:
                 row[0]
                 for row in conn.execute(
                     "SELECT DISTINCT namespace FROM notes WHERE platform = ? AND user_id = ?"
-                    " AND (? IS NULL OR agent_id = ?)",
-                    (platform, user_id, agent_id, agent_id),
+                    " AND agent_id = coalesce(?, agent_id)",
+                    (platform, user_id, agent_id),
                 )
             }
             count = conn.execute(
                 "DELETE FROM notes WHERE platform = ? AND user_id = ?"
-                " AND (? IS NULL OR agent_id = ?)",
-                (platform, user_id, agent_id, agent_id),
+                " AND agent_id = coalesce(?, agent_id)",
+                (platform, user_id, agent_id),
             ).rowcount
             busy = []
             for session_id, key, origin in conn.execute(
@@ -460,13 +497,16 @@ class Recall:
             return count, sorted(namespaces), busy
 
         count, namespaces, busy = await self.store.write(write)
-        count += await self.indexer.run(index.forget_namespaces, namespaces)
+        count += await self.indexer.run(self.indexer.ops.forget_namespaces, namespaces)
         await self._index()
         if agent_id is None:
-            count += await self.indexer.run(_forget_all_agents, platform, user_id)
+            forget_all = pg_index.forget_all_agents if self.indexer.postgres else _forget_all_agents
+            count += await self.indexer.run(forget_all, platform, user_id)
         self.indexer.cache.clear()
-        # search.db forgets the messages now, their words included (see index.forget_tokens).
-        await self.store.search_index.query(_forget_search_tokens)
+        if not self.indexer.postgres:
+            # search.db forgets the messages now, their words included (index.forget_tokens);
+            # on PostgreSQL the deleted rows are gone with their GIN entries at commit.
+            await self.store.search_index.query(_forget_search_tokens)
         if busy:
             raise purge.SessionBusy(
                 "a turn is running in session(s) " + ", ".join(busy) + "; they were kept"
@@ -480,9 +520,9 @@ class Recall:
         rows = await self.store.read(
             lambda conn: conn.execute(
                 "SELECT note_id, agent_id, content, tags, created_at, updated_at FROM notes"
-                " WHERE platform = ? AND user_id = ? AND (? IS NULL OR agent_id = ?)"
+                " WHERE platform = ? AND user_id = ? AND agent_id = coalesce(?, agent_id)"
                 " ORDER BY agent_id, created_at, note_id",
-                (platform, user_id, agent_id, agent_id),
+                (platform, user_id, agent_id),
             ).fetchall()
         )
         return [

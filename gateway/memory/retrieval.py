@@ -19,6 +19,14 @@ of a few words) multiplies only its own dimensions' rows: the same exact scores 
 A transcript chunk is shown only while a message it came from is still in state.db and
 active (an /undo takes a message back without a log entry); a note's text, tags and
 times are read from state.db's `notes`, the data of record.
+
+Two backends, one algorithm: the choice of words, the vector cache, the numpy scoring,
+normalization and merging are written once here; what differs is only SQL, behind
+`RecallSql` (`SQLITE` below for memory.db, `gateway.memory.pg_index.PG` for the index
+in a PostgreSQL store). The one difference in the scores: PostgreSQL has no bm25, so its
+text score is ts_rank_cd per kept word weighted by the word's IDF (see `PgRecallSql`);
+both are min-max normalized over the candidates before the merge, so only the order
+within the text candidates can differ, not the scale.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import unicodedata
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -41,6 +49,33 @@ MAX_POSTINGS = 1_000  # chunks a text search may rank (see text_query)
 MAX_QUERY_WORDS = 64  # a query's first distinct words the text side looks at (one count each)
 _WORD = re.compile(r"\w+")
 _MATH = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recall-math")
+
+
+class RecallSql(Protocol):
+    """The SQL a recall needs, per backend (the module docstring)."""
+
+    def vector_deletes(self, conn: Any) -> int: ...
+
+    def vectors_held(self, conn: Any, namespace: str, model: str, max_seq: int) -> int: ...
+
+    def vectors_after(
+        self, conn: Any, namespace: str, model: str, seq: int
+    ) -> list[tuple[int, int, bytes]]: ...
+
+    def postings(self, conn: Any, words: list[str]) -> dict[str, int]: ...
+
+    def ranked(
+        self,
+        conn: Any,
+        namespace: str,
+        words: list[str],
+        held: dict[str, int],
+        tags: tuple[str, ...],
+    ) -> dict[int, float]: ...
+
+    def tagged(self, conn: Any, namespace: str, tags: tuple[str, ...]) -> list[int]: ...
+
+    def rows(self, conn: Any, chunk_ids: list[int]) -> list[tuple[Any, ...]]: ...
 
 
 @dataclass(slots=True)
@@ -84,33 +119,26 @@ class VectorCache:
         self._entries.clear()
 
     def get(
-        self, conn: sqlite3.Connection, namespace: str, model: str
+        self, conn: Any, namespace: str, model: str, sql: RecallSql | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(chunk ids, their unit vectors as the columns of a dimensions x chunks
         matrix) of the namespace, current as of this call."""
-        deletes = conn.execute("SELECT value FROM meta WHERE key = 'vector_deletes'").fetchone()
-        deletes = deletes[0] if deletes else 0
+        sql = sql or SQLITE
+        deletes = sql.vector_deletes(conn)
         key = (namespace, model)
         entry = self._entries.get(key)
         if entry is not None and entry.deletes != deletes:
-            held = conn.execute(
-                "SELECT count(*) FROM vectors WHERE namespace = ? AND model = ? AND seq <= ?",
-                (namespace, model, entry.max_seq),
-            ).fetchone()[0]
+            held = sql.vectors_held(conn, namespace, model, entry.max_seq)
             entry.deletes = deletes
             if held != entry.count:
                 entry = None
-        rows = conn.execute(
-            "SELECT seq, chunk_id, vec FROM vectors WHERE namespace = ? AND model = ?"
-            " AND seq > ? ORDER BY seq",
-            (namespace, model, entry.max_seq if entry is not None else 0),
-        ).fetchall()
+        rows = sql.vectors_after(conn, namespace, model, entry.max_seq if entry else 0)
         if entry is None:
             entry = _Matrix(
                 deletes, 0, 0, np.zeros(0, dtype=np.int64), np.zeros((0, 0), np.float32)
             )
         if rows:
-            matrix = np.frombuffer(b"".join(row[2] for row in rows), dtype="<f4")
+            matrix = np.frombuffer(b"".join(bytes(row[2]) for row in rows), dtype="<f4")
             matrix = matrix.reshape(len(rows), -1)
             if entry.count and matrix.shape[1] != entry.cols.shape[0]:
                 raise ValueError(f"vectors of {namespace} differ in size within model {model}")
@@ -150,9 +178,19 @@ def query_words(text: str) -> list[str]:
 
 
 def text_query(conn: sqlite3.Connection, text: str) -> str | None:
-    """The words worth ranking by, as an FTS5 query that cannot be a syntax error: each
-    a quoted phrase, ORed (bm25 ranks chunks with more and rarer words first). None: no
-    word, or only words too common to say anything.
+    """The words worth ranking by (`kept_words`), as an FTS5 query that cannot be a
+    syntax error: each a quoted phrase, ORed (bm25 ranks chunks with more and rarer
+    words first). None: no word, or only words too common to say anything."""
+    kept = kept_words(conn, text, SQLITE)[0]
+    if not kept:
+        return None
+    return " OR ".join(_phrase(word) for word in kept)
+
+
+def kept_words(conn: Any, text: str, sql: RecallSql) -> tuple[list[str], dict[str, int]]:
+    """The words worth ranking by, rarest first, and how many chunks hold each word
+    (counted up to MAX_POSTINGS + 1). None kept: no word, or only words too common to
+    say anything.
 
     bm25 scores every chunk that holds any of the words, and a word found in a large
     share of the index ("the", "is") costs the most and weighs the least (its IDF is
@@ -162,17 +200,15 @@ def text_query(conn: sqlite3.Connection, text: str) -> str | None:
     is made from all of it)."""
     words = query_words(text)[:MAX_QUERY_WORDS]
     if not words:
-        return None
-    held = {word: _postings(conn, word) for word in words}
+        return [], {}
+    held = sql.postings(conn, words)
     kept, total = [], 0
     for word in sorted(words, key=held.__getitem__):
         total += held[word]
         if total > MAX_POSTINGS:
             break
         kept.append(word)
-    if not kept:
-        return None
-    return " OR ".join(_phrase(word) for word in kept)
+    return kept, held
 
 
 def _phrase(word: str) -> str:
@@ -201,42 +237,93 @@ def _tag_filter(tags: tuple[str, ...]) -> tuple[str, list[Any]]:
 
 
 def text_scores(
-    conn: sqlite3.Connection, namespace: str, query: str, tags: tuple[str, ...]
+    conn: Any, namespace: str, query: str, tags: tuple[str, ...], sql: RecallSql | None = None
 ) -> dict[int, float]:
-    match = text_query(conn, query)
-    if match is None:
+    sql = sql or SQLITE
+    kept, held = kept_words(conn, query, sql)
+    if not kept:
         return {}
-    where, params = _tag_filter(tags)
-    rows = conn.execute(
-        "SELECT c.id, -bm25(chunks_fts) FROM chunks_fts JOIN chunks c ON c.id = chunks_fts.rowid"
-        f" WHERE chunks_fts MATCH ? AND c.namespace = ?{where}"
-        " ORDER BY bm25(chunks_fts) LIMIT ?",
-        (match, namespace, *params, CANDIDATES),
-    ).fetchall()
-    return dict(rows)
+    return sql.ranked(conn, namespace, kept, held, tags)
+
+
+class SqliteRecallSql:
+    """`RecallSql` on memory.db (state.db attached as `st`)."""
+
+    def vector_deletes(self, conn: sqlite3.Connection) -> int:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'vector_deletes'").fetchone()
+        return row[0] if row else 0
+
+    def vectors_held(
+        self, conn: sqlite3.Connection, namespace: str, model: str, max_seq: int
+    ) -> int:
+        return conn.execute(
+            "SELECT count(*) FROM vectors WHERE namespace = ? AND model = ? AND seq <= ?",
+            (namespace, model, max_seq),
+        ).fetchone()[0]
+
+    def vectors_after(
+        self, conn: sqlite3.Connection, namespace: str, model: str, seq: int
+    ) -> list[tuple[int, int, bytes]]:
+        return conn.execute(
+            "SELECT seq, chunk_id, vec FROM vectors WHERE namespace = ? AND model = ?"
+            " AND seq > ? ORDER BY seq",
+            (namespace, model, seq),
+        ).fetchall()
+
+    def postings(self, conn: sqlite3.Connection, words: list[str]) -> dict[str, int]:
+        return {word: _postings(conn, word) for word in words}
+
+    def ranked(
+        self,
+        conn: sqlite3.Connection,
+        namespace: str,
+        words: list[str],
+        held: dict[str, int],
+        tags: tuple[str, ...],
+    ) -> dict[int, float]:
+        where, params = _tag_filter(tags)
+        rows = conn.execute(
+            "SELECT c.id, -bm25(chunks_fts) FROM chunks_fts"
+            " JOIN chunks c ON c.id = chunks_fts.rowid"
+            f" WHERE chunks_fts MATCH ? AND c.namespace = ?{where}"
+            " ORDER BY bm25(chunks_fts) LIMIT ?",
+            (" OR ".join(_phrase(word) for word in words), namespace, *params, CANDIDATES),
+        ).fetchall()
+        return dict(rows)
+
+    def tagged(self, conn: sqlite3.Connection, namespace: str, tags: tuple[str, ...]) -> list[int]:
+        where, params = _tag_filter(tags)
+        found = conn.execute(
+            f"SELECT c.id FROM chunks c WHERE c.namespace = ?{where}", (namespace, *params)
+        )
+        return [row[0] for row in found]
+
+    def rows(self, conn: sqlite3.Connection, chunk_ids: list[int]) -> list[tuple[Any, ...]]:
+        return _rows(conn, chunk_ids)
+
+
+SQLITE = SqliteRecallSql()
 
 
 def vector_rows(
-    conn: sqlite3.Connection,
+    conn: Any,
     cache: VectorCache,
     namespace: str,
     model: str,
     query_vec: np.ndarray | None,
     tags: tuple[str, ...],
+    sql: RecallSql | None = None,
 ) -> tuple[np.ndarray, np.ndarray] | None:
     """The SQL half of vector scoring: the namespace's (chunk ids, vectors), narrowed to
     the tagged chunks when tags are given; None when there is nothing to score."""
     if query_vec is None:
         return None
-    ids, matrix = cache.get(conn, namespace, model)
+    sql = sql or SQLITE
+    ids, matrix = cache.get(conn, namespace, model, sql)
     if not len(ids) or matrix.shape[0] != query_vec.shape[0]:
         return None
     if tags:
-        where, params = _tag_filter(tags)
-        found = conn.execute(
-            f"SELECT c.id FROM chunks c WHERE c.namespace = ?{where}", (namespace, *params)
-        )
-        allowed = np.fromiter((r[0] for r in found), np.int64)
+        allowed = np.fromiter(sql.tagged(conn, namespace, tags), np.int64)
         rows = np.flatnonzero(np.isin(ids, allowed))
         if not len(rows):
             return None
@@ -275,7 +362,7 @@ def normalized(scores: dict[int, float]) -> dict[int, float]:
 
 
 def hybrid(
-    conn: sqlite3.Connection,
+    conn: Any,
     cache: VectorCache,
     *,
     namespace: str,
@@ -287,19 +374,23 @@ def hybrid(
     vector_weight: float,
     text_weight: float,
     min_similarity: float,
+    sql: RecallSql | None = None,
 ) -> list[Scored]:
     """The namespace's best `k` chunks for the query, one per note."""
-    rows = vector_rows(conn, cache, namespace, model, query_vec, tags) if vector_weight else None
+    sql = sql or SQLITE
+    rows = (
+        vector_rows(conn, cache, namespace, model, query_vec, tags, sql) if vector_weight else None
+    )
     # The matrix product releases the GIL: it runs on a thread of its own while SQLite
     # (which releases it too) ranks the text on this one.
     scoring = _MATH.submit(vector_scores, rows, query_vec, min_similarity)
-    text = normalized(text_scores(conn, namespace, query, tags)) if text_weight > 0 else {}
+    text = normalized(text_scores(conn, namespace, query, tags, sql)) if text_weight > 0 else {}
     vector = normalized(scoring.result())
     merged = {
         chunk_id: vector_weight * vector.get(chunk_id, 0.0) + text_weight * text.get(chunk_id, 0.0)
         for chunk_id in text.keys() | vector.keys()
     }
-    found = _rows(conn, list(merged))
+    found = sql.rows(conn, list(merged))
     hits = [
         Scored(
             chunk_id,

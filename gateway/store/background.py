@@ -15,6 +15,8 @@ import sqlite3
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+import psycopg
+
 T = TypeVar("T")
 
 #: the longest pause between two looks for work once a task found none for a while
@@ -63,8 +65,11 @@ class ThreadedSqliteTask:
             self._task = None
         if self._inflight is not None:
             with contextlib.suppress(Exception):
-                if isinstance(opened := await self._inflight, sqlite3.Connection):
-                    opened.close()  # connected while we were being cancelled
+                opened = await self._inflight
+                # connected while we were being cancelled (memory's indexer connects to
+                # a PostgreSQL store with psycopg)
+                if isinstance(opened, sqlite3.Connection | psycopg.Connection):
+                    opened.close()
             self._inflight = None
         if self._conn is not None:
             self._conn.close()

@@ -41,6 +41,7 @@ from gateway.store.pg.dialect import is_postgres
 SCRUBBED_EVENT = "{}"  # what a finished inbox row keeps of its event
 # Left to gateway.store.entries (its tables are being reshaped; never raw SQL here).
 _ROUTING_TABLE_PREFIX = "session_entries"
+_MEMORY_INDEX_PREFIX = "memory_"  # PostgreSQL: long-term memory's index tables
 
 
 class SessionBusy(Exception):
@@ -49,24 +50,29 @@ class SessionBusy(Exception):
 
 def tables_with_session_id(conn: sqlite3.Connection) -> list[str]:
     """Every table of state.db with a `session_id` column, `sessions` last (it is what
-    the others refer to)."""
+    the others refer to). On PostgreSQL, the store's schema's tables, but not long-term
+    memory's index (`memory_*`): derived, it follows the deleted messages through
+    `fts_log` as memory.db does (gateway.memory.pg_index)."""
     if is_postgres(conn):
-        # The tables of the schema on the search_path (the store's own).
-        found = conn.execute(
-            "SELECT table_name FROM information_schema.columns WHERE column_name = 'session_id'"
-            " AND table_schema = current_schema() ORDER BY table_name"
-        )
-        names = [name for (name,) in found if not name.startswith(_ROUTING_TABLE_PREFIX)]
-    else:
         names = [
             name
             for (name,) in conn.execute(
-                "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
-                " ORDER BY name"
+                "SELECT table_name FROM information_schema.columns"
+                " WHERE table_schema = current_schema() AND column_name = 'session_id'"
+                " ORDER BY table_name"
             )
-            if not name.startswith(_ROUTING_TABLE_PREFIX)
-            and any(col[1] == "session_id" for col in conn.execute(f'PRAGMA table_info("{name}")'))
+            if not name.startswith((_ROUTING_TABLE_PREFIX, _MEMORY_INDEX_PREFIX))
         ]
+        return sorted(names, key=lambda name: name == "sessions")
+    names = [
+        name
+        for (name,) in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'"
+            " ORDER BY name"
+        )
+        if not name.startswith(_ROUTING_TABLE_PREFIX)
+        and any(col[1] == "session_id" for col in conn.execute(f'PRAGMA table_info("{name}")'))
+    ]
     return sorted(names, key=lambda name: name == "sessions")
 
 

@@ -139,8 +139,9 @@ def delete_for_user(
     (agent_id, schedule_id) of each, whose sessions the caller deletes."""
     doomed = conn.execute(
         "SELECT agent_id, schedule_id FROM schedules WHERE platform = ? AND user_id = ?"
-        " AND (? IS NULL OR agent_id = ?)",
-        (platform, user_id, agent_id, agent_id),
+        # coalesce, not `? IS NULL OR`: PostgreSQL cannot type a lone NULL parameter
+        " AND agent_id = coalesce(?, agent_id)",
+        (platform, user_id, agent_id),
     ).fetchall()
     for _, schedule_id in doomed:
         delete(conn, schedule_id)

@@ -208,8 +208,7 @@ class GatewayRunner(SessionOps):
         """
         self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
         await self.store.open()
-        if self.cluster is None:  # TEMP until the PostgreSQL memory index lands
-            await self.recall.start()  # its indexer catches up in the background
+        await self.recall.start()  # its indexer catches up in the background
         if self.cluster is not None:
             await self._start_replica()
             return

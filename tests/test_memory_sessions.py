@@ -141,8 +141,7 @@ def test_the_backfill_migration_titles_old_sessions_by_the_same_rule() -> None:
     }
 
 
-# Not yet on PostgreSQL: /status lists schedules with `WHERE 1 AND ...`, which it
-# refuses (gateway.store.schedules).
+# The CLI subprocess reads $HERMES_HOME's config, which names no PostgreSQL store here.
 @pytest.mark.sqlite_only
 async def test_first_message_titles_the_session_and_title_renames(gateway: Gateway) -> None:
     first = "Plan the trip to Lisbon\nwith the kids in the spring, please"
@@ -173,8 +172,6 @@ async def test_a_session_without_messages_is_new_session(gateway: Gateway) -> No
     assert [s["title"] for s in listed["sessions"]] == ["New Session"]
 
 
-# Not yet on PostgreSQL: titles match with `COLLATE NOCASE` (gateway.store.titles).
-@pytest.mark.sqlite_only
 async def test_resume_by_title_or_unique_prefix(gateway: Gateway) -> None:
     await gateway.say("c1", "budget for the garden")
     garden = await gateway.session_id()

@@ -4,6 +4,8 @@ one that does, and a replica holds a session's lease only while something runs t
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,3 +98,18 @@ async def test_a_command_to_an_idle_session_leaves_no_lease_behind(
     await a.client.post("c2", "hello")
     assert await b.client.replies("c2", 1) == ["bot: hello"]  # the reply, on either replica
     await wait_for(lambda: session_leases(dsn) == [], within=3)
+
+
+async def test_a_long_poll_on_one_replica_wakes_for_a_reply_made_on_the_other(
+    pair: list[Replica],
+) -> None:
+    a, b = pair
+    b.client.cursors["c3"] = await b.runner.last_reply_seq("http", "c3")
+    poll = asyncio.create_task(b.client.poll("c3", wait=20))
+    await asyncio.sleep(0.3)  # B's poller is waiting
+    started = time.monotonic()
+    await a.client.post("c3", "wake the other one")
+    replies = await asyncio.wait_for(poll, 10)
+    # Woken by A's NOTIFY, not by the end of its 20 s wait.
+    assert time.monotonic() - started < 3
+    assert [m["text"] for m in replies] == ["bot: wake the other one"]

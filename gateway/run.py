@@ -227,6 +227,10 @@ class GatewayRunner(SessionOps):
             await self._dispatch(key, event, kind, command)
         await self.scheduler.start()  # after recovery: a resumed run is not interrupted
         self._housekeeper.start()
+        self._started(clean_start=self.recovery.was_clean)
+
+    def _started(self, **facts: Any) -> None:
+        """The end of a start: the status file's writer, the heap frozen, one log line."""
         self._status_task = asyncio.create_task(keep_status(self.home, self.status_snapshot))
         # What is alive now (modules, config, clients) lives as long as the process: move
         # it out of the collector's reach. A full collection walked all of it, stalling
@@ -240,7 +244,7 @@ class GatewayRunner(SessionOps):
             routes=self.store.router.routes,
             adapters=[p.value for p in self.adapters],
             home=str(self.home),
-            clean_start=self.recovery.was_clean,
+            **facts,
         )
 
     async def _start_replica(self) -> None:
@@ -268,17 +272,7 @@ class GatewayRunner(SessionOps):
 
         self.cluster.lead(replica.HOUSEKEEPING, gain, lose)
         await self.cluster.start()
-        self._status_task = asyncio.create_task(keep_status(self.home, self.status_snapshot))
-        gc.collect()
-        gc.freeze()
-        log.info(
-            "gateway_started",
-            agent=self.roster.main.description,
-            agents=self.roster.describe(),
-            adapters=[p.value for p in self.adapters],
-            home=str(self.home),
-            replica=self.cluster.owner,
-        )
+        self._started(replica=self.cluster.owner)
 
     async def stop(self, *, restart: bool = False) -> None:
         """Drain: refuse new messages, let running turns finish up to

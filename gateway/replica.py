@@ -44,6 +44,7 @@ from gateway.cluster.heartbeat import Heartbeat
 from gateway.cluster.leader import LeaderRole
 from gateway.cluster.notify import Listener
 from gateway.housekeeping import RESEND_AFTER_SECONDS
+from gateway.recovery import STUCK_LOOP_THRESHOLD, STUCK_NOTICE
 from gateway.store import codec, journal, schedules
 
 if TYPE_CHECKING:
@@ -62,6 +63,7 @@ LEASE_SHARE = 0.7
 IDLE_LEASE_CHECK_ROUNDS = 5  # sweeps between looks for leases held with nothing running
 SWEEP_LIMIT = 200
 HOUSEKEEPING = "leader:housekeeping"
+TAKEOVERS = "takeovers"  # in a turn marker's event: how often other replicas resumed it
 
 
 class LeaseLost(RuntimeError):
@@ -293,15 +295,9 @@ class Replica:
         queued = 0
         runner = self.runner
         if marker is not None and not taken.issuperset(marker["inbox_ids"]):
-            entry = await runner.store.get_entry(key)
-            if entry is not None and not entry.resume_pending:
-                await runner.store.mark_resume_pending(key, "replica_takeover")
-            event = MessageEvent.from_dict(
-                marker["event"], inbox_ids=tuple(marker["inbox_ids"]), resume=True, synthetic=True
-            )
             taken.update(marker["inbox_ids"])
-            await runner.submit(key, event)
-            queued += 1
+            if await self._resume(key, marker):
+                queued += 1
         for inbox_id, kind, data in rows:
             if inbox_id in taken:
                 continue
@@ -320,6 +316,36 @@ class Replica:
                 lambda conn: conn.execute(_RELEASE_IF_IDLE, (name, owner, key))
             )
         return queued
+
+    async def _resume(self, key: str, marker: dict[str, Any]) -> bool:
+        """Run an interrupted turn again, or, when it was taken over STUCK_LOOP_THRESHOLD
+        times already (a message that kills each replica that runs it would otherwise
+        take the fleet down one by one), drop it, suspend the session and tell the user,
+        as one node's stuck-loop guard does (gateway.recovery). False when dropped."""
+        runner = self.runner
+        data = dict(marker["event"])
+        attempts = int(data.get(TAKEOVERS, 0)) + 1
+        if attempts >= STUCK_LOOP_THRESHOLD:
+            source = MessageEvent.from_dict(data).source
+            await runner.store.suspend_session(key)
+            await runner.turnlog.abandon(key, marker["inbox_ids"])
+            log.warning("stuck_session_suspended", session_key=key, takeovers=attempts)
+            await runner.deliver(source, STUCK_NOTICE)
+            return False
+        data[TAKEOVERS] = attempts  # counted in the marker: it survives the next crash
+        await runner.store.write(
+            lambda conn: conn.execute(
+                "UPDATE turns SET event = ? WHERE session_key = ?", (codec.dumps(data), key)
+            )
+        )
+        entry = await runner.store.get_entry(key)
+        if entry is not None and not entry.resume_pending:
+            await runner.store.mark_resume_pending(key, "replica_takeover")
+        event = MessageEvent.from_dict(
+            data, inbox_ids=tuple(marker["inbox_ids"]), resume=True, synthetic=True
+        )
+        await runner.submit(key, event)
+        return True
 
     # --- the sweeper -----------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
+from gateway.recovery import STUCK_NOTICE
 from gateway.run import GatewayRunner
 from tests.gateway_client import GatewayClient
 from tests.pg_support import fresh_schema
@@ -42,7 +43,11 @@ async def pair(dsn: str, tmp_path: Path) -> AsyncIterator[list[Replica]]:
         config = GatewayConfig.model_validate(
             {
                 "timezone": "UTC",
-                "agent": {"backend": NAMED, "options": {"name": "bot"}},
+                "agent": {
+                    "backend": NAMED,
+                    "options": {"name": "bot"},
+                    "restart_drain_timeout": 1,  # a hanging turn holds up no stop
+                },
                 "storage": {"backend": "postgres", "dsn": dsn},
                 "cluster": {"failover_seconds": 2},
                 "platforms": {"http": {"enabled": True, "port": 0}},
@@ -113,3 +118,31 @@ async def test_a_long_poll_on_one_replica_wakes_for_a_reply_made_on_the_other(
     # Woken by A's NOTIFY, not by the end of its 20 s wait.
     assert time.monotonic() - started < 3
     assert [m["text"] for m in replies] == ["bot: wake the other one"]
+
+
+async def test_a_turn_taken_over_three_times_suspends_its_session_with_one_notice(
+    pair: list[Replica], dsn: str
+) -> None:
+    """The stuck-loop guard across replicas: a marker already resumed twice elsewhere is
+    not run a third time (it may be what killed them); the user is told once."""
+    a, b = pair
+    key = "agent:main:http:dm:c4"
+    await a.client.post("c4", "hang forever")
+    await wait_for(lambda: a.runner.is_busy(key))
+    # As if two replicas had died running it: counted in the marker, and A's lease gone.
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE turns SET event = jsonb_set(event::jsonb, '{takeovers}', '2')::text"
+            " WHERE session_key = %s",
+            (key,),
+        )
+        conn.execute("UPDATE leases SET expires_at = 0 WHERE name = %s", (f"session:{key}",))
+    (notice,) = await b.client.replies("c4", 1, within=10)
+    assert notice == STUCK_NOTICE
+    assert await b.client.no_more_replies("c4", settle=1.0) == []
+    entry = await b.runner.store.get_entry(key)
+    assert entry is not None and entry.suspended
+    with psycopg.connect(dsn) as conn:
+        assert conn.execute(
+            "SELECT count(*) FROM turns WHERE session_key = %s", (key,)
+        ).fetchone() == (0,)

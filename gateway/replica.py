@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import structlog
@@ -48,13 +48,13 @@ from gateway.recovery import STUCK_LOOP_THRESHOLD, STUCK_NOTICE
 from gateway.store import codec, journal, schedules
 
 if TYPE_CHECKING:
-    from adapters.base import PlatformAdapter
     from gateway.run import GatewayRunner
 
 log = structlog.get_logger("gateway.replica")
 
 INBOX_CHANNEL = "hermes_inbox"  # payload: a session key with a message waiting
 REPLIES_CHANNEL = "hermes_replies"  # payload: an HTTP API chat id with a new reply
+SEND_PENDING_CHANNEL = "hermes_send_pending"  # a reply another process recorded
 SWEEP_SECONDS = 1.0
 # A lease lives this share of `cluster.failover_seconds`: a standby retries every third
 # of a lease's life, so a dead holder's role moves within 0.7 * (1 + 1/3) of it, and its
@@ -62,7 +62,9 @@ SWEEP_SECONDS = 1.0
 LEASE_SHARE = 0.7
 IDLE_LEASE_CHECK_ROUNDS = 5  # sweeps between looks for leases held with nothing running
 SWEEP_LIMIT = 200
-HOUSEKEEPING = "leader:housekeeping"
+# The one leader: the single-connection platforms, housekeeping and the scheduler. One
+# role, so the replica that sends a platform's pending replies is connected to it.
+LEADER = "leader:housekeeping"
 TAKEOVERS = "takeovers"  # in a turn marker's event: how often other replicas resumed it
 
 
@@ -122,8 +124,9 @@ class Replica:
         self.listener.add(INBOX_CHANNEL, self._on_inbox)
         self.listener.add(REPLIES_CHANNEL, self._on_reply)
         self.listener.add(schedules.CHANNEL, lambda _: runner.scheduler.wake())
+        self.listener.add(SEND_PENDING_CHANNEL, self._on_send_pending)
         self.roles: list[LeaderRole] = []
-        self._adapter_roles: dict[str, LeaderRole] = {}
+        self._platform_roles: dict[str, LeaderRole] = {}  # platform -> its leader role
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -132,21 +135,19 @@ class Replica:
         name: str,
         on_gain: Callable[[], Awaitable[None]],
         on_lose: Callable[[], Awaitable[None]],
+        platforms: Collection[str] = (),
     ) -> LeaderRole:
-        """A leader role: `on_gain` runs on the one replica holding `name`."""
+        """A leader role: `on_gain` runs on the one replica holding `name`; sessions of
+        `platforms` (their only connection runs on the leader) run there only."""
         # An owner id of its own: the heartbeat (which renews every lease of `owner`)
         # must not keep a leader lease alive while the role's own connection is down.
         role = LeaderRole(
             self.dsn, name, f"{self.owner}/lead", on_gain=on_gain, on_lose=on_lose, ttl=self.ttl
         )
         self.roles.append(role)
+        for platform in platforms:
+            self._platform_roles[platform] = role
         return role
-
-    def lead_adapter(self, adapter: PlatformAdapter) -> None:
-        """A platform with one connection per bot (polling, a gateway socket): started on
-        the leader of `leader:{platform}` only, stopped when it stops leading."""
-        role = self.lead(f"leader:{adapter.platform.value}", adapter.start, adapter.stop)
-        self._adapter_roles[adapter.platform.value] = role
 
     async def start(self) -> None:
         self.runner.turnlog.fence = self.fence
@@ -417,15 +418,11 @@ class Replica:
 
     def can_run(self, key: str) -> bool:
         """Whether this replica may run `key`: a session of a single-connection platform
-        (Telegram polling, Discord, Slack Socket Mode) only on that platform's leader,
-        the one replica that can send there."""
+        (Telegram polling, Discord, Slack Socket Mode) only on the leader, the one
+        replica connected there."""
         parts = key.split(":")
-        platform = parts[2] if len(parts) > 2 else ""
-        for adapter in self.runner.adapters.values():
-            if adapter.platform.value == platform and adapter.single_connection:
-                role = self._adapter_roles.get(platform)
-                return role is not None and role.is_leader
-        return True
+        role = self._platform_roles.get(parts[2] if len(parts) > 2 else "")
+        return role is None or role.is_leader
 
     # --- health and replies ----------------------------------------------------------------
 
@@ -448,6 +445,26 @@ class Replica:
     def publish_reply(self, chat_id: str) -> None:
         """A reply for an HTTP API chat was recorded: wake its long-pollers everywhere."""
         self._spawn(self.runner.store.write(lambda conn: _notify(conn, REPLIES_CHANNEL, chat_id)))
+
+    def send_pending_soon(self) -> None:
+        """A reply recorded by another process (`pairing approve`): the leader, which is
+        connected to every platform, sends it."""
+        self._spawn(self.runner.store.write(lambda conn: _notify(conn, SEND_PENDING_CHANNEL, "")))
+
+    def _on_send_pending(self, _: str) -> None:
+        if any(role.name == LEADER and role.is_leader for role in self.roles):
+            self.send_pending_later()
+
+    def send_pending_later(self) -> None:
+        """Send recorded replies nobody sent, once they are RESEND_AFTER_SECONDS old.
+        Not sooner: no row says which replica is sending a younger one, and the leader
+        must not send it a second time (the same rule as housekeeping's passes)."""
+
+        async def send() -> None:
+            await asyncio.sleep(RESEND_AFTER_SECONDS)
+            await self.runner.resend_pending(RESEND_AFTER_SECONDS)
+
+        self._spawn(send())
 
     def _on_reply(self, chat_id: str) -> None:
         for adapter in self.runner.adapters.values():

@@ -249,28 +249,37 @@ class GatewayRunner(SessionOps):
 
     async def _start_replica(self) -> None:
         """`start` for one replica of several (gateway.replica): no start-up recovery (the
-        sweeper resumes, key by key, what no live replica holds), single-connection
-        platforms and housekeeping only on their leader."""
+        sweeper resumes, key by key, what no live replica holds); the single-connection
+        platforms, the scheduler and housekeeping only on the leader."""
         assert self.cluster is not None
         self._accepting = True
+        single: list[PlatformAdapter] = []
         for adapter in self.adapters.values():
             adapter.bind(self)
             if adapter.single_connection:
-                self.cluster.lead_adapter(adapter)
+                single.append(adapter)  # started by the leader role
             else:
                 await adapter.start()
             if hasattr(adapter, "publish"):  # the HTTP API: long-polls on every replica
                 adapter.publish = self.cluster.publish_reply
 
         async def gain() -> None:
+            for adapter in single:
+                await adapter.start()
             await self.scheduler.start()
             self._housekeeper.start()
+            self.cluster.send_pending_later()  # what the last leader (or the CLI) left
 
         async def lose() -> None:
             await self.scheduler.stop()
             await self._housekeeper.stop()
+            for adapter in single:
+                try:
+                    await adapter.stop()
+                except Exception:
+                    log.exception("adapter_stop_failed", platform=adapter.platform.value)
 
-        self.cluster.lead(replica.HOUSEKEEPING, gain, lose)
+        self.cluster.lead(replica.LEADER, gain, lose, platforms={a.platform.value for a in single})
         await self.cluster.start()
         self._started(replica=self.cluster.owner)
 
@@ -887,8 +896,12 @@ class GatewayRunner(SessionOps):
         return await self.delivery.resend_pending(min_age_seconds)
 
     def send_pending_soon(self) -> None:
-        """SIGUSR2: another process recorded a reply (`pairing approve`'s notice)."""
-        self._housekeeper.send_pending_soon()
+        """SIGUSR2: another process recorded a reply (`pairing approve`'s notice). On a
+        replica, the housekeeping leader sends it (gateway.replica)."""
+        if self.cluster is not None:
+            self.cluster.send_pending_soon()
+        else:
+            self._housekeeper.send_pending_soon()
 
     # --- GatewayHandle (what adapters may ask) --------------------------------------------
 

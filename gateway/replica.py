@@ -72,6 +72,25 @@ class LeaseLost(RuntimeError):
     """This replica no longer holds the session's lease: another one runs it now."""
 
 
+LeaseBusy = (pg_errors.DeadlockDetected, pg_errors.LockNotAvailable)  # taking it met another
+
+
+class LeaseClaim:
+    """Takes a session's lease inside another transaction (the one that accepts and
+    begins a turn: `TurnLog.accept_and_begin`'s `claim`): False, and nothing of that
+    transaction is written, when another replica holds it. `won` tells the caller."""
+
+    __slots__ = ("name", "owner", "ttl", "won")
+
+    def __init__(self, name: str, owner: str, ttl: float) -> None:
+        self.name, self.owner, self.ttl = name, owner, ttl
+        self.won: bool | None = None  # None: the transaction never ran (it failed)
+
+    def __call__(self, conn: Any) -> bool:
+        self.won = leases.try_acquire(conn.raw, self.name, self.owner, self.ttl)
+        return self.won
+
+
 def lease_name(session_key: str) -> str:
     return f"session:{session_key}"
 
@@ -205,6 +224,10 @@ class Replica:
             if not lock.locked() and self._locks.get(key) is lock:
                 del self._locks[key]
 
+    def lease_claim(self, key: str) -> LeaseClaim:
+        """`key`'s lease, to take inside the transaction of the caller (`LeaseClaim`)."""
+        return LeaseClaim(lease_name(key), self.owner, self.ttl)
+
     async def claim(self, key: str) -> bool:
         """Take (or keep) `key`'s lease; False when another replica holds it, or when
         taking it ran into another replica's transaction (a deadlock PostgreSQL broke):
@@ -214,7 +237,7 @@ class Replica:
             return await self.runner.store.write(
                 lambda conn: leases.try_acquire(conn.raw, name, owner, ttl)
             )
-        except (pg_errors.DeadlockDetected, pg_errors.LockNotAvailable):
+        except LeaseBusy:
             return False
 
     def took(self, key: str, inbox_ids: Any) -> None:
@@ -492,11 +515,12 @@ def _notify(conn: Any, channel: str, payload: str) -> None:
 
 def _release_if_idle(conn: Any, name: str, owner: str, key: str, ttl: float) -> str:
     """Give the lease back unless messages wait: `released`, `busy` (they wait, the lease
-    stays), or `lost` (another replica holds it now: nothing here is ours to run)."""
-    if conn.execute(_FENCE, (ttl, name, owner)).rowcount != 1:
-        return "lost"
+    stays, renewed), or `lost` (another replica holds it now: nothing here is ours to run).
+    One statement in the common case (nothing waits)."""
     if conn.execute(_RELEASE_IF_IDLE, (name, owner, key)).rowcount:
         return "released"
+    if conn.execute(_FENCE, (ttl, name, owner)).rowcount != 1:
+        return "lost"
     return "busy"
 
 

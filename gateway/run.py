@@ -55,7 +55,7 @@ from gateway.pairing import Pairing
 from gateway.policy import reset_notice
 from gateway.queue import QueueFull, SessionQueue
 from gateway.recovery import Recovery
-from gateway.replica import Replica
+from gateway.replica import LeaseBusy, Replica
 from gateway.schedules.book import ScheduleBook, iso
 from gateway.schedules.loop import Scheduler
 from gateway.session import (
@@ -402,16 +402,21 @@ class GatewayRunner(SessionOps):
             self.metrics.messages_unavailable_total += 1
             return Accepted(AcceptStatus.UNAVAILABLE, detail="the database is unreachable")
         async with cluster.key_lock(key):
-            if key not in self._workers and not await cluster.claim(key):
-                inbox_id = await cluster.forward(key, event, kind)
-                if inbox_id is None:
-                    return Accepted(AcceptStatus.DUPLICATE, session_key=key)
-                return Accepted(
-                    AcceptStatus.PENDING, session_key=key, detail="run by another replica"
-                )
+            if key not in self._workers:
+                if kind != "command":
+                    # The lease is taken in the transaction that accepts and begins the
+                    # turn: one transaction for a message to an idle session, as on SQLite.
+                    lease = cluster.lease_claim(key)
+                    with contextlib.suppress(LeaseBusy):
+                        accepted = await self._accept_and_start(key, event, kind, claim=lease)
+                    if lease.won:
+                        return accepted
+                    # Nothing was written; the worker made for it ends on its own.
+                    await asyncio.gather(*filter(None, [self._workers.get(key)]))
+                    return await self._forward(key, event, kind)
+                if not await cluster.claim(key):
+                    return await self._forward(key, event, kind)
             try:
-                if kind != "command" and key not in self._workers:
-                    return await self._accept_and_start(key, event, kind)  # its worker's end
                 inbox_id = await self.turnlog.accept(event, key, kind, done=kind == "command")
                 if inbox_id is not None:
                     cluster.took(key, (inbox_id,))
@@ -433,6 +438,13 @@ class GatewayRunner(SessionOps):
         finally:
             if key not in self._workers:
                 cluster.worker_ended(key)
+
+    async def _forward(self, key: str, event: MessageEvent, kind: str) -> Accepted:
+        """Another replica runs `key`: the message is journaled for it (gateway.replica)."""
+        assert self.cluster is not None
+        if await self.cluster.forward(key, event, kind) is None:
+            return Accepted(AcceptStatus.DUPLICATE, session_key=key)
+        return Accepted(AcceptStatus.PENDING, session_key=key, detail="run by another replica")
 
     async def run_forwarded_command(self, key: str, event: MessageEvent) -> None:
         """A command another replica journaled for this one (it runs the session)."""

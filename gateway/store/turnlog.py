@@ -111,10 +111,11 @@ class TurnLog:
         fence = self.fence
 
         def tx(conn: sqlite3.Connection) -> tuple[int, TurnStart] | None:
-            if fence is not None:
-                fence(conn, session_key)
+            # The claim first: on a replica it may be what takes the session's lease.
             if claim is not None and not claim(conn):
                 return None
+            if fence is not None:
+                fence(conn, session_key)
             inbox_id = accept(conn)
             return None if inbox_id is None else (inbox_id, begin(conn, [inbox_id]))
 

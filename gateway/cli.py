@@ -35,7 +35,7 @@ from gateway.ops.sdnotify import SystemdNotifier, run_watchdog
 from gateway.ops.service import add_service_parser
 from gateway.ops.sessions import add_sessions_subcommands, agent_id, run_sessions_command
 from gateway.ops.status import add_status_parser
-from gateway.ops.storage_migrate import add_storage_parser
+from gateway.ops.storage import add_storage_parser
 from gateway.pairing import add_pairing_parser
 from gateway.session import agent_id_of_key
 from gateway.store.db import DatabaseError

@@ -118,6 +118,9 @@ class Replica:
     """The runner's side of the cluster: leases of the sessions it runs, the sweeper,
     the heartbeat, the LISTEN connection and the leader roles."""
 
+    LEADER = LEADER
+    LEASE_BUSY = LeaseBusy  # (the runner imports this module only for PostgreSQL)
+
     def __init__(self, runner: GatewayRunner) -> None:
         self.runner = runner
         settings = runner.config.cluster

@@ -26,13 +26,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from adapters.base import Accepted, AcceptStatus, Attachment, MessageEvent, PlatformAdapter
 from config import GatewayConfig, hermes_home
-from gateway import command_syntax, commands, replica
+from gateway import command_syntax, commands
 from gateway.agents.cache import AgentCache
 from gateway.agents.protocol import (
     AgentError,
@@ -55,7 +55,6 @@ from gateway.pairing import Pairing
 from gateway.policy import reset_notice
 from gateway.queue import QueueFull, SessionQueue
 from gateway.recovery import Recovery
-from gateway.replica import LeaseBusy, Replica
 from gateway.schedules.book import ScheduleBook, iso
 from gateway.schedules.loop import Scheduler
 from gateway.session import (
@@ -77,6 +76,9 @@ from gateway.store.turnlog import TurnLog, TurnStart
 from gateway.streaming import Stream, Streams
 from gateway.tools import BUILTIN_TOOLS
 from gateway.tools.registry import Toolbox, TurnScope, TurnTools, agent_id_of
+
+if TYPE_CHECKING:
+    from gateway.replica import Replica
 
 log = structlog.get_logger("gateway.run")
 
@@ -129,7 +131,12 @@ class GatewayRunner(SessionOps):
         self.recovery = Recovery(self)
         # Several replicas on one PostgreSQL store (issue 19): a session runs where its
         # lease is; on SQLite this process is the only one and holds everything.
-        self.cluster = Replica(self) if self.store.postgres else None
+        self.cluster: Replica | None = None
+        if self.store.postgres:
+            # Imported here: a gateway on SQLite never loads psycopg (22 MiB).
+            from gateway.replica import Replica
+
+            self.cluster = Replica(self)
         self.pairing = Pairing(self.store)
         # One cache for all agents: its keys are session keys, which name their agent.
         self.agents = AgentCache(
@@ -279,7 +286,9 @@ class GatewayRunner(SessionOps):
                 except Exception:
                     log.exception("adapter_stop_failed", platform=adapter.platform.value)
 
-        self.cluster.lead(replica.LEADER, gain, lose, platforms={a.platform.value for a in single})
+        self.cluster.lead(
+            self.cluster.LEADER, gain, lose, platforms={a.platform.value for a in single}
+        )
         await self.cluster.start()
         self._started(replica=self.cluster.owner)
 
@@ -407,7 +416,7 @@ class GatewayRunner(SessionOps):
                     # The lease is taken in the transaction that accepts and begins the
                     # turn: one transaction for a message to an idle session, as on SQLite.
                     lease = cluster.lease_claim(key)
-                    with contextlib.suppress(LeaseBusy):
+                    with contextlib.suppress(*cluster.LEASE_BUSY):
                         accepted = await self._accept_and_start(key, event, kind, claim=lease)
                     if lease.won:
                         return accepted

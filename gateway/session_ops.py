@@ -14,10 +14,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import psycopg
-
 from gateway.session import agent_id_of_key
 from gateway.store import archive, media_files, purge, search, titles
+from gateway.store.pg import driver_errors
 
 if TYPE_CHECKING:
     from gateway.agents.cache import AgentCache
@@ -110,6 +109,6 @@ class SessionOps:
             await self.agents.evict(key)  # its context held the deleted messages
         # The session's chunks and vectors leave memory.db now, not at the indexer's next
         # round (state.db's log has them either way; a failure here is caught up later).
-        with contextlib.suppress(sqlite3.Error, psycopg.Error, OSError):
+        with contextlib.suppress(sqlite3.Error, *driver_errors(), OSError):
             await self.recall.indexer.catch_up(embed=False)
         return {"status": "deleted", **done}

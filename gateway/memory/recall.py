@@ -24,10 +24,9 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import psycopg
 import structlog
 
-from gateway.memory import index, pg_index
+from gateway.memory import index
 from gateway.memory.chunking import normalize_tags
 from gateway.memory.embeddings import EmbeddingError, HashEmbedder, build_embedder
 from gateway.memory.retrieval import SQLITE, RecallSql, Scored, VectorCache, hybrid, tags_of
@@ -35,6 +34,7 @@ from gateway.session import SessionSource, schedule_session_key
 from gateway.store import codec, purge, schedules
 from gateway.store.background import ThreadedSqliteTask
 from gateway.store.outage import Outage, StoreUnwritable
+from gateway.store.pg import driver_errors
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -50,6 +50,14 @@ MAX_NOTE_CHARS = 8_000
 MAX_K = 50
 EMBED_BATCH = 256  # chunks embedded per step of the background indexer
 _NOTE_ID = re.compile(r"^note-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
+
+
+def _pg() -> Any:
+    """The index's PostgreSQL SQL (gateway.memory.pg_index), imported on first use: a
+    gateway on SQLite never loads psycopg."""
+    from gateway.memory import pg_index
+
+    return pg_index
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,9 +145,9 @@ class MemoryIndexer(ThreadedSqliteTask):
         # On PostgreSQL the index is the store's `memory_*` tables: the same rounds and
         # recall, in that backend's SQL (gateway.memory.pg_index).
         self.postgres = bool(getattr(store, "postgres", False))
-        self.ops: Any = pg_index if self.postgres else index
-        self.sql: RecallSql = pg_index.PG if self.postgres else SQLITE
-        self.namespaces = pg_index.PgNamespaceCache() if self.postgres else index.NamespaceCache()
+        self.ops: Any = _pg() if self.postgres else index
+        self.sql: RecallSql = _pg().PG if self.postgres else SQLITE
+        self.namespaces = _pg().PgNamespaceCache() if self.postgres else index.NamespaceCache()
         # `hash` embeds on the worker thread inside each round; a remote one in batches
         # after it (it may be slow or down, and text recall must not wait for it).
         self.inline = embedder if isinstance(embedder, HashEmbedder) else None
@@ -158,7 +166,7 @@ class MemoryIndexer(ThreadedSqliteTask):
             if self._conn is None:
                 if self.postgres:
                     dsn = self.store.config.storage.dsn or ""
-                    self._conn = await self._in_thread(pg_index.connect, dsn)
+                    self._conn = await self._in_thread(_pg().connect, dsn)
                 else:
                     self._conn = await self._in_thread(index.connect, self.path, self.store.db_path)
             return await self._in_thread(fn, self._conn, *args)
@@ -168,9 +176,7 @@ class MemoryIndexer(ThreadedSqliteTask):
         transcripts off), and queue every chunk for the current embedder if it changed.
         On PostgreSQL the rounds take the log themselves (gateway.memory.pg_index)."""
         if self.postgres:
-            log.info(
-                "memory_index", backend="postgres", vectors=await self.run(pg_index.vector_path)
-            )
+            log.info("memory_index", backend="postgres", vectors=await self.run(_pg().vector_path))
         elif self.settings.index_transcripts:
             sql = "INSERT OR IGNORE INTO log_readers (name, applied) VALUES (?, 0)"
         else:
@@ -190,7 +196,7 @@ class MemoryIndexer(ThreadedSqliteTask):
         False, a round another replica is running is left to it (the background loop)."""
         total = 0
         apply = (
-            functools.partial(pg_index.apply_logs, wait=wait) if self.postgres else index.apply_logs
+            functools.partial(_pg().apply_logs, wait=wait) if self.postgres else index.apply_logs
         )
         while True:
             result = await self.run(apply, self.settings, self.namespaces, self.inline)
@@ -254,7 +260,7 @@ class MemoryIndexer(ThreadedSqliteTask):
                     seen = -1 if self.skipped else commits
                 failures = 0
                 failing.ended()
-            except (sqlite3.Error, psycopg.Error, OSError, StoreUnwritable) as exc:
+            except (sqlite3.Error, *driver_errors(), OSError, StoreUnwritable) as exc:
                 failures += 1
                 failing.failed(str(exc))
                 await self._reset()
@@ -500,7 +506,7 @@ class Recall:
         count += await self.indexer.run(self.indexer.ops.forget_namespaces, namespaces)
         await self._index()
         if agent_id is None:
-            forget_all = pg_index.forget_all_agents if self.indexer.postgres else _forget_all_agents
+            forget_all = _pg().forget_all_agents if self.indexer.postgres else _forget_all_agents
             count += await self.indexer.run(forget_all, platform, user_id)
         self.indexer.cache.clear()
         if not self.indexer.postgres:

@@ -26,7 +26,6 @@ import sqlite3
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import psycopg
 from psycopg import sql
@@ -47,24 +46,6 @@ _ENV_REFERENCE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 class MigrateError(Exception):
     """Why the copy was refused or failed; the message is for people (no password)."""
-
-
-def add_storage_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
-    storage = sub.add_parser("storage", parents=parents, help="move the store to PostgreSQL")
-    storage_sub = storage.add_subparsers(dest="storage_command", required=True)
-    copy = storage_sub.add_parser(
-        "migrate",
-        parents=parents,
-        help="copy state.db into an empty PostgreSQL database (the gateway must be stopped)",
-    )
-    copy.add_argument(
-        "--to",
-        required=True,
-        metavar="DSN",
-        help="postgresql://USER[:PASSWORD]@HOST[:PORT]/DB; ${VAR} is read from the"
-        " environment, and libpq reads PGPASSWORD",
-    )
-    storage.set_defaults(handler=cmd_storage)
 
 
 def cmd_storage(args: argparse.Namespace, config: GatewayConfig) -> int:

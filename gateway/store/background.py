@@ -15,8 +15,6 @@ import sqlite3
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-import psycopg
-
 T = TypeVar("T")
 
 #: the longest pause between two looks for work once a task found none for a while
@@ -68,8 +66,9 @@ class ThreadedSqliteTask:
                 opened = await self._inflight
                 # connected while we were being cancelled (memory's indexer connects to
                 # a PostgreSQL store with psycopg)
-                if isinstance(opened, sqlite3.Connection | psycopg.Connection):
-                    opened.close()
+                close = getattr(opened, "close", None)
+                if callable(close):
+                    close()
             self._inflight = None
         if self._conn is not None:
             self._conn.close()

@@ -36,7 +36,7 @@ from datetime import datetime
 from typing import Any
 
 from gateway.store import codec, entries
-from gateway.store.pg.dialect import is_postgres
+from gateway.store.pg import is_postgres
 
 SCRUBBED_EVENT = "{}"  # what a finished inbox row keeps of its event
 # Left to gateway.store.entries (its tables are being reshaped; never raw SQL here).

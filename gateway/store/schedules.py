@@ -18,7 +18,7 @@ from datetime import datetime
 from typing import Any
 
 from gateway.store import entries, purge
-from gateway.store.pg.dialect import is_postgres
+from gateway.store.pg import is_postgres
 
 ACTIVE, PAUSED, DONE = "active", "paused", "done"
 RUNNING, OK, FAILED, MISSED, INTERRUPTED = "running", "ok", "failed", "missed", "interrupted"

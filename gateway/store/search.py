@@ -20,8 +20,8 @@ from datetime import UTC, datetime
 from typing import Any
 
 from gateway.store.entries import agent_key_range
+from gateway.store.pg import is_postgres
 from gateway.store.pg import search as pg_search
-from gateway.store.pg.dialect import is_postgres
 from gateway.store.titles import shown
 
 MAX_RESULTS = 100

@@ -40,7 +40,6 @@ from gateway.store.mirror import (
     log_imported,
     read_sessions_json,
 )
-from gateway.store.pg.db import PgDatabase
 from gateway.store.pg.search import PgSearchIndex
 
 log = structlog.get_logger(__name__)
@@ -73,12 +72,17 @@ class SessionStore:
         # On PostgreSQL every replica shares the tables; search.db and sessions.json are
         # SQLite-side files (transcript search is a GIN index there; no mirror to keep).
         self.postgres = config.storage.backend == "postgres"
-        self._db: Database = (
-            PgDatabase(config.storage.dsn or "") if self.postgres else Database(self.db_path)
-        )
-        self.search_index: FtsIndexer | PgSearchIndex = (
-            PgSearchIndex(self._db) if self.postgres else FtsIndexer(self._db, self.sessions_dir)
-        )
+        self._db: Database
+        self.search_index: FtsIndexer | PgSearchIndex
+        if self.postgres:
+            # Imported here: a gateway on SQLite never loads psycopg (22 MiB).
+            from gateway.store.pg.db import PgDatabase
+
+            self._db = PgDatabase(config.storage.dsn or "")
+            self.search_index = PgSearchIndex(self._db)
+        else:
+            self._db = Database(self.db_path)
+            self.search_index = FtsIndexer(self._db, self.sessions_dir)
         self._mirror = SessionsMirror(
             self.json_path, self.db_path, config.storage.mirror_interval_seconds
         )

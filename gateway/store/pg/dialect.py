@@ -39,7 +39,7 @@ from psycopg.pq import TransactionStatus
 from psycopg.types.numeric import Int8Dumper
 
 from gateway.store.outage import StoreUnwritable
-from gateway.store.pg import schema
+from gateway.store.pg import is_postgres, schema
 
 #: table -> its identity column (the rowid alias it had in SQLite): an INSERT into one of
 #: these returns the new row's id (`lastrowid`), read off the schema so they never drift
@@ -268,6 +268,4 @@ class PgConn:
         self.raw.close()
 
 
-def is_postgres(conn: object) -> bool:
-    """Whether a store function was handed a PostgreSQL connection (`PgConn`)."""
-    return getattr(conn, "dialect", None) == "postgres"
+__all__ = ["PgConn", "PgCursor", "configure", "is_postgres", "translate", "unreachable"]

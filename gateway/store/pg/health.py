@@ -5,10 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import psycopg
-
 from gateway.store.pg.dsn import scrub
-from gateway.store.pg.schema import schema_version
 
 CONNECT_TIMEOUT_SECONDS = 5
 
@@ -25,6 +22,11 @@ class StoreHealth:
 
 
 def inspect(dsn: str) -> StoreHealth:
+    # Imported here: `doctor` on an SQLite home never loads the driver.
+    import psycopg
+
+    from gateway.store.pg.schema import schema_version
+
     try:
         with psycopg.connect(dsn, connect_timeout=CONNECT_TIMEOUT_SECONDS, autocommit=True) as conn:
             row = conn.execute("SELECT version(), current_schema()").fetchone()

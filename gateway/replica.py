@@ -130,7 +130,7 @@ class Replica:
         self.healthy = True
         self.takeovers = 0  # sessions resumed from another replica's leftovers
         self.forwarded = 0  # messages handed to the replica running their session
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._locks: dict[str, _KeyLock] = {}
         self._taken: dict[str, set[int]] = {}  # key -> inbox ids this replica runs
         self._sweep_wake = asyncio.Event()
         self._sweeper: asyncio.Task[None] | None = None
@@ -180,7 +180,12 @@ class Replica:
         for role in self.roles:
             role.start()
         self._sweeper = asyncio.create_task(self._sweep_loop(), name="replica-sweeper")
-        log.info("replica_started", owner=self.owner, failover_seconds=self.ttl)
+        log.info(
+            "replica_started",
+            owner=self.owner,
+            failover_seconds=self.runner.config.cluster.failover_seconds,
+            lease_seconds=round(self.ttl, 2),
+        )
 
     async def stop_leading(self) -> None:
         """First step of a shutdown: hand the leader roles over at once."""
@@ -219,12 +224,18 @@ class Replica:
     async def key_lock(self, key: str) -> AsyncIterator[None]:
         """Taking, using and giving back one key's lease, one at a time in this process:
         a message accepted meanwhile is never also picked up from the inbox."""
-        lock = self._locks.setdefault(key, asyncio.Lock())
+        # Counted, not "unlocked": between a release and its next waiter taking the lock
+        # it is unlocked, and dropping it then would let a newcomer take a second one.
+        entry = self._locks.get(key)
+        if entry is None:
+            entry = self._locks[key] = _KeyLock()
+        entry.users += 1
         try:
-            async with lock:
+            async with entry.lock:
                 yield
         finally:
-            if not lock.locked() and self._locks.get(key) is lock:
+            entry.users -= 1
+            if not entry.users:
                 del self._locks[key]
 
     def lease_claim(self, key: str) -> LeaseClaim:
@@ -514,6 +525,14 @@ class Replica:
 
 def _notify(conn: Any, channel: str, payload: str) -> None:
     conn.raw.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+
+
+class _KeyLock:
+    __slots__ = ("lock", "users")
+
+    def __init__(self) -> None:
+        self.lock = asyncio.Lock()
+        self.users = 0  # holding it or waiting for it
 
 
 def _release_if_idle(conn: Any, name: str, owner: str, key: str, ttl: float) -> str:

@@ -38,7 +38,7 @@ from gateway.ops.status import add_status_parser
 from gateway.ops.storage import add_storage_parser
 from gateway.pairing import add_pairing_parser
 from gateway.session import agent_id_of_key
-from gateway.store.db import DatabaseError
+from gateway.store.db import DatabaseError, DatabaseUnreachable
 from gateway.store.entries import load_session_row
 from gateway.store.homelock import HomeInUse, HomeLock
 from gateway.store.session_store import SessionStore
@@ -144,6 +144,10 @@ async def serve(config: GatewayConfig, home: Path) -> int:
         log.error("gateway_start_failed", error=str(exc))
         await runner.stop()
         return 1
+    except DatabaseUnreachable as exc:  # PostgreSQL did not answer: try again later
+        log.error("state_database_unreachable", error=str(exc))
+        await runner.stop()
+        return EXIT_RESTART  # not 78: the service manager starts it again
     except (ValueError, RuntimeError) as exc:  # a platform refused its settings (token ...)
         log.error("configuration_error", error=str(exc))
         await runner.stop()
@@ -422,6 +426,9 @@ def _main(argv: Sequence[str] | None) -> int:
     except ConfigError as exc:  # found beyond the schema (check_runnable)
         print(f"configuration error: {_where(config)}{exc}", file=sys.stderr)
         return EXIT_CONFIG
+    except DatabaseUnreachable as exc:
+        print(f"state database unreachable: {exc}", file=sys.stderr)
+        return EXIT_RESTART  # not 78: the service manager starts it again
     except DatabaseError as exc:
         print(f"state database error: {exc}", file=sys.stderr)
         return EXIT_CONFIG

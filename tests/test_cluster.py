@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import socket
 import time
 import urllib.error
 import urllib.request
@@ -251,3 +252,23 @@ def test_a_replica_that_loses_the_database_stops_and_comes_back(tmp_path: Path, 
         a.ensure_stopped()
         b.ensure_stopped()
         proxy.stop()
+
+
+def test_a_replica_whose_database_does_not_answer_at_start_exits_to_be_restarted(
+    tmp_path: Path,
+) -> None:
+    """Exit 75, not 78: the service manager (RestartPreventExitStatus=78) starts it again
+    once the server answers. The DSN's password is in neither the output nor the log."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        closed = probe.getsockname()[1]  # nothing listens once the probe is closed
+    dsn = f"postgresql://hermes:s3cret-pw@127.0.0.1:{closed}/hermes"
+    daemon = Daemon(tmp_path / "r", f"storage:\n  backend: postgres\n  dsn: {json.dumps(dsn)}\n")
+    try:
+        daemon.start(wait_ready=False)
+        assert daemon.wait_exit(timeout=30) == 75
+        output = daemon.log_path.read_text()
+        assert "unreachable" in output and f"127.0.0.1:{closed}" in output, output
+        assert "s3cret-pw" not in output
+    finally:
+        daemon.ensure_stopped()

@@ -61,6 +61,11 @@ class DatabaseError(RuntimeError):
     """The state database could not be opened or is not ours."""
 
 
+class DatabaseUnreachable(DatabaseError):
+    """The database server did not answer (PostgreSQL): worth trying again later, unlike
+    a damaged or foreign database."""
+
+
 def create_private_file(path: Path) -> None:
     """Create `path` with mode 0600 if absent (SQLite gives -wal/-shm the same mode)."""
     fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o600)

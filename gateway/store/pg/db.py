@@ -27,7 +27,7 @@ import psycopg
 import structlog
 
 from gateway.store.batch import commit_batch, probe, refusal
-from gateway.store.db import Database, DatabaseError, _settle
+from gateway.store.db import Database, DatabaseError, DatabaseUnreachable, _settle
 from gateway.store.outage import Outage, StoreUnwritable
 from gateway.store.pg import schema
 from gateway.store.pg.dialect import PgConn, configure, unreachable
@@ -81,7 +81,10 @@ class PgDatabase(Database):
             )
         except (psycopg.Error, StoreUnwritable) as exc:
             await self._close_connections()
-            raise DatabaseError(
+            # Not answering is a passing state (a restart of the server, the network):
+            # the service manager tries again. Anything else is for the operator.
+            error = DatabaseUnreachable if isinstance(exc, StoreUnwritable) else DatabaseError
+            raise error(
                 f"the PostgreSQL store at {redact(self.dsn)} cannot be used ({_reason(exc)})"
             ) from None
         self._writer = conn  # type: ignore[assignment]

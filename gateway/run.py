@@ -417,7 +417,9 @@ class GatewayRunner(SessionOps):
                     # turn: one transaction for a message to an idle session, as on SQLite.
                     lease = cluster.lease_claim(key)
                     with contextlib.suppress(*cluster.LEASE_BUSY):
-                        accepted = await self._accept_and_start(key, event, kind, claim=lease)
+                        accepted = await self._accept_and_start(
+                            key, event, kind, claim=lease, claim_fences=True
+                        )
                     if lease.won:
                         return accepted
                     # Nothing was written; the worker made for it ends on its own.
@@ -507,6 +509,8 @@ class GatewayRunner(SessionOps):
         kind: str,
         text: str | None = None,
         claim: Callable[[Any], bool] | None = None,
+        *,
+        claim_fences: bool = False,
     ) -> Accepted:
         """A message to an idle session: accept it and begin its turn in one transaction.
 
@@ -520,7 +524,9 @@ class GatewayRunner(SessionOps):
         if text is None:
             text = self._turn_text(event)
         try:
-            result = await self.turnlog.accept_and_begin(event, key, kind, text, claim)
+            result = await self.turnlog.accept_and_begin(
+                event, key, kind, text, claim, claim_fences=claim_fences
+            )
         except BaseException:
             if not begun.done():
                 begun.set_result(None)  # nothing was accepted: the worker moves on

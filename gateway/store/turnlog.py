@@ -97,25 +97,25 @@ class TurnLog:
         kind: str,
         text: str,
         claim: Callable[[sqlite3.Connection], bool] | None = None,
+        *,
+        claim_fences: bool = False,
     ) -> tuple[int, TurnStart] | None:
         """`accept` and `begin` in one transaction, for a message to an idle session: one
         commit (and one wait) fewer per turn. None when the message is a redelivery.
 
         `claim` (a scheduled run's claim, issue 17) runs first in the same transaction;
         False from it (the run was not claimed) writes nothing and returns None: a run
-        claimed is a turn begun, or neither."""
+        claimed is a turn begun, or neither. `claim_fences`: the claim is what takes the
+        session's lease on a replica, so the turn's own fence would only repeat it."""
         record = _encoded(event)
         accept = self._accept_tx(event, session_key, kind, journal.ACCEPTED, record)
-        begin = self._begin_tx(event, session_key, text, record)
-
-        fence = self.fence
+        begin = self._begin_tx(event, session_key, text, record, fenced=claim_fences)
 
         def tx(conn: sqlite3.Connection) -> tuple[int, TurnStart] | None:
-            # The claim first: on a replica it may be what takes the session's lease.
+            # The claim first: on a replica it may be what takes the session's lease
+            # (begin's fence, when it has one, comes after it).
             if claim is not None and not claim(conn):
                 return None
-            if fence is not None:
-                fence(conn, session_key)
             inbox_id = accept(conn)
             return None if inbox_id is None else (inbox_id, begin(conn, [inbox_id]))
 
@@ -141,15 +141,16 @@ class TurnLog:
         )
 
     def _begin_tx(
-        self, event: MessageEvent, session_key: str, text: str, record: str
+        self, event: MessageEvent, session_key: str, text: str, record: str, *, fenced: bool = False
     ) -> Callable[[sqlite3.Connection, list[int]], TurnStart]:
+        """`fenced`: the transaction checked the session's lease already (a replica)."""
         route = self.store.route_for_turn_tx(event.source, session_key)
         user_message: dict[str, Any] = {"role": "user", "content": text}
         if event.message_id:
             user_message["message_id"] = event.message_id
         now = time.time()
         plan = self.plan if self.plan_for is None else self.plan_for(session_key)
-        fence = self.fence
+        fence = None if fenced else self.fence
 
         def tx(conn: sqlite3.Connection, inbox_ids: list[int]) -> TurnStart:
             if fence is not None:
@@ -228,7 +229,10 @@ class TurnLog:
         begin_next = None
         if then is not None:
             next_event, next_text = then
-            begin_next = self._begin_tx(next_event, session_key, next_text, _encoded(next_event))
+            # Fenced by this transaction's own fence (below).
+            begin_next = self._begin_tx(
+                next_event, session_key, next_text, _encoded(next_event), fenced=True
+            )
             next_inbox = list(next_event.inbox_ids)
         now = datetime.now(UTC)
         succeeded = reply is not None

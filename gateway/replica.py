@@ -42,7 +42,7 @@ from adapters.base import MessageEvent
 from gateway.cluster import leases
 from gateway.cluster.heartbeat import Heartbeat
 from gateway.cluster.leader import LeaderRole
-from gateway.cluster.notify import Listener
+from gateway.cluster.notify import Listener, notify
 from gateway.housekeeping import RESEND_AFTER_SECONDS
 from gateway.recovery import STUCK_LOOP_THRESHOLD, STUCK_NOTICE
 from gateway.store import codec, journal, schedules
@@ -524,7 +524,8 @@ class Replica:
 
 
 def _notify(conn: Any, channel: str, payload: str) -> None:
-    conn.raw.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+    """NOTIFY from a store write (`PgConn`): delivered when its transaction commits."""
+    notify(conn.raw, channel, payload)
 
 
 class _KeyLock:

@@ -53,6 +53,7 @@ CHANNEL = "hermes_schedules"
 def _announce(conn: Any) -> None:
     """On SQLite the scheduler notices another process's commit by `data_version`."""
     if is_postgres(conn):
+        # Not gateway.cluster.notify: importing it would load psycopg on SQLite too.
         conn.raw.execute("SELECT pg_notify(%s, '')", (CHANNEL,))
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 import json
 import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -272,3 +274,15 @@ def test_a_replica_whose_database_does_not_answer_at_start_exits_to_be_restarted
         assert "s3cret-pw" not in output
     finally:
         daemon.ensure_stopped()
+
+
+def test_a_gateway_on_sqlite_never_loads_the_postgresql_driver() -> None:
+    """psycopg costs 22 MiB of RSS: the default store must not pay for it."""
+    probe = (
+        "import sys, gateway.cli, gateway.run, gateway.store.session_store;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'psycopg'))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout

@@ -38,6 +38,7 @@ import hmac
 import json
 import math
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -88,6 +89,31 @@ class BadRequest(Exception):
     """Invalid client input; the message names the field and becomes a 400 body."""
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its request was read whole: nobody is
+    left to answer, and nothing on the gateway's side went wrong."""
+
+
+class RepeatLimit:
+    """At most one log line per `seconds` for a kind of per-client event: `due()` says
+    whether this one is logged, and `unlogged` counts those skipped since the last line
+    (the next line carries them), so many clients cannot flood the log."""
+
+    def __init__(self, seconds: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self.seconds = seconds
+        self.clock = clock
+        self.unlogged = 0
+        self._logged_at: float | None = None
+
+    def due(self) -> bool:
+        now = self.clock()
+        if self._logged_at is not None and now - self._logged_at < self.seconds:
+            self.unlogged += 1
+            return False
+        self._logged_at = now
+        return True
+
+
 def _needs_token(request: web.Request) -> bool:
     # Decide on the matched route, not the raw path, so no spelling of a URL that reaches
     # a protected handler can skip the check. Unmatched requests get a plain 404/405.
@@ -132,6 +158,8 @@ class HttpAdapter(PlatformAdapter):
         self._listeners: dict[str, set[asyncio.Queue[tuple[str, str]]]] = {}
         self.shed_total = 0  # POSTs answered 503 because the gateway was busy
         self._shedding = False
+        self.clients_gone_total = 0  # requests whose client left before sending them whole
+        self._gone_log = RepeatLimit()
 
     @property
     def url(self) -> str:
@@ -246,6 +274,9 @@ class HttpAdapter(PlatformAdapter):
             return await handler(request)
         except BadRequest as exc:
             return _error(400, str(exc))
+        except (ClientGone, ConnectionError) as exc:
+            self._client_gone(request, exc)
+            return _error(400, "the request was not sent whole")  # nobody reads it
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -254,6 +285,22 @@ class HttpAdapter(PlatformAdapter):
         except Exception:
             log.exception("http_api_error", method=request.method, path=request.path)
             return _error(500, "internal error; see the gateway log")
+
+    def _client_gone(self, request: web.Request, exc: Exception) -> None:
+        """A client going away is the client's business: one info line, no traceback, at
+        most one a minute (the line counts the others)."""
+        self.clients_gone_total += 1
+        if not self._gone_log.due():
+            return
+        log.info(
+            "http_client_gone",
+            method=request.method,
+            path=request.path,
+            reason=str(exc) if isinstance(exc, ClientGone) else f"{type(exc).__name__}: {exc}",
+            unlogged=self._gone_log.unlogged,  # clients gone since the previous line
+            clients_gone_total=self.clients_gone_total,
+        )
+        self._gone_log.unlogged = 0
 
     # --- routes --------------------------------------------------------------------------
 
@@ -312,6 +359,8 @@ class HttpAdapter(PlatformAdapter):
                 chunks.append(chunk)
         except RequestPayloadError as exc:  # e.g. a Content-Encoding that does not decode
             raise BadRequest(f"the request body could not be read: {exc}") from None
+        except ConnectionError as exc:  # the client closed the connection mid-body
+            raise ClientGone(f"{type(exc).__name__}: {exc}") from None
         return b"".join(chunks)
 
     async def _get_replies(self, request: web.Request) -> web.Response:

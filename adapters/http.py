@@ -39,13 +39,15 @@ import json
 import math
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
 from config import AGENT_ID_PATTERN, HttpConfig
@@ -160,6 +162,8 @@ class HttpAdapter(PlatformAdapter):
         self._shedding = False
         self.clients_gone_total = 0  # requests whose client left before sending them whole
         self._gone_log = RepeatLimit()
+        self._registry = CollectorRegistry(auto_describe=False)  # this adapter's own
+        self._registry.register(_Families(self._metric_families))
 
     @property
     def url(self) -> str:
@@ -509,14 +513,30 @@ class HttpAdapter(PlatformAdapter):
     async def _get_metrics(self, request: web.Request) -> web.Response:
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
-        text = self.gateway.metrics_text() + (
-            "# HELP hermes_http_shed_total POSTs refused with 503 while the gateway was busy\n"
-            "# TYPE hermes_http_shed_total counter\n"
-            f"hermes_http_shed_total {self.shed_total}\n"
-        )
+        text = self.gateway.metrics_text() + generate_latest(self._registry).decode("utf-8")
         return web.Response(
             body=text.encode("utf-8"), headers={"Content-Type": _PROMETHEUS_CONTENT_TYPE}
         )
+
+    def _metric_families(self) -> Iterator[Metric]:
+        """This adapter's counters for /metrics (after the gateway's), read when scraped."""
+        yield CounterMetricFamily(
+            "hermes_http_shed_total",
+            "POSTs refused with 503 while the gateway was busy",
+            value=self.shed_total,
+        )
+        yield CounterMetricFamily(
+            "hermes_http_clients_gone_total",
+            "Requests whose client closed the connection before sending them whole",
+            value=self.clients_gone_total,
+        )
+
+
+class _Families:
+    """A prometheus_client collector made of a function that yields metric families."""
+
+    def __init__(self, collect: Callable[[], Iterator[Metric]]) -> None:
+        self.collect = collect
 
 
 # --- input validation --------------------------------------------------------------------

@@ -8,8 +8,10 @@
                                              text}) while a reply is written, `final`
                                              ({"seq", "text"}) per reply (?after=SEQ:
                                              replays the finals after SEQ first)
-    GET  /v1/sessions                        the gateway's session entries, with titles
-                                             and agents (?agent=ID: one agent's)
+    GET  /v1/sessions                        a page of the gateway's session entries,
+                                             with titles and agents, in session-key order
+                                             (?limit=N&after=CURSOR: `next` of the page
+                                             before; &agent=ID: one agent's)
     GET  /v1/sessions/{session_id}           one session and a page of its messages
                                              (?after=MESSAGE_ID&limit=N)
     DELETE /v1/sessions/{session_id}         delete it and all it owns (409 while its
@@ -57,6 +59,8 @@ from gateway.session import (
     Platform,
     SessionSource,
     coerce_id,
+    listing_cursor,
+    listing_cursor_key,
     validate_chat_id,
     validate_id,
 )
@@ -70,6 +74,7 @@ MAX_REPLIES_PER_POLL = 500
 MAX_SEQ = 2**63 - 1  # reply numbers are SQLite integers: 64-bit signed
 SEARCH_LIMIT, MAX_SEARCH_LIMIT = 20, 100
 SESSION_PAGE, MAX_SESSION_PAGE = 100, 500
+LISTING_PAGE, MAX_LISTING_PAGE = 100, 1000  # GET /v1/sessions
 _MESSAGE_FIELDS = (
     "chat_id",
     "user_id",
@@ -446,10 +451,25 @@ class HttpAdapter(PlatformAdapter):
         return response
 
     async def _get_sessions(self, request: web.Request) -> web.Response:
+        """A page of the session entries: up to `limit` (1-1000, default 100) after the
+        cursor `after`; `next` is the cursor of the following page, null on the last."""
         agent = _agent_param(request)
+        limit = _int_param(request, "limit", LISTING_PAGE, 1, MAX_LISTING_PAGE)
+        cursor = _query_value(request, "after")
+        after = None
+        if cursor is not None:
+            try:
+                after = listing_cursor_key(cursor)
+            except ValueError:
+                raise BadRequest(
+                    f"query parameter after must be a `next` cursor of this listing, "
+                    f"got {_shown(cursor)}"
+                ) from None
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
-        return web.json_response({"sessions": await self.gateway.list_sessions(agent=agent)})
+        page, next_key = await self.gateway.list_sessions_page(agent, after, limit)
+        next_cursor = None if next_key is None else listing_cursor(next_key)
+        return web.json_response({"sessions": page, "next": next_cursor})
 
     async def _get_session(self, request: web.Request) -> web.Response:
         """A session and up to `limit` (1-500, default 100) of its messages after transcript

@@ -652,6 +652,32 @@ async def test_sessions_health_and_metrics_endpoints(make_gateway: MakeGateway) 
     assert metrics[("hermes_agent_cache_size", ())] == 1
 
 
+async def test_the_sessions_listing_pages_through_every_session(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    chats = [f"chat{n:02}" for n in range(12)]
+    for chat in chats:
+        await gw.client.post(chat, f"hello from {chat}")
+    for chat in chats:
+        await gw.client.replies(chat, 1)
+    listed: list[dict[str, Any]] = []
+    path = "/v1/sessions?limit=5"
+    pages = 0
+    while True:
+        page = await gw.client.get_json(path)
+        pages += 1
+        listed += page["sessions"]
+        if page["next"] is None:
+            break
+        path = f"/v1/sessions?limit=5&after={page['next']}"
+    assert pages == 3
+    keys = [s["session_key"] for s in listed]
+    assert keys == sorted(f"agent:main:http:dm:{chat}" for chat in chats)  # no gap, no twice
+    assert [s["title"] for s in listed] == [f"hello from {chat}" for chat in chats]
+    async with gw.client.session.get(f"{gw.client.url}/v1/sessions?limit=1001") as resp:
+        assert resp.status == 400
+        assert "limit must be between 1 and 1000" in (await resp.json())["error"]
+
+
 async def scrape(gw: Gateway) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """GET /metrics, parsed by prometheus_client: (sample, sorted labels) -> value."""
     async with gw.client.session.get(f"{gw.client.url}/metrics") as resp:

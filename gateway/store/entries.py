@@ -407,9 +407,9 @@ def list_entries_page(
     agent_id: str | None = None,
 ) -> list[SessionEntry]:
     """Up to `limit` entries with a key after `after`, in session-key order (the primary
-    key's index on both engines: a page costs its rows, however deep, and a key never
-    moves, so a paging client sees every entry once); only those touched since `since`
-    (epoch) and of one agent when given."""
+    key's index on both engines: a page costs its rows however deep it is, and a key
+    never moves, so a paging client sees every entry once); only those of one agent
+    (a key range) and touched since `since` (epoch; a filter on the walk) when given."""
     terms: list[str] = []
     params: tuple[Any, ...] = ()
     if after is not None:

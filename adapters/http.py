@@ -305,6 +305,7 @@ class HttpAdapter(PlatformAdapter):
             "http_client_gone",
             method=request.method,
             path=request.path,
+            remote=request.remote,
             reason=str(exc) if isinstance(exc, ClientGone) else f"{type(exc).__name__}: {exc}",
             unlogged=self._gone_log.unlogged,  # clients gone since the previous line
             clients_gone_total=self.clients_gone_total,

@@ -375,7 +375,7 @@ async def test_clients_that_drop_a_post_mid_body_log_one_info_line_a_minute(
     assert not [line for line in lines if line["level"] in ("warning", "error", "critical")]
     [gone] = events(first, "http_client_gone")  # 40 clients, one line
     assert gone["level"] == "info" and (gone["method"], gone["path"]) == ("POST", "/v1/messages")
-    assert gone["unlogged"] == 0
+    assert gone["unlogged"] == 0 and gone["remote"] == "127.0.0.1"
     # A minute on, the next client's line counts those the first line stood for.
     [_, later] = events(lines, "http_client_gone")
     assert later["unlogged"] == 39 and later["clients_gone_total"] == 41

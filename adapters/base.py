@@ -202,9 +202,13 @@ class GatewayHandle(Protocol):
 
     async def handle_message(self, event: MessageEvent) -> Accepted: ...
 
-    async def list_sessions(self, agent: str | None = None) -> list[dict[str, Any]]:
-        """Every routing entry (`SessionEntry.to_dict()`) plus its session's `title` and
-        `agent` (the id in its key); only one agent's when `agent` is given."""
+    async def list_sessions_page(
+        self, agent: str | None = None, after: str | None = None, limit: int = 100
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """Up to `limit` routing entries (`SessionEntry.to_dict()`, plus the session's
+        `title` and `agent`, the id in its key) with a session key after `after`, in key
+        order, and the key the next page starts after (None on the last); only one
+        agent's when `agent` is given."""
         ...
 
     async def search_sessions(

@@ -8,8 +8,10 @@
                                              text}) while a reply is written, `final`
                                              ({"seq", "text"}) per reply (?after=SEQ:
                                              replays the finals after SEQ first)
-    GET  /v1/sessions                        the gateway's session entries, with titles
-                                             and agents (?agent=ID: one agent's)
+    GET  /v1/sessions                        a page of the gateway's session entries,
+                                             with titles and agents, in session-key order
+                                             (?limit=N&after=CURSOR: `next` of the page
+                                             before; &agent=ID: one agent's)
     GET  /v1/sessions/{session_id}           one session and a page of its messages
                                              (?after=MESSAGE_ID&limit=N)
     DELETE /v1/sessions/{session_id}         delete it and all it owns (409 while its
@@ -38,13 +40,16 @@ import hmac
 import json
 import math
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
 from config import AGENT_ID_PATTERN, HttpConfig
@@ -54,6 +59,8 @@ from gateway.session import (
     Platform,
     SessionSource,
     coerce_id,
+    listing_cursor,
+    listing_cursor_key,
     validate_chat_id,
     validate_id,
 )
@@ -67,6 +74,7 @@ MAX_REPLIES_PER_POLL = 500
 MAX_SEQ = 2**63 - 1  # reply numbers are SQLite integers: 64-bit signed
 SEARCH_LIMIT, MAX_SEARCH_LIMIT = 20, 100
 SESSION_PAGE, MAX_SESSION_PAGE = 100, 500
+LISTING_PAGE, MAX_LISTING_PAGE = 100, 1000  # GET /v1/sessions
 _MESSAGE_FIELDS = (
     "chat_id",
     "user_id",
@@ -86,6 +94,31 @@ STORE_RETRY_AFTER_SECONDS = 5  # a full disk is not freed in a second
 
 class BadRequest(Exception):
     """Invalid client input; the message names the field and becomes a 400 body."""
+
+
+class ClientGone(Exception):
+    """The client closed its connection before its request was read whole: nobody is
+    left to answer, and nothing on the gateway's side went wrong."""
+
+
+class RepeatLimit:
+    """At most one log line per `seconds` for a kind of per-client event: `due()` says
+    whether this one is logged, and `unlogged` counts those skipped since the last line
+    (the next line carries them), so many clients cannot flood the log."""
+
+    def __init__(self, seconds: float = 60.0, clock: Callable[[], float] = time.monotonic):
+        self.seconds = seconds
+        self.clock = clock
+        self.unlogged = 0
+        self._logged_at: float | None = None
+
+    def due(self) -> bool:
+        now = self.clock()
+        if self._logged_at is not None and now - self._logged_at < self.seconds:
+            self.unlogged += 1
+            return False
+        self._logged_at = now
+        return True
 
 
 def _needs_token(request: web.Request) -> bool:
@@ -132,6 +165,10 @@ class HttpAdapter(PlatformAdapter):
         self._listeners: dict[str, set[asyncio.Queue[tuple[str, str]]]] = {}
         self.shed_total = 0  # POSTs answered 503 because the gateway was busy
         self._shedding = False
+        self.clients_gone_total = 0  # requests whose client left before sending them whole
+        self._gone_log = RepeatLimit()
+        self._registry = CollectorRegistry(auto_describe=False)  # this adapter's own
+        self._registry.register(_Families(self._metric_families))
 
     @property
     def url(self) -> str:
@@ -246,6 +283,9 @@ class HttpAdapter(PlatformAdapter):
             return await handler(request)
         except BadRequest as exc:
             return _error(400, str(exc))
+        except (ClientGone, ConnectionError) as exc:
+            self._client_gone(request, exc)
+            return _error(400, "the request was not sent whole")  # nobody reads it
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -254,6 +294,23 @@ class HttpAdapter(PlatformAdapter):
         except Exception:
             log.exception("http_api_error", method=request.method, path=request.path)
             return _error(500, "internal error; see the gateway log")
+
+    def _client_gone(self, request: web.Request, exc: Exception) -> None:
+        """A client going away is the client's business: one info line, no traceback, at
+        most one a minute (the line counts the others)."""
+        self.clients_gone_total += 1
+        if not self._gone_log.due():
+            return
+        log.info(
+            "http_client_gone",
+            method=request.method,
+            path=request.path,
+            remote=request.remote,
+            reason=str(exc) if isinstance(exc, ClientGone) else f"{type(exc).__name__}: {exc}",
+            unlogged=self._gone_log.unlogged,  # clients gone since the previous line
+            clients_gone_total=self.clients_gone_total,
+        )
+        self._gone_log.unlogged = 0
 
     # --- routes --------------------------------------------------------------------------
 
@@ -312,6 +369,8 @@ class HttpAdapter(PlatformAdapter):
                 chunks.append(chunk)
         except RequestPayloadError as exc:  # e.g. a Content-Encoding that does not decode
             raise BadRequest(f"the request body could not be read: {exc}") from None
+        except ConnectionError as exc:  # the client closed the connection mid-body
+            raise ClientGone(f"{type(exc).__name__}: {exc}") from None
         return b"".join(chunks)
 
     async def _get_replies(self, request: web.Request) -> web.Response:
@@ -393,10 +452,25 @@ class HttpAdapter(PlatformAdapter):
         return response
 
     async def _get_sessions(self, request: web.Request) -> web.Response:
+        """A page of the session entries: up to `limit` (1-1000, default 100) after the
+        cursor `after`; `next` is the cursor of the following page, null on the last."""
         agent = _agent_param(request)
+        limit = _int_param(request, "limit", LISTING_PAGE, 1, MAX_LISTING_PAGE)
+        cursor = _query_value(request, "after")
+        after = None
+        if cursor is not None:
+            try:
+                after = listing_cursor_key(cursor)
+            except ValueError:
+                raise BadRequest(
+                    f"query parameter after must be a `next` cursor of this listing, "
+                    f"got {_shown(cursor)}"
+                ) from None
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
-        return web.json_response({"sessions": await self.gateway.list_sessions(agent=agent)})
+        page, next_key = await self.gateway.list_sessions_page(agent, after, limit)
+        next_cursor = None if next_key is None else listing_cursor(next_key)
+        return web.json_response({"sessions": page, "next": next_cursor})
 
     async def _get_session(self, request: web.Request) -> web.Response:
         """A session and up to `limit` (1-500, default 100) of its messages after transcript
@@ -460,14 +534,30 @@ class HttpAdapter(PlatformAdapter):
     async def _get_metrics(self, request: web.Request) -> web.Response:
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
-        text = self.gateway.metrics_text() + (
-            "# HELP hermes_http_shed_total POSTs refused with 503 while the gateway was busy\n"
-            "# TYPE hermes_http_shed_total counter\n"
-            f"hermes_http_shed_total {self.shed_total}\n"
-        )
+        text = self.gateway.metrics_text() + generate_latest(self._registry).decode("utf-8")
         return web.Response(
             body=text.encode("utf-8"), headers={"Content-Type": _PROMETHEUS_CONTENT_TYPE}
         )
+
+    def _metric_families(self) -> Iterator[Metric]:
+        """This adapter's counters for /metrics (after the gateway's), read when scraped."""
+        yield CounterMetricFamily(
+            "hermes_http_shed_total",
+            "POSTs refused with 503 while the gateway was busy",
+            value=self.shed_total,
+        )
+        yield CounterMetricFamily(
+            "hermes_http_clients_gone_total",
+            "Requests whose client closed the connection before sending them whole",
+            value=self.clients_gone_total,
+        )
+
+
+class _Families:
+    """A prometheus_client collector made of a function that yields metric families."""
+
+    def __init__(self, collect: Callable[[], Iterator[Metric]]) -> None:
+        self.collect = collect
 
 
 # --- input validation --------------------------------------------------------------------

@@ -37,7 +37,7 @@ from gateway.ops.sessions import add_sessions_subcommands, agent_id, run_session
 from gateway.ops.status import add_status_parser
 from gateway.ops.storage import add_storage_parser
 from gateway.pairing import add_pairing_parser
-from gateway.session import agent_id_of_key
+from gateway.session import agent_id_of_key, listing_cursor, listing_cursor_key
 from gateway.store.db import DatabaseError, DatabaseUnreachable
 from gateway.store.entries import load_session_row
 from gateway.store.homelock import HomeInUse, HomeLock
@@ -47,6 +47,7 @@ from gateway.store.transcript import count_undone
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: drained for a restart; the service manager starts us again
 SESSION_ID_RE = re.compile(r"^\d{8}_\d{6}_[0-9a-f]{8}$")
+LISTING_PAGE, MAX_LISTING_PAGE = 100, 1000  # `sessions list`, as GET /v1/sessions
 
 
 def sessions_dir(home: Path) -> Path:
@@ -201,28 +202,49 @@ def _entry_row(entry: Any) -> dict[str, Any]:
 
 
 async def _sessions_list(store: SessionStore, args: argparse.Namespace) -> int:
-    entries = await store.list_sessions(active_minutes=args.active_minutes, agent_id=args.agent)
+    entries, next_key = await store.list_sessions_page(
+        args.after, args.limit, active_minutes=args.active_minutes, agent_id=args.agent
+    )
     titles = await store.read(lambda conn: titles_for(conn, (e.session_id for e in entries)))
-    rows = [_entry_row(e) for e in entries]
+    next_cursor = None if next_key is None else listing_cursor(next_key)
     if args.json:
         listed = [
             {**e.to_dict(), "agent": agent_id_of_key(e.session_key), "title": titles[e.session_id]}
             for e in entries
         ]
-        print(json.dumps(listed, indent=2))
+        print(json.dumps({"sessions": listed, "next": next_cursor}, indent=2))
         return 0
-    if not rows:
+    if not entries:
         print("no sessions")
         return 0
     print(f"{'UPDATED (UTC)':20} {'SESSION ID':25} {'TOKENS':>8}  KEY  [FLAGS]  TITLE")
-    for row in rows:
+    for row in (_entry_row(e) for e in entries):
         updated = datetime.fromisoformat(row["updated_at"]).astimezone(UTC)
         flags = f"  [{row['flags']}]" if row["flags"] else ""
         print(
             f"{updated:%Y-%m-%d %H:%M:%S}  {row['session_id']:25} {row['total_tokens']:>8}"
             f"  {row['session_key']}{flags}  {titles[row['session_id']]}"
         )
+    if next_cursor is not None:
+        print(f"more: the same command with --after {next_cursor}")
     return 0
+
+
+def _listing_limit(text: str) -> int:
+    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= MAX_LISTING_PAGE:
+        raise argparse.ArgumentTypeError(f"must be a whole number 1-{MAX_LISTING_PAGE}")
+    return int(text)
+
+
+def _listing_after(text: str) -> str:
+    """An `--after` value: the `next` cursor of the page before, as the session key it
+    resumes after."""
+    try:
+        return listing_cursor_key(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            "must be the cursor a listing printed (`more: ... --after CURSOR` or `next`)"
+        ) from None
 
 
 async def _sessions_show(store: SessionStore, args: argparse.Namespace) -> int:
@@ -378,6 +400,19 @@ def build_parser() -> argparse.ArgumentParser:
     listing = sessions_sub.add_parser("list", parents=[common], help="list session entries")
     listing.add_argument("--active-minutes", type=float, default=None)
     listing.add_argument("--agent", type=agent_id, default=None, help="only this agent's")
+    listing.add_argument(
+        "--limit",
+        type=_listing_limit,
+        default=LISTING_PAGE,
+        help=f"at most N entries, in session-key order (1-{MAX_LISTING_PAGE}, {LISTING_PAGE})",
+    )
+    listing.add_argument(
+        "--after",
+        type=_listing_after,
+        default=None,
+        metavar="CURSOR",
+        help="the page after the one that printed this cursor",
+    )
     listing.add_argument("--json", action="store_true")
     show = sessions_sub.add_parser("show", parents=[common], help="an entry and its transcript")
     show.add_argument("key_or_id", metavar="KEY_OR_ID")

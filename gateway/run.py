@@ -155,7 +155,7 @@ class GatewayRunner(SessionOps):
         # Scheduled jobs (issue 17): the book (commands, tools) and the loop that fires them.
         self.schedule_book = ScheduleBook(self.store, config)
         self.scheduler = Scheduler(self, self.schedule_book)
-        self.metrics = Metrics()
+        self.metrics = Metrics(gauges=self._metric_gauges)  # its own registry
         # Streamed replies (issue 18): a turn's Stream takes its chat's slot only once
         # the agent streams text, so other turns spend nothing on them.
         self.streams = Streams(self.adapters, config, self.turnlog.save_stream)
@@ -1000,17 +1000,19 @@ class GatewayRunner(SessionOps):
         return {"schedule_id": upcoming[0], "fire_at": iso(upcoming[1])}
 
     def metrics_text(self) -> str:
-        return self.metrics.render(
-            {
-                "active_turns": ("Sessions with a turn running", self.busy_sessions()),
-                "queue_depth": (
-                    "Messages waiting behind running turns",
-                    sum(q.depth for q in self._queues.values()),
-                ),
-                "agent_cache_size": ("Cached per-session agents", len(self.agents)),
-                "store_writable": (
-                    "1 while the store can write, 0 while the disk refuses (full, read-only)",
-                    int(self.store.write_health()["state"] == "writable"),
-                ),
-            }
-        )
+        return self.metrics.render()
+
+    def _metric_gauges(self) -> dict[str, tuple[str, float]]:
+        """The gauges of /metrics, read at scrape time."""
+        return {
+            "active_turns": ("Sessions with a turn running", self.busy_sessions()),
+            "queue_depth": (
+                "Messages waiting behind running turns",
+                sum(q.depth for q in self._queues.values()),
+            ),
+            "agent_cache_size": ("Cached per-session agents", len(self.agents)),
+            "store_writable": (
+                "1 while the store can write, 0 while the disk refuses (full, read-only)",
+                int(self.store.write_health()["state"] == "writable"),
+            ),
+        }

@@ -7,6 +7,8 @@ from `gateway.store.session_store`) does.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import re
 from dataclasses import dataclass, field, fields
@@ -34,6 +36,8 @@ __all__ = [
     "canonical_whatsapp_identifier",
     "coerce_id",
     "is_shared_multi_user_session",
+    "listing_cursor",
+    "listing_cursor_key",
     "scrub_name",
     "scrub_text",
     "validate_chat_id",
@@ -317,6 +321,34 @@ def agent_id_of_key(session_key: str) -> str:
     if prefix != "agent" or not sep or not agent_id:
         raise ValueError(f"not a session key: {session_key!r}")
     return agent_id
+
+
+#: a listing cursor's version prefix, so a later format can tell old cursors apart
+_CURSOR_PREFIX = "k1."
+MAX_CURSOR_LENGTH = 4096
+_CURSOR_BODY = re.compile(r"[A-Za-z0-9_-]+")
+
+
+def listing_cursor(session_key: str) -> str:
+    """An opaque cursor that resumes a session listing after `session_key` (the listing
+    pages in session-key order: a key never moves, so no entry is listed twice or
+    skipped while a client pages)."""
+    body = base64.urlsafe_b64encode(session_key.encode("utf-8")).decode("ascii").rstrip("=")
+    return _CURSOR_PREFIX + body
+
+
+def listing_cursor_key(cursor: str) -> str:
+    """The session key a `listing_cursor` resumes after; ValueError for any other text."""
+    body = cursor.removeprefix(_CURSOR_PREFIX)
+    if len(cursor) > MAX_CURSOR_LENGTH or body == cursor or not _CURSOR_BODY.fullmatch(body):
+        raise ValueError("not a cursor of this listing")
+    try:
+        key = base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)).decode("utf-8")
+    except (binascii.Error, UnicodeDecodeError):
+        raise ValueError("not a cursor of this listing") from None
+    if not key or listing_cursor(key) != cursor:  # one spelling per key
+        raise ValueError("not a cursor of this listing")
+    return key
 
 
 def is_shared_multi_user_session(

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.session import agent_id_of_key
+from gateway.session import SessionEntry, agent_id_of_key
 from gateway.store import archive, media_files, purge, search, titles
 from gateway.store.pg import driver_errors
 
@@ -39,8 +39,19 @@ class SessionOps:
 
     async def list_sessions(self, agent: str | None = None) -> list[dict[str, Any]]:
         """Every routing entry (`SessionEntry.to_dict()`) with its session's `title` and
-        `agent`; only one agent's with `agent`."""
-        listed = await self.store.list_sessions(agent_id=agent)
+        `agent`; only one agent's with `agent`. Unpaged: for tests and small tools; the
+        HTTP API pages (`list_sessions_page`)."""
+        return await self._with_titles(await self.store.list_sessions(agent_id=agent))
+
+    async def list_sessions_page(
+        self, agent: str | None = None, after: str | None = None, limit: int = 100
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        """Up to `limit` entries, as `list_sessions` gives them, after session key `after`
+        in key order, and the key the next page starts after (None on the last page)."""
+        page, next_key = await self.store.list_sessions_page(after, limit, agent_id=agent)
+        return await self._with_titles(page), next_key
+
+    async def _with_titles(self, listed: list[SessionEntry]) -> list[dict[str, Any]]:
         shown = await self.store.read(
             lambda conn: titles.titles_for(conn, (e.session_id for e in listed))
         )

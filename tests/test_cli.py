@@ -191,7 +191,8 @@ def test_sessions_list_and_show(tmp_path: Path) -> None:
     assert key in listing.stdout and session_id in listing.stdout
 
     as_json = json.loads(cli(tmp_path, "sessions", "list", "--json").stdout)
-    assert [e["session_id"] for e in as_json] == [session_id]
+    assert [e["session_id"] for e in as_json["sessions"]] == [session_id]
+    assert as_json["next"] is None
 
     for target in (key, session_id):
         shown = cli(tmp_path, "sessions", "show", target)
@@ -237,6 +238,43 @@ def test_sessions_list_active_minutes_filter(tmp_path: Path) -> None:
     _seed_sessions(tmp_path)
     recent = cli(tmp_path, "sessions", "list", "--active-minutes", "5")
     assert "agent:main:telegram:dm:99" in recent.stdout
+
+
+def test_sessions_list_pages_with_a_cursor(tmp_path: Path) -> None:
+    async def seed() -> list[str]:
+        config = GatewayConfig.model_validate({"timezone": "UTC"})
+        async with SessionStore(tmp_path / "sessions", config) as store:
+            return [
+                (
+                    await store.get_or_create_session(SessionSource(Platform.TELEGRAM, f"{n}"))
+                ).session_key
+                for n in range(7)
+            ]
+
+    keys = sorted(asyncio.run(seed()))
+    seen: list[str] = []
+    options: list[str] = []
+    for _ in range(3):
+        page = cli(tmp_path, "sessions", "list", "--limit", "3", "--json", *options)
+        assert page.returncode == 0, page.stderr
+        listed = json.loads(page.stdout)
+        seen += [e["session_key"] for e in listed["sessions"]]
+        options = ["--after", listed["next"]] if listed["next"] else []
+    assert seen == keys and options == []  # three pages: 3, 3 and the last 1
+
+    text = cli(tmp_path, "sessions", "list", "--limit", "5")
+    assert text.returncode == 0, text.stderr
+    assert [key for key in keys if key in text.stdout] == keys[:5]
+    more = text.stdout.strip().splitlines()[-1]
+    assert more.startswith("more: the same command with --after ")
+    rest = cli(tmp_path, "sessions", "list", "--limit", "5", "--after", more.split()[-1])
+    assert [key for key in keys if key in rest.stdout] == keys[5:]
+    assert "more:" not in rest.stdout
+
+    for bad in (["--limit", "1001"], ["--limit", "0"], ["--after", keys[0]]):
+        refused = cli(tmp_path, "sessions", "list", *bad)
+        assert refused.returncode != 0 and refused.stdout == "", bad  # a usage error
+        assert bad[0] in refused.stderr
 
 
 def test_damaged_state_db_is_reported_with_exit_78(tmp_path: Path) -> None:

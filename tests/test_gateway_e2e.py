@@ -23,6 +23,7 @@ from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage
 from tests.fakes.openai_server import FakeOpenAI
 from tests.gateway_client import GatewayClient
 from tests.pg_support import StorageBackend
+from tests.test_metrics import samples
 
 SESSION_ID = re.compile(r"\d{8}_\d{6}_[0-9a-f]{8}")
 
@@ -645,11 +646,71 @@ async def test_sessions_health_and_metrics_endpoints(make_gateway: MakeGateway) 
     assert SESSION_ID.fullmatch(sessions[0]["session_id"])
     health = await gw.client.get_json("/healthz")
     assert health["status"] == "ok" and health["adapters"]["http"]["state"] == "running"
+    metrics = await scrape(gw)
+    assert metrics[("hermes_turns_total", ())] == 1
+    assert metrics[("hermes_turn_latency_seconds_bucket", (("le", "+Inf"),))] == 1
+    assert metrics[("hermes_agent_cache_size", ())] == 1
+
+
+async def test_the_sessions_listing_pages_through_every_session(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    chats = [f"chat{n:02}" for n in range(12)]
+    for chat in chats:
+        await gw.client.post(chat, f"hello from {chat}")
+    for chat in chats:
+        await gw.client.replies(chat, 1)
+    listed: list[dict[str, Any]] = []
+    path = "/v1/sessions?limit=5"
+    pages = 0
+    while True:
+        page = await gw.client.get_json(path)
+        pages += 1
+        listed += page["sessions"]
+        if page["next"] is None:
+            break
+        path = f"/v1/sessions?limit=5&after={page['next']}"
+    assert pages == 3
+    keys = [s["session_key"] for s in listed]
+    assert keys == sorted(f"agent:main:http:dm:{chat}" for chat in chats)  # no gap, no twice
+    assert [s["title"] for s in listed] == [f"hello from {chat}" for chat in chats]
+    async with gw.client.session.get(f"{gw.client.url}/v1/sessions?limit=1001") as resp:
+        assert resp.status == 400
+        assert "limit must be between 1 and 1000" in (await resp.json())["error"]
+
+
+async def scrape(gw: Gateway) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """GET /metrics, parsed by prometheus_client: (sample, sorted labels) -> value."""
     async with gw.client.session.get(f"{gw.client.url}/metrics") as resp:
-        text = await resp.text()
-    assert "hermes_turns_total 1" in text
-    assert 'hermes_turn_latency_seconds_bucket{le="+Inf"} 1' in text
-    assert "hermes_agent_cache_size 1" in text
+        assert resp.status == 200
+        assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        return samples(await resp.text())
+
+
+#: every metric the README names (`hermes_...` in backticks)
+README_METRICS = set(
+    re.findall(r"`(hermes_[a-z_]+)[`{]", (Path(__file__).parents[1] / "README.md").read_text())
+)
+
+
+async def test_two_runners_in_one_process_each_have_their_metrics(
+    make_gateway: MakeGateway,
+) -> None:
+    busy, idle = await make_gateway(), await make_gateway()
+    for n in range(3):
+        await busy.client.post("c1", f"hello {n}")
+    await busy.client.replies("c1", 3)
+    got_busy, got_idle = await scrape(busy), await scrape(idle)
+    assert got_busy[("hermes_messages_received_total", ())] == 3
+    assert got_idle[("hermes_messages_received_total", ())] == 0
+    assert got_busy[("hermes_turn_latency_seconds_count", ())] >= 1
+    assert got_idle[("hermes_turn_latency_seconds_count", ())] == 0
+    assert len(README_METRICS) >= 8  # the README's list was found
+    for got in (got_busy, got_idle):
+        names = {name for name, _ in got}
+        families = names | {n.removesuffix("_bucket") for n in names}
+        assert README_METRICS <= families, README_METRICS - families
+        assert {"process_resident_memory_bytes", "process_cpu_seconds_total"} <= names
+        assert got[("process_open_fds", ())] > 0
 
 
 async def test_http_api_sheds_load_while_too_many_sessions_are_busy(
@@ -684,8 +745,7 @@ async def test_http_api_sheds_load_while_too_many_sessions_are_busy(
         assert await gw.client.replies(chat, 1) == ["done: go"]
     health = await gw.client.get_json("/healthz")
     assert health["adapters"]["http"]["shed_total"] == 1
-    async with gw.client.session.get(f"{gw.client.url}/metrics") as resp:
-        assert "\nhermes_http_shed_total 1\n" in await resp.text()
+    assert (await scrape(gw))[("hermes_http_shed_total", ())] == 1
 
 
 async def test_max_concurrent_turns_bounds_agent_calls_across_sessions(

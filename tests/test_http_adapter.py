@@ -36,14 +36,27 @@ class FakeGateway:
         self.read_gate: asyncio.Event | None = None
         self.reading = asyncio.Event()
         self.busy = 0  # what busy_sessions() answers
+        self.sessions = [  # what list_sessions_page pages through, in key order
+            {"session_key": "agent:main:http:dm:c1", "session_id": "s1", "agent": "main"}
+        ]
+        self.listings: list[tuple[str | None, str | None, int]] = []  # its arguments
 
     async def handle_message(self, event: MessageEvent) -> Accepted:
         self.events.append(event)
         return self.accepted
 
-    async def list_sessions(self, agent: str | None = None) -> list[dict[str, Any]]:
-        listed = [{"session_key": "agent:main:http:dm:c1", "session_id": "s1", "agent": "main"}]
-        return [s for s in listed if agent is None or s["agent"] == agent]
+    async def list_sessions_page(
+        self, agent: str | None = None, after: str | None = None, limit: int = 100
+    ) -> tuple[list[dict[str, Any]], str | None]:
+        self.listings.append((agent, after, limit))
+        listed = [
+            s
+            for s in self.sessions
+            if (agent is None or s["agent"] == agent)
+            and (after is None or s["session_key"] > after)
+        ]
+        page = listed[:limit]
+        return page, page[-1]["session_key"] if len(listed) > limit else None
 
     async def replies_after(
         self, platform: str, chat_id: str, after: int, limit: int
@@ -349,17 +362,78 @@ async def test_a_non_ascii_authorization_header_is_a_401_not_a_crash(make_adapte
 
 
 async def test_sessions_lists_the_gateways_sessions(api, client):
-    adapter, _ = api
+    adapter, gateway = api
     async with client.get(f"{adapter.url}/v1/sessions") as resp:
         assert resp.status == 200
         assert await resp.json() == {
             "sessions": [
                 {"session_key": "agent:main:http:dm:c1", "session_id": "s1", "agent": "main"}
-            ]
+            ],
+            "next": None,
         }
     # ?agent= is handed to the gateway, which filters by it.
     async with client.get(f"{adapter.url}/v1/sessions", params={"agent": "coder"}) as resp:
-        assert resp.status == 200 and await resp.json() == {"sessions": []}
+        assert resp.status == 200 and await resp.json() == {"sessions": [], "next": None}
+    assert gateway.listings == [(None, None, 100), ("coder", None, 100)]  # 100 by default
+
+
+async def test_sessions_page_with_an_opaque_cursor(api, client):
+    adapter, gateway = api
+    gateway.sessions = [
+        {"session_key": f"agent:main:http:dm:c{n:02}", "session_id": f"s{n}", "agent": "main"}
+        for n in range(7)
+    ]
+    seen: list[str] = []
+    params: dict[str, str] = {"limit": "3"}
+    cursors: list[str] = []
+    while True:
+        async with client.get(f"{adapter.url}/v1/sessions", params=params) as resp:
+            assert resp.status == 200
+            body = await resp.json()
+        seen += [s["session_key"] for s in body["sessions"]]
+        if body["next"] is None:
+            break
+        assert "agent:" not in body["next"]  # opaque: not the key itself
+        cursors.append(body["next"])
+        params["after"] = body["next"]
+    assert seen == [s["session_key"] for s in gateway.sessions]
+    assert len(cursors) == 2
+    # The gateway is asked for the page after the key the cursor stands for.
+    assert [after for _, after, _ in gateway.listings] == [
+        None,
+        "agent:main:http:dm:c02",
+        "agent:main:http:dm:c05",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        ({"limit": "0"}, "limit must be between 1 and 1000"),
+        ({"limit": "1001"}, "limit must be between 1 and 1000"),
+        ({"limit": "-1"}, "limit must be a whole number"),
+        ({"after": "agent:main:http:dm:c1"}, "after must be a `next` cursor"),
+        ({"after": "k1.!!"}, "after must be a `next` cursor"),
+        ({"after": "k1.YQ=="}, "after must be a `next` cursor"),  # padded: not ours
+        ({"after": "k1.//8"}, "after must be a `next` cursor"),
+        ({"after": "k1.YR"}, "after must be a `next` cursor"),  # "a" spelled another way
+        ({"after": "k1." + "QUFB" * 2000}, "after must be a `next` cursor"),
+        ({"after": ""}, "after must be a `next` cursor"),
+    ],
+)
+async def test_bad_listing_parameters_are_400_naming_the_parameter(api, client, params, named):
+    adapter, gateway = api
+    async with client.get(f"{adapter.url}/v1/sessions", params=params) as resp:
+        assert resp.status == 400
+        assert named in (await resp.json())["error"]
+    assert gateway.listings == []
+
+
+async def test_a_listing_of_the_largest_page_is_asked_for_as_such(api, client):
+    adapter, gateway = api
+    async with client.get(f"{adapter.url}/v1/sessions", params={"limit": "1000"}) as resp:
+        assert resp.status == 200
+    assert gateway.listings == [(None, None, 1000)]
 
 
 async def test_metrics_are_prometheus_text(api, client):
@@ -367,7 +441,9 @@ async def test_metrics_are_prometheus_text(api, client):
     async with client.get(f"{adapter.url}/metrics") as resp:
         assert resp.status == 200
         assert resp.headers["Content-Type"].startswith("text/plain; version=0.0.4")
-        assert "hermes_messages_received_total 3" in await resp.text()
+        text = await resp.text()
+    assert "hermes_messages_received_total 3" in text  # the gateway's, then the adapter's
+    assert "\nhermes_http_shed_total 0.0\n" in text
 
 
 async def test_unknown_route_is_404_json_and_wrong_method_405(api, client):

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import structlog
 
+from adapters.http import HttpAdapter
 from adapters.telegram import TelegramAdapter
 from config import ConfigError, GatewayConfig, load_config
 from gateway.ops.logs import QUIET_LIBRARIES, TurnLine, configure_logging
@@ -32,6 +33,7 @@ from gateway.session import TokenUsage
 from scripts.harness import Daemon
 from tests.fakes.agents import scripted
 from tests.fakes.telegram_api import FakeTelegram
+from tests.test_http_adapter import FakeGateway, http_config
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -333,3 +335,48 @@ def log_lines_now(json_log: Callable[[], list[dict[str, Any]]]) -> list[dict[str
     assert logs._sink is not None
     logs._sink.drain()
     return json_log()
+
+
+# --- clients that go away -----------------------------------------------------------
+
+
+async def drop_mid_body(port: int) -> None:
+    """A real TCP client that sends a POST's headers and part of its body, then closes."""
+    _, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(
+        b"POST /v1/messages HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+        b'Content-Length: 4000\r\n\r\n{"chat_id": "c1", "user_id": "u1", "text": "half'
+    )
+    await writer.drain()
+    writer.close()
+    with contextlib.suppress(ConnectionError):
+        await writer.wait_closed()
+
+
+async def test_clients_that_drop_a_post_mid_body_log_one_info_line_a_minute(
+    json_log: Callable[[], list[dict[str, Any]]],
+) -> None:
+    adapter, gateway = HttpAdapter(http_config()), FakeGateway()
+    adapter.bind(gateway)
+    await adapter.start()
+    now = [1000.0]
+    adapter._gone_log.clock = lambda: now[0]  # the minute passes when the test says so
+    try:
+        await asyncio.gather(*(drop_mid_body(adapter.port) for _ in range(40)))
+        await until(lambda: adapter.clients_gone_total == 40)
+        first = log_lines_now(json_log)
+        now[0] += 61
+        await drop_mid_body(adapter.port)
+        await until(lambda: adapter.clients_gone_total == 41)
+        lines = log_lines_now(json_log)
+    finally:
+        await adapter.stop()
+    assert not [line for line in lines if "exception" in line or "exc_info" in line]
+    assert not [line for line in lines if line["level"] in ("warning", "error", "critical")]
+    [gone] = events(first, "http_client_gone")  # 40 clients, one line
+    assert gone["level"] == "info" and (gone["method"], gone["path"]) == ("POST", "/v1/messages")
+    assert gone["unlogged"] == 0 and gone["remote"] == "127.0.0.1"
+    # A minute on, the next client's line counts those the first line stood for.
+    [_, later] = events(lines, "http_client_gone")
+    assert later["unlogged"] == 39 and later["clients_gone_total"] == 41
+    assert gateway.events == []  # nothing half-sent reached the gateway

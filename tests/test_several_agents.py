@@ -376,7 +376,7 @@ async def test_search_and_listing_never_cross_agents(gateway: Gateway) -> None:
         cli, gateway.home, "sessions", "list", "--agent", "beta", "--json"
     )
     assert listed_cli.returncode == 0, listed_cli.stderr
-    assert [(s["agent"], s["session_key"]) for s in json.loads(listed_cli.stdout)] == [
+    assert [(s["agent"], s["session_key"]) for s in json.loads(listed_cli.stdout)["sessions"]] == [
         ("beta", "agent:beta:http:dm:cb")
     ]
     bad = await asyncio.to_thread(cli, gateway.home, "sessions", "list", "--agent", "a/b")

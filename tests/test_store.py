@@ -1341,3 +1341,106 @@ def test_read_ahead_reads_the_database_and_its_wal_without_sendfile(
     finally:
         conn.close()
     assert sum(read) == sizes
+
+
+# --- the paged listing ---------------------------------------------------------------
+
+
+async def all_pages(
+    store: SessionStore, limit: int, between: Callable[[], Awaitable[None]] | None = None, **scope
+) -> list[list[str]]:
+    """Every page's keys, following each page's next key to the end."""
+    pages: list[list[str]] = []
+    after = None
+    while True:
+        page, after = await store.list_sessions_page(after, limit, **scope)
+        pages.append([e.session_key for e in page])
+        if after is None:
+            return pages
+        assert after == pages[-1][-1]
+        if between is not None:
+            await between()
+
+
+async def test_the_listing_pages_by_key_without_gaps_or_duplicates(
+    make_store: StoreFactory,
+) -> None:
+    config = make_config(
+        agents={"alpha": {}},
+        routes=[{"match": {"platform": "discord"}, "agent": "alpha"}],
+    )
+    store = await make_store(config)
+    mains = [await store.get_or_create_session(dm(f"{n}")) for n in range(23)]
+    alphas = [await store.get_or_create_session(dm(f"{n}", Platform.DISCORD)) for n in range(5)]
+    everyone = sorted(e.session_key for e in [*mains, *alphas])
+    assert {key.split(":")[1] for key in everyone} == {"main", "alpha"}
+
+    pages = await all_pages(store, 5)
+    assert [len(page) for page in pages] == [5, 5, 5, 5, 5, 3]
+    assert [key for page in pages for key in page] == everyone
+
+    # Entries touched between pages (listed already, or still to come) do not move, and
+    # a session started meanwhile with a key before the cursor does not shift the rest.
+    touched = iter(range(100))
+
+    async def activity() -> None:
+        n = next(touched)
+        await store.get_or_create_session(dm(f"{n % 23}"))  # listed or not yet listed
+        await store.get_or_create_session(dm(f"{n % 5}", Platform.DISCORD))
+        await store.get_or_create_session(dm(f"0-new-{n}"))  # sorts among the first
+
+    seen = [key for page in await all_pages(store, 4, activity) for key in page]
+    assert len(seen) == len(set(seen))  # no duplicates
+    assert set(everyone) <= set(seen)  # no gaps
+
+    # Scoped as the unpaged listing: one agent's, the recently active.
+    alpha_pages = await all_pages(store, 2, agent_id="alpha")
+    alpha_keys = sorted(e.session_key for e in alphas)
+    assert [key for page in alpha_pages for key in page] == alpha_keys
+    assert [len(page) for page in alpha_pages] == [2, 2, 1]
+    assert await store.list_sessions_page(None, 100, agent_id="nobody") == ([], None)
+    unpaged = sorted(await store.list_sessions(agent_id="main"), key=lambda e: e.session_key)
+    assert await store.list_sessions_page(None, 1000, agent_id="main") == (unpaged, None)
+
+
+async def test_the_paged_listing_keeps_the_active_minutes_scope(
+    store: SessionStore, clock: Any
+) -> None:
+    old = [await store.get_or_create_session(dm(f"old{n}")) for n in range(3)]
+    clock.shift(timedelta(minutes=10))
+    recent = [await store.get_or_create_session(dm(f"new{n}")) for n in range(3)]
+    pages = await all_pages(store, 2, active_minutes=5)
+    assert [key for page in pages for key in page] == sorted(e.session_key for e in recent)
+    assert len(await store.list_sessions()) == len(old) + len(recent)
+
+
+@pytest.mark.sqlite_only
+async def test_a_listing_page_is_read_through_the_key_index_not_sorted(
+    store: SessionStore,
+) -> None:
+    """Keyset paging on the primary key: SQLite walks the index from the cursor and sorts
+    nothing, so a page deep in 100,000 entries costs what the first one does."""
+    from gateway.store import entries
+
+    statements: list[tuple[str, tuple[Any, ...]]] = []
+
+    class Recording:
+        def __init__(self, conn: Any) -> None:
+            self.conn = conn
+
+        def execute(self, sql: str, params: tuple[Any, ...] = ()) -> Any:
+            statements.append((sql, params))
+            return self.conn.execute(sql, params)
+
+    def plans(conn: Any) -> list[str]:
+        statements.clear()
+        entries.list_entries_page(Recording(conn), "agent:main:x", 10, None, "main")
+        entries.list_entries_page(Recording(conn), "agent:main:x", 10, time.time(), None)
+        return [
+            " / ".join(row[-1] for row in conn.execute(f"EXPLAIN QUERY PLAN {sql}", params))
+            for sql, params in statements
+        ]
+
+    for plan in await store.read(plans):
+        assert "TEMP B-TREE" not in plan, plan
+        assert "PRIMARY KEY" in plan and "session_key>?" in plan, plan

@@ -1,10 +1,22 @@
-"""Gateway counters and the Prometheus text exposition of them (`GET /metrics`)."""
+"""Gateway counters and the Prometheus text exposition of them (`GET /metrics`).
+
+Each runner has its own prometheus_client registry (`Metrics.registry`): two runners in
+one process (tests, a CLI beside a daemon) never share or collide on a metric.
+"""
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 # Schedule fire delay buckets in seconds (fire time -> the run's turn begun).
 DELAY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
@@ -35,6 +47,14 @@ class Metrics:
     )
     delay_counts: list[int] = field(default_factory=lambda: [0] * (len(DELAY_BUCKETS) + 1))
     delay_sum: float = 0.0
+    #: the runner's gauges, read at scrape time: name -> (help, current value)
+    gauges: Callable[[], dict[str, tuple[str, float]]] = field(default=dict, repr=False)
+    registry: CollectorRegistry = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(_Families(self))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes and kin
 
     def count_schedule_run(self, status: str) -> None:
         self.schedule_runs[status] = self.schedule_runs.get(status, 0) + 1
@@ -47,69 +67,32 @@ class Metrics:
         self.latency_counts[bisect_left(LATENCY_BUCKETS, seconds)] += 1
         self.latency_sum += seconds
 
-    def render(self, gauges: dict[str, tuple[str, float]]) -> str:
-        """Prometheus text format; `gauges` maps name -> (help, current value)."""
-        lines: list[str] = []
+    def render(self) -> str:
+        """Prometheus text format (0.0.4): these counters, the runner's gauges and the
+        process's own metrics (RSS, CPU, open fds), written by prometheus_client, which
+        keeps every digit of a counter (`{:g}` kept six)."""
+        return generate_latest(self.registry).decode("utf-8")
 
-        def metric(name: str, kind: str, help_text: str, value: float) -> None:
-            lines.append(f"# HELP hermes_{name} {help_text}")
-            lines.append(f"# TYPE hermes_{name} {kind}")
-            lines.append(f"hermes_{name} {value:g}")
-
-        counters: list[tuple[str, str, Callable[[], int]]] = [
-            ("turns_total", "Agent turns completed", lambda: self.turns_total),
-            ("turn_errors_total", "Agent turns that failed", lambda: self.turn_errors_total),
-            ("turn_timeouts_total", "Agent turns that timed out", lambda: self.turn_timeouts_total),
-            (
-                "turns_cancelled_total",
-                "Turns cancelled (/stop, /new)",
-                lambda: self.turns_cancelled_total,
-            ),
-            ("messages_received_total", "Inbound messages", lambda: self.messages_received_total),
-            (
-                "messages_refused_total",
-                "Inbound messages refused",
-                lambda: self.messages_refused_total,
-            ),
-            (
-                "messages_unavailable_total",
-                "Inbound messages not accepted because the store could not write",
-                lambda: self.messages_unavailable_total,
-            ),
-            ("commands_total", "Chat commands handled", lambda: self.commands_total),
-            ("replies_sent_total", "Reply chunks delivered", lambda: self.replies_sent_total),
-            (
-                "send_errors_total",
-                "Reply chunks that failed to send",
-                lambda: self.send_errors_total,
-            ),
-            (
-                "stream_edits_total",
-                "Interim edits of streamed replies",
-                lambda: self.stream_edits_total,
-            ),
-            (
-                "stream_flood_waits_total",
-                "Flood waits (429) that made streamed replies skip edits",
-                lambda: self.stream_flood_waits_total,
-            ),
-        ]
-        for name, help_text, value in counters:
-            metric(name, "counter", help_text, value())
-        lines.append("# HELP hermes_schedule_runs_total Scheduled runs ended, by status")
-        lines.append("# TYPE hermes_schedule_runs_total counter")
+    def families(self) -> Iterator[Metric]:
+        """The families as they are now: read at scrape time, so counting stays a plain
+        integer increment on the turn's path (a prometheus_client Counter takes a lock
+        per increment)."""
+        for name, help_text in _COUNTERS:
+            yield CounterMetricFamily(f"hermes_{name}", help_text, value=getattr(self, name))
+        runs = CounterMetricFamily(
+            "hermes_schedule_runs_total", "Scheduled runs ended, by status", labels=["status"]
+        )
         for status, count in self.schedule_runs.items():
-            lines.append(f'hermes_schedule_runs_total{{status="{status}"}} {count}')
-        _histogram(
-            lines,
+            runs.add_metric([status], count)
+        yield runs
+        yield _histogram(
             "schedule_fire_delay_seconds",
             "Time from a schedule's fire time to its run's turn begun",
             DELAY_BUCKETS,
             self.delay_counts,
             self.delay_sum,
         )
-        _histogram(
-            lines,
+        yield _histogram(
             "turn_latency_seconds",
             "Time from a turn's start to its reply being recorded (queueing behind an"
             " earlier turn of the session not included)",
@@ -117,26 +100,52 @@ class Metrics:
             self.latency_counts,
             self.latency_sum,
         )
-        for name, (help_text, value) in gauges.items():
-            metric(name, "gauge", help_text, value)
-        return "\n".join(lines) + "\n"
+        for name, (help_text, value) in self.gauges().items():
+            yield GaugeMetricFamily(f"hermes_{name}", help_text, value=value)
+
+
+class _Families:
+    """The registry's collector of a `Metrics` (a dataclass compares by value, so it is
+    not hashable and cannot be registered itself)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self.metrics.families()
+
+
+#: the counters of `Metrics`: attribute (the name after `hermes_`), help text
+_COUNTERS: tuple[tuple[str, str], ...] = (
+    ("turns_total", "Agent turns completed"),
+    ("turn_errors_total", "Agent turns that failed"),
+    ("turn_timeouts_total", "Agent turns that timed out"),
+    ("turns_cancelled_total", "Turns cancelled (/stop, /new)"),
+    ("messages_received_total", "Inbound messages"),
+    ("messages_refused_total", "Inbound messages refused"),
+    (
+        "messages_unavailable_total",
+        "Inbound messages not accepted because the store could not write",
+    ),
+    ("commands_total", "Chat commands handled"),
+    ("replies_sent_total", "Reply chunks delivered"),
+    ("send_errors_total", "Reply chunks that failed to send"),
+    ("stream_edits_total", "Interim edits of streamed replies"),
+    ("stream_flood_waits_total", "Flood waits (429) that made streamed replies skip edits"),
+)
 
 
 def _histogram(
-    lines: list[str],
     name: str,
     help_text: str,
     bounds: tuple[float, ...],
     counts: list[int],
     total: float,
-) -> None:
-    lines.append(f"# HELP hermes_{name} {help_text}")
-    lines.append(f"# TYPE hermes_{name} histogram")
+) -> HistogramMetricFamily:
+    buckets: list[tuple[str, float]] = []
     cumulative = 0
     for bound, count in zip(bounds, counts, strict=False):
         cumulative += count
-        lines.append(f'hermes_{name}_bucket{{le="{bound:g}"}} {cumulative}')
-    cumulative += counts[-1]
-    lines.append(f'hermes_{name}_bucket{{le="+Inf"}} {cumulative}')
-    lines.append(f"hermes_{name}_sum {total:g}")
-    lines.append(f"hermes_{name}_count {cumulative}")
+        buckets.append((f"{bound:g}", cumulative))
+    buckets.append(("+Inf", cumulative + counts[-1]))
+    return HistogramMetricFamily(f"hermes_{name}", help_text, buckets=buckets, sum_value=total)

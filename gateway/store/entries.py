@@ -399,6 +399,33 @@ def list_entries(
     return [_entry_of(row) for row in conn.execute(sql, params)]
 
 
+def list_entries_page(
+    conn: sqlite3.Connection,
+    after: str | None,
+    limit: int,
+    since: float | None = None,
+    agent_id: str | None = None,
+) -> list[SessionEntry]:
+    """Up to `limit` entries with a key after `after`, in session-key order (the primary
+    key's index on both engines: a page costs its rows however deep it is, and a key
+    never moves, so a paging client sees every entry once); only those of one agent
+    (a key range) and touched since `since` (epoch; a filter on the walk) when given."""
+    terms: list[str] = []
+    params: tuple[Any, ...] = ()
+    if after is not None:
+        terms.append("h.session_key > ?")
+        params += (after,)
+    if agent_id is not None:
+        terms.append("h.session_key >= ? AND h.session_key < ?")
+        params += agent_key_range(agent_id)
+    if since is not None:
+        terms.append("h.active_minute >= ? AND h.updated_at >= ?")
+        params += (minute_of(since), since)
+    sql = _SELECT_ENTRY + (" WHERE " + " AND ".join(terms) if terms else "")
+    sql += " ORDER BY h.session_key LIMIT ?"
+    return [_entry_of(row) for row in conn.execute(sql, (*params, limit))]
+
+
 def idle_page(
     conn: sqlite3.Connection, cutoff: float, after: tuple[int, str], page: int
 ) -> list[tuple[int, str, SessionEntry]]:

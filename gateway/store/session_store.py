@@ -580,6 +580,27 @@ class SessionStore:
             since = (_utcnow() - timedelta(minutes=active_minutes)).timestamp()
         return await self._db.read(lambda conn: entries.list_entries(conn, since, agent_id))
 
+    async def list_sessions_page(
+        self,
+        after: str | None = None,
+        limit: int = 100,
+        *,
+        active_minutes: float | None = None,
+        agent_id: str | None = None,
+    ) -> tuple[list[SessionEntry], str | None]:
+        """Up to `limit` entries after session key `after`, in key order, and the key to
+        pass as `after` for the next page (None on the last); scoped as `list_sessions`."""
+        since = None
+        if active_minutes is not None:
+            since = (_utcnow() - timedelta(minutes=active_minutes)).timestamp()
+        page = await self._db.read(
+            lambda conn: entries.list_entries_page(conn, after, limit + 1, since, agent_id)
+        )
+        if len(page) <= limit:
+            return page, None
+        del page[limit:]
+        return page, page[-1].session_key
+
     async def lookup_by_session_id(self, session_id: str) -> SessionEntry | None:
         return await self._db.read(lambda conn: entries.load_by_session_id(conn, session_id))
 

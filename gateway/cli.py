@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import getpass
 import json
 import os
 import re
 import signal
+import sqlite3
 import sys
+import threading
+import time
+import traceback
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from importlib import metadata
@@ -46,6 +51,8 @@ from gateway.store.titles import titles_for
 from gateway.store.transcript import count_undone
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: drained for a restart; the service manager starts us again
+EXIT_SOFTWARE = 70  # EX_SOFTWARE: an internal error (a bug), reported with its traceback
+LINGER_SECONDS = 2.0  # how long worker threads get to end after the command is over
 SESSION_ID_RE = re.compile(r"^\d{8}_\d{6}_[0-9a-f]{8}$")
 
 
@@ -154,6 +161,17 @@ async def serve(config: GatewayConfig, home: Path) -> int:
         return EXIT_CONFIG
     except DatabaseError as exc:
         log.error("state_database_unusable", error=str(exc))
+        await runner.stop()
+        raise
+    except sqlite3.Error as exc:  # an index beside state.db (memory.db, search.db)
+        log.error("gateway_start_failed", error=f"{type(exc).__name__}: {exc}")
+        await runner.stop()
+        # Busy, full, unreadable may pass; anything else a restart would only repeat.
+        return 1 if isinstance(exc, sqlite3.OperationalError) else EXIT_CONFIG
+    except BaseException:
+        # Whatever else failed, the runner's threads (aiosqlite's worker is not a daemon
+        # thread) must end with it, or the process outlives its fatal error.
+        await runner.stop()
         raise
     notifier.ready(status="serving")
     interval = notifier.watchdog_interval()
@@ -407,8 +425,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         # As the Python docs advise: point stdout at devnull, so the interpreter's own
         # flush at exit does not fail again and print "Exception ignored".
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        code = 1
+    except Exception:  # a bug: its traceback, and an exit all the same (below)
+        traceback.print_exc()
+        code = EXIT_SOFTWARE
+    _exit_if_threads_linger(code)
     return code
+
+
+def _exit_if_threads_linger(code: int) -> None:
+    """The command is over: exit now even if a worker thread is still alive.
+
+    The interpreter would wait for every non-daemon thread (aiosqlite's worker is one) at
+    exit; one left behind by a failed start kept the daemon alive, under systemd a
+    start-timeout loop instead of an exit code. They get a moment to finish first."""
+    deadline = time.monotonic() + LINGER_SECONDS
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    left = [
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    ]
+    if left:
+        print(f"exiting with threads still running: {', '.join(left)}", file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _main(argv: Sequence[str] | None) -> int:

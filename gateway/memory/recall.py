@@ -33,6 +33,7 @@ from gateway.memory.retrieval import SQLITE, RecallSql, Scored, VectorCache, hyb
 from gateway.session import SessionSource, schedule_session_key
 from gateway.store import codec, purge, schedules
 from gateway.store.background import ThreadedSqliteTask
+from gateway.store.fts import is_damaged, set_index_aside
 from gateway.store.outage import Outage, StoreUnwritable
 from gateway.store.pg import driver_errors
 
@@ -169,7 +170,25 @@ class MemoryIndexer(ThreadedSqliteTask):
                     self._conn = await self._in_thread(_pg().connect, dsn)
                 else:
                     self._conn = await self._in_thread(index.connect, self.path, self.store.db_path)
-            return await self._in_thread(fn, self._conn, *args)
+            try:
+                return await self._in_thread(fn, self._conn, *args)
+            except sqlite3.DatabaseError as exc:
+                if self.postgres or not is_damaged(exc):
+                    raise
+                # Damage deeper in the file than opening it reads: memory.db is derived,
+                # so it is set aside and rebuilt, and the call runs once on the new one.
+                await self._set_aside(exc)
+                self._conn = await self._in_thread(index.connect, self.path, self.store.db_path)
+                return await self._in_thread(fn, self._conn, *args)
+
+    async def _set_aside(self, exc: sqlite3.DatabaseError) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.cache.clear()
+        self._reported = None
+        moved = await asyncio.to_thread(set_index_aside, self.path)
+        log.warning("index_db_damaged", path=str(self.path), moved_to=moved, error=str(exc))
 
     async def prepare(self) -> None:
         """Before the first round: hold state.db's fts_log for us (or let it go, with

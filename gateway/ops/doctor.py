@@ -2,7 +2,8 @@
 
 Each check yields one `Finding`. `--repair` (only while no gateway runs: it holds the
 home's lock, `gateway.store.homelock`, so none starts meanwhile) fixes the repairable ones,
-most fundamental first, then checks again. A damaged `state.db` is never
+most fundamental first, then checks again. A damaged search.db or memory.db (indexes
+derived from state.db) is a warning, set aside by --repair. A damaged `state.db` is never
 deleted: it is set aside as `state.db.corrupt-<time>`, a fresh database is built next to
 it from every row that can still be read, and the routing index is rebuilt from the
 transcripts and the `sessions.json` mirror.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -30,10 +32,11 @@ from typing import Any
 
 from config import GatewayConfig, hermes_home
 from gateway.fsutil import fsync_dir, set_aside
+from gateway.memory.index import MEMORY_DB
 from gateway.ops.service import ENV_FILE
 from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
 from gateway.session import SessionEntry
-from gateway.store.fts import search_files
+from gateway.store.fts import SEARCH_DB, index_damage, search_files, set_index_aside
 from gateway.store.homelock import HomeInUse, HomeLock, held_by
 from gateway.store.migrations import SCHEMA_VERSION
 from gateway.store.mirror import IMPORT_CANNOT_RESTORE, write_sessions_json
@@ -43,6 +46,7 @@ from gateway.store.salvage import create_database, salvage
 from gateway.store.session_store import SESSIONS_JSON, STATE_DB
 
 OK, WARN, ERROR = "ok", "warn", "error"
+INDEX_DBS = (SEARCH_DB, MEMORY_DB)
 STALE_TEMP_SECONDS = 60
 _ORPHAN_TURNS = (  # no table alias: DELETE does not take one
     "FROM turns WHERE NOT EXISTS (SELECT 1 FROM session_entries e"
@@ -249,6 +253,24 @@ def check_state_db(paths: Paths) -> Finding:
     return Finding(name, OK, f"integrity ok, schema version {version}")
 
 
+def check_index_db(paths: Paths, name: str) -> Finding:
+    """An index beside state.db (search.db, memory.db): derived, so a damaged one is only
+    a warning: the gateway sets it aside at start and rebuilds it from state.db."""
+    path = paths.sessions / name
+    if not path.exists():
+        return Finding(name, OK, "absent (built from state.db by the gateway)")
+    problem = index_damage(path)
+    if problem is not None:
+        fix = "sets it aside (the gateway rebuilds it from state.db)"
+        return Finding(name, WARN, f"damaged: {problem}", True, fix)
+    return Finding(name, OK, "quick check ok")
+
+
+def repair_index_db(paths: Paths, name: str) -> str:
+    moved = set_index_aside(paths.sessions / name)
+    return f"set aside as {moved} (rebuilt at the next start)" if moved else "gone already"
+
+
 def check_sessions_json(paths: Paths) -> Finding:
     name = "sessions.json"
     if not paths.sessions_json.exists():
@@ -398,6 +420,7 @@ def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Findin
         check_env_file(paths),
         db,
         check_sessions_json(paths),
+        *(check_index_db(paths, name) for name in INDEX_DBS),
         check_temp_files(paths),
         check_restart_counts(paths),
     ]
@@ -463,6 +486,13 @@ REPAIRS: list[tuple[Callable[[Paths], Finding | None], Callable[[Paths], str]]] 
     (check_sessions_dir, lambda paths: repair_directory(paths.sessions)),
     (check_state_db, lambda paths: rebuild_state_db(paths)),
     (check_sessions_json, repair_sessions_json),
+    *(
+        (
+            functools.partial(check_index_db, name=name),
+            functools.partial(repair_index_db, name=name),
+        )
+        for name in INDEX_DBS
+    ),
     (check_turns, repair_turns),
     (check_temp_files, repair_temp_files),
     (check_restart_counts, repair_restart_counts),

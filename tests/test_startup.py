@@ -1,0 +1,129 @@
+"""Start-up against damaged or hostile files: the real CLI in a subprocess, each run
+bounded in time and killed in cleanup. A start either serves or exits with a clear
+message; it never hangs and never shows a traceback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.commandline import cli, finish, spawn, wait_ready
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
+
+
+def _home(tmp_path: Path) -> Path:
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "hermes.yaml").write_text(f"platforms:\n  http:\n    port: {free_port()}\n")
+    return home
+
+
+def _events(lines: list[str]) -> list[dict[str, object]]:
+    return [json.loads(line) for line in lines if line.startswith("{")]
+
+
+def _damage(path: Path, form: str) -> None:
+    data = path.read_bytes()
+    if form == "header-overwritten":
+        path.write_bytes(b"\0" * 100 + data[100:])
+    else:  # cut in half
+        path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("index_db", ["memory.db", "search.db"])
+@pytest.mark.parametrize("form", ["header-overwritten", "cut-in-half"])
+def test_a_damaged_index_is_set_aside_and_the_daemon_starts(
+    tmp_path: Path, procs: list[subprocess.Popen[str]], form: str, index_db: str
+) -> None:
+    home = _home(tmp_path)
+    procs.append(first := spawn(home, "run", "--log-json"))
+    wait_ready(first)
+    code, out = finish(first)
+    assert code == 0, out
+    index = home / "sessions" / index_db
+    assert index.stat().st_size > 4096  # a real index, with pages past the header
+    _damage(index, form)
+
+    procs.append(second := spawn(home, "run", "--log-json"))
+    lines = wait_ready(second, within=30)
+    [damaged] = [e for e in _events(lines) if e["event"] == "index_db_damaged"]
+    assert damaged["path"] == str(index)
+    aside = list(index.parent.glob(f"{index_db}.corrupt-*"))
+    assert [p.name for p in aside] == [damaged["moved_to"]]
+    code, out = finish(second)
+    assert code == 0, out
+    assert "Traceback" not in "".join(lines) + out
+
+
+@pytest.mark.timeout(120)
+def test_doctor_reports_a_damaged_memory_db_and_repair_sets_it_aside(
+    tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    home = _home(tmp_path)
+    procs.append(first := spawn(home, "run"))
+    wait_ready(first)
+    assert finish(first)[0] == 0
+    memory = home / "sessions" / "memory.db"
+    ok = cli(home, "doctor", "--json")
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    findings = {f["name"]: f for f in json.loads(ok.stdout)}
+    assert findings["memory.db"]["status"] == "ok"
+    assert findings["search.db"]["status"] == "ok"
+
+    _damage(memory, "cut-in-half")
+    found = cli(home, "doctor")
+    assert "[warn] memory.db: damaged" in found.stdout, found.stdout
+    assert "[ok] search.db" in found.stdout
+
+    repaired = cli(home, "doctor", "--repair", "--json")
+    findings = {f["name"]: f for f in json.loads(repaired.stdout)}
+    assert findings["memory.db"]["repaired"].startswith("set aside as memory.db.corrupt-")
+    assert findings["memory.db"]["status"] == "ok"
+    assert list(memory.parent.glob("memory.db.corrupt-*"))
+
+
+@pytest.mark.timeout(120)
+def test_an_index_that_cannot_be_opened_ends_the_start_with_an_exit_code(
+    tmp_path: Path, procs: list[subprocess.Popen[str]]
+) -> None:
+    # Not damage (nothing to set aside): SQLite cannot open memory.db's shared-memory
+    # file. The start fails, and the process must exit, not linger on a worker thread.
+    home = _home(tmp_path)
+    (home / "sessions" / "memory.db-shm").mkdir(parents=True)
+    procs.append(proc := spawn(home, "run", "--log-json"))
+    code, out = finish_without_signal(proc, within=30)
+    assert code == 1, out
+    failed = [e for e in _events(out.splitlines()) if e["event"] == "gateway_start_failed"]
+    assert failed, out
+    assert "Traceback" not in out
+
+
+def finish_without_signal(proc: subprocess.Popen[str], within: float) -> tuple[int, str]:
+    """Its exit code and output once it exits by itself; killed (-9) after `within` s."""
+    try:
+        out, _ = proc.communicate(timeout=within)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, _ = proc.communicate()
+    return proc.returncode, out

@@ -86,10 +86,90 @@ def _validate(
         ]
 
 
+# Bounds on what a config file may make the loader do. A real config is a few KB with a
+# handful of anchors; an "alias bomb" (anchors of anchors, each alias nine of the last)
+# is a few hundred bytes that expand to billions of values, which every walk over the
+# loaded data (${VAR} expansion, validation) would visit.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_ALIASES = 1_000
+MAX_EXPANDED_VALUES = 100_000
+
+
+class _TooLarge(Exception):
+    """The file exceeds one of the bounds above (the message says which)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, with the number of aliases (`*name`) and the size of the
+    document they expand to bounded before anything is built from it."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._aliases = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise _TooLarge(f"more than {MAX_ALIASES} aliases (*name)")
+        return super().compose_node(parent, index)
+
+    def get_single_node(self) -> Any:
+        node = super().get_single_node()
+        if node is not None:
+            _bound_expansion(node)
+        return node
+
+
+def _bound_expansion(root: yaml.Node) -> None:
+    """Raise _TooLarge when the document, every alias expanded, holds more than
+    MAX_EXPANDED_VALUES values, or an alias refers to a node that contains it. Aliases
+    share nodes, so each node's expanded size is computed once (post-order, no recursion)."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    open_nodes: set[int] = set()
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            open_nodes.discard(key)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in _children(node))
+            if sizes[key] > MAX_EXPANDED_VALUES:
+                raise _TooLarge(f"aliases expand it to more than {MAX_EXPANDED_VALUES} values")
+            continue
+        if key in sizes:
+            continue
+        if key in open_nodes:
+            raise _TooLarge("an alias refers to a node that contains it (a recursive alias)")
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _read_text(path: Path) -> str:
+    with path.open("rb") as file:
+        data = file.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise _TooLarge(f"larger than {MAX_CONFIG_BYTES // 1024} KiB")
+    return data.decode("utf-8")
+
+
 def _read_yaml(path: Path) -> dict[Any, Any]:
     problem = None
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(_read_text(path), Loader=_BoundedLoader)  # noqa: S506 (a SafeLoader)
+    except _TooLarge as exc:
+        problem = f"refused: {exc}"
+    except RecursionError:
+        problem = "refused: nested too deeply"
     except OSError as exc:
         problem = f"cannot read the file: {exc.strerror}"
     except UnicodeDecodeError:

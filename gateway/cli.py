@@ -45,7 +45,7 @@ from gateway.pairing import add_pairing_parser
 from gateway.session import agent_id_of_key
 from gateway.store.db import DatabaseError, DatabaseUnreachable
 from gateway.store.entries import load_session_row
-from gateway.store.homelock import HomeInUse, HomeLock
+from gateway.store.homelock import HomeInUse, HomeLock, HomeUnusable
 from gateway.store.session_store import SessionStore
 from gateway.store.titles import titles_for
 from gateway.store.transcript import count_undone
@@ -199,6 +199,9 @@ def cmd_run(args: argparse.Namespace, config: GatewayConfig) -> int:
         lock = HomeLock.acquire(home)
     except HomeInUse as exc:
         structlog.get_logger("gateway").error("home_in_use", error=str(exc), pid=exc.pid)
+        return EXIT_CONFIG
+    except HomeUnusable as exc:
+        structlog.get_logger("gateway").error("home_unusable", error=str(exc))
         return EXIT_CONFIG
     with lock:
         return asyncio.run(serve(config, home))

@@ -127,3 +127,70 @@ def finish_without_signal(proc: subprocess.Popen[str], within: float) -> tuple[i
         proc.kill()
         out, _ = proc.communicate()
     return proc.returncode, out
+
+
+def _alias_bomb(levels: int = 9) -> str:
+    """Anchors of anchors, each alias nine of the last: a few hundred bytes that expand
+    to 9**levels values."""
+    lines = ['l0: &l0 ["x", "x", "x", "x", "x", "x", "x", "x", "x"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, levels)]
+    return "\n".join([*lines, f"agent:\n  bomb: *l{levels - 1}", ""])
+
+
+HOSTILE_CONFIGS = {
+    "alias-bomb": (_alias_bomb(), "aliases expand it to more than"),
+    "recursive-alias": ("agent: &a\n  backend: [*a]\n", "recursive alias"),
+    "too-many-aliases": (
+        "x: &x 1\n" + "".join(f"k{i}: *x\n" for i in range(1_001)),
+        "more than 1000 aliases",
+    ),
+    "nested-too-deeply": ("agent: " + "[" * 20_000 + "]" * 20_000 + "\n", "nested too deeply"),
+    "over-a-mebibyte": ("# " + "x" * (1 << 20) + "\n", "larger than 1024 KiB"),
+}
+
+
+@pytest.mark.parametrize("command", ["check-config", "run"])
+@pytest.mark.parametrize("case", sorted(HOSTILE_CONFIGS))
+def test_a_hostile_config_is_refused_quickly_with_exit_78(
+    tmp_path: Path, case: str, command: str
+) -> None:
+    text, reason = HOSTILE_CONFIGS[case]
+    (tmp_path / "hermes.yaml").write_text(text)
+    result = cli(tmp_path, command, timeout=60)  # the alias bomb ran past 120 s
+    assert result.returncode == 78, result.stdout + result.stderr
+    [line] = result.stderr.splitlines()
+    assert line.startswith(f"configuration error: {tmp_path / 'hermes.yaml'}: refused: ")
+    assert reason in line
+    assert not (tmp_path / "sessions").exists()
+
+
+def test_anchors_aliases_and_merge_keys_within_the_bounds_still_load(tmp_path: Path) -> None:
+    (tmp_path / "hermes.yaml").write_text(
+        "x-agent: &base\n  backend: json:loads\n"
+        "agents:\n  a:\n    <<: *base\n  b:\n    <<: *base\n"
+    )
+    result = cli(tmp_path, "check-config")
+    # `x-agent` is no key of the schema: the aliases resolved, and validation spoke.
+    assert result.returncode == 78
+    assert "x-agent: unknown key" in result.stderr
+    assert "refused" not in result.stderr
+
+
+@pytest.mark.parametrize("command", ["run", "doctor --repair"])
+def test_a_directory_named_gateway_lock_is_a_clear_refusal(tmp_path: Path, command: str) -> None:
+    home = _home(tmp_path)
+    (home / "gateway.lock").mkdir()
+    result = cli(home, *command.split(), timeout=60)
+    out = result.stdout + result.stderr
+    assert result.returncode == (78 if command == "run" else 1), out
+    assert f"cannot lock {home / 'gateway.lock'}: it is a directory" in out
+    assert "Traceback" not in out
+    assert (home / "gateway.lock").is_dir()  # not removed behind the operator's back
+
+
+def test_doctor_reports_a_directory_named_gateway_lock(tmp_path: Path) -> None:
+    home = _home(tmp_path)
+    (home / "gateway.lock").mkdir()
+    result = cli(home, "doctor")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"[error] gateway.lock: {home / 'gateway.lock'} is a directory" in result.stdout

@@ -37,7 +37,7 @@ from gateway.ops.service import ENV_FILE
 from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
 from gateway.session import SessionEntry
 from gateway.store.fts import SEARCH_DB, index_damage, search_files, set_index_aside
-from gateway.store.homelock import HomeInUse, HomeLock, held_by
+from gateway.store.homelock import LOCK_FILE, HomeInUse, HomeLock, HomeUnusable, held_by
 from gateway.store.migrations import SCHEMA_VERSION
 from gateway.store.mirror import IMPORT_CANNOT_RESTORE, write_sessions_json
 from gateway.store.pg import health as pg_health
@@ -211,6 +211,20 @@ def _check_missing_state_db(paths: Paths) -> Finding:
         f" cannot bring back what only state.db held: {IMPORT_CANNOT_RESTORE}"
     )
     return Finding(name, WARN, detail)
+
+
+def check_lock_file(paths: Paths) -> Finding | None:
+    """`gateway.lock` (gateway.store.homelock): absent until the first start, then a file.
+    Anything else stops every start (exit 78) and --repair; removing it is the operator's
+    call, not a repair's: it may hold something of theirs."""
+    path = paths.home / LOCK_FILE
+    if not path.exists() and not path.is_symlink():
+        return None
+    if not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        detail = f"{path} is {kind}: the gateway cannot start until it is removed"
+        return Finding(LOCK_FILE, ERROR, detail)
+    return Finding(LOCK_FILE, OK, "a file (the lock one gateway holds while it runs)")
 
 
 def check_env_file(paths: Paths) -> Finding:
@@ -405,6 +419,7 @@ def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Findin
             home,
             check_sessions_dir(paths),
             check_permissions(paths),
+            check_lock_file(paths),
             check_env_file(paths),
             *check_postgres(storage.dsn),
             check_temp_files(paths),
@@ -417,6 +432,7 @@ def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Findin
         home,
         check_sessions_dir(paths),
         check_permissions(paths),
+        check_lock_file(paths),
         check_env_file(paths),
         db,
         check_sessions_json(paths),
@@ -563,6 +579,9 @@ def _repair(paths: Paths) -> dict[str, str] | None:
         lock = HomeLock.acquire(paths.home)
     except HomeInUse as exc:
         print(f"--repair refused: {exc}; stop it first", file=sys.stderr)
+        return None
+    except HomeUnusable as exc:
+        print(f"--repair refused: {exc}", file=sys.stderr)
         return None
     with lock:
         # A gateway without the lock (an older version) still holds state.db open.

@@ -31,6 +31,7 @@ import structlog
 
 from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
+from config.envfile import EnvFileError, load_env_file
 from gateway.agents.roster import Roster
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
@@ -322,6 +323,10 @@ def cmd_schedules(args: argparse.Namespace, config: GatewayConfig) -> int:
 
 # --- parser -----------------------------------------------------------------------------
 
+# The commands that connect to the platforms: every ${NAME} in the config must be set.
+# The others (status, sessions, doctor, ...) need only the store's settings.
+NEEDS_SECRETS = {cmd_run, cmd_check_config}
+
 
 def cmd_chat(args: argparse.Namespace, config: GatewayConfig) -> int:
     from gateway.ops.chat import main_chat
@@ -331,6 +336,12 @@ def cmd_chat(args: argparse.Namespace, config: GatewayConfig) -> int:
         args.url = f"http://{http.host}:{http.port}"
     if args.token is None:
         args.token = os.environ.get("HERMES_HTTP_TOKEN") or config.platforms.http.token
+    unset = config.unset_env.get("platforms.http.token")
+    if args.token is None and unset is not None:
+        raise ConfigError(
+            f"platforms.http.token: environment variable {unset} is not set"
+            " (set it, or pass --token or $HERMES_HTTP_TOKEN)"
+        )
     return main_chat(args)
 
 
@@ -465,8 +476,11 @@ def _main(argv: Sequence[str] | None) -> int:
         # One place decides where state lives; everything below reads HERMES_HOME.
         os.environ["HERMES_HOME"] = str(args.home.expanduser().resolve())
     try:
-        config = load_config(args.config)
-    except ConfigError as exc:
+        # The secrets file the service unit names (EnvironmentFile): the commands typed
+        # by hand see what `run` sees under systemd.
+        load_env_file(hermes_home())
+        config = load_config(args.config, require_env=args.handler in NEEDS_SECRETS)
+    except (ConfigError, EnvFileError) as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:

@@ -23,12 +23,13 @@ import sys
 from pathlib import Path
 
 from config import EXIT_CONFIG, GatewayConfig, hermes_home
+from config.envfile import ENV_FILE
 from gateway.fsutil import atomic_write_bytes
 
 UNIT_NAME = "hermes-gateway.service"
 # Secrets for the service, as NAME=value lines in the home (mode 0600, checked by
-# `doctor`); hermes.yaml refers to them as ${NAME}.
-ENV_FILE = ".env"
+# `doctor`); hermes.yaml refers to them as ${NAME}. Every command reads the same file
+# (config.envfile), the unit names it as its EnvironmentFile.
 WATCHDOG_SEC = 60
 # Time for the drain on SIGTERM plus the runner's own shutdown.
 STOP_MARGIN_SEC = 30

@@ -34,6 +34,7 @@ from config import GatewayConfig, hermes_home
 from gateway.fsutil import fsync_dir, set_aside
 from gateway.memory.index import MEMORY_DB
 from gateway.ops.service import ENV_FILE
+from gateway.ops.status import is_live, read_status
 from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
 from gateway.session import SessionEntry
 from gateway.store.fts import SEARCH_DB, index_damage, search_files, set_index_aside
@@ -374,6 +375,25 @@ def check_clean_shutdown(paths: Paths) -> Finding:
     return Finding("clean shutdown", OK, detail)
 
 
+def check_replica_stop(paths: Paths) -> Finding:
+    """On PostgreSQL: how this home's replica last stopped, from its status.json. (No
+    `.clean_shutdown` marker there: a replica runs no start-up recovery, the others
+    resume its sessions as their leases expire.)"""
+    name = "clean shutdown"
+    status = read_status(paths.home)
+    if status is None:
+        return Finding(name, OK, "this home's replica has not run yet (no status.json)")
+    if status.get("state") == "stopped":
+        return Finding(name, OK, "this home's replica stopped cleanly (status.json)")
+    if is_live(status):
+        return Finding(name, OK, "this home's replica is running")
+    detail = (
+        "this home's replica did not stop cleanly: its sessions are resumed by a replica"
+        " once their leases expire"
+    )
+    return Finding(name, OK, detail)
+
+
 def check_postgres(dsn: str) -> list[Finding]:
     """A PostgreSQL store (storage.backend: postgres): it answers, its schema is this
     gateway's (or older: the next start migrates it), and the cluster's lease table is
@@ -424,7 +444,7 @@ def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Findin
             *check_postgres(storage.dsn),
             check_temp_files(paths),
             check_restart_counts(paths),
-            check_clean_shutdown(paths),
+            check_replica_stop(paths),
         ]
         return [finding for finding in found if finding is not None]
     db = check_state_db(paths)

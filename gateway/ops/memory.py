@@ -104,13 +104,20 @@ async def _delete_all(recall: Recall, args: argparse.Namespace, platform: str, u
         print("not deleted (pass --yes to delete without asking)", file=sys.stderr)
         return 1
     try:
-        count = await recall.forget_user(platform, user_id, args.agent)
+        gone = await recall.forget_user(platform, user_id, args.agent)
     except purge.SessionBusy as exc:
         await media_files.sweep(recall.store)  # the files of the sessions that went
         print(f"partly deleted: {exc}; run it again once the turn finished", file=sys.stderr)
         return 1
     await media_files.sweep(recall.store)
-    _report(args, {"deleted": count, "user": f"{platform}:{user_id}", "agent": args.agent})
+    counts = {
+        "notes": gone.notes,
+        "sessions": gone.sessions,
+        "schedules": gone.schedules,
+        "index_entries": gone.index_entries,
+    }
+    result = {"deleted": gone.total, **counts, "user": f"{platform}:{user_id}"}
+    _report(args, {**result, "agent": args.agent})
     return 0
 
 
@@ -120,10 +127,21 @@ def _report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     elif "note_id" in result:
         print(f"deleted note {result['note_id']}")
     else:
-        print(
-            f"deleted everything of {result['user']}: {result['deleted']} notes, sessions"
-            " and index entries"
+        counted = ", ".join(
+            _counted(result[key], what)
+            for key, what in (
+                ("notes", "note"),
+                ("sessions", "session"),
+                ("schedules", "schedule"),
+                ("index_entries", "index entry"),
+            )
         )
+        print(f"deleted everything of {result['user']}: {counted}")
+
+
+def _counted(count: int, what: str) -> str:
+    plural = what[:-1] + "ies" if what.endswith("y") else what + "s"
+    return f"{count} {what if count == 1 else plural}"
 
 
 def _confirmed(whose: str) -> bool:

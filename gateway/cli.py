@@ -1,9 +1,11 @@
 """`hermes-gateway`: the command line and the composition root (config -> store -> daemon).
 
-Exit codes: 0 ok, 1 usage or lookup failure, 75 restart requested, 78 configuration error,
-a damaged state database, or (`run`) a home already in use by another daemon: nothing a
-restart would fix, so the service unit's `RestartPreventExitStatus=78` stops systemd from
-retrying (`Restart=always` would otherwise start a loser every `RestartSec`).
+Exit codes: 0 ok, 1 lookup failure or refusal, 2 usage (argparse's, and ours for the
+checks it cannot make), 70 internal error (a bug), 75 restart requested, 78 configuration
+error, a damaged state database, or (`run`) a home already in use by another daemon or
+unusable: nothing a restart would fix, so the service unit's `RestartPreventExitStatus=78`
+stops systemd from retrying (`Restart=always` would otherwise start a loser every
+`RestartSec`).
 """
 
 from __future__ import annotations

@@ -65,3 +65,16 @@ def test_memory_delete_all_says_how_many_of_each_kind_went(tmp_path: Path) -> No
     again = json.loads(cli(tmp_path, *args, "--json").stdout)
     assert again["notes"] == again["schedules"] == again["index_entries"] == 0
     assert again["deleted"] == again["sessions"]  # the total, of the kinds above
+
+
+def test_usage_errors_exit_2_whether_argparse_or_the_command_finds_them(
+    tmp_path: Path,
+) -> None:
+    by_argparse = cli(tmp_path, "memory", "delete", "--user", "not-a-pair", "--all")
+    assert by_argparse.returncode == 2, by_argparse.stderr
+    by_the_command = cli(tmp_path, "memory", "delete", "--user", "telegram:55")
+    assert by_the_command.returncode == 2, by_the_command.stderr
+    assert "name one NOTE_ID, or pass --all" in by_the_command.stderr
+    service = cli(tmp_path, "service", "install", "--user", "svc", "--dry-run")
+    assert service.returncode == 2, service.stderr
+    assert "--user applies to a system unit only" in service.stderr

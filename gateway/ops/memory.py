@@ -6,7 +6,7 @@ serialised by SQLite (WAL), and memory.db is brought up to date before the comma
 returns (`Recall` runs the indexer's rounds itself). `delete --all` is the right to be
 forgotten: every note of the user, their own sessions (not group sessions they share
 with others) with all those sessions own, and every chunk and vector of theirs.
-Exit codes: 0 done, 1 nothing found, refused, or partly refused (a turn was running).
+Exit codes: 0 done, 1 nothing found, refused, or partly refused (a turn was running), 2 usage.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from config import GatewayConfig
 from gateway.memory.recall import Namespace, Recall
-from gateway.ops.cliargs import platform_pair
+from gateway.ops.cliargs import EXIT_USAGE, platform_pair
 from gateway.store import media_files, purge
 from gateway.store.session_store import SessionStore
 
@@ -84,7 +84,7 @@ async def _delete(recall: Recall, args: argparse.Namespace) -> int:
     platform, user_id = args.user
     if (args.note_id is None) == (not args.all):
         print("name one NOTE_ID, or pass --all (not both)", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     if args.all:
         return await _delete_all(recall, args, platform, user_id)
     notes = [

@@ -165,10 +165,9 @@ def test_a_hostile_config_is_refused_quickly_with_exit_78(
 
 
 def test_anchors_aliases_and_merge_keys_within_the_bounds_still_load(tmp_path: Path) -> None:
-    (tmp_path / "hermes.yaml").write_text(
-        "x-agent: &base\n  backend: json:loads\n"
-        "agents:\n  a:\n    <<: *base\n  b:\n    <<: *base\n"
-    )
+    lines = ["x-agent: &base", "  backend: json:loads", "agents:"]
+    lines += ["  a:", "    <<: *base", "  b:", "    <<: *base"]
+    (tmp_path / "hermes.yaml").write_text("\n".join(lines) + "\n")
     result = cli(tmp_path, "check-config")
     # `x-agent` is no key of the schema: the aliases resolved, and validation spoke.
     assert result.returncode == 78

@@ -38,11 +38,19 @@ def hermes_home() -> Path:
     return Path(os.environ.get("HERMES_HOME") or "~/.hermes").expanduser()
 
 
-def load_config(path: str | os.PathLike[str] | None = None) -> GatewayConfig:
+def load_config(
+    path: str | os.PathLike[str] | None = None, *, require_env: bool = True
+) -> GatewayConfig:
     """Load the config from ``path``, else $HERMES_CONFIG, else $HERMES_HOME/hermes.yaml.
 
     With no file at the default location this is the zero-config default; a file that
     was named explicitly must exist.
+
+    ``require_env=False`` is for the commands that connect to no platform (`status`,
+    `sessions`, `doctor`, ...): a ``${NAME}`` that is not set and has no default leaves
+    its key unset (None) when it is the whole value, and expands to "" inside a longer
+    one; ``config.unset_env`` lists those keys. It is still an error under `storage`
+    (every command opens the store) and for a key that fails validation without it.
     """
     explicit = path if path is not None else os.environ.get("HERMES_CONFIG") or None
     config_path = Path(explicit).expanduser() if explicit else hermes_home() / "hermes.yaml"
@@ -53,21 +61,32 @@ def load_config(path: str | os.PathLike[str] | None = None) -> GatewayConfig:
 
     data = _read_yaml(config_path)
     problems: list[str] = []
-    if "source_path" in data:
-        # A real field, but one only the loader sets; in YAML it is just an unknown key.
-        data = {key: value for key, value in data.items() if key != "source_path"}
-        problems.append("source_path: unknown key")
+    for key in ("source_path", "unset_env"):
+        if key in data:
+            # Real fields, but ones only the loader sets; in YAML just unknown keys.
+            data = {k: value for k, value in data.items() if k != key}
+            problems.append(f"{key}: unknown key")
     from_env: set[KeyPath] = set()
-    env_problems: list[str] = []
-    data = _expand_env(data, (), from_env, env_problems)
-    if env_problems:
+    unset: dict[KeyPath, str] = {}
+    data = _expand_env(data, (), from_env, unset, keep_unset=not require_env)
+    env_problems = [
+        f"{_dotted(key)}: environment variable {name} is not set" for key, name in unset.items()
+    ]
+    needed = [
+        line
+        for (key, _), line in zip(unset.items(), env_problems, strict=True)
+        if require_env or key[:1] == ("storage",)
+    ]
+    if needed:
         # Validating half-expanded data would only add confusing follow-on errors.
-        raise _config_error(config_path, problems + env_problems)
+        raise _config_error(config_path, problems + needed)
     config, validation_problems = _validate(data, from_env)
     problems.extend(validation_problems)
     if config is None or problems:
-        raise _config_error(config_path, problems)
-    return config.model_copy(update={"source_path": config_path})
+        # An unset variable may be why a key failed: say it first.
+        raise _config_error(config_path, env_problems + problems)
+    unset_env = {_dotted(key): name for key, name in unset.items()}
+    return config.model_copy(update={"source_path": config_path, "unset_env": unset_env})
 
 
 # The errors below are raised outside their ``except`` blocks on purpose: chaining would
@@ -86,10 +105,90 @@ def _validate(
         ]
 
 
+# Bounds on what a config file may make the loader do. A real config is a few KB with a
+# handful of anchors; an "alias bomb" (anchors of anchors, each alias nine of the last)
+# is a few hundred bytes that expand to billions of values, which every walk over the
+# loaded data (${VAR} expansion, validation) would visit.
+MAX_CONFIG_BYTES = 1 << 20
+MAX_ALIASES = 1_000
+MAX_EXPANDED_VALUES = 100_000
+
+
+class _TooLarge(Exception):
+    """The file exceeds one of the bounds above (the message says which)."""
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """PyYAML's safe loader, with the number of aliases (`*name`) and the size of the
+    document they expand to bounded before anything is built from it."""
+
+    def __init__(self, stream: str) -> None:
+        super().__init__(stream)
+        self._aliases = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._aliases += 1
+            if self._aliases > MAX_ALIASES:
+                raise _TooLarge(f"more than {MAX_ALIASES} aliases (*name)")
+        return super().compose_node(parent, index)
+
+    def get_single_node(self) -> Any:
+        node = super().get_single_node()
+        if node is not None:
+            _bound_expansion(node)
+        return node
+
+
+def _bound_expansion(root: yaml.Node) -> None:
+    """Raise _TooLarge when the document, every alias expanded, holds more than
+    MAX_EXPANDED_VALUES values, or an alias refers to a node that contains it. Aliases
+    share nodes, so each node's expanded size is computed once (post-order, no recursion)."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    open_nodes: set[int] = set()
+    while stack:
+        node, children_done = stack.pop()
+        key = id(node)
+        if children_done:
+            open_nodes.discard(key)
+            sizes[key] = 1 + sum(sizes[id(child)] for child in _children(node))
+            if sizes[key] > MAX_EXPANDED_VALUES:
+                raise _TooLarge(f"aliases expand it to more than {MAX_EXPANDED_VALUES} values")
+            continue
+        if key in sizes:
+            continue
+        if key in open_nodes:
+            raise _TooLarge("an alias refers to a node that contains it (a recursive alias)")
+        open_nodes.add(key)
+        stack.append((node, True))
+        stack.extend((child, False) for child in _children(node) if id(child) not in sizes)
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return []
+
+
+def _read_text(path: Path) -> str:
+    with path.open("rb") as file:
+        data = file.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise _TooLarge(f"larger than {MAX_CONFIG_BYTES // 1024} KiB")
+    return data.decode("utf-8")
+
+
 def _read_yaml(path: Path) -> dict[Any, Any]:
     problem = None
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(_read_text(path), Loader=_BoundedLoader)
+    except _TooLarge as exc:
+        problem = f"refused: {exc}"
+    except RecursionError:
+        problem = "refused: nested too deeply"
     except OSError as exc:
         problem = f"cannot read the file: {exc.strerror}"
     except UnicodeDecodeError:
@@ -112,16 +211,30 @@ def _read_yaml(path: Path) -> dict[Any, Any]:
     return data
 
 
-def _expand_env(node: Any, key_path: KeyPath, from_env: set[KeyPath], problems: list[str]) -> Any:
+def _expand_env(
+    node: Any,
+    key_path: KeyPath,
+    from_env: set[KeyPath],
+    unset: dict[KeyPath, str],
+    *,
+    keep_unset: bool = False,
+) -> Any:
     """Replace ``${NAME}`` and ``${NAME:-default}`` in every string value under ``node``.
 
-    Records the key paths whose value came from a reference (for error hints) and one
-    problem per unset variable that has no default.
+    Records the key paths whose value came from a reference (for error hints) and, in
+    ``unset``, each key path with a variable that is not set and has no default (an
+    error unless ``keep_unset``: then a value that is only that reference becomes None).
     """
     if isinstance(node, dict):
-        return {k: _expand_env(v, (*key_path, k), from_env, problems) for k, v in node.items()}
+        return {
+            k: _expand_env(v, (*key_path, k), from_env, unset, keep_unset=keep_unset)
+            for k, v in node.items()
+        }
     if isinstance(node, list):
-        return [_expand_env(v, (*key_path, i), from_env, problems) for i, v in enumerate(node)]
+        return [
+            _expand_env(v, (*key_path, i), from_env, unset, keep_unset=keep_unset)
+            for i, v in enumerate(node)
+        ]
     if not (isinstance(node, str) and _ENV_REFERENCE.search(node)):
         return node
     from_env.add(key_path)
@@ -132,11 +245,15 @@ def _expand_env(node: Any, key_path: KeyPath, from_env: set[KeyPath], problems: 
         if default is not None and not value:  # like the shell, ":-" also covers empty
             return default
         if value is None:
-            problems.append(f"{_dotted(key_path)}: environment variable {name} is not set")
+            unset.setdefault(key_path, name)
             return ""
         return value
 
-    return _ENV_REFERENCE.sub(substitute, node)
+    expanded = _ENV_REFERENCE.sub(substitute, node)
+    whole = _ENV_REFERENCE.fullmatch(node)
+    if keep_unset and key_path in unset and whole is not None:
+        return None
+    return expanded
 
 
 # Strict types reject text such as "8080"; a value from ${...} is always text.

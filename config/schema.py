@@ -516,6 +516,8 @@ class GatewayConfig(BaseModel):
     admins: list[str] = Field(default_factory=list)
     # Set by load_config; the loader rejects it as a YAML key.
     source_path: Path | None = Field(default=None, exclude=True)
+    # Set by load_config(require_env=False): key path -> the unset variable it refers to.
+    unset_env: dict[str, str] = Field(default_factory=dict, exclude=True)
 
     @field_validator("timezone")
     @classmethod

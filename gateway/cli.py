@@ -1,21 +1,28 @@
 """`hermes-gateway`: the command line and the composition root (config -> store -> daemon).
 
-Exit codes: 0 ok, 1 usage or lookup failure, 75 restart requested, 78 configuration error,
-a damaged state database, or (`run`) a home already in use by another daemon: nothing a
-restart would fix, so the service unit's `RestartPreventExitStatus=78` stops systemd from
-retrying (`Restart=always` would otherwise start a loser every `RestartSec`).
+Exit codes: 0 ok, 1 lookup failure or refusal, 2 usage (argparse's, and ours for the
+checks it cannot make), 70 internal error (a bug), 75 restart requested, 78 configuration
+error, a damaged state database, or (`run`) a home already in use by another daemon or
+unusable: nothing a restart would fix, so the service unit's `RestartPreventExitStatus=78`
+stops systemd from retrying (`Restart=always` would otherwise start a loser every
+`RestartSec`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import getpass
 import json
 import os
 import re
 import signal
+import sqlite3
 import sys
+import threading
+import time
+import traceback
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from importlib import metadata
@@ -26,6 +33,7 @@ import structlog
 
 from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
+from config.envfile import EnvFileError, load_env_file
 from gateway.agents.roster import Roster
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
@@ -40,12 +48,14 @@ from gateway.pairing import add_pairing_parser
 from gateway.session import agent_id_of_key, listing_cursor, listing_cursor_key
 from gateway.store.db import DatabaseError, DatabaseUnreachable
 from gateway.store.entries import load_session_row
-from gateway.store.homelock import HomeInUse, HomeLock
+from gateway.store.homelock import HomeInUse, HomeLock, HomeUnusable
 from gateway.store.session_store import SessionStore
 from gateway.store.titles import titles_for
 from gateway.store.transcript import count_undone
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: drained for a restart; the service manager starts us again
+EXIT_SOFTWARE = 70  # EX_SOFTWARE: an internal error (a bug), reported with its traceback
+LINGER_SECONDS = 2.0  # how long worker threads get to end after the command is over
 SESSION_ID_RE = re.compile(r"^\d{8}_\d{6}_[0-9a-f]{8}$")
 LISTING_PAGE, MAX_LISTING_PAGE = 100, 1000  # `sessions list`, as GET /v1/sessions
 
@@ -155,6 +165,17 @@ async def serve(config: GatewayConfig, home: Path) -> int:
         return EXIT_CONFIG
     except DatabaseError as exc:
         log.error("state_database_unusable", error=str(exc))
+        await runner.stop()
+        raise
+    except sqlite3.Error as exc:  # an index beside state.db (memory.db, search.db)
+        log.error("gateway_start_failed", error=f"{type(exc).__name__}: {exc}")
+        await runner.stop()
+        # Busy, full, unreadable may pass; anything else a restart would only repeat.
+        return 1 if isinstance(exc, sqlite3.OperationalError) else EXIT_CONFIG
+    except BaseException:
+        # Whatever else failed, the runner's threads (aiosqlite's worker is not a daemon
+        # thread) must end with it, or the process outlives its fatal error.
+        await runner.stop()
         raise
     notifier.ready(status="serving")
     interval = notifier.watchdog_interval()
@@ -182,6 +203,9 @@ def cmd_run(args: argparse.Namespace, config: GatewayConfig) -> int:
         lock = HomeLock.acquire(home)
     except HomeInUse as exc:
         structlog.get_logger("gateway").error("home_in_use", error=str(exc), pid=exc.pid)
+        return EXIT_CONFIG
+    except HomeUnusable as exc:
+        structlog.get_logger("gateway").error("home_unusable", error=str(exc))
         return EXIT_CONFIG
     with lock:
         return asyncio.run(serve(config, home))
@@ -323,6 +347,10 @@ def cmd_schedules(args: argparse.Namespace, config: GatewayConfig) -> int:
 
 # --- parser -----------------------------------------------------------------------------
 
+# The commands that connect to the platforms: every ${NAME} in the config must be set.
+# The others (status, sessions, doctor, ...) need only the store's settings.
+NEEDS_SECRETS = {cmd_run, cmd_check_config}
+
 
 def cmd_chat(args: argparse.Namespace, config: GatewayConfig) -> int:
     from gateway.ops.chat import main_chat
@@ -332,6 +360,12 @@ def cmd_chat(args: argparse.Namespace, config: GatewayConfig) -> int:
         args.url = f"http://{http.host}:{http.port}"
     if args.token is None:
         args.token = os.environ.get("HERMES_HTTP_TOKEN") or config.platforms.http.token
+    unset = config.unset_env.get("platforms.http.token")
+    if args.token is None and unset is not None:
+        raise ConfigError(
+            f"platforms.http.token: environment variable {unset} is not set"
+            " (set it, or pass --token or $HERMES_HTTP_TOKEN)"
+        )
     return main_chat(args)
 
 
@@ -442,8 +476,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         # As the Python docs advise: point stdout at devnull, so the interpreter's own
         # flush at exit does not fail again and print "Exception ignored".
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
+        code = 1
+    except Exception:  # a bug: its traceback, and an exit all the same (below)
+        traceback.print_exc()
+        code = EXIT_SOFTWARE
+    _exit_if_threads_linger(code)
     return code
+
+
+def _exit_if_threads_linger(code: int) -> None:
+    """The command is over: exit now even if a worker thread is still alive.
+
+    The interpreter would wait for every non-daemon thread (aiosqlite's worker is one) at
+    exit; one left behind by a failed start kept the daemon alive, under systemd a
+    start-timeout loop instead of an exit code. They get a moment to finish first."""
+    deadline = time.monotonic() + LINGER_SECONDS
+    for thread in threading.enumerate():
+        if thread is not threading.main_thread() and not thread.daemon:
+            thread.join(max(0.0, deadline - time.monotonic()))
+    left = [
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    ]
+    if left:
+        print(f"exiting with threads still running: {', '.join(left)}", file=sys.stderr)
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _main(argv: Sequence[str] | None) -> int:
@@ -452,8 +513,11 @@ def _main(argv: Sequence[str] | None) -> int:
         # One place decides where state lives; everything below reads HERMES_HOME.
         os.environ["HERMES_HOME"] = str(args.home.expanduser().resolve())
     try:
-        config = load_config(args.config)
-    except ConfigError as exc:
+        # The secrets file the service unit names (EnvironmentFile): the commands typed
+        # by hand see what `run` sees under systemd.
+        load_env_file(hermes_home())
+        config = load_config(args.config, require_env=args.handler in NEEDS_SECRETS)
+    except (ConfigError, EnvFileError) as exc:
         print(f"configuration error: {exc}", file=sys.stderr)
         return EXIT_CONFIG
     try:

@@ -325,6 +325,8 @@ class GatewayRunner(SessionOps):
                 log.exception("adapter_stop_failed", platform=adapter.platform.value)
         await self._housekeeper.stop()
         await self.memory.close()  # summaries in flight: cancelled, none half written
+        # A started runner (a replica too, which runs no start-up recovery) says it stopped.
+        reported = self._status_task is not None or self.recovery.marked
         if self._status_task is not None:
             self._status_task.cancel()
             await asyncio.gather(self._status_task, return_exceptions=True)
@@ -334,8 +336,9 @@ class GatewayRunner(SessionOps):
         if self.cluster is not None:
             await self.cluster.stop()  # the sessions' leases, for the others to resume
         await self.store.close()
-        if self.recovery.marked:
+        if reported:
             write_status(self.home, {**self.status_snapshot(), "state": "stopped"})
+        if self.recovery.marked:
             self.recovery.write_clean_shutdown()
         log.info("gateway_stopped", restart=restart)
 

@@ -111,3 +111,27 @@ def test_an_unreachable_database_is_an_error_without_the_password(tmp_path: Path
     assert found["postgres"]["status"] == "error"
     assert found["postgres"]["detail"].startswith("cannot connect to ")
     assert SECRET not in printed
+
+
+@pytest.mark.timeout(120)
+def test_a_replica_that_stopped_says_so_in_status_json_and_doctor(
+    tmp_path: Path, pg_schema_dsn: str
+) -> None:
+    from scripts.harness import Daemon
+
+    storage = json.dumps({"backend": "postgres", "dsn": pg_schema_dsn})
+    daemon = Daemon(tmp_path / "home", f"storage: {storage}\n")
+    try:
+        daemon.start()
+        daemon.post("c1", "hello")
+        daemon.wait_replies("c1", 1)
+        assert daemon.stop() == 0, daemon.log_tail()
+    finally:
+        daemon.ensure_stopped()
+    status = json.loads((daemon.home / "status.json").read_text())
+    assert status["state"] == "stopped"
+    stopped = cli(daemon.home, "status")
+    assert stopped.returncode == 3, stopped.stdout  # not running
+    done = cli(daemon.home, "doctor", "--json")
+    found = {f["name"]: f for f in json.loads(done.stdout)}
+    assert found["clean shutdown"]["detail"] == "this home's replica stopped cleanly (status.json)"

@@ -580,7 +580,8 @@ async def test_forgetting_a_user_leaves_nothing_of_theirs_in_any_table(gateway: 
         return [t for f in sorted(sessions.glob("*.db")) for t in tables_holding(f, needle)]
 
     assert holding("tell nobody") and holding("memory:coder:http:alice")
-    assert await recall.forget_user("http", "alice") >= 3
+    gone = await recall.forget_user("http", "alice")
+    assert (gone.notes, gone.sessions) == (2, 1) and gone.index_entries >= 3
     await recall.indexer.catch_up()
     for needle in ("tell nobody", "alice's wombat", "alice wombat", "memory:main:http:alice"):
         assert holding(needle) == [], needle

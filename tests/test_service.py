@@ -142,6 +142,7 @@ class FakeSystemd:
             program = tmp_path / f"fake-{name}"
             program.write_text(
                 f'#!/bin/sh\necho "{name} $*" >> "{self.log}"\n'
+                '[ -n "$FAKE_STDOUT" ] && printf "%s\\n" "$FAKE_STDOUT"\n'
                 '[ -n "$FAKE_STDERR" ] && printf "%s\\n" "$FAKE_STDERR" >&2\n'
                 'exit "${FAKE_RC:-0}"\n'
             )
@@ -238,7 +239,7 @@ def test_system_install_uses_the_system_manager_and_the_given_user(
 def test_install_user_option_needs_system(
     unit_dir: Path, systemd: FakeSystemd, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert cmd_service(parse("install", "--user", "svc"), GatewayConfig()) == 1
+    assert cmd_service(parse("install", "--user", "svc"), GatewayConfig()) == 2  # usage
     assert "--system" in capsys.readouterr().err
     assert not unit_dir.exists()
 
@@ -287,6 +288,45 @@ def test_logs_builds_the_journalctl_argv(unit_dir: Path, systemd: FakeSystemd) -
         f"journalctl --user-unit {UNIT_NAME} -n 5 -f",
         f"journalctl -u {UNIT_NAME} -n 100",
     ]
+
+
+def test_logs_without_a_journal_is_exit_1_saying_so(
+    unit_dir: Path,
+    systemd: FakeSystemd,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # What journalctl does in a container: exit 0, a line on stderr, "no entries" on stdout.
+    monkeypatch.setenv("FAKE_STDOUT", "-- No entries --")
+    systemd.exit_with(0, "No journal files were found.")
+    assert cmd_service(parse("logs"), GatewayConfig()) == 1
+    err = capsys.readouterr().err
+    assert "No journal files were found." in err
+    assert "no journal to read here" in err
+
+
+def test_logs_with_no_line_of_the_unit_is_exit_1(
+    unit_dir: Path,
+    systemd: FakeSystemd,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("FAKE_STDOUT", "-- No entries --")
+    assert cmd_service(parse("logs"), GatewayConfig()) == 1
+    out = capsys.readouterr()
+    assert "-- No entries --" in out.out
+    assert f"no journal lines of {UNIT_NAME}" in out.err
+
+
+def test_logs_passes_the_journal_through(
+    unit_dir: Path,
+    systemd: FakeSystemd,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setenv("FAKE_STDOUT", "Nov 27 gateway_ready")
+    assert cmd_service(parse("logs"), GatewayConfig()) == 0
+    assert "Nov 27 gateway_ready" in capsys.readouterr().out
 
 
 def test_missing_systemctl_is_exit_1_with_a_message(

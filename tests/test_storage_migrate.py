@@ -180,6 +180,9 @@ def test_every_table_is_copied_with_its_ids(home: Path, pg_schema_dsn: str) -> N
     assert "backend: postgres" in done.stdout
     assert "${HERMES_PG_PASSWORD}@" in done.stdout
     assert "search.db and memory.db" in done.stdout
+    # No memory.db on PostgreSQL: the index is the store's memory_* tables.
+    assert "memory.db is rebuilt" not in done.stdout
+    assert "memory_* tables at the gateway's first start" in done.stdout
     for name, (_columns, rows) in before.items():
         assert re.search(rf"^  {name} +{len(rows)} rows$", done.stdout, re.M), name
     with psycopg.connect(pg_schema_dsn, autocommit=True) as conn:

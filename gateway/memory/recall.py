@@ -33,6 +33,7 @@ from gateway.memory.retrieval import SQLITE, RecallSql, Scored, VectorCache, hyb
 from gateway.session import SessionSource, schedule_session_key
 from gateway.store import codec, purge, schedules
 from gateway.store.background import ThreadedSqliteTask
+from gateway.store.fts import is_damaged, set_index_aside
 from gateway.store.outage import Outage, StoreUnwritable
 from gateway.store.pg import driver_errors
 
@@ -169,7 +170,25 @@ class MemoryIndexer(ThreadedSqliteTask):
                     self._conn = await self._in_thread(_pg().connect, dsn)
                 else:
                     self._conn = await self._in_thread(index.connect, self.path, self.store.db_path)
-            return await self._in_thread(fn, self._conn, *args)
+            try:
+                return await self._in_thread(fn, self._conn, *args)
+            except sqlite3.DatabaseError as exc:
+                if self.postgres or not is_damaged(exc):
+                    raise
+                # Damage deeper in the file than opening it reads: memory.db is derived,
+                # so it is set aside and rebuilt, and the call runs once on the new one.
+                await self._set_aside(exc)
+                self._conn = await self._in_thread(index.connect, self.path, self.store.db_path)
+                return await self._in_thread(fn, self._conn, *args)
+
+    async def _set_aside(self, exc: sqlite3.DatabaseError) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.cache.clear()
+        self._reported = None
+        moved = await asyncio.to_thread(set_index_aside, self.path)
+        log.warning("index_db_damaged", path=str(self.path), moved_to=moved, error=str(exc))
 
     async def prepare(self) -> None:
         """Before the first round: hold state.db's fts_log for us (or let it go, with
@@ -275,6 +294,20 @@ class MemoryIndexer(ThreadedSqliteTask):
                 self._conn.close()
                 self._conn = None
             self.cache.clear()
+
+
+@dataclass(slots=True)
+class Forgotten:
+    """What `Recall.forget_user` deleted, by kind."""
+
+    notes: int = 0
+    sessions: int = 0  # the user's own, and their schedules' sessions
+    schedules: int = 0
+    index_entries: int = 0  # chunks (each with its full-text entry and vector)
+
+    @property
+    def total(self) -> int:
+        return self.notes + self.sessions + self.schedules + self.index_entries
 
 
 class Recall:
@@ -450,15 +483,18 @@ class Recall:
         )
         return [_hit(item) for item in scored]
 
-    async def forget_user(self, platform: str, user_id: str, agent_id: str | None = None) -> int:
+    async def forget_user(
+        self, platform: str, user_id: str, agent_id: str | None = None
+    ) -> Forgotten:
         """Everything of one user (of one agent, or of all): notes, the user's own
-        sessions (not shared group sessions) with their transcripts, and every chunk and
-        vector of theirs. Returns notes + sessions + chunks deleted. Raises
+        sessions (not shared group sessions) with their transcripts, their schedules, and
+        every chunk and vector of theirs. Returns what went, counted by kind. Raises
         `purge.SessionBusy` naming the sessions a running turn kept (the rest is gone)."""
         now = datetime.now(UTC)
         settings = self.indexer.settings
+        gone = Forgotten()
 
-        def write(conn: sqlite3.Connection) -> tuple[int, list[str], list[str]]:
+        def write(conn: sqlite3.Connection) -> tuple[list[str], list[str]]:
             namespaces = {
                 row[0]
                 for row in conn.execute(
@@ -467,11 +503,12 @@ class Recall:
                     (platform, user_id, agent_id),
                 )
             }
-            count = conn.execute(
+            gone.notes = conn.execute(
                 "DELETE FROM notes WHERE platform = ? AND user_id = ?"
                 " AND agent_id = coalesce(?, agent_id)",
                 (platform, user_id, agent_id),
             ).rowcount
+            gone.sessions = gone.schedules = 0  # a retried transaction counts afresh
             busy = []
             for session_id, key, origin in conn.execute(
                 "SELECT session_id, session_key, origin FROM sessions"
@@ -487,27 +524,28 @@ class Recall:
                 namespaces.add(namespace)
                 try:
                     if purge.delete_session(conn, session_id, now) is not None:
-                        count += 1
+                        gone.sessions += 1
                 except purge.SessionBusy:
                     busy.append(session_id)
             # Their schedules (issue 17), with their runs and their sessions.
             for agent, schedule_id in schedules.delete_for_user(conn, platform, user_id, agent_id):
+                gone.schedules += 1
                 key = schedule_session_key(agent, schedule_id)
                 deleted = schedules.delete_sessions(conn, key, now)
                 if deleted is None:
                     busy.append(key)
                 else:
-                    count += deleted
+                    gone.sessions += deleted
             if agent_id is not None:
                 namespaces.add(f"memory:{agent_id}:{platform}:{user_id}")
-            return count, sorted(namespaces), busy
+            return sorted(namespaces), busy
 
-        count, namespaces, busy = await self.store.write(write)
-        count += await self.indexer.run(self.indexer.ops.forget_namespaces, namespaces)
+        namespaces, busy = await self.store.write(write)
+        gone.index_entries = await self.indexer.run(self.indexer.ops.forget_namespaces, namespaces)
         await self._index()
         if agent_id is None:
             forget_all = _pg().forget_all_agents if self.indexer.postgres else _forget_all_agents
-            count += await self.indexer.run(forget_all, platform, user_id)
+            gone.index_entries += await self.indexer.run(forget_all, platform, user_id)
         self.indexer.cache.clear()
         if not self.indexer.postgres:
             # search.db forgets the messages now, their words included (index.forget_tokens);
@@ -517,7 +555,7 @@ class Recall:
             raise purge.SessionBusy(
                 "a turn is running in session(s) " + ", ".join(busy) + "; they were kept"
             )
-        return count
+        return gone
 
     async def export(
         self, platform: str, user_id: str, agent_id: str | None = None

@@ -2,7 +2,8 @@
 
 Each check yields one `Finding`. `--repair` (only while no gateway runs: it holds the
 home's lock, `gateway.store.homelock`, so none starts meanwhile) fixes the repairable ones,
-most fundamental first, then checks again. A damaged `state.db` is never
+most fundamental first, then checks again. A damaged search.db or memory.db (indexes
+derived from state.db) is a warning, set aside by --repair. A damaged `state.db` is never
 deleted: it is set aside as `state.db.corrupt-<time>`, a fresh database is built next to
 it from every row that can still be read, and the routing index is rebuilt from the
 transcripts and the `sessions.json` mirror.
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import secrets
@@ -30,11 +32,13 @@ from typing import Any
 
 from config import GatewayConfig, hermes_home
 from gateway.fsutil import fsync_dir, set_aside
+from gateway.memory.index import MEMORY_DB
 from gateway.ops.service import ENV_FILE
+from gateway.ops.status import is_live, read_status
 from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
 from gateway.session import SessionEntry
-from gateway.store.fts import search_files
-from gateway.store.homelock import HomeInUse, HomeLock, held_by
+from gateway.store.fts import SEARCH_DB, index_damage, search_files, set_index_aside
+from gateway.store.homelock import LOCK_FILE, HomeInUse, HomeLock, HomeUnusable, held_by
 from gateway.store.migrations import SCHEMA_VERSION
 from gateway.store.mirror import IMPORT_CANNOT_RESTORE, write_sessions_json
 from gateway.store.pg import health as pg_health
@@ -43,6 +47,7 @@ from gateway.store.salvage import create_database, salvage
 from gateway.store.session_store import SESSIONS_JSON, STATE_DB
 
 OK, WARN, ERROR = "ok", "warn", "error"
+INDEX_DBS = (SEARCH_DB, MEMORY_DB)
 STALE_TEMP_SECONDS = 60
 _ORPHAN_TURNS = (  # no table alias: DELETE does not take one
     "FROM turns WHERE NOT EXISTS (SELECT 1 FROM session_entries e"
@@ -209,6 +214,20 @@ def _check_missing_state_db(paths: Paths) -> Finding:
     return Finding(name, WARN, detail)
 
 
+def check_lock_file(paths: Paths) -> Finding | None:
+    """`gateway.lock` (gateway.store.homelock): absent until the first start, then a file.
+    Anything else stops every start (exit 78) and --repair; removing it is the operator's
+    call, not a repair's: it may hold something of theirs."""
+    path = paths.home / LOCK_FILE
+    if not path.exists() and not path.is_symlink():
+        return None
+    if not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        detail = f"{path} is {kind}: the gateway cannot start until it is removed"
+        return Finding(LOCK_FILE, ERROR, detail)
+    return Finding(LOCK_FILE, OK, "a file (the lock one gateway holds while it runs)")
+
+
 def check_env_file(paths: Paths) -> Finding:
     """The service's secrets file (`.env`, loaded by the unit): private when present."""
     path = paths.home / ENV_FILE
@@ -247,6 +266,24 @@ def check_state_db(paths: Paths) -> Finding:
     if problems != ["ok"]:
         return Finding(name, ERROR, f"integrity check failed: {'; '.join(problems)}", True, fix)
     return Finding(name, OK, f"integrity ok, schema version {version}")
+
+
+def check_index_db(paths: Paths, name: str) -> Finding:
+    """An index beside state.db (search.db, memory.db): derived, so a damaged one is only
+    a warning: the gateway sets it aside at start and rebuilds it from state.db."""
+    path = paths.sessions / name
+    if not path.exists():
+        return Finding(name, OK, "absent (built from state.db by the gateway)")
+    problem = index_damage(path)
+    if problem is not None:
+        fix = "sets it aside (the gateway rebuilds it from state.db)"
+        return Finding(name, WARN, f"damaged: {problem}", True, fix)
+    return Finding(name, OK, "quick check ok")
+
+
+def repair_index_db(paths: Paths, name: str) -> str:
+    moved = set_index_aside(paths.sessions / name)
+    return f"set aside as {moved} (rebuilt at the next start)" if moved else "gone already"
 
 
 def check_sessions_json(paths: Paths) -> Finding:
@@ -338,6 +375,25 @@ def check_clean_shutdown(paths: Paths) -> Finding:
     return Finding("clean shutdown", OK, detail)
 
 
+def check_replica_stop(paths: Paths) -> Finding:
+    """On PostgreSQL: how this home's replica last stopped, from its status.json. (No
+    `.clean_shutdown` marker there: a replica runs no start-up recovery, the others
+    resume its sessions as their leases expire.)"""
+    name = "clean shutdown"
+    status = read_status(paths.home)
+    if status is None:
+        return Finding(name, OK, "this home's replica has not run yet (no status.json)")
+    if status.get("state") == "stopped":
+        return Finding(name, OK, "this home's replica stopped cleanly (status.json)")
+    if is_live(status):
+        return Finding(name, OK, "this home's replica is running")
+    detail = (
+        "this home's replica did not stop cleanly: its sessions are resumed by a replica"
+        " once their leases expire"
+    )
+    return Finding(name, OK, detail)
+
+
 def check_postgres(dsn: str) -> list[Finding]:
     """A PostgreSQL store (storage.backend: postgres): it answers, its schema is this
     gateway's (or older: the next start migrates it), and the cluster's lease table is
@@ -383,11 +439,12 @@ def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Findin
             home,
             check_sessions_dir(paths),
             check_permissions(paths),
+            check_lock_file(paths),
             check_env_file(paths),
             *check_postgres(storage.dsn),
             check_temp_files(paths),
             check_restart_counts(paths),
-            check_clean_shutdown(paths),
+            check_replica_stop(paths),
         ]
         return [finding for finding in found if finding is not None]
     db = check_state_db(paths)
@@ -395,9 +452,11 @@ def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Findin
         home,
         check_sessions_dir(paths),
         check_permissions(paths),
+        check_lock_file(paths),
         check_env_file(paths),
         db,
         check_sessions_json(paths),
+        *(check_index_db(paths, name) for name in INDEX_DBS),
         check_temp_files(paths),
         check_restart_counts(paths),
     ]
@@ -463,6 +522,13 @@ REPAIRS: list[tuple[Callable[[Paths], Finding | None], Callable[[Paths], str]]] 
     (check_sessions_dir, lambda paths: repair_directory(paths.sessions)),
     (check_state_db, lambda paths: rebuild_state_db(paths)),
     (check_sessions_json, repair_sessions_json),
+    *(
+        (
+            functools.partial(check_index_db, name=name),
+            functools.partial(repair_index_db, name=name),
+        )
+        for name in INDEX_DBS
+    ),
     (check_turns, repair_turns),
     (check_temp_files, repair_temp_files),
     (check_restart_counts, repair_restart_counts),
@@ -533,6 +599,9 @@ def _repair(paths: Paths) -> dict[str, str] | None:
         lock = HomeLock.acquire(paths.home)
     except HomeInUse as exc:
         print(f"--repair refused: {exc}; stop it first", file=sys.stderr)
+        return None
+    except HomeUnusable as exc:
+        print(f"--repair refused: {exc}", file=sys.stderr)
         return None
     with lock:
         # A gateway without the lock (an older version) still holds state.db open.

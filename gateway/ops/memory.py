@@ -6,7 +6,7 @@ serialised by SQLite (WAL), and memory.db is brought up to date before the comma
 returns (`Recall` runs the indexer's rounds itself). `delete --all` is the right to be
 forgotten: every note of the user, their own sessions (not group sessions they share
 with others) with all those sessions own, and every chunk and vector of theirs.
-Exit codes: 0 done, 1 nothing found, refused, or partly refused (a turn was running).
+Exit codes: 0 done, 1 nothing found, refused, or partly refused (a turn was running), 2 usage.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from config import GatewayConfig
 from gateway.memory.recall import Namespace, Recall
-from gateway.ops.cliargs import platform_pair
+from gateway.ops.cliargs import EXIT_USAGE, platform_pair
 from gateway.store import media_files, purge
 from gateway.store.session_store import SessionStore
 
@@ -84,7 +84,7 @@ async def _delete(recall: Recall, args: argparse.Namespace) -> int:
     platform, user_id = args.user
     if (args.note_id is None) == (not args.all):
         print("name one NOTE_ID, or pass --all (not both)", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     if args.all:
         return await _delete_all(recall, args, platform, user_id)
     notes = [
@@ -104,13 +104,20 @@ async def _delete_all(recall: Recall, args: argparse.Namespace, platform: str, u
         print("not deleted (pass --yes to delete without asking)", file=sys.stderr)
         return 1
     try:
-        count = await recall.forget_user(platform, user_id, args.agent)
+        gone = await recall.forget_user(platform, user_id, args.agent)
     except purge.SessionBusy as exc:
         await media_files.sweep(recall.store)  # the files of the sessions that went
         print(f"partly deleted: {exc}; run it again once the turn finished", file=sys.stderr)
         return 1
     await media_files.sweep(recall.store)
-    _report(args, {"deleted": count, "user": f"{platform}:{user_id}", "agent": args.agent})
+    counts = {
+        "notes": gone.notes,
+        "sessions": gone.sessions,
+        "schedules": gone.schedules,
+        "index_entries": gone.index_entries,
+    }
+    result = {"deleted": gone.total, **counts, "user": f"{platform}:{user_id}"}
+    _report(args, {**result, "agent": args.agent})
     return 0
 
 
@@ -120,10 +127,21 @@ def _report(args: argparse.Namespace, result: dict[str, Any]) -> None:
     elif "note_id" in result:
         print(f"deleted note {result['note_id']}")
     else:
-        print(
-            f"deleted everything of {result['user']}: {result['deleted']} notes, sessions"
-            " and index entries"
+        counted = ", ".join(
+            _counted(result[key], what)
+            for key, what in (
+                ("notes", "note"),
+                ("sessions", "session"),
+                ("schedules", "schedule"),
+                ("index_entries", "index entry"),
+            )
         )
+        print(f"deleted everything of {result['user']}: {counted}")
+
+
+def _counted(count: int, what: str) -> str:
+    plural = what[:-1] + "ies" if what.endswith("y") else what + "s"
+    return f"{count} {what if count == 1 else plural}"
 
 
 def _confirmed(whose: str) -> bool:

@@ -8,8 +8,8 @@ Test and packaging hooks (environment variables):
   HERMES_SYSTEMCTL         program run instead of ``systemctl``
   HERMES_JOURNALCTL        program run instead of ``journalctl``
 
-Exit codes: those of systemctl/journalctl when they ran; 1 when they are missing or
-on a usage error.
+Exit codes: those of systemctl/journalctl when they ran; 1 when they are missing, or
+`logs` found no journal or no line of the unit; 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -23,12 +23,14 @@ import sys
 from pathlib import Path
 
 from config import EXIT_CONFIG, GatewayConfig, hermes_home
+from config.envfile import ENV_FILE
 from gateway.fsutil import atomic_write_bytes
+from gateway.ops.cliargs import EXIT_USAGE
 
 UNIT_NAME = "hermes-gateway.service"
 # Secrets for the service, as NAME=value lines in the home (mode 0600, checked by
-# `doctor`); hermes.yaml refers to them as ${NAME}.
-ENV_FILE = ".env"
+# `doctor`); hermes.yaml refers to them as ${NAME}. Every command reads the same file
+# (config.envfile), the unit names it as its EnvironmentFile.
 WATCHDOG_SEC = 60
 # Time for the drain on SIGTERM plus the runner's own shutdown.
 STOP_MARGIN_SEC = 30
@@ -126,7 +128,12 @@ NO_BUS = "Failed to connect to bus"
 
 
 def _run_tool(
-    name: str, env_var: str, argv: list[str], *, stderr: int | None = None
+    name: str,
+    env_var: str,
+    argv: list[str],
+    *,
+    stderr: int | None = None,
+    stdout: int | None = None,
 ) -> subprocess.CompletedProcess[str] | None:
     """Run the tool; None (after saying why) when it cannot be run."""
     program = os.environ.get(env_var) or shutil.which(name)
@@ -134,7 +141,14 @@ def _run_tool(
         print(f"{name} not found: this command needs systemd", file=sys.stderr)
         return None
     try:
-        return subprocess.run([program, *argv], check=False, stderr=stderr, text=True)
+        return subprocess.run(
+            [program, *argv],
+            check=False,
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            errors="replace",  # a log line is shown, not judged
+        )
     except FileNotFoundError:
         print(f"{name} not found: this command needs systemd ({program})", file=sys.stderr)
     except OSError as exc:
@@ -171,10 +185,40 @@ def run_systemctl(argv: list[str]) -> int:
     return result.returncode
 
 
-def run_journalctl(argv: list[str]) -> int:
-    """``journalctl ARGV...``; its exit code, or 1 when it cannot be run."""
-    result = _run_tool("journalctl", "HERMES_JOURNALCTL", argv)
-    return 1 if result is None else result.returncode
+# journalctl exits 0 when it has nothing to show, saying so in these words.
+NO_JOURNAL = "No journal files were found"
+NO_ENTRIES = "-- No entries --"
+
+
+def run_journalctl(argv: list[str], *, follow: bool = False) -> int:
+    """``journalctl ARGV...``; its exit code, 1 when it cannot be run, and 1 when it
+    found no journal or no line of the unit (it exits 0 then), with a line saying why.
+    Its output passes through (while following, as it comes)."""
+    result = _run_tool(
+        "journalctl",
+        "HERMES_JOURNALCTL",
+        argv,
+        stderr=subprocess.PIPE,
+        stdout=None if follow else subprocess.PIPE,
+    )
+    if result is None:
+        return 1
+    if result.stdout:
+        sys.stdout.write(result.stdout)
+    sys.stderr.write(result.stderr)
+    if result.returncode != 0:
+        return result.returncode
+    if NO_JOURNAL in result.stderr:
+        print(
+            "no journal to read here (journald keeps none: a container, or no systemd);"
+            " the gateway logs to its stderr, wherever its supervisor puts that",
+            file=sys.stderr,
+        )
+        return 1
+    if not follow and (result.stdout or "").strip() == NO_ENTRIES:
+        print(f"no journal lines of {UNIT_NAME} (has it run?)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _scope(system: bool) -> list[str]:
@@ -195,7 +239,7 @@ def _config_path_for_unit(config: GatewayConfig, home: Path) -> Path | None:
 def _install(args: argparse.Namespace, config: GatewayConfig) -> int:
     if args.run_as is not None and not args.system:
         print("--user applies to a system unit only: add --system", file=sys.stderr)
-        return 1
+        return EXIT_USAGE
     home = Path(os.path.abspath(hermes_home()))
     text = render_unit(
         config,
@@ -251,7 +295,7 @@ def _logs(args: argparse.Namespace) -> int:
     argv += ["-n", str(args.lines)]
     if args.follow:
         argv.append("-f")
-    return run_journalctl(argv)
+    return run_journalctl(argv, follow=args.follow)
 
 
 def cmd_service(args: argparse.Namespace, config: GatewayConfig) -> int:

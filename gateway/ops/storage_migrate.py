@@ -106,7 +106,8 @@ def copy_home(home: Path, dsn: str) -> int:
     )
     print(
         "not copied: search.db and memory.db, indexes derived from these tables (on"
-        " PostgreSQL transcript search uses the database's own index; memory.db is rebuilt)"
+        " PostgreSQL transcript search uses the database's own index, and long-term"
+        " memory's index is built in its memory_* tables at the gateway's first start)"
     )
     _print_config(dsn)
     return 0

@@ -26,9 +26,13 @@ def _iso(epoch: float | None) -> str | None:
 
 def session_meta(conn: sqlite3.Connection, session_id: str) -> dict[str, Any] | None:
     """The session's row: id, key, title (shown), origin, start, end; None if unknown."""
+    # A session's row gets its counters when it ends; while it is its key's current
+    # session, the live ones are in the key's entry (updated every turn).
     row = conn.execute(
-        "SELECT session_key, title, origin, started_at, ended_at, end_reason, total_tokens"
-        " FROM sessions WHERE session_id = ?",
+        "SELECT s.session_key, s.title, s.origin, s.started_at, s.ended_at, s.end_reason,"
+        " coalesce((SELECT e.total_tokens FROM session_entries e"
+        " WHERE e.session_id = s.session_id), s.total_tokens)"
+        " FROM sessions s WHERE s.session_id = ?",
         (session_id,),
     ).fetchone()
     if row is None:

@@ -30,6 +30,7 @@ from urllib.parse import quote
 
 import structlog
 
+from gateway.fsutil import set_aside
 from gateway.store.background import ThreadedSqliteTask
 from gateway.store.db import create_private_file
 from gateway.store.outage import Outage, StoreUnwritable
@@ -64,7 +65,29 @@ def connect(search_path: Path, state_path: Path) -> sqlite3.Connection:
 
 def connect_index(path: Path, state_path: Path, schema: str) -> sqlite3.Connection:
     """An index database derived from state.db (search.db, memory.db) for writing, its
-    `schema` applied, with state.db attached read-only as `st`."""
+    `schema` applied, with state.db attached read-only as `st`.
+
+    A file SQLite finds damaged (not a database, or corrupt) is set aside with a warning
+    and a fresh one is made: it only ever holds what state.db can give again, and the
+    indexer rebuilds what it finds missing. A busy, unreadable or full one raises."""
+    try:
+        conn = _open_index(path, schema)
+    except sqlite3.DatabaseError as exc:
+        if not is_damaged(exc):
+            raise
+        moved = set_index_aside(path)
+        log.warning("index_db_damaged", path=str(path), moved_to=moved, error=str(exc))
+        conn = _open_index(path, schema)
+    try:
+        # Read-only on purpose: state.db's write lock belongs to the gateway's writer.
+        conn.execute("ATTACH DATABASE ? AS st", (f"file:{quote(str(state_path))}?mode=ro",))
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _open_index(path: Path, schema: str) -> sqlite3.Connection:
     create_private_file(path)
     conn = sqlite3.connect(
         f"file:{quote(str(path))}", uri=True, isolation_level=None, check_same_thread=False
@@ -74,12 +97,31 @@ def connect_index(path: Path, state_path: Path, schema: str) -> sqlite3.Connecti
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA busy_timeout=5000")
         conn.executescript(schema)
-        # Read-only on purpose: state.db's write lock belongs to the gateway's writer.
-        conn.execute("ATTACH DATABASE ? AS st", (f"file:{quote(str(state_path))}?mode=ro",))
     except BaseException:
         conn.close()
         raise
     return conn
+
+
+def is_damaged(exc: BaseException) -> bool:
+    """SQLite found the file damaged: not a database, or corrupt. (Not: busy, locked, a
+    full disk, an I/O error: those pass, and setting the file aside would not help.)"""
+    name = getattr(exc, "sqlite_errorname", None) or ""
+    return name == "SQLITE_NOTADB" or name.startswith("SQLITE_CORRUPT")
+
+
+def set_index_aside(path: Path) -> str | None:
+    """Rename an index database and its -wal and -shm to `<name>.corrupt-<time>`; the
+    new name of the database file (None: it was gone already, another process moved it)."""
+    moved = None
+    for each in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        try:
+            aside = set_aside(each)
+        except FileNotFoundError:
+            continue
+        if each == path:
+            moved = aside.name
+    return moved
 
 
 def apply_log(conn: sqlite3.Connection, limit: int = ROUND_LIMIT) -> tuple[int, int]:
@@ -210,22 +252,26 @@ class FtsIndexer(ThreadedSqliteTask):
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
-            try:
-                await asyncio.to_thread(_check_search_db, self.path)
-            except sqlite3.DatabaseError as exc:
-                log.warning("search_db_rebuilt", error=str(exc), path=str(self.path))
-                for path in search_files(self.path.parent):
-                    path.unlink(missing_ok=True)
+            problem = await asyncio.to_thread(index_damage, self.path)
+            if problem is not None:
+                moved = await asyncio.to_thread(set_index_aside, self.path)
+                log.warning("index_db_damaged", path=str(self.path), moved_to=moved, error=problem)
 
 
-def _check_search_db(path: Path) -> None:
-    conn = sqlite3.connect(path)
+def index_damage(path: Path) -> str | None:
+    """What SQLite's quick check finds wrong with an index database (None: nothing, or
+    the file is absent, or it could not be read for a reason other than damage)."""
+    if not path.exists():
+        return None
     try:
-        problems = [row[0] for row in conn.execute("PRAGMA quick_check(1)")]
-        if problems != ["ok"]:
-            raise sqlite3.DatabaseError("; ".join(problems))
-    finally:
-        conn.close()
+        conn = sqlite3.connect(f"file:{quote(str(path))}?mode=ro", uri=True)
+        try:
+            problems = [row[0] for row in conn.execute("PRAGMA quick_check(10)")]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        return str(exc) if is_damaged(exc) else None
+    return None if problems == ["ok"] else "; ".join(problems)
 
 
 def _log_failed_trim(future: asyncio.Future[None]) -> None:

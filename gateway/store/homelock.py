@@ -34,6 +34,18 @@ class HomeInUse(Exception):
         super().__init__(f"{path.parent} is in use by another hermes-gateway ({holder}; {path})")
 
 
+class HomeUnusable(Exception):
+    """The home or its lock file cannot be used (a directory where the lock file should
+    be, a file where the home should be, no permission): nothing a retry would fix."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        self.path = path
+        reason = error.strerror or type(error).__name__
+        if isinstance(error, IsADirectoryError):
+            reason = "it is a directory, not a file: remove it"
+        super().__init__(f"cannot lock {path}: {reason}")
+
+
 class HomeLock:
     """The held lock; `release()` (or leaving the `with` block) gives it up."""
 
@@ -43,12 +55,16 @@ class HomeLock:
 
     @classmethod
     def acquire(cls, home: Path) -> HomeLock:
-        """Lock `home` (creating it and the lock file, mode 0700/0600) or raise HomeInUse."""
-        home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        """Lock `home` (creating it and the lock file, mode 0700/0600); raise HomeInUse,
+        or HomeUnusable when the home or the lock file cannot be opened."""
         path = home / LOCK_FILE
-        # Not inherited by child processes (Python's default): a child outliving the
-        # daemon must not keep the home locked.
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            home.mkdir(parents=True, exist_ok=True, mode=0o700)
+            # Not inherited by child processes (Python's default): a child outliving the
+            # daemon must not keep the home locked.
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as exc:
+            raise HomeUnusable(path, exc) from None
         deadline = time.monotonic() + PROBE_GRACE_SECONDS
         while True:
             try:
@@ -59,6 +75,9 @@ class HomeLock:
                     os.close(fd)
                     raise HomeInUse(path, _read_pid(path)) from None
                 time.sleep(_RETRY_SECONDS)
+            except OSError as exc:  # a file system without flock
+                os.close(fd)
+                raise HomeUnusable(path, exc) from None
             except BaseException:
                 os.close(fd)
                 raise

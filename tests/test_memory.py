@@ -193,14 +193,17 @@ async def test_window_strategy_sends_at_most_max_messages(
     gw = await make_gateway({"context": {"strategy": "window", "max_messages": 3}}, recorder)
     for n in range(4):
         await gw.say(f"m{n}")
-    assert [m["content"] for m in recorder.seen[-1].history] == ["echo: m1", "m2", "echo: m2"]
+    # The newest 3 rows open with a reply whose question is older: it goes too (what is
+    # sent opens with a user message).
+    assert [m["content"] for m in recorder.seen[-1].history] == ["m2", "echo: m2"]
 
 
 @pytest.mark.parametrize(
     ("max_messages", "roles"),
     [
-        (3, ["assistant"]),  # the newest 3 rows: two results and the answer, not their call
-        (4, ["assistant", "tool", "tool", "assistant"]),  # the call is in: all of it
+        (3, []),  # the newest 3 rows: two results and the answer, not their call
+        (4, []),  # the call and all its results, but not the question they answer
+        (5, ["user", "assistant", "tool", "tool", "assistant"]),  # the question is in: all
     ],
 )
 async def test_a_tool_call_and_its_results_are_sent_whole_or_not_at_all(
@@ -221,15 +224,17 @@ async def test_a_tool_call_and_its_results_are_sent_whole_or_not_at_all(
     ):
         await gw.runner.store.append_to_transcript(sid, message)
     await gw.say("next")
-    # Results without their call would be rejected by any chat API: not sent either.
+    # Results without their call would be rejected by any chat API, a history opening
+    # with the assistant by several local models' chat templates: neither is sent.
     assert [m["role"] for m in recorder.seen[-1].history] == roles
-    assert recorder.seen[-1].history[-1]["content"] == "found it"
+    assert [m["content"] for m in recorder.seen[-1].history][-1:] == ["found it"][: len(roles)]
 
 
 async def test_the_budget_never_splits_a_tool_call(
     make_gateway: MakeGateway, recorder: type[Recorder]
 ) -> None:
-    """The call and its results do not fit together: neither goes, nor anything older."""
+    """The call and its results do not fit together: neither goes, nor anything older
+    (nor the answer after them, whose question went with them)."""
     gw = await make_gateway({"context": {"strategy": "window", "window_tokens": 800}}, recorder)
     await gw.say("first")
     sid = await gw.session_id()
@@ -238,10 +243,12 @@ async def test_the_budget_never_splits_a_tool_call(
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "content": "x" * 2400},  # ~600 tokens
         {"role": "assistant", "content": "found it"},
+        {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": "welcome"},
     ):
         await gw.runner.store.append_to_transcript(sid, message)
     await gw.say("next")
-    assert [m["content"] for m in recorder.seen[-1].history] == ["found it"]
+    assert [m["content"] for m in recorder.seen[-1].history] == ["thanks", "welcome"]
 
 
 # --- summary --------------------------------------------------------------------------------

@@ -235,3 +235,16 @@ def test_a_budget_cut_after_a_summary_opens_with_a_user_message_too() -> None:
     )
     sent = prepare(plan, Loaded(messages=tool_call, summary="S"), system_prompt="s", text="q")
     assert roles_after_summary(sent.history) == ["user", "assistant"]
+
+
+def test_a_summary_of_cjk_text_is_bounded_in_tokens_not_only_characters() -> None:
+    """A bound of 600 characters is 150 estimated tokens of ASCII text: a summary of
+    CJK messages is held to as many tokens, not to 600 characters (about 600 tokens)."""
+    many = [{"role": "user", "content": f"{n}: {CJK}"} for n in range(30)]
+    bounded = condense.extractive(None, many, 600)
+    assert text_tokens(bounded) <= 600 // 4
+    assert bounded.splitlines()[-1].startswith("- user: 29: ")  # the newest stay
+    head = condense.extractive(CJK * 10, many[:1], 600)  # a model's long summary, clipped
+    assert text_tokens(head) <= 600 // 4 and head.endswith("...")
+    english = condense.extractive(None, [{"role": "user", "content": "x" * 100}] * 30, 600)
+    assert 600 - 120 < len(english) <= 600  # ASCII: bounded in characters as before

@@ -39,9 +39,31 @@ def text_tokens(text: str) -> int:
     """Estimated tokens of a piece of text (uncalibrated)."""
     if text.isascii():  # O(1) in CPython: a flag of the string
         return -(-len(text) // CHARS_PER_TOKEN)
+    return -(-token_chars(text) // CHARS_PER_TOKEN)
+
+
+def token_chars(text: str) -> int:
+    """The text's size as the number of ASCII characters of as many estimated tokens
+    (its length, for ASCII text): what a bound in characters measures other scripts by."""
+    if text.isascii():
+        return len(text)
     ascii_chars = len(text.encode("ascii", "ignore"))
     extra_bytes = len(text.encode("utf-8", "surrogatepass")) - len(text)
-    return -(-(ascii_chars + 2 * extra_bytes) // CHARS_PER_TOKEN)
+    return ascii_chars + 2 * extra_bytes
+
+
+def clip_chars(text: str, limit: int) -> str:
+    """The longest start of `text` whose `token_chars` is at most `limit`."""
+    if token_chars(text) <= limit:
+        return text
+    low, high = 0, min(len(text), limit)  # every character weighs at least 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        if token_chars(text[:mid]) <= limit:
+            low = mid
+        else:
+            high = mid - 1
+    return text[:low]
 
 
 def size_tokens(chars: int, utf8_bytes: int) -> int:

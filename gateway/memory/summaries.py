@@ -38,6 +38,7 @@ from gateway.context.tokens import (
     CHARS_PER_TOKEN,
     MESSAGE_OVERHEAD,
     Calibration,
+    clip_chars,
     message_tokens,
     size_tokens,
     text_tokens,
@@ -290,7 +291,8 @@ class Memory:
         return take
 
     def max_summary_chars(self, plan: Plan | None = None) -> int:
-        """A summary takes at most half of what the target leaves the history."""
+        """A summary takes at most half of what the target leaves the history (in ASCII
+        characters; text of other scripts is held to as many estimated tokens)."""
         plan = self.plan if plan is None else plan
         return int(plan.budget * plan.target_ratio / 2) * CHARS_PER_TOKEN
 
@@ -313,7 +315,8 @@ class Memory:
                         async with asyncio.timeout(SUMMARY_TIMEOUT):
                             text = await summarize(request)
                         if isinstance(text, str) and text.strip():
-                            return text.strip()[:limit]
+                            # As many estimated tokens as `limit` ASCII characters.
+                            return clip_chars(text.strip(), limit)
             except Exception as exc:  # the model failing: the extractive summary instead
                 log.warning("summary_model_failed", session_id=session_id, error=str(exc))
         return condense.extractive(previous, messages, limit, focus)

@@ -353,6 +353,10 @@ class MemoryConfig(BaseModel):
     chunk_size: int = Field(default=640, ge=64, le=8192)
     chunk_overlap: int = Field(default=96, ge=0)
     request_timeout_seconds: float = Field(default=30.0, gt=0)
+    # A search from inside a turn (memory_search) never returns the turn's own messages,
+    # nor the current session's newest this many before them: the model has those in
+    # its context already, and the question it searches with would be its own best match.
+    exclude_recent_messages: int = Field(default=20, ge=0, le=10_000)
 
     @field_validator("chunk_overlap")
     @classmethod

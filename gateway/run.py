@@ -694,7 +694,7 @@ class GatewayRunner(SessionOps):
             context = self.memory.prepare(
                 entry.session_id, begun.context, system_prompt, begun.text, agent.plan
             )
-            tools = self._turn_tools(key, entry.session_id, source)
+            tools = self._turn_tools(key, entry.session_id, source, begun.user_row)
             intake = None
             if event.media:  # files: downloaded and read before the agent is asked
                 intake = await self.media.for_turn(
@@ -743,8 +743,24 @@ class GatewayRunner(SessionOps):
             turn.chunks = len(chunks)
             if intake is not None and begun.user_row is not None:
                 settles = (*settles, intake.transcript_tx(begun.user_row, event.message_id))
+            # The token factor is learnt from one request's prompt (a turn with tool rounds
+            # reports the sum of several), and stored by the finish when it moved.
+            factor = self.memory.learn(
+                entry.session_id,
+                begun.context,
+                context,
+                outcome.usage if not outcome.messages else None,
+            )
             ids = await self._finish(
-                key, begun, event, outcome, chunks, tools, settles, edits if edits else None
+                key,
+                begun,
+                event,
+                outcome,
+                chunks,
+                tools,
+                settles,
+                edits if edits else None,
+                token_factor=factor,
             )
             if run_status is not None:
                 self.metrics.count_schedule_run(run_status)
@@ -761,11 +777,8 @@ class GatewayRunner(SessionOps):
                 files = list(zip(ids[len(chunks) :], outcome.attachments, strict=True))
                 await self.delivery.send_attachments(source, files, event.reply_to)
             turn.outcome = outcome.status
-            # The token factor is learnt from one request's prompt: a turn with tool
-            # rounds reports the sum of several.
-            usage = outcome.usage if not outcome.messages else None
             self.memory.after_turn(  # may start a summary, in the background
-                key, entry.session_id, begun.context, context, usage, outcome.reply
+                key, entry.session_id, begun.context, context, outcome.reply
             )
         except asyncio.CancelledError:
             turn.outcome = "cancelled"  # /stop, or a shutdown that could not wait
@@ -787,6 +800,8 @@ class GatewayRunner(SessionOps):
         tools: TurnTools | None = None,
         settles: Sequence[Callable[[Any], object]] = (),
         edits: Sequence[str] | None = None,
+        *,
+        token_factor: float | None = None,
     ) -> list[int]:
         """Record the turn's end (its tool rounds and what its tools wrote included), and
         begin the key's next waiting turn in the same transaction (it then runs without
@@ -808,6 +823,7 @@ class GatewayRunner(SessionOps):
                 settles=settles,
                 edits=edits,
                 attachments=[a.to_dict() for a in outcome.attachments],
+                token_factor=token_factor,
             )
         except BaseException:
             if waiting is not None and queue is not None:
@@ -885,8 +901,11 @@ class GatewayRunner(SessionOps):
         """The agent's tools (None: its turns carry none)."""
         return self._toolboxes.get(agent_id)
 
-    def _turn_tools(self, key: str, session_id: str, source: SessionSource) -> TurnTools | None:
-        """This turn's tools, bound to its session, chat and user (None: no tools)."""
+    def _turn_tools(
+        self, key: str, session_id: str, source: SessionSource, user_row: int | None = None
+    ) -> TurnTools | None:
+        """This turn's tools, bound to its session, chat and user, and its own first
+        transcript row (`user_row`) (None: no tools)."""
         toolbox = self.toolbox_for(self.roster.for_key(key).agent_id)
         if toolbox is None:
             return None
@@ -898,6 +917,7 @@ class GatewayRunner(SessionOps):
             session_id=session_id,
             source=source,
             agent_id=agent_id_of(key),
+            user_row=user_row,
         )
         return toolbox.bind(scope)
 

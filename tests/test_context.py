@@ -9,8 +9,16 @@ import pytest
 
 from config import AgentConfig, ConfigError, load_config
 from gateway.context import condense
-from gateway.context.strategy import Loaded, Plan, prepare
-from gateway.context.tokens import MAX_FACTOR, MIN_FACTOR, Calibration
+from gateway.context.strategy import SUMMARY_PREFIX, Loaded, Plan, prepare
+from gateway.context.tokens import (
+    MAX_FACTOR,
+    MIN_FACTOR,
+    STORE_CHANGE,
+    Calibration,
+    message_tokens,
+    size_tokens,
+    text_tokens,
+)
 
 
 def problems(tmp_path: Path, text: str) -> list[str]:
@@ -118,3 +126,125 @@ def test_a_history_that_fits_is_sent_whole_but_never_opens_with_an_orphan_tool_r
     assert sent == rows[1:]
     whole = prepare(plan, Loaded(messages=rows[1:]), system_prompt="sys", text="next")
     assert whole.history == rows[1:] and whole.dropped == 0
+
+
+# --- token estimates of other scripts -------------------------------------------------------
+
+CJK = "我们明天下午三点在火车站见面然后一起去博物馆看看新的展览" * 4  # 112 characters
+CYRILLIC = "Встретимся завтра в три часа на вокзале и пойдём в музей" * 4
+EMOJI = "🙂🎉🚀🌍" * 10
+
+
+def test_cjk_is_estimated_at_about_a_token_a_character() -> None:
+    """CJK costs about one token a character on the common vocabularies (a quarter of
+    one is what four characters a token would say)."""
+    assert text_tokens(CJK) >= 0.8 * len(CJK)
+    assert text_tokens(CJK) <= 1.5 * len(CJK)
+    assert message_tokens({"role": "user", "content": CJK}) >= 0.8 * len(CJK)
+
+
+def test_other_scripts_and_emoji_are_not_undercounted() -> None:
+    # Cyrillic: about 0.4-0.5 tokens a character on cl100k/o200k (spaces included).
+    assert text_tokens(CYRILLIC) >= 0.4 * len(CYRILLIC)
+    # Emoji: one to three tokens each.
+    assert text_tokens(EMOJI) >= len(EMOJI)
+    # Mixed text counts each part by its own script.
+    mixed = "The station is 火车站 (vokzal: вокзал)."
+    assert text_tokens(mixed) > text_tokens("The station is  (vokzal: ).")
+
+
+def test_ascii_text_keeps_four_characters_a_token() -> None:
+    assert text_tokens("a" * 400) == 100
+    assert text_tokens("") == 0
+    assert message_tokens({"role": "user", "content": "x" * 40}) == 4 + 10
+
+
+def test_an_estimate_from_sizes_never_falls_below_the_texts() -> None:
+    """The summarizer knows a history by its characters and UTF-8 bytes (SQL sums)."""
+    for text in (CJK, CYRILLIC, EMOJI, "plain English text", CJK + " and English"):
+        assert size_tokens(len(text), len(text.encode())) >= text_tokens(text)
+
+
+def test_the_factor_to_store_moves_only_when_it_changed() -> None:
+    calibration = Calibration()
+    assert calibration.to_store("s", None) is None  # nothing learnt: nothing to store
+    calibration.observe("s", 1000, 1500)
+    assert calibration.to_store("s", None) == 1.5
+    assert calibration.to_store("s", 1.5) is None
+    calibration.observe("s", 1000, 1490)  # down half way: 1.495, within STORE_CHANGE
+    assert calibration.to_store("s", 1.5) is None
+    assert abs(calibration.factor("s") - 1.5) <= STORE_CHANGE * 1.5
+    calibration.observe("s", 1000, 1000)
+    assert calibration.to_store("s", 1.5) == calibration.factor("s") < 1.3
+    # A stored factor is what a new process starts from; its own learning then wins.
+    fresh = Calibration()
+    fresh.restore("s", 1.7)
+    assert fresh.factor("s") == 1.7
+    fresh.restore("s", 1.2)
+    assert fresh.factor("s") == 1.7
+    fresh.restore("other", 99.0)
+    assert fresh.factor("other") == MAX_FACTOR
+
+
+# --- what follows the summary ---------------------------------------------------------------
+
+
+def roles_after_summary(history: tuple[dict[str, object], ...]) -> list[object]:
+    assert history[0]["role"] == "system"
+    assert str(history[0]["content"]).startswith(SUMMARY_PREFIX)
+    return [m["role"] for m in history[1:]]
+
+
+def test_after_a_summary_the_history_opens_with_a_user_message() -> None:
+    """A summary whose cut fell between a question and its answer: the answer is not
+    sent without its question (system, summary, assistant is refused by several local
+    models' chat templates)."""
+    plan = Plan.from_config(AgentConfig())
+    rows = (
+        {"role": "assistant", "content": "the answer to a condensed question"},
+        {"role": "user", "content": "next question"},
+        {"role": "assistant", "content": "next answer"},
+    )
+    sent = prepare(plan, Loaded(messages=rows, summary="S"), system_prompt="sys", text="q")
+    assert roles_after_summary(sent.history) == ["user", "assistant"]
+    assert sent.history[1:] == rows[1:]
+    assert sent.dropped == 1
+
+
+def test_a_budget_cut_after_a_summary_opens_with_a_user_message_too() -> None:
+    """The budget leaves room for the newest answer but not its question."""
+    plan = Plan.from_config(AgentConfig(context={"window_tokens": 1024}))
+    rows = (
+        {"role": "user", "content": "old question"},
+        {"role": "assistant", "content": "old answer"},
+        {"role": "user", "content": "a long question " + "x" * 4000},
+        {"role": "assistant", "content": "short answer"},
+    )
+    sent = prepare(plan, Loaded(messages=rows, summary="S"), system_prompt="sys", text="q")
+    # Without the rule the cut keeps only "short answer": nothing is sent instead.
+    assert roles_after_summary(sent.history) == []
+    roomy = Plan.from_config(AgentConfig(context={"window_tokens": 4096}))
+    sent = prepare(roomy, Loaded(messages=rows, summary="S"), system_prompt="sys", text="q")
+    assert roles_after_summary(sent.history) == ["user", "assistant", "user", "assistant"]
+    tool_call = (
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "t1"}]},
+        {"role": "tool", "tool_call_id": "t1", "content": "result"},
+        {"role": "assistant", "content": "done"},
+        {"role": "user", "content": "and then?"},
+        {"role": "assistant", "content": "then this"},
+    )
+    sent = prepare(plan, Loaded(messages=tool_call, summary="S"), system_prompt="s", text="q")
+    assert roles_after_summary(sent.history) == ["user", "assistant"]
+
+
+def test_a_summary_of_cjk_text_is_bounded_in_tokens_not_only_characters() -> None:
+    """A bound of 600 characters is 150 estimated tokens of ASCII text: a summary of
+    CJK messages is held to as many tokens, not to 600 characters (about 600 tokens)."""
+    many = [{"role": "user", "content": f"{n}: {CJK}"} for n in range(30)]
+    bounded = condense.extractive(None, many, 600)
+    assert text_tokens(bounded) <= 600 // 4
+    assert bounded.splitlines()[-1].startswith("- user: 29: ")  # the newest stay
+    head = condense.extractive(CJK * 10, many[:1], 600)  # a model's long summary, clipped
+    assert text_tokens(head) <= 600 // 4 and head.endswith("...")
+    english = condense.extractive(None, [{"role": "user", "content": "x" * 100}] * 30, 600)
+    assert 600 - 120 < len(english) <= 600  # ASCII: bounded in characters as before

@@ -23,12 +23,14 @@ from adapters.http import HttpAdapter
 from config import GatewayConfig
 from gateway.agents.protocol import SummaryRequest, TurnRequest, TurnResult
 from gateway.context.strategy import SUMMARY_PREFIX, Plan
+from gateway.context.tokens import STORE_CHANGE
 from gateway.run import GatewayRunner
 from gateway.store import summary_checkpoints
 from gateway.store.summary_checkpoints import Checkpoint
 from scripts.harness import Daemon
 from tests.fakes.openai_server import FakeOpenAI, last_user_content, serve_in_a_thread
 from tests.gateway_client import GatewayClient, RunningGateway
+from tests.pg_support import StorageBackend
 from tests.waiting import wait_for
 
 KEY = "agent:main:http:dm:c1"
@@ -193,14 +195,17 @@ async def test_window_strategy_sends_at_most_max_messages(
     gw = await make_gateway({"context": {"strategy": "window", "max_messages": 3}}, recorder)
     for n in range(4):
         await gw.say(f"m{n}")
-    assert [m["content"] for m in recorder.seen[-1].history] == ["echo: m1", "m2", "echo: m2"]
+    # The newest 3 rows open with a reply whose question is older: it goes too (what is
+    # sent opens with a user message).
+    assert [m["content"] for m in recorder.seen[-1].history] == ["m2", "echo: m2"]
 
 
 @pytest.mark.parametrize(
     ("max_messages", "roles"),
     [
-        (3, ["assistant"]),  # the newest 3 rows: two results and the answer, not their call
-        (4, ["assistant", "tool", "tool", "assistant"]),  # the call is in: all of it
+        (3, []),  # the newest 3 rows: two results and the answer, not their call
+        (4, []),  # the call and all its results, but not the question they answer
+        (5, ["user", "assistant", "tool", "tool", "assistant"]),  # the question is in: all
     ],
 )
 async def test_a_tool_call_and_its_results_are_sent_whole_or_not_at_all(
@@ -221,15 +226,17 @@ async def test_a_tool_call_and_its_results_are_sent_whole_or_not_at_all(
     ):
         await gw.runner.store.append_to_transcript(sid, message)
     await gw.say("next")
-    # Results without their call would be rejected by any chat API: not sent either.
+    # Results without their call would be rejected by any chat API, a history opening
+    # with the assistant by several local models' chat templates: neither is sent.
     assert [m["role"] for m in recorder.seen[-1].history] == roles
-    assert recorder.seen[-1].history[-1]["content"] == "found it"
+    assert [m["content"] for m in recorder.seen[-1].history][-1:] == ["found it"][: len(roles)]
 
 
 async def test_the_budget_never_splits_a_tool_call(
     make_gateway: MakeGateway, recorder: type[Recorder]
 ) -> None:
-    """The call and its results do not fit together: neither goes, nor anything older."""
+    """The call and its results do not fit together: neither goes, nor anything older
+    (nor the answer after them, whose question went with them)."""
     gw = await make_gateway({"context": {"strategy": "window", "window_tokens": 800}}, recorder)
     await gw.say("first")
     sid = await gw.session_id()
@@ -238,10 +245,12 @@ async def test_the_budget_never_splits_a_tool_call(
         {"role": "assistant", "content": None, "tool_calls": [call]},
         {"role": "tool", "tool_call_id": "c1", "content": "x" * 2400},  # ~600 tokens
         {"role": "assistant", "content": "found it"},
+        {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": "welcome"},
     ):
         await gw.runner.store.append_to_transcript(sid, message)
     await gw.say("next")
-    assert [m["content"] for m in recorder.seen[-1].history] == ["found it"]
+    assert [m["content"] for m in recorder.seen[-1].history] == ["thanks", "welcome"]
 
 
 # --- summary --------------------------------------------------------------------------------
@@ -468,6 +477,113 @@ async def test_shutdown_cancels_a_summary_in_flight(make_gateway: MakeGateway) -
         assert gw.runner.memory.running(sid)
         await gw.stop()  # returns: the held summary was cancelled, not awaited
         assert not gw.runner.memory.running(sid)
+
+
+async def test_after_a_summary_that_ends_on_a_question_the_history_opens_with_a_user_message(
+    make_gateway: MakeGateway, recorder: type[Recorder]
+) -> None:
+    """A checkpoint whose cut falls between a question and its answer (one written before
+    summaries ended on whole turns, or cut so by the budget): what is sent after the system
+    prompt and the summary opens with a user message, never with that orphan answer."""
+    gw = await make_gateway({}, recorder)
+    for n in range(3):
+        await gw.say(f"turn {n}")
+    sid = await gw.session_id()
+    rows = await gw.rows()
+    (question,) = [i for i, m in rows if m["content"] == "turn 1"]
+    written = await gw.runner.store.write(
+        lambda conn: summary_checkpoints.write(
+            conn,
+            sid,
+            expected_epoch=0,
+            covered_up_to=question,
+            summary="condensed: turn 0 and the question turn 1",
+            messages=3,
+            now=time.time(),
+        )
+    )
+    assert written
+    await gw.say("next")
+    history = recorder.seen[-1].history
+    assert history[0]["role"] == "system" and history[0]["content"].startswith(SUMMARY_PREFIX)
+    assert [m["content"] for m in history[1:]] == ["turn 2", "echo: turn 2"]
+    assert history[1]["role"] == "user"
+
+
+@pytest.mark.parametrize("pairs", range(4, 24))
+def test_a_summary_round_ends_before_a_user_message(pairs: int) -> None:
+    """Whatever the history's length, a round condenses whole turns: the first message it
+    leaves is a question, never the answer to one it condensed."""
+    from gateway.memory.summaries import Memory
+
+    messages = []
+    for n in range(pairs):
+        messages.append({"role": "user", "content": f"question {n}"})
+        messages.append({"role": "assistant", "content": f"answer {n} " + "y" * (40 * (n % 5))})
+    text = sum(len(str(m["content"])) for m in messages)
+    plan = Plan.from_config(
+        GatewayConfig.model_validate({"agent": {"context": {"window_tokens": 1000}}}).agent
+    )
+    memory = Memory(None, plan)  # type: ignore[arg-type]  # _pick reads nothing
+    for read in (len(messages), len(messages) - 3):  # the whole rest, or the oldest rows
+        work = summary_checkpoints.Unsummarized(
+            None, tuple(range(1, read + 1)), tuple(messages[:read]), len(messages), text, text
+        )
+        for first in (True, False):
+            take = memory._pick(plan, "s", work, 50, False, first)
+            assert take == 0 or messages[take]["role"] == "user", (read, first, take)
+        take = memory._pick(plan, "s", work, 50, True, True)  # /compress
+        assert take > 0
+        assert take == len(messages) or messages[take]["role"] == "user", (read, take)
+
+
+async def test_the_token_calibration_survives_a_restart(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    """The factor learnt from what the model counted is stored with the session: a new
+    process (the store closed and opened again) starts from it, not from 1.0."""
+    async with FakeOpenAI(reply=fake_reply, usage=fake_usage) as fake:
+        config = store_backend.apply(
+            GatewayConfig.model_validate(
+                {
+                    "timezone": "UTC",
+                    "platforms": {"http": {"enabled": True, "port": 0}},
+                    "agent": openai_agent(fake, window_tokens=32000),
+                    "session_reset": {"mode": "none"},
+                }
+            )
+        )
+
+        async def started() -> Gateway:
+            adapter = HttpAdapter(config.platforms.http)
+            runner = GatewayRunner(config, [adapter], home=tmp_path / "home")
+            await runner.start()
+            return Gateway(runner, GatewayClient(adapter.url))
+
+        gw = await started()
+        try:
+            for n in range(2):
+                await gw.say(text_of(n))
+            sid = await gw.session_id()
+            learnt = gw.runner.memory.calibration.factor(sid)
+        finally:
+            await gw.stop()
+        assert learnt > 1.1  # the fake counts denser than the estimate
+
+        fake.usage = {"prompt_tokens": 0, "completion_tokens": 1}  # nothing to learn from
+        gw = await started()
+        try:
+            assert gw.runner.memory.calibration.factor(sid) == 1.0  # a new process
+            await gw.client.post("c1", "after the restart")
+            # The replies of before the restart are read again by this new client.
+            replies = await gw.client.replies("c1", 3)
+            assert replies[-1] == "fake: after the restart"
+            assert await gw.session_id() == sid
+            # Stored again only when it moved by more than STORE_CHANGE.
+            restored = gw.runner.memory.calibration.factor(sid)
+            assert restored == pytest.approx(learnt, rel=STORE_CHANGE) and restored > 1.1
+        finally:
+            await gw.stop()
 
 
 # --- the real daemon ------------------------------------------------------------------------

@@ -171,9 +171,11 @@ async def test_the_window_never_separates_a_stored_call_from_its_results_after_a
     assert await gw.say("again") == "fake: again"
     history = sent(fake)[-1]["messages"][1:-1]
     # The rows are user, call, result, result, answer: the window takes the call with
-    # both results, or neither (3: the results without their call are dropped).
+    # both results, or neither (3: the results without their call are dropped), and
+    # what it sends opens with a user message (3, 4: the question is outside the window,
+    # so its call, results and answer are not sent either).
     whole = ["assistant", "tool", "tool", "assistant"]
-    expected = {3: ["assistant"], 4: whole, 5: ["user", *whole], 6: ["user", *whole]}
+    expected = {3: [], 4: [], 5: ["user", *whole], 6: ["user", *whole]}
     assert roles(history) == expected[max_messages]
 
 

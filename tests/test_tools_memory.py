@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +43,22 @@ class Gateway:
 async def gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterator[Gateway]:
     """The runner on either store backend (issue 19: the notes and their index on
     PostgreSQL too)."""
+    async with started(tmp_path, store_backend) as gw:
+        yield gw
+
+
+@asynccontextmanager
+async def started(
+    tmp_path: Path, store_backend: StorageBackend, memory: dict[str, Any] | None = None
+) -> AsyncIterator[Gateway]:
     async with FakeOpenAI(check_pairing=True) as fake:
         config = GatewayConfig.model_validate(
             {
                 "timezone": "UTC",
                 "platforms": {"http": {"enabled": True, "port": 0}},
                 "agent": {"backend": "openai", "base_url": fake.base_url, "model": "m"},
+                "memory": memory or {},
+                "session_reset": {"mode": "none"},
             }
         )
         config = store_backend.apply(config)
@@ -142,3 +153,41 @@ async def test_bob_cannot_delete_alices_note_by_its_id(gateway: Gateway) -> None
     assert [n.id for n in await gateway.runner.recall.list_notes(alice())] == [note_id]
     rows = json.dumps([r["json"] for r in gateway.fake.requests])
     assert "alice's note" not in rows
+
+
+async def test_a_search_in_a_turn_finds_the_note_not_the_turns_own_question(
+    gateway: Gateway,
+) -> None:
+    """The model searches with the user's own words: the question just asked (indexed
+    like any message) is not an answer to itself; the saved note is."""
+    note_id = await gateway.runner.recall.save(alice(), "Alice's cat is called Biscuit")
+    question = "what is my cat called"
+    search = tool_calls(("memory_search", {"query": question}))
+    assert await gateway.ask("alice", question, search, "Biscuit") == "Biscuit"
+    (found,) = gateway.results()
+    assert [hit["text"] for hit in found["results"] if hit["text"] == question] == []
+    assert found["results"][0]["id"] == note_id
+    # Indexed all the same: from a later session it is a past conversation, found.
+    await gateway.ask("alice", "/new")
+    search = tool_calls(("memory_search", {"query": question}))
+    await gateway.ask("alice", "did I ask about my cat before?", search, "yes")
+    (found,) = gateway.results()
+    assert question in [hit["text"] for hit in found["results"]]
+
+
+async def test_the_sessions_newest_messages_are_not_recalled_older_ones_are(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    """`memory.exclude_recent_messages`: the current session's newest N messages before
+    the turn (the model has them in its context) are left out, older ones are not."""
+    async with started(tmp_path, store_backend, {"exclude_recent_messages": 2}) as gw:
+        await gw.ask("alice", "my favourite tea is genmaicha", "noted")
+        await gw.ask("alice", "my favourite coffee is mocha", "noted too")
+        query = "favourite tea genmaicha coffee mocha"
+        search = tool_calls(("memory_search", {"query": query, "k": 10}))
+        await gw.ask("alice", "what do I like to drink?", search, "tea")
+        (found,) = gw.results()
+        texts = [hit["text"] for hit in found["results"]]
+        assert "my favourite tea is genmaicha" in texts  # older than the newest 2
+        assert "my favourite coffee is mocha" not in texts  # among them
+        assert "what do I like to drink?" not in texts  # the turn's own

@@ -3,7 +3,8 @@ list (seed 002), and the transcript as text for a model asked to summarize it.
 
 The extractive list needs no model: one bullet per message, its first words, appended
 to the summary so far; when the whole outgrows `max_chars` the oldest bullets go first
-(and say how many went), so the summary stays bounded however long the session grows.
+(and say how many went), so the summary stays bounded however long the session grows
+(in characters of ASCII text, and in as many estimated tokens for other scripts).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import json
 import re
 from collections.abc import Sequence
 from typing import Any
+
+from gateway.context.tokens import clip_chars, token_chars
 
 HEADER = "Recent condensed turns:"
 BULLET_CHARS = 160  # per message; a message matching the focus keeps more
@@ -45,6 +48,14 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
+def _clip_measured(text: str, limit: int) -> str:
+    """`_clip` by `token_chars`: a bound in characters holds other scripts to as many
+    estimated tokens as ASCII text of that length."""
+    if token_chars(text) <= limit:
+        return text
+    return clip_chars(text, max(0, limit - 3)).rstrip() + "..."
+
+
 def _focus_words(focus: str | None) -> list[str]:
     return [w for w in re.findall(r"\w+", (focus or "").lower()) if len(w) > 2]
 
@@ -69,7 +80,8 @@ def extractive(
     focus: str | None = None,
 ) -> str:
     """The summary so far with `messages` appended as condensed turns, at most
-    `max_chars` (oldest bullets dropped first)."""
+    `max_chars` (oldest bullets dropped first), measured by `token_chars`: CJK text, for
+    one, is held to as many estimated tokens as `max_chars` ASCII characters."""
     head: list[str] = []
     old: list[str] = []
     omitted = 0
@@ -92,12 +104,12 @@ def extractive(
         return "\n".join([*head, HEADER, *marker, *body]).strip()
 
     text = render()
-    while len(text) > max_chars and body:
+    while token_chars(text) > max_chars and body:
         body.pop(0)
         omitted += 1
         text = render()
-    if len(text) > max_chars:  # the head alone is too long (a model's long summary)
-        text = _clip(text, max_chars)
+    if token_chars(text) > max_chars:  # the head alone is too long (a model's long summary)
+        text = _clip_measured(text, max_chars)
     return text
 
 

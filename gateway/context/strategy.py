@@ -8,7 +8,8 @@
 The store reads (`gateway.store.turn_context`, inside the turn's begin transaction);
 this module decides, on what was read, with no I/O. A tool call is never split from
 its results: an assistant message with `tool_calls` and the `tool` messages after it
-are one unit, sent whole or not at all.
+are one unit, sent whole or not at all. What is sent of the transcript opens with a user
+message, whatever the cut (the summary's or the budget's).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class Loaded:
     covered_up_to: int = 0  # the summary stands for the active rows with id <= this
     epoch: int = 0
     full: bool = False  # the read hit its row limit: older unsummarized rows exist
+    token_factor: float | None = None  # the session's stored calibration (None: none yet)
 
 
 NOTHING_LOADED = Loaded()
@@ -126,6 +128,17 @@ def fit_suffix(messages: Sequence[dict[str, Any]], costs: Sequence[int], budget:
     return start
 
 
+def user_start(messages: Sequence[dict[str, Any]], start: int) -> int:
+    """The first user message at or after `start` (len(messages) when none): what is sent
+    after the system prompt and the summary opens with a user message. Several local
+    models' chat templates (llama.cpp, vLLM) refuse a conversation that opens with the
+    assistant, as one cut between a question and its answer would."""
+    n = len(messages)
+    while start < n and messages[start].get("role") != "user":
+        start += 1
+    return start
+
+
 def summary_message(summary: str) -> dict[str, Any]:
     return {"role": "system", "content": SUMMARY_PREFIX + summary}
 
@@ -134,7 +147,8 @@ def prepare(
     plan: Plan, loaded: Loaded, *, system_prompt: str, text: str, factor: float = 1.0
 ) -> Prepared:
     """The history to send: the summary (if any), then the newest whole units of the
-    loaded rows that fit what the budget leaves (by the calibrated estimate)."""
+    loaded rows that fit what the budget leaves (by the calibrated estimate), from a user
+    message on (`user_start`)."""
     system = message_tokens({"content": system_prompt}) if system_prompt else 0
     asked = message_tokens({"content": text})
     summary = summary_message(loaded.summary) if loaded.summary else None
@@ -142,11 +156,13 @@ def prepare(
     costs = [message_tokens(m) for m in loaded.messages]
     total = sum(costs)
     room = int(plan.budget / factor) - fixed - asked
-    if total <= room and not (loaded.messages and loaded.messages[0].get("role") == "tool"):
+    messages = loaded.messages
+    if total <= room and (not messages or messages[0].get("role") == "user"):
         start = 0  # the usual turn: everything fits (what `fit_suffix` finds, without its walk)
     else:
-        start = fit_suffix(loaded.messages, costs, room) if room > 0 else len(costs)
-    kept = loaded.messages[start:]
+        start = fit_suffix(messages, costs, room) if room > 0 else len(costs)
+        start = user_start(messages, start)
+    kept = messages[start:]
     return Prepared(
         history=(summary, *kept) if summary is not None else tuple(kept),
         sent_tokens=fixed + asked + (total if start == 0 else sum(costs[start:])),

@@ -55,7 +55,7 @@ from gateway.memory.index import (
     RoundResult,
     SyncEmbedder,
 )
-from gateway.memory.retrieval import CANDIDATES, MAX_POSTINGS
+from gateway.memory.retrieval import CANDIDATES, MAX_POSTINGS, Recent
 from gateway.store import codec
 from gateway.store.pg.db import connect as connect_store
 
@@ -567,10 +567,13 @@ class PgRecallSql:
         )
         return [row[0] for row in found]
 
-    def rows(self, conn: psycopg.Connection[Any], chunk_ids: list[int]) -> list[tuple[Any, ...]]:
+    def rows(
+        self, conn: psycopg.Connection[Any], chunk_ids: list[int], exclude: Recent | None = None
+    ) -> list[tuple[Any, ...]]:
         """The chunks still alive (gateway.memory.retrieval._rows)."""
         if not chunk_ids:
             return []
+        session_id, first = (exclude.session_id, exclude.first) if exclude else ("", 0)
         return conn.execute(
             "SELECT c.id, c.kind, c.note_id, c.session_id,"
             " CASE WHEN c.kind = 'note' THEN n.content ELSE c.text END, n.tags,"
@@ -581,8 +584,9 @@ class PgRecallSql:
             # EXISTS over every source and message (17 ms at 20,000 chunks; this: <1 ms)
             " ELSE c.id IN (SELECT s.chunk_id FROM memory_chunk_sources s"
             "   JOIN messages m ON m.id = s.message_id"
-            "   WHERE s.chunk_id = ANY(%s) AND m.active = 1) END",
-            (chunk_ids, chunk_ids),
+            "   WHERE s.chunk_id = ANY(%s) AND m.active = 1"
+            "   AND (m.session_id <> %s OR m.id < %s)) END",
+            (chunk_ids, chunk_ids, session_id, first),
         ).fetchall()
 
 

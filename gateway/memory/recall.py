@@ -29,7 +29,15 @@ import structlog
 from gateway.memory import index
 from gateway.memory.chunking import normalize_tags
 from gateway.memory.embeddings import EmbeddingError, HashEmbedder, build_embedder
-from gateway.memory.retrieval import SQLITE, RecallSql, Scored, VectorCache, hybrid, tags_of
+from gateway.memory.retrieval import (
+    SQLITE,
+    RecallSql,
+    Recent,
+    Scored,
+    VectorCache,
+    hybrid,
+    tags_of,
+)
 from gateway.session import SessionSource, schedule_session_key
 from gateway.store import codec, purge, schedules
 from gateway.store.background import ThreadedSqliteTask
@@ -50,6 +58,7 @@ T = TypeVar("T")
 MAX_NOTE_CHARS = 8_000
 MAX_K = 50
 EMBED_BATCH = 256  # chunks embedded per step of the background indexer
+_NO_BOUND = 2**62
 _NOTE_ID = re.compile(r"^note-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
@@ -78,6 +87,15 @@ class Namespace:
 
     def __str__(self) -> str:
         return f"memory:{self.agent_id}:{self.platform}:{self.user_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Asking:
+    """The turn a search is made from: its session, and its own first transcript row
+    (its user message; None when it has none)."""
+
+    session_id: str
+    user_row: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +336,7 @@ class Recall:
         self.store = store
         self.embedder = build_embedder(config)
         self.weights = (memory.weights.vector, memory.weights.text)
+        self.exclude_recent = memory.exclude_recent_messages
         self.indexer = MemoryIndexer(
             store,
             index.IndexSettings(
@@ -442,15 +461,23 @@ class Recall:
     # --- recall ------------------------------------------------------------------------
 
     async def search(
-        self, ns: Namespace, query: str, tags: Sequence[str] = (), k: int = 5
+        self,
+        ns: Namespace,
+        query: str,
+        tags: Sequence[str] = (),
+        k: int = 5,
+        asking: Asking | None = None,
     ) -> list[Hit]:
-        """The namespace's best `k` notes and transcript chunks for `query` (hybrid)."""
+        """The namespace's best `k` notes and transcript chunks for `query` (hybrid).
+        From a turn (`asking`), none of the turn's own messages nor of the newest
+        `memory.exclude_recent_messages` of its session before them."""
         if not isinstance(query, str) or not query.strip():
             raise ValueError("a search needs some words")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
             raise ValueError(f"k must be a whole number from 1 to {MAX_K}")
         clean_tags = normalize_tags(tags)
         namespace = str(ns)
+        exclude = await self._recent(asking) if asking is not None else None
         await self._index(namespace)
         query_vec = None
         if self.weights[0] > 0:
@@ -479,9 +506,28 @@ class Recall:
                 text_weight=text_weight,
                 min_similarity=floor,
                 sql=sql,
+                exclude=exclude,
             )
         )
         return [_hit(item) for item in scored]
+
+    async def _recent(self, asking: Asking) -> Recent | None:
+        """What a search from `asking` leaves out: its session's rows from the oldest of
+        its newest `exclude_recent` messages before the turn's own (or from the turn's
+        own, when there are none), on."""
+        session_id, own, count = asking.session_id, asking.user_row, self.exclude_recent
+        oldest = None
+        if count:
+            before = own if own is not None else _NO_BOUND
+            oldest = await self.store.read(
+                lambda conn: conn.execute(
+                    "SELECT min(id) FROM (SELECT id FROM messages WHERE session_id = ?"
+                    " AND active = 1 AND id < ? ORDER BY id DESC LIMIT ?) AS recent",
+                    (session_id, before, count),
+                ).fetchone()[0]
+            )
+        bounds = [row for row in (oldest, own) if row is not None]
+        return Recent(session_id, min(bounds)) if bounds else None
 
     async def forget_user(
         self, platform: str, user_id: str, agent_id: str | None = None

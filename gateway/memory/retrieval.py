@@ -51,6 +51,16 @@ _WORD = re.compile(r"\w+")
 _MATH = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recall-math")
 
 
+@dataclass(frozen=True, slots=True)
+class Recent:
+    """Transcript rows a search leaves out: those of `session_id` from row `first` on (a
+    turn's own messages and its session's newest before them). A chunk is shown while a
+    message of its own outside them is still there."""
+
+    session_id: str
+    first: int
+
+
 class RecallSql(Protocol):
     """The SQL a recall needs, per backend (the module docstring)."""
 
@@ -75,7 +85,9 @@ class RecallSql(Protocol):
 
     def tagged(self, conn: Any, namespace: str, tags: tuple[str, ...]) -> list[int]: ...
 
-    def rows(self, conn: Any, chunk_ids: list[int]) -> list[tuple[Any, ...]]: ...
+    def rows(
+        self, conn: Any, chunk_ids: list[int], exclude: Recent | None = None
+    ) -> list[tuple[Any, ...]]: ...
 
 
 @dataclass(slots=True)
@@ -298,8 +310,10 @@ class SqliteRecallSql:
         )
         return [row[0] for row in found]
 
-    def rows(self, conn: sqlite3.Connection, chunk_ids: list[int]) -> list[tuple[Any, ...]]:
-        return _rows(conn, chunk_ids)
+    def rows(
+        self, conn: sqlite3.Connection, chunk_ids: list[int], exclude: Recent | None = None
+    ) -> list[tuple[Any, ...]]:
+        return _rows(conn, chunk_ids, exclude)
 
 
 SQLITE = SqliteRecallSql()
@@ -375,8 +389,10 @@ def hybrid(
     text_weight: float,
     min_similarity: float,
     sql: RecallSql | None = None,
+    exclude: Recent | None = None,
 ) -> list[Scored]:
-    """The namespace's best `k` chunks for the query, one per note."""
+    """The namespace's best `k` chunks for the query, one per note; none made only of
+    the `exclude` rows."""
     sql = sql or SQLITE
     rows = (
         vector_rows(conn, cache, namespace, model, query_vec, tags, sql) if vector_weight else None
@@ -390,7 +406,7 @@ def hybrid(
         chunk_id: vector_weight * vector.get(chunk_id, 0.0) + text_weight * text.get(chunk_id, 0.0)
         for chunk_id in text.keys() | vector.keys()
     }
-    found = sql.rows(conn, list(merged))
+    found = sql.rows(conn, list(merged), exclude)
     hits = [
         Scored(
             chunk_id,
@@ -423,12 +439,16 @@ def tags_of(raw: str | None) -> tuple[str, ...]:
     return tuple(codec.loads(raw)) if raw else ()
 
 
-def _rows(conn: sqlite3.Connection, chunk_ids: list[int]) -> list[tuple[Any, ...]]:
+def _rows(
+    conn: sqlite3.Connection, chunk_ids: list[int], exclude: Recent | None = None
+) -> list[tuple[Any, ...]]:
     """The chunks still alive: notes with their record in state.db, transcript chunks
-    with an active message of theirs still there."""
+    with an active message of theirs still there (outside `exclude`)."""
     if not chunk_ids:
         return []
     marks = ", ".join("?" * len(chunk_ids))
+    # No exclusion: no session id is the empty string.
+    session_id, first = (exclude.session_id, exclude.first) if exclude else ("", 0)
     return conn.execute(
         "SELECT c.id, c.kind, c.note_id, c.session_id,"
         " CASE WHEN c.kind = 'note' THEN n.content ELSE c.text END, n.tags,"
@@ -436,6 +456,7 @@ def _rows(conn: sqlite3.Connection, chunk_ids: list[int]) -> list[tuple[Any, ...
         f" FROM chunks c LEFT JOIN st.notes n ON n.note_id = c.note_id WHERE c.id IN ({marks})"
         " AND CASE WHEN c.kind = 'note' THEN n.note_id IS NOT NULL ELSE EXISTS ("
         "   SELECT 1 FROM chunk_sources s JOIN st.messages m ON m.id = s.message_id"
-        "   WHERE s.chunk_id = c.id AND m.active = 1) END",
-        chunk_ids,
+        "   WHERE s.chunk_id = c.id AND m.active = 1"
+        "   AND (m.session_id != ? OR m.id < ?)) END",
+        (*chunk_ids, session_id, first),
     ).fetchall()

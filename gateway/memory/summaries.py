@@ -1,8 +1,9 @@
 """`Memory`: what a turn sends the model, and the rolling summaries behind it.
 
-On the turn's path (`prepare`, `after_turn`) it only computes: the strategy fits what
-the begin transaction read (`gateway.store.turn_context`) to the token budget, and
-after the reply the estimate is calibrated by the prompt size the model reported. When
+On the turn's path (`prepare`, `learn`, `after_turn`) it only computes: the strategy
+fits what the begin transaction read (`gateway.store.turn_context`) to the token budget,
+and after the reply the estimate is calibrated by the prompt size the model reported
+(the factor is stored with the session by the turn's finish). When
 the summary strategy's unsummarized history passes `trigger_ratio` of the budget (and
 has `min_messages`), a background task condenses its oldest messages until it is at
 most `target_ratio`, one chunk and one checkpoint per round:
@@ -33,7 +34,15 @@ import structlog
 from gateway.agents.protocol import SummaryRequest
 from gateway.context import condense
 from gateway.context.strategy import Loaded, Plan, Prepared, prepare, units
-from gateway.context.tokens import CHARS_PER_TOKEN, Calibration, message_tokens, text_tokens
+from gateway.context.tokens import (
+    CHARS_PER_TOKEN,
+    MESSAGE_OVERHEAD,
+    Calibration,
+    clip_chars,
+    message_tokens,
+    size_tokens,
+    text_tokens,
+)
 from gateway.session import TokenUsage
 from gateway.store import summary_checkpoints
 from gateway.store.session_store import SessionStore
@@ -92,9 +101,20 @@ class Memory:
     ) -> Prepared:
         """The turn's history (the summary first, if any), fitted to the budget of
         `plan` (the turn's agent's; default `self.plan`)."""
+        self.calibration.restore(session_id, loaded.token_factor)
         factor = self.calibration.factor(session_id)
         plan = self.plan if plan is None else plan
         return prepare(plan, loaded, system_prompt=system_prompt, text=text, factor=factor)
+
+    def learn(
+        self, session_id: str, loaded: Loaded, prepared: Prepared, usage: TokenUsage | None
+    ) -> float | None:
+        """Learn the session's token factor from the prompt size the model reported for
+        one request (`usage`: None when the turn made several). Returns the factor to
+        store with the turn's finish, None when the stored one is still right."""
+        if usage is not None and usage.input_tokens > 0:
+            self.calibration.observe(session_id, prepared.sent_tokens, usage.input_tokens)
+        return self.calibration.to_store(session_id, loaded.token_factor)
 
     def after_turn(
         self,
@@ -102,13 +122,10 @@ class Memory:
         session_id: str,
         loaded: Loaded,
         prepared: Prepared,
-        usage: TokenUsage | None,
         reply: str | None,
     ) -> None:
-        """Learn the session's token factor; start a summary if the history grew past the
-        trigger. Computes only: whatever it starts runs in the background."""
-        if usage is not None and usage.input_tokens > 0:
-            self.calibration.observe(session_id, prepared.sent_tokens, usage.input_tokens)
+        """Start a summary if the history grew past the trigger (after `learn`).
+        Computes only: whatever it starts runs in the background."""
         plan = self.plan_for(key)
         if plan.strategy != "summary" or reply is None:
             return
@@ -230,20 +247,30 @@ class Memory:
         first: bool,
     ) -> int:
         """How many of the oldest unsummarized messages this round condenses (whole
-        units only): all of them for /compress, else enough to bring the history down to
+        units only, and up to a user message: what follows a summary opens with one):
+        all of them for /compress, else enough to bring the history down to
         `target_ratio`, at most half a budget of them (one model request's worth), and
         never the newest unit."""
-        spans = units(work.messages)
-        if spans and len(work.messages) < work.total_messages:
+        messages = work.messages
+        complete = len(messages) == work.total_messages
+        spans = units(messages)
+        if spans and not complete:
             spans = spans[:-1]  # the read may have cut the last unit's tool results
+
+        def cut(end: int) -> bool:  # a summary may end before messages[end]
+            if end < len(messages):
+                return messages[end].get("role") == "user"
+            return complete  # after the last: the next to come is a turn's user message
+
         if not spans:
             return 0
         if everything:
-            return spans[-1][1]
+            return next((end for _, end in reversed(spans) if cut(end)), 0)
         factor = self.calibration.factor(session_id)
         summary = work.checkpoint.summary if work.checkpoint is not None else None
         fixed = system_tokens + (text_tokens(summary) if summary else 0)
-        total = fixed + -(-work.total_chars // CHARS_PER_TOKEN) + 4 * work.total_messages
+        total = fixed + size_tokens(work.total_chars, work.total_bytes)
+        total += MESSAGE_OVERHEAD * work.total_messages
         ratio = plan.trigger_ratio if first else plan.target_ratio
         if total * factor <= ratio * plan.budget:
             return 0
@@ -253,16 +280,19 @@ class Memory:
         chunk = plan.budget / 2 / factor
         take = removed = 0
         for start, end in spans[:-1]:
-            cost = sum(message_tokens(m) for m in work.messages[start:end])
+            cost = sum(message_tokens(m) for m in messages[start:end])
             if take and removed + cost > chunk:
                 break
-            take, removed = end, removed + cost
-            if removed >= excess:
-                break
+            removed += cost
+            if cut(end):
+                take = end
+                if removed >= excess:
+                    break
         return take
 
     def max_summary_chars(self, plan: Plan | None = None) -> int:
-        """A summary takes at most half of what the target leaves the history."""
+        """A summary takes at most half of what the target leaves the history (in ASCII
+        characters; text of other scripts is held to as many estimated tokens)."""
         plan = self.plan if plan is None else plan
         return int(plan.budget * plan.target_ratio / 2) * CHARS_PER_TOKEN
 
@@ -285,7 +315,8 @@ class Memory:
                         async with asyncio.timeout(SUMMARY_TIMEOUT):
                             text = await summarize(request)
                         if isinstance(text, str) and text.strip():
-                            return text.strip()[:limit]
+                            # As many estimated tokens as `limit` ASCII characters.
+                            return clip_chars(text.strip(), limit)
             except Exception as exc:  # the model failing: the extractive summary instead
                 log.warning("summary_model_failed", session_id=session_id, error=str(exc))
         return condense.extractive(previous, messages, limit, focus)

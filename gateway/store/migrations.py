@@ -15,7 +15,7 @@ from typing import Any
 from gateway.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -313,6 +313,12 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     # caption; `text` holds the caption), NULL for text.
     14: """
     ALTER TABLE outbound ADD COLUMN attachment TEXT;
+    """,
+    # The session's token calibration (gateway.context.tokens.Calibration): the ratio of
+    # the prompt tokens its model reports to the gateway's estimate, kept with the session
+    # so a restart does not start again from 1.0. NULL: none learnt yet.
+    15: """
+    ALTER TABLE sessions ADD COLUMN token_factor REAL;
     """,
 }
 

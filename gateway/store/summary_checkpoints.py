@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.store import codec, transcript
+from gateway.store.pg import is_postgres
 
 _NO_BOUND = 2**62
 
@@ -120,6 +121,7 @@ class Unsummarized:
     messages: tuple[dict[str, Any], ...]
     total_messages: int
     total_chars: int
+    total_bytes: int  # of the same, UTF-8 encoded (what a token estimate needs besides)
 
 
 def unsummarized(conn: sqlite3.Connection, session_id: str, limit: int) -> Unsummarized:
@@ -133,9 +135,11 @@ def unsummarized(conn: sqlite3.Connection, session_id: str, limit: int) -> Unsum
         "SELECT MIN(user_message_id) FROM turns WHERE session_id = ?", (session_id,)
     ).fetchone()
     until = running if running is not None else _NO_BOUND
-    count, chars = conn.execute(
-        "SELECT COUNT(*), COALESCE(SUM(length(content)), 0) FROM messages"
-        " WHERE session_id = ? AND active = 1 AND id > ? AND id < ?",
+    # SQLite 3.40 has no octet_length(); a BLOB's length is its bytes.
+    octets = "octet_length(content)" if is_postgres(conn) else "length(CAST(content AS BLOB))"
+    count, chars, octet_count = conn.execute(
+        f"SELECT COUNT(*), COALESCE(SUM(length(content)), 0), COALESCE(SUM({octets}), 0)"
+        " FROM messages WHERE session_id = ? AND active = 1 AND id > ? AND id < ?",
         (session_id, after, until),
     ).fetchone()
     rows = conn.execute(
@@ -149,4 +153,5 @@ def unsummarized(conn: sqlite3.Connection, session_id: str, limit: int) -> Unsum
         messages=tuple(codec.loads(message) for _, message in rows),
         total_messages=int(count),
         total_chars=int(chars),
+        total_bytes=int(octet_count),
     )

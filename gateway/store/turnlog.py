@@ -206,6 +206,7 @@ class TurnLog:
         settles: Sequence[Callable[[sqlite3.Connection], object]] = (),
         edits: Sequence[str] | None = None,
         attachments: Sequence[dict[str, Any]] = (),
+        token_factor: float | None = None,
     ) -> tuple[list[int], TurnStart | None]:
         """Record the turn's outcome and its reply chunks; returns their delivery ids,
         and the start of the `then` turn.
@@ -225,6 +226,7 @@ class TurnLog:
         edit of `edits[i]`; None (no stream) touches no stream row.
         `attachments` (the reply's files, `Attachment.to_dict()`) are recorded after the
         chunks; their delivery ids follow the chunks' in the returned list.
+        `token_factor`: the session's token calibration, when it moved (stored with it).
         """
         begin_next = None
         if then is not None:
@@ -258,6 +260,8 @@ class TurnLog:
             entries.settle_turn(
                 conn, session_key, session_id, now.timestamp(), minute, usage, succeeded
             )
+            if token_factor is not None:
+                turn_context.save_factor(conn, session_id, token_factor)
             journal.close_inbox(conn, list(event.inbox_ids), journal.DONE, now.timestamp())
             journal.end_turn(conn, session_key)
             if edits is not None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import Field
 
-from gateway.memory.recall import Namespace
+from gateway.memory.recall import Asking, Namespace
 from gateway.tools.builtin import Args
 from gateway.tools.registry import Tool, TurnScope
 
@@ -60,7 +60,9 @@ class SearchArgs(Args):
 
 async def memory_search(scope: TurnScope, args: SearchArgs) -> dict[str, Any]:
     namespace = _namespace(scope)
-    hits = await scope.recall.search(namespace, args.query, tuple(args.tags), k=args.k)
+    # Not the turn's own words, nor what its context holds already (Recall.search).
+    asking = Asking(scope.session_id, scope.user_row)
+    hits = await scope.recall.search(namespace, args.query, tuple(args.tags), args.k, asking)
     return {
         "results": [
             {

@@ -67,6 +67,9 @@ class TurnScope:
     pad: list[str] | None = field(default=None)
     # gateway.schedules.book.ScheduleBook (the schedule tools), or None where there is none
     schedules: Any = field(default=None)
+    # The turn's own first transcript row (its user message): recall leaves out what the
+    # turn itself wrote and the session's newest messages before it.
+    user_row: int | None = field(default=None)
 
 
 class Toolbox:

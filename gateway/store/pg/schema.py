@@ -359,9 +359,12 @@ CREATE TRIGGER memory_vectors_count_deletes AFTER DELETE ON memory_vectors
     FOR EACH STATEMENT EXECUTE FUNCTION hermes_memory_count_vector_deletes();
 """
 
-#: the steps after the baseline, by the version they bring the store to (15: ..., each
-#: the twin of gateway.store.migrations' step of the same number)
-_STEPS: dict[int, str] = {}
+#: the steps after the baseline, by the version they bring the store to, each the twin
+#: of gateway.store.migrations' step of the same number
+_STEPS: dict[int, str] = {
+    # the session's token calibration (gateway.context.tokens.Calibration)
+    15: "ALTER TABLE sessions ADD COLUMN token_factor DOUBLE PRECISION",
+}
 
 #: the tables of the baseline that hold the gateway's data, parents before children
 #: (foreign keys): what `storage migrate` copies and `doctor` counts

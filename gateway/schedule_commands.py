@@ -60,8 +60,9 @@ async def cmd_schedule(runner: GatewayRunner, event: MessageEvent, key: str, cmd
             return f"Resumed {schedule_id}; next run {next_fire_text(row)}."
         if action == "run":
             row = await book.get(schedule_id, asker)
-            if not await runner.scheduler.run_now(row):
-                return f"{schedule_id} could not start now (a run of it is still going?)."
+            refused = await runner.scheduler.run_now(row)
+            if refused is not None:
+                return f"{schedule_id} could not start now: {refused}."
             return f"Running {schedule_id} now."
         return await _runs(runner, schedule_id, asker)
     except ScheduleError as exc:

@@ -10,7 +10,9 @@ tests/test_schedule_cadence.py.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 import re
 import sqlite3
 import time
@@ -21,13 +23,16 @@ from typing import Any
 
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from adapters.http import HttpAdapter
 from config import TOOL_NAMES, GatewayConfig
 from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
+from gateway.ops.doctor import Paths, run_checks
 from gateway.run import GatewayRunner
 from gateway.schedules.cadence import Cadence
-from gateway.session import schedule_session_key
+from gateway.session import SessionSource, schedule_session_key
+from gateway.store import codec
 from gateway.store import schedules as rows
 from gateway.store.pg.dialect import translate
 from tests.fakes.openai_server import FakeOpenAI, serve_in_a_thread, tool_calls, tool_results
@@ -174,7 +179,7 @@ async def test_schedule_validation_names_what_is_wrong(make_gateway: MakeGateway
     )
     minutely = await gw.say('/schedule add "* * * * *" too often')
     assert "repeats every 1m" in minutely
-    assert "give a whole number and a unit s, m, h or d" in await gw.say("/schedule add in 5x hi")
+    assert "give a whole number and a unit" in await gw.say("/schedule add in 5x hi")
     assert "WHEN must start with" in await gw.say("/schedule add tomorrow hi")
     assert "say what to do" in await gw.say("/schedule add in 5m")
     # One-shot times have no minimum.
@@ -185,6 +190,72 @@ async def test_schedule_validation_names_what_is_wrong(make_gateway: MakeGateway
     # Another user's count is their own.
     await gw.schedule("in 1h theirs", chat="c2", user="u2")
     assert "no schedule 'sch_00000000'" in await gw.say("/schedule remove sch_00000000")
+
+
+async def test_spelled_out_units_are_read_whole(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    made: dict[str, tuple[str, str]] = {
+        "every 6 months renew passport": ("every 6 months", "renew passport"),
+        "in 30 minutes call mum": ("once", "call mum"),
+        "every 2 hours stretch": ("every 2h", "stretch"),
+        "in 2 days pay rent": ("once", "pay rent"),
+    }
+    for text, (cadence, prompt) in made.items():
+        before = time.time()
+        row = await gw.row(await gw.schedule(text))
+        assert row is not None and row["prompt"] == prompt
+        assert Cadence.from_json(row["cadence"]).describe() == cadence
+        assert row["next_run_at"] - before > {"call mum": 1790, "pay rent": 2 * 86400 - 10}.get(
+            prompt, 7190
+        )
+    refused = await gw.say("/schedule add in 30 minuets call mum")
+    assert refused.startswith("Not scheduled: in '30 minuets': give a whole number and a unit")
+    assert "units: s/sec/seconds, m/min/minutes, h/hr/hours" in refused
+    assert len(await gw.runner.schedule_book.list(None)) == len(made)
+
+
+async def test_a_cron_list_in_the_largest_body_is_refused_without_stalling_the_loop(
+    make_gateway: MakeGateway,
+) -> None:
+    """A /schedule add message as large as the HTTP API accepts (here 256 KiB), its cron
+    expression one long list: refused by its size, and the event loop never waits on it
+    (unbounded, APScheduler parsed and walked the list on the loop: 64 KiB stalled it
+    for seconds)."""
+    limit = 256 * 1024
+    http = {"enabled": True, "port": 0, "max_body_bytes": limit}
+    gw = await make_gateway(platforms={"http": http})
+    envelope = {"chat_id": "c1", "user_id": "u1", "text": ""}
+    frame = '/schedule add "{} * * * *" hi'
+    room = limit - len(json.dumps({**envelope, "text": frame.format("")}).encode())
+    cron_list = ",".join(str(i % 60) for i in range(room))[:room].rstrip(",")
+    body = json.dumps({**envelope, "text": frame.format(cron_list)}).encode()
+    assert limit - 1 <= len(body) <= limit
+    stalls: list[float] = []
+
+    async def probe() -> None:
+        while True:
+            started = time.perf_counter()
+            await asyncio.sleep(0.005)
+            stalls.append(time.perf_counter() - started - 0.005)
+
+    probing = asyncio.create_task(probe())
+    try:
+        async with gw.client.session.post(
+            f"{gw.client.url}/v1/messages",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        ) as resp:
+            assert resp.status == 202, await resp.text()
+        reply = (await gw.client.replies("c1", 1, within=60))[0]
+        sampled = len(stalls)
+        await wait_for(lambda: len(stalls) >= sampled + 2)  # each stall measured to its end
+    finally:
+        probing.cancel()
+    assert reply.startswith("Not scheduled: WHEN is ")
+    assert "at most 100 characters and 24 comma-separated items per field" in reply
+    assert len(reply) < 400  # the expression is not echoed back
+    assert await gw.runner.schedule_book.list(None) == []
+    assert max(stalls) < 1.0, max(stalls)
 
 
 async def test_at_a_time_replies_with_the_next_fire_in_the_schedules_zone(
@@ -326,14 +397,78 @@ async def test_sethome_is_for_admins_when_admins_are_set(make_gateway: MakeGatew
     assert (await gw.say("/sethome", user="boss")).startswith("This chat is now")
 
 
-async def test_a_home_delivery_without_a_home_channel_is_missed_with_a_line(
+async def test_a_home_delivery_without_a_home_channel_is_refused(
     make_gateway: MakeGateway,
 ) -> None:
     gw = await make_gateway(platforms={"http": {"enabled": True, "port": 0}})
-    schedule_id = await gw.schedule("--home in 1s nowhere to go")
-    await wait_for(lambda: _settled(gw, schedule_id), within=10)
-    (run,) = await gw.runs(schedule_id)
-    assert run["status"] == "missed" and "no home channel on http" in run["output_summary"]
+    refused = await gw.say("/schedule add --home in 1s nowhere to go")
+    assert refused == (
+        "Not scheduled: http has no home channel: /sethome in the chat that should get the"
+        " runs, or set platforms.http.home_channel"
+    )
+    assert await gw.runner.schedule_book.list(None) == []
+
+
+async def test_a_schedule_with_nowhere_to_deliver_is_recorded_undeliverable(
+    make_gateway: MakeGateway, tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    """Made while its platform was enabled (or its home channel set), due after that
+    changed: nothing runs, each fire time is `undeliverable`, a warning says so, no
+    reply waits in the ledger, and `doctor` names it."""
+    home = tmp_path / "gone"
+    gw = await make_gateway(home=home)
+    to_telegram = await gw.schedule("every 1h telegram digest")
+    to_home = await gw.schedule("every 1h home digest")
+    await gw.stop()
+    telegram = {"platform": "telegram", "chat_id": "55", "chat_type": "dm"}
+    soon = time.time() + 1
+    _rewrite(
+        store_backend,
+        home,
+        "UPDATE schedules SET platform = 'telegram', chat_id = '55', target = ?,"
+        " next_run_at = ? WHERE schedule_id = ?",
+        codec.dumps(SessionSource.from_dict(telegram).to_dict()),
+        soon,
+        to_telegram,
+    )
+    _rewrite(
+        store_backend,
+        home,
+        "UPDATE schedules SET deliver = 'home', next_run_at = ? WHERE schedule_id = ?",
+        soon,
+        to_home,
+    )
+    with capture_logs() as logs:
+        gw = await make_gateway(home=home)
+        for schedule_id in (to_telegram, to_home):
+            await wait_for(lambda schedule_id=schedule_id: _settled(gw, schedule_id), within=10)
+    (telegram_run,) = await gw.runs(to_telegram)
+    (home_run,) = await gw.runs(to_home)
+    assert telegram_run["status"] == "undeliverable" == home_run["status"]
+    assert "telegram is not enabled in this gateway" in telegram_run["output_summary"]
+    assert "no home channel on http" in home_run["output_summary"]
+    warned = [e for e in logs if e["event"] == "schedule_undeliverable"]
+    assert {e["schedule_id"] for e in warned} == {to_telegram, to_home}
+    assert all(e["log_level"] == "warning" for e in warned)
+    assert gw.runner.metrics.schedule_runs["undeliverable"] == 2
+    for schedule_id in (to_telegram, to_home):  # no turn ran: no session, no reply
+        assert await _sessions_of(gw, schedule_session_key("main", schedule_id)) == 0
+        row = await gw.row(schedule_id)
+        assert row is not None and row["status"] == "active" and row["next_run_at"] > soon
+    pending = await gw.runner.store.read(
+        lambda conn: conn.execute(
+            "SELECT count(*) FROM outbound WHERE state = 'pending'"
+        ).fetchone()[0]
+    )
+    assert pending == 0
+    await gw.stop()
+    if not store_backend.postgres:
+        found = {f.name: f for f in run_checks(Paths.of(home), gw.runner.config)}
+        assert found["schedules"].status == "warn"
+        assert f"{to_telegram} (telegram not enabled)" in found["schedules"].detail
+        assert f"{to_home} (no home channel on http)" in found["schedules"].detail
+        assert "2 runs on record were undeliverable" in found["schedules"].detail
+        assert found["outbound"].detail.startswith("0 reply chunks pending")
 
 
 async def test_config_home_channel_is_used_without_sethome(make_gateway: MakeGateway) -> None:

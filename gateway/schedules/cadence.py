@@ -337,15 +337,14 @@ def _in_or_every(first: str, rest: str, zone: tzinfo, timezone: str, now: float)
         if first == "in":
             return Cadence("once", timezone, at=round(now + seconds, 3))
         return Cadence("interval", timezone, seconds=float(seconds), anchor=round(now + seconds, 3))
-    start = _utc(now).astimezone(zone).replace(tzinfo=None)
+    # Whole seconds: every fire, the first included, is computed the same way from it.
+    start = _utc(now).astimezone(zone).replace(tzinfo=None, microsecond=0)
     later = months_later(start, months, zone)
     if later is None:
         raise CadenceError(f"{first} {rest}: past the end of the calendar")
     if first == "in":
-        return Cadence("once", timezone, at=round(later + seconds, 3))
-    return Cadence(
-        "monthly", timezone, months=months, start=start.isoformat(), anchor=round(later, 3)
-    )
+        return Cadence("once", timezone, at=later + seconds)
+    return Cadence("monthly", timezone, months=months, start=start.isoformat(), anchor=later)
 
 
 def _cron(text: str, zone: tzinfo, timezone: str, now: float) -> Cadence:

@@ -354,8 +354,15 @@ def test_cron_weekdays_count_from_sunday_as_crontab_does() -> None:
         "Fri",
         "Sun",
     ]
-    with pytest.raises(CadenceError, match="runs backwards"):
-        parse_when('"0 9 * * 5-1"', "UTC", now)
+    weekend = parse_when('"0 9 * * fri-mon"', "UTC", now)
+    fires = missed_fire_times(weekend, weekend.next_after(now), utc(2026, 6, 8, 12, 0))
+    assert [datetime.fromtimestamp(f, UTC).strftime("%a") for f in fires] == [
+        "Mon",
+        "Fri",
+        "Sat",
+        "Sun",
+        "Mon",
+    ]
     with pytest.raises(CadenceError, match="day-of-week field"):
         parse_when('"0 9 * * 8"', "UTC", now)
 
@@ -375,3 +382,31 @@ def test_a_cron_expression_is_bounded_before_it_is_parsed() -> None:
     with pytest.raises(CadenceError, match=f"WHEN is {len(huge) + 2} characters long"):
         parse_when(f'"{huge}"', "UTC", now)
     assert time.perf_counter() - started < 1.0  # unbounded, APScheduler took minutes
+
+
+def test_both_day_fields_restricted_fire_on_either_as_in_crontab() -> None:
+    now = utc(2026, 6, 1, 0, 0)  # a Monday
+    either = parse_when('"0 9 13 * fri"', "UTC", now)
+    fires = missed_fire_times(either, either.next_after(now), utc(2026, 6, 30, 0, 0))
+    assert [datetime.fromtimestamp(f, UTC).strftime("%d %a") for f in fires] == [
+        "05 Fri",
+        "12 Fri",
+        "13 Sat",
+        "19 Fri",
+        "26 Fri",
+    ]
+    # A day-of-month part that never fires leaves the weekdays: found in bounded time.
+    started = time.perf_counter()
+    weekdays = parse_when('"0 9 31 2,4,6,9,11 mon"', "UTC", now)
+    assert weekdays.shortest_gap(now) == 7 * 86400
+    assert time.perf_counter() - started < 0.5
+
+
+def test_an_expression_that_never_fires_is_refused_in_bounded_time() -> None:
+    now = utc(2026, 6, 1, 0, 0)
+    started = time.perf_counter()
+    for expression in ("0 0 31 2 *", "0 0 30,31 2 *", "0 0 31 2,4,6,9,11,2,4,6,9,11,2,4,6,9,11 *"):
+        with pytest.raises(CadenceError, match="never fires"):
+            parse_when(f'"{expression}"', "UTC", now)
+    # Walking the calendar to the year 9999 took seconds for the last one.
+    assert time.perf_counter() - started < 0.5

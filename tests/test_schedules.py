@@ -641,6 +641,41 @@ async def test_a_claimed_run_whose_turn_is_gone_is_recorded_interrupted(
     assert row is not None and row["status"] == "active"  # a recurring job goes on
 
 
+async def test_a_stored_cron_beyond_the_bounds_is_paused_not_retried(
+    make_gateway: MakeGateway, tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    """A cron expression stored before the size checks (a 30-item list): paused with a
+    warning at its fire time, once, and `resume` says why it cannot run."""
+    home = tmp_path / "old"
+    gw = await make_gateway(home=home)
+    schedule_id = await gw.schedule('"0 9 * * *" old digest')
+    await gw.stop()
+    legacy = Cadence("cron", "UTC", cron=",".join(map(str, range(30))) + " 9 * * *")
+    _rewrite(
+        store_backend,
+        home,
+        "UPDATE schedules SET cadence = ?, next_run_at = ? WHERE schedule_id = ?",
+        legacy.to_json(),
+        time.time() + 0.5,
+        schedule_id,
+    )
+    with capture_logs() as logs:
+        gw = await make_gateway(home=home)
+        await wait_for(lambda: _status_is(gw, schedule_id, "paused"), within=10)
+    assert [e["schedule_id"] for e in logs if e["event"] == "schedule_unreadable"] == [schedule_id]
+    assert await gw.runs(schedule_id) == []
+    (ack,) = await gw.client.replies("c1", 1)  # the first gateway's /schedule reply
+    assert ack.startswith(f"Scheduled {schedule_id}")
+    refused = await gw.say(f"/schedule resume {schedule_id}")
+    assert refused.startswith(f"Not done: {schedule_id} cannot run again: ")
+    assert "the minute field lists 30 items" in refused
+
+
+async def _status_is(gw: Gateway, schedule_id: str, status: str) -> bool:
+    row = await gw.row(schedule_id)
+    return row is not None and row["status"] == status
+
+
 async def test_run_history_is_pruned_to_keep_runs(make_gateway: MakeGateway) -> None:
     gw = await make_gateway(schedules={"min_interval": 1, "keep_runs": 3})
     schedule_id = await gw.schedule("every 1s prune me")

@@ -246,7 +246,10 @@ class ScheduleBook:
         if found["status"] != rows.PAUSED:
             raise ScheduleError(f"{schedule_id} is {found['status']}, not paused")
         now = time.time()
-        following = Cadence.from_json(found["cadence"]).next_after(now) or now
+        try:
+            following = Cadence.from_json(found["cadence"]).next_after(now) or now
+        except CadenceError as exc:
+            raise ScheduleError(f"{schedule_id} cannot run again: {exc}; remove it") from None
         await self.store.write(
             lambda conn: rows.set_status(conn, schedule_id, rows.ACTIVE, following, now),
             dirty=False,

@@ -31,7 +31,7 @@ import structlog
 from adapters.base import MessageEvent
 from gateway.faults import crash_point
 from gateway.schedules.book import ScheduleBook, home_target
-from gateway.schedules.cadence import Cadence, local_time, missed_fire_times
+from gateway.schedules.cadence import Cadence, CadenceError, local_time, missed_fire_times
 from gateway.session import SessionSource, TokenUsage, schedule_id_of_key, schedule_session_key
 from gateway.store import codec, journal
 from gateway.store import schedules as rows
@@ -169,9 +169,12 @@ class Scheduler:
             due = row["next_run_at"]
             # In a worker thread: after downtime a frequent cadence counts up to
             # MISSED_COUNTED fire times, too long a walk for the event loop.
-            plan = await asyncio.to_thread(
-                plan_fire, cadence, due, now, self.started_at, self.settings.catch_up
-            )
+            try:
+                plan = await asyncio.to_thread(
+                    plan_fire, cadence, due, now, self.started_at, self.settings.catch_up
+                )
+            except CadenceError as exc:  # stored before today's checks: never retried
+                return await self._pause_unreadable(row, str(exc))
             target, nowhere = await self._destination(row)
             key = schedule_session_key(row["agent_id"], schedule_id)
             if nowhere is not None:
@@ -282,6 +285,22 @@ class Scheduler:
             )
         if notice is not None:
             await self._send(notice[0], noticed, notice)
+        return True
+
+    async def _pause_unreadable(self, row: dict[str, Any], error: str) -> bool:
+        """A stored cadence this gateway cannot read (a cron expression beyond today's
+        bounds): paused with a warning, not retried every pass."""
+        schedule_id = row["schedule_id"]
+        now = time.time()
+        await self.runner.store.write(
+            lambda conn: rows.set_status(conn, schedule_id, rows.PAUSED, None, now), dirty=False
+        )
+        log.warning(
+            "schedule_unreadable",
+            schedule_id=schedule_id,
+            error=error,
+            hint="paused; remove it and add it again",
+        )
         return True
 
     def _missed_notice(

@@ -1,7 +1,8 @@
 """The chat commands of scheduled jobs (issue 17): /schedule and /sethome.
 
-    /schedule add [--home] WHEN PROMPT   WHEN: in 30m | at 09:00 | at 2026-12-01 09:00 |
-                                         every 2h | "0 9 * * 1-5" (gateway.schedules.cadence)
+    /schedule add [--home] WHEN PROMPT   WHEN: in 30 minutes | at 09:00 | every 2 hours |
+                                         every 6 months | "0 9 * * 1-5" (see
+                                         gateway.schedules.cadence)
     /schedule list | remove ID | pause ID | resume ID | run ID | runs ID
     /sethome                             this chat is the platform's home channel
 
@@ -23,9 +24,10 @@ if TYPE_CHECKING:
     from gateway.run import GatewayRunner
 
 USAGE = (
-    "Usage: /schedule add [--home] WHEN PROMPT, where WHEN is in 30m, at 09:00,"
-    ' at 2026-12-01 09:00, every 2h or a cron expression in quotes ("0 9 * * 1-5");'
-    " /schedule list | remove ID | pause ID | resume ID | run ID | runs ID"
+    "Usage: /schedule add [--home] WHEN PROMPT, where WHEN is in 30 minutes, in 2h 30m,"
+    " at 09:00, at 2026-12-01 09:00, every 2 hours, every 6 months or a cron expression in"
+    ' quotes ("0 9 * * 1-5"); /schedule list | remove ID | pause ID | resume ID | run ID |'
+    " runs ID"
 )
 
 

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 import orjson
-from apscheduler.triggers.cron import CronTrigger
+from apscheduler.triggers.base import BaseTrigger
 from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
@@ -106,7 +106,7 @@ class Cadence:
     def zone(self) -> tzinfo:
         return zone_named(self.timezone)
 
-    def _trigger(self) -> DateTrigger | IntervalTrigger | CronTrigger:
+    def _trigger(self) -> BaseTrigger:
         zone = self.zone()
         if self.kind == "once":
             assert self.at is not None
@@ -352,10 +352,9 @@ def _cron(text: str, zone: tzinfo, timezone: str, now: float) -> Cadence:
         cron.trigger(text, zone)
     except cron.CronError as exc:
         raise CadenceError(f"cannot read the cron expression {_quoted(text)}: {exc}") from None
-    cadence = Cadence("cron", timezone, cron=" ".join(text.split()))
-    if cadence.next_after(now) is None:
+    if not cron.fires_within(text, zone, _utc(now)):
         raise CadenceError(f"the cron expression {text!r} never fires")
-    return cadence
+    return Cadence("cron", timezone, cron=" ".join(text.split()))
 
 
 def _at(text: str, zone: tzinfo, timezone: str, now: float) -> float:

@@ -44,6 +44,7 @@ log = structlog.get_logger("gateway.schedules")
 POLL_SECONDS = 1.0  # how soon a schedule written by another process (the CLI) is seen
 DUE_PAGE = 500  # due schedules fired per pass
 FAILURES_TO_PAUSE = 3
+LATE_SECONDS = 60.0  # a fire time later than this is planned off the event loop
 INTERRUPTED_NOTICE = (
     "Scheduled task {id} was interrupted by a restart while it ran ({due}); it was not run again."
 )
@@ -167,12 +168,14 @@ class Scheduler:
         try:
             cadence = Cadence.from_json(row["cadence"])
             due = row["next_run_at"]
-            # In a worker thread: after downtime a frequent cadence counts up to
-            # MISSED_COUNTED fire times, too long a walk for the event loop.
+            plan_args = (cadence, due, now, self.started_at, self.settings.catch_up)
             try:
-                plan = await asyncio.to_thread(
-                    plan_fire, cadence, due, now, self.started_at, self.settings.catch_up
-                )
+                if now - due > LATE_SECONDS:
+                    # In a worker thread: after downtime a frequent cadence counts up to
+                    # MISSED_COUNTED fire times, too long a walk for the event loop.
+                    plan = await asyncio.to_thread(plan_fire, *plan_args)
+                else:
+                    plan = plan_fire(*plan_args)
             except CadenceError as exc:  # stored before today's checks: never retried
                 return await self._pause_unreadable(row, str(exc))
             target, nowhere = await self._destination(row)

@@ -140,8 +140,8 @@ class ScheduleBook:
             raise ScheduleError(f"the prompt is too long ({len(prompt)} > {PROMPT_MAX_CHARS})")
         await self._check_delivery(target, deliver)
         now = time.time()
-        # In a worker thread: a cron expression is small (gateway.schedules.cron) but
-        # finding that it never fires walks the calendar to year 9999.
+        # In a worker thread: a cron expression is bounded (gateway.schedules.cron), yet
+        # finding the fire times of a rare one walks years of the calendar.
         cadence, gap, first = await asyncio.to_thread(
             _read_when, when, timezone or self.timezone(), now
         )

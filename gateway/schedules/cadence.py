@@ -259,10 +259,8 @@ def split_when(text: str) -> tuple[str, str]:
     elif first in ("in", "every"):
         if (end := _amounts_end(rest)) is not None:
             size = end  # `in 2 h` as well as `in 2h`, `in 1h 30m`
-        elif tokens[0].isdigit() and len(tokens) > 1:
-            size = rest.index(tokens[1], len(tokens[0])) + len(
-                tokens[1]
-            )  # `in 30 minuets`: both refused
+        elif tokens[0].isdigit() and len(tokens) > 1:  # `in 30 minuets`: refused whole
+            size = rest.index(tokens[1], len(tokens[0])) + len(tokens[1])
     return f"{first} {rest[:size]}", rest[size:].lstrip(_PROMPT_LEAD)
 
 

@@ -26,7 +26,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from adapters.http import HttpAdapter
-from config import TOOL_NAMES, GatewayConfig
+from config import TOOL_NAMES, GatewayConfig, HttpConfig
 from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
 from gateway.ops.doctor import Paths, run_checks
 from gateway.run import GatewayRunner
@@ -214,13 +214,14 @@ async def test_spelled_out_units_are_read_whole(make_gateway: MakeGateway) -> No
     assert len(await gw.runner.schedule_book.list(None)) == len(made)
 
 
+@pytest.mark.parametrize("limit", [HttpConfig().max_body_bytes, 256 * 1024])
 async def test_a_cron_list_in_the_largest_body_is_refused_without_stalling_the_loop(
-    make_gateway: MakeGateway,
+    make_gateway: MakeGateway, limit: int
 ) -> None:
-    """A /schedule add message as large as the HTTP API accepts (here 256 KiB), its cron
-    expression one long list: refused by its size, and the event loop never waits on it
-    (APScheduler walks a list item by item, for every fire time it looks for)."""
-    limit = 256 * 1024
+    """A /schedule add message as large as the HTTP API accepts (the default limit, and a
+    raised one), its cron expression one long list: refused by its size, and the event
+    loop never waits on it (APScheduler walks a list item by item, for every fire time
+    it looks for)."""
     http = {"enabled": True, "port": 0, "max_body_bytes": limit}
     gw = await make_gateway(platforms={"http": http})
     envelope = {"chat_id": "c1", "user_id": "u1", "text": ""}

@@ -280,6 +280,11 @@ def test_an_unreadable_when_is_refused_with_the_accepted_forms() -> None:
         parse_when("in 101000 weeks", "UTC", now)
     with pytest.raises(CadenceError, match="at most 100 years"):
         parse_when("every 1201 months", "UTC", now)
+    with pytest.raises(CadenceError, match="at most 100 years"):
+        parse_when("in 1199 months 36500 days", "UTC", now)
+    # The calendar's last minute in New York is in the year 10000 in UTC.
+    with pytest.raises(CadenceError, match="at most 100 years"):
+        parse_when("at 9999-12-31 23:59", "America/New_York", now)
 
 
 # --- calendar months ---------------------------------------------------------------------------

@@ -309,7 +309,7 @@ def parse_when(when: str, timezone: str, now: float) -> Cadence:
     if first in ("in", "every"):
         return _in_or_every(first, rest, zone, timezone, now)
     if first == "at":
-        return Cadence("once", timezone, at=_at(rest, zone, timezone, now))
+        return Cadence("once", timezone, at=_near(_at(rest, zone, timezone, now), now, text))
     if not text or not (text[0].isdigit() or text[0] in "*?"):
         raise CadenceError(f"cannot read WHEN {_quoted(when)}: use {FORMS}")
     return _cron(text, zone, timezone, now)
@@ -326,14 +326,14 @@ def _in_or_every(first: str, rest: str, zone: tzinfo, timezone: str, now: float)
     if seconds <= 0 and months <= 0:
         raise CadenceError(f"{first} {rest}: the time must be more than 0")
     if seconds > MAX_AHEAD_DAYS * 86400 or months > MAX_MONTHS:
-        raise CadenceError(f"{first} {rest}: at most 100 years")
+        raise CadenceError(f"{first} {rest}: at most 100 years ahead")
     if first == "every" and months and seconds:
         raise CadenceError(
             f"every {rest}: months cannot be mixed with other units (every 1 month, every 30d)"
         )
     if not months:
         if first == "in":
-            return Cadence("once", timezone, at=round(now + seconds, 3))
+            return Cadence("once", timezone, at=round(_near(now + seconds, now, rest), 3))
         return Cadence("interval", timezone, seconds=float(seconds), anchor=round(now + seconds, 3))
     # Whole seconds: every fire, the first included, is computed the same way from it.
     start = _utc(now).astimezone(zone).replace(tzinfo=None, microsecond=0)
@@ -341,8 +341,15 @@ def _in_or_every(first: str, rest: str, zone: tzinfo, timezone: str, now: float)
     if later is None:
         raise CadenceError(f"{first} {rest}: past the end of the calendar")
     if first == "in":
-        return Cadence("once", timezone, at=later + seconds)
+        return Cadence("once", timezone, at=_near(later + seconds, now, rest))
     return Cadence("monthly", timezone, months=months, start=start.isoformat(), anchor=later)
+
+
+def _near(moment: float, now: float, text: str) -> float:
+    """A one-shot's time, if it is within the 100 years a schedule may look ahead."""
+    if moment - now > MAX_AHEAD_DAYS * 86400:
+        raise CadenceError(f"{text}: at most 100 years ahead")
+    return moment
 
 
 def _cron(text: str, zone: tzinfo, timezone: str, now: float) -> Cadence:

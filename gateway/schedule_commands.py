@@ -73,8 +73,9 @@ async def cmd_schedule(runner: GatewayRunner, event: MessageEvent, key: str, cmd
 
 async def _add(runner: GatewayRunner, event: MessageEvent, asker: Asker, rest: str) -> str:
     deliver = "chat"
-    if rest.startswith("--home"):
-        deliver, rest = "home", rest.removeprefix("--home").strip()
+    flag, _, after = rest.partition(" ")
+    if flag == "--home":
+        deliver, rest = "home", after.strip()
     if not rest:
         return USAGE
     try:

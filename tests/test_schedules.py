@@ -406,6 +406,8 @@ async def test_a_home_delivery_without_a_home_channel_is_refused(
         "Not scheduled: http has no home channel: /sethome in the chat that should get the"
         " runs, or set platforms.http.home_channel"
     )
+    misspelt = await gw.say("/schedule add --homeroom in 1s x")
+    assert misspelt.startswith('Not scheduled: WHEN must start with "in"')
     assert await gw.runner.schedule_book.list(None) == []
 
 

@@ -153,7 +153,9 @@ class GatewayRunner(SessionOps):
         # Long-term memory: notes and hybrid recall (the memory tools, `hermes-gateway memory`).
         self.recall = Recall(self.store, config)
         # Scheduled jobs (issue 17): the book (commands, tools) and the loop that fires them.
-        self.schedule_book = ScheduleBook(self.store, config)
+        self.schedule_book = ScheduleBook(
+            self.store, config, platforms=lambda: [p.value for p in self.adapters]
+        )
         self.scheduler = Scheduler(self, self.schedule_book)
         self.metrics = Metrics(gauges=self._metric_gauges)  # its own registry
         # Streamed replies (issue 18): a turn's Stream takes its chat's slot only once

@@ -1,7 +1,8 @@
 """The chat commands of scheduled jobs (issue 17): /schedule and /sethome.
 
-    /schedule add [--home] WHEN PROMPT   WHEN: in 30m | at 09:00 | at 2026-12-01 09:00 |
-                                         every 2h | "0 9 * * 1-5" (gateway.schedules.cadence)
+    /schedule add [--home] WHEN PROMPT   WHEN: in 30 minutes | at 09:00 | every 2 hours |
+                                         every 6 months | "0 9 * * 1-5" (see
+                                         gateway.schedules.cadence)
     /schedule list | remove ID | pause ID | resume ID | run ID | runs ID
     /sethome                             this chat is the platform's home channel
 
@@ -23,9 +24,10 @@ if TYPE_CHECKING:
     from gateway.run import GatewayRunner
 
 USAGE = (
-    "Usage: /schedule add [--home] WHEN PROMPT, where WHEN is in 30m, at 09:00,"
-    ' at 2026-12-01 09:00, every 2h or a cron expression in quotes ("0 9 * * 1-5");'
-    " /schedule list | remove ID | pause ID | resume ID | run ID | runs ID"
+    "Usage: /schedule add [--home] WHEN PROMPT, where WHEN is in 30 minutes, in 2h 30m,"
+    " at 09:00, at 2026-12-01 09:00, every 2 hours, every 6 months or a cron expression in"
+    ' quotes ("0 9 * * 1-5"); /schedule list | remove ID | pause ID | resume ID | run ID |'
+    " runs ID"
 )
 
 
@@ -60,8 +62,9 @@ async def cmd_schedule(runner: GatewayRunner, event: MessageEvent, key: str, cmd
             return f"Resumed {schedule_id}; next run {next_fire_text(row)}."
         if action == "run":
             row = await book.get(schedule_id, asker)
-            if not await runner.scheduler.run_now(row):
-                return f"{schedule_id} could not start now (a run of it is still going?)."
+            refused = await runner.scheduler.run_now(row)
+            if refused is not None:
+                return f"{schedule_id} could not start now: {refused}."
             return f"Running {schedule_id} now."
         return await _runs(runner, schedule_id, asker)
     except ScheduleError as exc:
@@ -70,8 +73,9 @@ async def cmd_schedule(runner: GatewayRunner, event: MessageEvent, key: str, cmd
 
 async def _add(runner: GatewayRunner, event: MessageEvent, asker: Asker, rest: str) -> str:
     deliver = "chat"
-    if rest.startswith("--home"):
-        deliver, rest = "home", rest.removeprefix("--home").strip()
+    flag, _, after = rest.partition(" ")
+    if flag == "--home":
+        deliver, rest = "home", after.strip()
     if not rest:
         return USAGE
     try:

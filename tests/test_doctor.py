@@ -77,18 +77,20 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Home:
     return Home(path, asyncio.run(_populate(path / "sessions")))
 
 
-def doctor(*argv: str) -> int:
+def doctor(*argv: str, config: GatewayConfig = CONFIG) -> int:
     parser = argparse.ArgumentParser()
     sub = parser.add_subparsers(dest="command", required=True)
     add_doctor_parser(sub, parents=[])
     args = parser.parse_args(["doctor", *argv])
-    return int(args.handler(args, CONFIG))
+    return int(args.handler(args, config))
 
 
-def findings(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, dict[str, Any]]:
+def findings(
+    capsys: pytest.CaptureFixture[str], *argv: str, config: GatewayConfig = CONFIG
+) -> tuple[int, dict[str, Any]]:
     """Run `doctor --json ARGV` and return its exit code and findings by name."""
     capsys.readouterr()
-    rc = doctor("--json", *argv)
+    rc = doctor("--json", *argv, config=config)
     data = json.loads(capsys.readouterr().out)
     return rc, {f["name"]: f for f in data}
 
@@ -172,14 +174,24 @@ def test_reports_clean_shutdown_marker_and_pending_work(
     (home.path / ".clean_shutdown").write_text("clean shutdown\n")
     conn = sqlite3.connect(home.db)
     with conn:
-        conn.execute(
-            "INSERT INTO outbound (platform, chat_id, target, text, state, created_at)"
-            " VALUES ('telegram', 'c0', 'c0', 'hi', 'pending', 0)"
-        )
+        for platform in ("http", "telegram", "telegram"):
+            conn.execute(
+                "INSERT INTO outbound (platform, chat_id, target, text, state, created_at)"
+                " VALUES (?, 'c0', 'c0', 'hi', 'pending', 0)",
+                (platform,),
+            )
     conn.close()
-    _, found = findings(capsys)
+    http_only = GatewayConfig.model_validate(
+        {"timezone": "UTC", "platforms": {"http": {"enabled": True}}}
+    )
+    _, found = findings(capsys, config=http_only)
     assert "marker present" in found["clean shutdown"]["detail"]
-    assert found["outbound"]["detail"].startswith("1 reply chunks pending")
+    # What waits for a platform that is not enabled is not a reply that will go.
+    assert found["outbound"]["status"] == "warn"
+    assert found["outbound"]["detail"] == (
+        "1 reply chunks pending (sent at the next start); 2 for platforms not enabled"
+        " (telegram: 2), sent only once enabled"
+    )
 
 
 # --- warnings that --repair fixes -----------------------------------------------------------

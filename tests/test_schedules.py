@@ -10,7 +10,9 @@ tests/test_schedule_cadence.py.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
 import re
 import sqlite3
 import time
@@ -21,13 +23,16 @@ from typing import Any
 
 import psycopg
 import pytest
+from structlog.testing import capture_logs
 
 from adapters.http import HttpAdapter
-from config import TOOL_NAMES, GatewayConfig
+from config import TOOL_NAMES, GatewayConfig, HttpConfig
 from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
+from gateway.ops.doctor import Paths, run_checks
 from gateway.run import GatewayRunner
 from gateway.schedules.cadence import Cadence
-from gateway.session import schedule_session_key
+from gateway.session import SessionSource, schedule_session_key
+from gateway.store import codec
 from gateway.store import schedules as rows
 from gateway.store.pg.dialect import translate
 from tests.fakes.openai_server import FakeOpenAI, serve_in_a_thread, tool_calls, tool_results
@@ -174,7 +179,7 @@ async def test_schedule_validation_names_what_is_wrong(make_gateway: MakeGateway
     )
     minutely = await gw.say('/schedule add "* * * * *" too often')
     assert "repeats every 1m" in minutely
-    assert "give a whole number and a unit s, m, h or d" in await gw.say("/schedule add in 5x hi")
+    assert "give a whole number and a unit" in await gw.say("/schedule add in 5x hi")
     assert "WHEN must start with" in await gw.say("/schedule add tomorrow hi")
     assert "say what to do" in await gw.say("/schedule add in 5m")
     # One-shot times have no minimum.
@@ -185,6 +190,72 @@ async def test_schedule_validation_names_what_is_wrong(make_gateway: MakeGateway
     # Another user's count is their own.
     await gw.schedule("in 1h theirs", chat="c2", user="u2")
     assert "no schedule 'sch_00000000'" in await gw.say("/schedule remove sch_00000000")
+
+
+async def test_spelled_out_units_are_read_whole(make_gateway: MakeGateway) -> None:
+    gw = await make_gateway()
+    made: dict[str, tuple[str, str]] = {
+        "every 6 months renew passport": ("every 6 months", "renew passport"),
+        "in 30 minutes call mum": ("once", "call mum"),
+        "every 2 hours stretch": ("every 2h", "stretch"),
+        "in 2 days pay rent": ("once", "pay rent"),
+    }
+    for text, (cadence, prompt) in made.items():
+        before = time.time()
+        row = await gw.row(await gw.schedule(text))
+        assert row is not None and row["prompt"] == prompt
+        assert Cadence.from_json(row["cadence"]).describe() == cadence
+        assert row["next_run_at"] - before > {"call mum": 1790, "pay rent": 2 * 86400 - 10}.get(
+            prompt, 7190
+        )
+    refused = await gw.say("/schedule add in 30 minuets call mum")
+    assert refused.startswith("Not scheduled: in '30 minuets': give a whole number and a unit")
+    assert "units: s/sec/seconds, m/min/minutes, h/hr/hours" in refused
+    assert len(await gw.runner.schedule_book.list(None)) == len(made)
+
+
+@pytest.mark.parametrize("limit", [HttpConfig().max_body_bytes, 256 * 1024])
+async def test_a_cron_list_in_the_largest_body_is_refused_without_stalling_the_loop(
+    make_gateway: MakeGateway, limit: int
+) -> None:
+    """A /schedule add message as large as the HTTP API accepts (the default limit, and a
+    raised one), its cron expression one long list: refused by its size, and the event
+    loop never waits on it (APScheduler walks a list item by item, for every fire time
+    it looks for)."""
+    http = {"enabled": True, "port": 0, "max_body_bytes": limit}
+    gw = await make_gateway(platforms={"http": http})
+    envelope = {"chat_id": "c1", "user_id": "u1", "text": ""}
+    frame = '/schedule add "{} * * * *" hi'
+    room = limit - len(json.dumps({**envelope, "text": frame.format("")}).encode())
+    cron_list = ",".join(str(i % 60) for i in range(room))[:room].rstrip(",")
+    body = json.dumps({**envelope, "text": frame.format(cron_list)}).encode()
+    assert limit - 1 <= len(body) <= limit
+    stalls: list[float] = []
+
+    async def probe() -> None:
+        while True:
+            started = time.perf_counter()
+            await asyncio.sleep(0.005)
+            stalls.append(time.perf_counter() - started - 0.005)
+
+    probing = asyncio.create_task(probe())
+    try:
+        async with gw.client.session.post(
+            f"{gw.client.url}/v1/messages",
+            data=body,
+            headers={"Content-Type": "application/json"},
+        ) as resp:
+            assert resp.status == 202, await resp.text()
+        reply = (await gw.client.replies("c1", 1, within=60))[0]
+        sampled = len(stalls)
+        await wait_for(lambda: len(stalls) >= sampled + 2)  # each stall measured to its end
+    finally:
+        probing.cancel()
+    assert max(stalls) < 1.0, f"the event loop stalled {max(stalls):.2f} s"
+    assert reply.startswith("Not scheduled: WHEN is ")
+    assert "at most 100 characters and 24 comma-separated items per field" in reply
+    assert len(reply) < 400  # the expression is not echoed back
+    assert await gw.runner.schedule_book.list(None) == []
 
 
 async def test_at_a_time_replies_with_the_next_fire_in_the_schedules_zone(
@@ -326,14 +397,80 @@ async def test_sethome_is_for_admins_when_admins_are_set(make_gateway: MakeGatew
     assert (await gw.say("/sethome", user="boss")).startswith("This chat is now")
 
 
-async def test_a_home_delivery_without_a_home_channel_is_missed_with_a_line(
+async def test_a_home_delivery_without_a_home_channel_is_refused(
     make_gateway: MakeGateway,
 ) -> None:
     gw = await make_gateway(platforms={"http": {"enabled": True, "port": 0}})
-    schedule_id = await gw.schedule("--home in 1s nowhere to go")
-    await wait_for(lambda: _settled(gw, schedule_id), within=10)
-    (run,) = await gw.runs(schedule_id)
-    assert run["status"] == "missed" and "no home channel on http" in run["output_summary"]
+    refused = await gw.say("/schedule add --home in 1s nowhere to go")
+    assert refused == (
+        "Not scheduled: http has no home channel: /sethome in the chat that should get the"
+        " runs, or set platforms.http.home_channel"
+    )
+    misspelt = await gw.say("/schedule add --homeroom in 1s x")
+    assert misspelt.startswith('Not scheduled: WHEN must start with "in"')
+    assert await gw.runner.schedule_book.list(None) == []
+
+
+async def test_a_schedule_with_nowhere_to_deliver_is_recorded_undeliverable(
+    make_gateway: MakeGateway, tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    """Made while its platform was enabled (or its home channel set), due after that
+    changed: nothing runs, each fire time is `undeliverable`, a warning says so, no
+    reply waits in the ledger, and `doctor` names it."""
+    home = tmp_path / "gone"
+    gw = await make_gateway(home=home)
+    to_telegram = await gw.schedule("every 1h telegram digest")
+    to_home = await gw.schedule("every 1h home digest")
+    await gw.stop()
+    telegram = {"platform": "telegram", "chat_id": "55", "chat_type": "dm"}
+    soon = time.time() + 1
+    _rewrite(
+        store_backend,
+        home,
+        "UPDATE schedules SET platform = 'telegram', chat_id = '55', target = ?,"
+        " next_run_at = ? WHERE schedule_id = ?",
+        codec.dumps(SessionSource.from_dict(telegram).to_dict()),
+        soon,
+        to_telegram,
+    )
+    _rewrite(
+        store_backend,
+        home,
+        "UPDATE schedules SET deliver = 'home', next_run_at = ? WHERE schedule_id = ?",
+        soon,
+        to_home,
+    )
+    with capture_logs() as logs:
+        gw = await make_gateway(home=home)
+        for schedule_id in (to_telegram, to_home):
+            await wait_for(lambda schedule_id=schedule_id: _settled(gw, schedule_id), within=10)
+    (telegram_run,) = await gw.runs(to_telegram)
+    (home_run,) = await gw.runs(to_home)
+    assert telegram_run["status"] == "undeliverable" == home_run["status"]
+    assert "telegram is not enabled in this gateway" in telegram_run["output_summary"]
+    assert "no home channel on http" in home_run["output_summary"]
+    warned = [e for e in logs if e["event"] == "schedule_undeliverable"]
+    assert {e["schedule_id"] for e in warned} == {to_telegram, to_home}
+    assert all(e["log_level"] == "warning" for e in warned)
+    assert gw.runner.metrics.schedule_runs["undeliverable"] == 2
+    for schedule_id in (to_telegram, to_home):  # no turn ran: no session, no reply
+        assert await _sessions_of(gw, schedule_session_key("main", schedule_id)) == 0
+        row = await gw.row(schedule_id)
+        assert row is not None and row["status"] == "active" and row["next_run_at"] > soon
+    pending = await gw.runner.store.read(
+        lambda conn: conn.execute(
+            "SELECT count(*) FROM outbound WHERE state = 'pending'"
+        ).fetchone()[0]
+    )
+    assert pending == 0
+    await gw.stop()
+    if not store_backend.postgres:
+        found = {f.name: f for f in run_checks(Paths.of(home), gw.runner.config)}
+        assert found["schedules"].status == "warn"
+        assert f"{to_telegram} (telegram not enabled)" in found["schedules"].detail
+        assert f"{to_home} (no home channel on http)" in found["schedules"].detail
+        assert "2 runs on record were undeliverable" in found["schedules"].detail
+        assert found["outbound"].detail.startswith("0 reply chunks pending")
 
 
 async def test_config_home_channel_is_used_without_sethome(make_gateway: MakeGateway) -> None:
@@ -383,13 +520,19 @@ async def test_the_tool_refusal_is_a_result_for_the_model(make_gateway: MakeGate
     with serve_in_a_thread() as (fake, _):
         agent = {"backend": "openai", "base_url": fake.base_url, "model": "m"}
         gw = await make_gateway(agent=agent)
+        home = {"when": "in 1h", "prompt": "digest", "deliver": "home"}
         fake.script(
-            tool_calls(("schedule_create", {"when": "at 2001-01-01 09:00", "prompt": "late"})),
-            "That time has passed.",
+            tool_calls(
+                ("schedule_create", {"when": "at 2001-01-01 09:00", "prompt": "late"}),
+                ("schedule_create", home),
+            ),
+            "That time has passed, and there is no home channel.",
         )
-        assert await gw.say("remind me in 2001") == "That time has passed."
-        (refused,) = tool_results(fake.requests[-1]["json"])
-        assert "is in the past" in refused["content"]["error"]
+        await gw.say("remind me in 2001, and send a digest to the home channel")
+        past, homeless = tool_results(fake.requests[-1]["json"])
+        assert "is in the past" in past["content"]["error"]
+        assert "http has no home channel" in homeless["content"]["error"]
+        assert await gw.runner.schedule_book.list(None) == []
 
 
 # --- deleting a user's data -------------------------------------------------------------------
@@ -498,6 +641,41 @@ async def test_a_claimed_run_whose_turn_is_gone_is_recorded_interrupted(
     assert gw.runner.metrics.schedule_runs["interrupted"] == 1
     row = await gw.row(schedule_id)
     assert row is not None and row["status"] == "active"  # a recurring job goes on
+
+
+async def test_a_stored_cron_beyond_the_bounds_is_paused_not_retried(
+    make_gateway: MakeGateway, tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    """A cron expression stored before the size checks (a 30-item list): paused with a
+    warning at its fire time, once, and `resume` says why it cannot run."""
+    home = tmp_path / "old"
+    gw = await make_gateway(home=home)
+    schedule_id = await gw.schedule('"0 9 * * *" old digest')
+    await gw.stop()
+    legacy = Cadence("cron", "UTC", cron=",".join(map(str, range(30))) + " 9 * * *")
+    _rewrite(
+        store_backend,
+        home,
+        "UPDATE schedules SET cadence = ?, next_run_at = ? WHERE schedule_id = ?",
+        legacy.to_json(),
+        time.time() + 0.5,
+        schedule_id,
+    )
+    with capture_logs() as logs:
+        gw = await make_gateway(home=home)
+        await wait_for(lambda: _status_is(gw, schedule_id, "paused"), within=10)
+    assert [e["schedule_id"] for e in logs if e["event"] == "schedule_unreadable"] == [schedule_id]
+    assert await gw.runs(schedule_id) == []
+    (ack,) = await gw.client.replies("c1", 1)  # the first gateway's /schedule reply
+    assert ack.startswith(f"Scheduled {schedule_id}")
+    refused = await gw.say(f"/schedule resume {schedule_id}")
+    assert refused.startswith(f"Not done: {schedule_id} cannot run again: ")
+    assert "the minute field lists 30 items" in refused
+
+
+async def _status_is(gw: Gateway, schedule_id: str, status: str) -> bool:
+    row = await gw.row(schedule_id)
+    return row is not None and row["status"] == status
 
 
 async def test_run_history_is_pruned_to_keep_runs(make_gateway: MakeGateway) -> None:

@@ -161,6 +161,14 @@ def test_the_cli_adds_lists_and_removes_beside_the_running_daemon(
     assert refused.returncode == 1 and "is in the past" in refused.stderr
     unknown = cli(daemon, "add", "--chat", "http:c9", "--agent", "nobody", "in 1h", "x")
     assert unknown.returncode == 1 and "unknown agent 'nobody'" in unknown.stderr
+    # Nowhere to deliver: a platform this gateway does not enable, no home channel.
+    disabled = cli(daemon, "add", "--chat", "telegram:55", "in 1h", "x")
+    assert disabled.returncode == 1
+    assert "add: telegram is not enabled in this gateway" in disabled.stderr
+    assert "(enabled: http; platforms.telegram.enabled)" in disabled.stderr
+    homeless = cli(daemon, "add", "--home-channel", "http", "in 1h", "x")
+    assert homeless.returncode == 1 and "http has no home channel" in homeless.stderr
+    assert [s["id"] for s in cli_json(daemon, "list")] == [added["id"]]
     daemon.stop()
 
 

@@ -87,7 +87,7 @@ async def _fill(home: Path) -> None:
             )
 
         await store.write(journal_rows)
-        book = ScheduleBook(store, config)
+        book = ScheduleBook(store, config, platforms=lambda: ["http"])
         added = await book.add(
             agent_id="main", target=source(1), user_id="user1", when="every 2h", prompt="ping"
         )

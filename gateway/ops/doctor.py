@@ -25,7 +25,7 @@ import secrets
 import sqlite3
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,7 @@ from gateway.store.session_store import SESSIONS_JSON, STATE_DB
 OK, WARN, ERROR = "ok", "warn", "error"
 INDEX_DBS = (SEARCH_DB, MEMORY_DB)
 STALE_TEMP_SECONDS = 60
+SCHEDULES_NAMED = 10  # undeliverable schedules named by id, at most
 _ORPHAN_TURNS = (  # no table alias: DELETE does not take one
     "FROM turns WHERE NOT EXISTS (SELECT 1 FROM session_entries e"
     " WHERE e.session_key = turns.session_key)"
@@ -326,8 +327,10 @@ def check_restart_counts(paths: Paths) -> Finding:
     return Finding(name, OK, f"{len(data)} keys counted")
 
 
-def check_journal(paths: Paths) -> list[Finding]:
-    """Turn markers (first), the inbox and the outbound ledger of a sound state.db."""
+def check_journal(paths: Paths, enabled: Collection[str] | None = None) -> list[Finding]:
+    """Turn markers (first), the inbox and the outbound ledger of a sound state.db.
+    `enabled`: the platforms the config enables (replies pending for another platform
+    wait until it is enabled again, and are reported apart)."""
     try:
         conn = _connect_ro(paths.db)
         try:
@@ -342,8 +345,8 @@ def check_journal(paths: Paths) -> list[Finding]:
                 " WHERE t.session_key = i.session_key)), 0)"
                 " FROM inbox i WHERE state = 'accepted'"
             ).fetchone()
-            sql = "SELECT COUNT(*) FROM outbound WHERE state = 'pending'"
-            (pending,) = conn.execute(sql).fetchone()
+            sql = "SELECT platform, COUNT(*) FROM outbound WHERE state = 'pending' GROUP BY 1"
+            pending_by_platform = dict(conn.execute(sql).fetchall())
         finally:
             conn.close()
     except sqlite3.DatabaseError:
@@ -356,8 +359,57 @@ def check_journal(paths: Paths) -> list[Finding]:
     inbox = f"{accepted} accepted messages waiting for an answer"
     if queued_new:
         inbox += f" ({queued_new} for keys without a session yet: queued, not orphans)"
-    outbound = f"{pending} reply chunks pending (sent at the next start)"
-    return [marker, Finding("inbox", OK, inbox), Finding("outbound", OK, outbound)]
+    return [marker, Finding("inbox", OK, inbox), _outbound(pending_by_platform, enabled)]
+
+
+def _outbound(pending: dict[str, int], enabled: Collection[str] | None) -> Finding:
+    stuck = {p: n for p, n in sorted(pending.items()) if enabled is not None and p not in enabled}
+    going = sum(pending.values()) - sum(stuck.values())
+    detail = f"{going} reply chunks pending (sent at the next start)"
+    if not stuck:
+        return Finding("outbound", OK, detail)
+    where = ", ".join(f"{platform}: {count}" for platform, count in stuck.items())
+    detail += f"; {sum(stuck.values())} for platforms not enabled ({where}), sent only once enabled"
+    return Finding("outbound", WARN, detail)
+
+
+def check_schedules(paths: Paths, config: GatewayConfig) -> Finding | None:
+    """Active schedules whose runs cannot be delivered (their platform is not enabled,
+    or they go to a home channel it does not have: each fire time is recorded
+    `undeliverable`, nothing runs), and the undeliverable runs on record."""
+    try:
+        conn = _connect_ro(paths.db)
+        try:
+            active = conn.execute(
+                "SELECT schedule_id, platform, deliver FROM schedules WHERE status = 'active'"
+                " ORDER BY created_at"
+            ).fetchall()
+            homes = {platform for (platform,) in conn.execute("SELECT platform FROM home_channels")}
+            sql = "SELECT COUNT(*) FROM schedule_runs WHERE status = 'undeliverable'"
+            (undelivered,) = conn.execute(sql).fetchone()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError:
+        return None  # no schedule tables yet (the next start migrates)
+    enabled = set(config.connected_platforms())
+    homes |= set(config.home_channels())
+    stuck = [
+        f"{schedule_id} ({platform} not enabled)"
+        if platform not in enabled
+        else f"{schedule_id} (no home channel on {platform})"
+        for schedule_id, platform, deliver in active
+        if platform not in enabled or (deliver == "home" and platform not in homes)
+    ]
+    if not stuck and not undelivered:
+        return Finding("schedules", OK, f"{len(active)} active, each with somewhere to deliver")
+    parts = []
+    if stuck:
+        shown = ", ".join(stuck[:SCHEDULES_NAMED]) + (" .." if len(stuck) > SCHEDULES_NAMED else "")
+        parts.append(f"{len(stuck)} active schedules cannot deliver, so they do not run: {shown}")
+    if undelivered:
+        parts.append(f"{undelivered} runs on record were undeliverable")
+    fix = "enable the platform or set its home channel, or remove the schedule"
+    return Finding("schedules", WARN, f"{'; '.join(parts)} ({fix}; schedules runs ID)")
 
 
 def check_turns(paths: Paths) -> Finding | None:
@@ -461,7 +513,10 @@ def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Findin
         check_restart_counts(paths),
     ]
     if db.status == OK:  # the journal tables are only worth reading in a sound database
-        found += check_journal(paths)
+        enabled = config.connected_platforms() if config is not None else None
+        found += check_journal(paths, enabled)
+        if config is not None:
+            found.append(check_schedules(paths, config))
     found.append(check_clean_shutdown(paths))
     return [finding for finding in found if finding is not None]
 

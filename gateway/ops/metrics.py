@@ -20,7 +20,7 @@ from prometheus_client.core import (
 
 # Schedule fire delay buckets in seconds (fire time -> the run's turn begun).
 DELAY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
-SCHEDULE_RUN_STATUSES = ("ok", "failed", "missed", "interrupted")
+SCHEDULE_RUN_STATUSES = ("ok", "failed", "missed", "interrupted", "undeliverable")
 
 # Turn latency buckets in seconds: echo turns take milliseconds, model turns seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)

@@ -4,7 +4,9 @@ view of scheduled jobs (issue 17).
 Works beside a running daemon or without one, like `sessions`: state.db's writes are
 serialised by SQLite (WAL), and the daemon sees a schedule added here within a second
 (it asks SQLite whether another process wrote, `PRAGMA data_version`, once a second).
-Times in `--json` are ISO 8601 UTC. Exit codes: 0 done, 1 refused or not found.
+Times in `--json` are ISO 8601 UTC. Exit codes: 0 done, 1 refused or not found (`add`
+refuses a platform the config does not enable, and `--home-channel` a platform with no
+home channel).
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ def add_schedules_parser(sub: Any, parents: list[argparse.ArgumentParser]) -> No
     add.add_argument("--chat-type", default="dm", choices=("dm", "group", "channel", "thread"))
     add.add_argument("--timezone", default=None, help="IANA zone (default the gateway's)")
     add.add_argument("--json", action="store_true")
-    add.add_argument("when", metavar="WHEN", help='"in 30m", "at 09:00", "every 2h", "0 9 * * *"')
+    add.add_argument(
+        "when",
+        metavar="WHEN",
+        help='"in 30 minutes", "at 09:00", "every 2 hours", "every 6 months", "0 9 * * *"',
+    )
     add.add_argument("prompt", nargs="+", metavar="PROMPT")
     for name, text in (
         ("remove", "delete a schedule and its runs"),

@@ -8,8 +8,10 @@ user never sees another user's schedules. The CLI (the operator) passes no asker
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -100,11 +102,19 @@ class ScheduleBook:
     """Schedules over the store; `changed()` is called after each change (the scheduler
     wakes to look at the earliest fire time again)."""
 
-    def __init__(self, store: SessionStore, config: GatewayConfig) -> None:
+    def __init__(
+        self,
+        store: SessionStore,
+        config: GatewayConfig,
+        platforms: Callable[[], Iterable[str]] | None = None,
+    ) -> None:
         self.store = store
         self.config = config
         self.settings = config.schedules
         self.changed: Any = lambda: None
+        # Where runs can be delivered: the running gateway's adapters, or (the CLI)
+        # the platforms the config enables.
+        self.platforms = platforms or config.connected_platforms
 
     def timezone(self) -> str:
         return zone_name(self.config.tzinfo())
@@ -128,19 +138,19 @@ class ScheduleBook:
             raise ScheduleError("say what to do: /schedule add WHEN PROMPT")
         if len(prompt) > PROMPT_MAX_CHARS:
             raise ScheduleError(f"the prompt is too long ({len(prompt)} > {PROMPT_MAX_CHARS})")
+        await self._check_delivery(target, deliver)
         now = time.time()
-        try:
-            cadence = parse_when(when, timezone or self.timezone(), now)
-        except CadenceError as exc:
-            raise ScheduleError(str(exc)) from None
-        gap = cadence.shortest_gap(now)
+        # In a worker thread: a cron expression is bounded (gateway.schedules.cron), yet
+        # finding the fire times of a rare one walks years of the calendar.
+        cadence, gap, first = await asyncio.to_thread(
+            _read_when, when, timezone or self.timezone(), now
+        )
         minimum = self.settings.min_interval
         if gap is not None and gap < minimum:
             raise ScheduleError(
                 f"{when.strip()} repeats every {duration(gap)}; the shortest interval allowed"
                 f" is {duration(minimum)} (schedules.min_interval)"
             )
-        first = cadence.next_after(now)
         schedule_id = new_schedule_id()
         target = _target(target)
         row = {
@@ -175,6 +185,23 @@ class ScheduleBook:
         await self.store.write(write, dirty=False)
         self.changed()
         return row
+
+    async def _check_delivery(self, target: SessionSource, deliver: str) -> None:
+        """Refuse a schedule whose runs could never be delivered: its platform is not
+        enabled here, or it goes to a home channel the platform does not have."""
+        platform = target.platform.value
+        enabled = sorted(self.platforms())
+        if platform not in enabled:
+            raise ScheduleError(
+                f"{platform} is not enabled in this gateway, so its runs could never be"
+                f" delivered (enabled: {', '.join(enabled) or 'none'}; platforms.{platform}"
+                ".enabled)"
+            )
+        if deliver == "home" and await self.home_of(platform) is None:
+            raise ScheduleError(
+                f"{platform} has no home channel: /sethome in the chat that should get"
+                f" the runs, or set platforms.{platform}.home_channel"
+            )
 
     async def list(self, asker: Asker | None) -> list[dict[str, Any]]:
         return await self.store.read(lambda conn: rows.listed(conn, **_scope(asker)))
@@ -219,7 +246,10 @@ class ScheduleBook:
         if found["status"] != rows.PAUSED:
             raise ScheduleError(f"{schedule_id} is {found['status']}, not paused")
         now = time.time()
-        following = Cadence.from_json(found["cadence"]).next_after(now) or now
+        try:
+            following = Cadence.from_json(found["cadence"]).next_after(now) or now
+        except CadenceError as exc:
+            raise ScheduleError(f"{schedule_id} cannot run again: {exc}; remove it") from None
         await self.store.write(
             lambda conn: rows.set_status(conn, schedule_id, rows.ACTIVE, following, now),
             dirty=False,
@@ -246,6 +276,15 @@ class ScheduleBook:
         """The platform's home channel: `/sethome`'s, else `platforms.P.home_channel`."""
         stored = await self.store.read(lambda conn: rows.get_home(conn, platform))
         return home_target(stored, platform, self.config)
+
+
+def _read_when(when: str, timezone: str, now: float) -> tuple[Cadence, float | None, float | None]:
+    """The cadence of `when`, its shortest gap and its first fire time."""
+    try:
+        cadence = parse_when(when, timezone, now)
+    except CadenceError as exc:
+        raise ScheduleError(str(exc)) from None
+    return cadence, cadence.shortest_gap(now), cadence.next_after(now)
 
 
 def home_target(stored: str | None, platform: str, config: GatewayConfig) -> SessionSource | None:

@@ -31,7 +31,7 @@ import structlog
 from adapters.base import MessageEvent
 from gateway.faults import crash_point
 from gateway.schedules.book import ScheduleBook, home_target
-from gateway.schedules.cadence import Cadence, local_time, missed_fire_times
+from gateway.schedules.cadence import Cadence, CadenceError, local_time, missed_fire_times
 from gateway.session import SessionSource, TokenUsage, schedule_id_of_key, schedule_session_key
 from gateway.store import codec, journal
 from gateway.store import schedules as rows
@@ -44,6 +44,7 @@ log = structlog.get_logger("gateway.schedules")
 POLL_SECONDS = 1.0  # how soon a schedule written by another process (the CLI) is seen
 DUE_PAGE = 500  # due schedules fired per pass
 FAILURES_TO_PAUSE = 3
+LATE_SECONDS = 60.0  # a fire time later than this is planned off the event loop
 INTERRUPTED_NOTICE = (
     "Scheduled task {id} was interrupted by a restart while it ran ({due}); it was not run again."
 )
@@ -167,16 +168,26 @@ class Scheduler:
         try:
             cadence = Cadence.from_json(row["cadence"])
             due = row["next_run_at"]
-            plan = plan_fire(cadence, due, now, self.started_at, self.settings.catch_up)
-            target = await self._target(row)
+            plan_args = (cadence, due, now, self.started_at, self.settings.catch_up)
+            try:
+                if now - due > LATE_SECONDS:
+                    # In a worker thread: after downtime a frequent cadence counts up to
+                    # MISSED_COUNTED fire times, too long a walk for the event loop.
+                    plan = await asyncio.to_thread(plan_fire, *plan_args)
+                else:
+                    plan = plan_fire(*plan_args)
+            except CadenceError as exc:  # stored before today's checks: never retried
+                return await self._pause_unreadable(row, str(exc))
+            target, nowhere = await self._destination(row)
             key = schedule_session_key(row["agent_id"], schedule_id)
+            if nowhere is not None:
+                return await self._skip(row, cadence, plan, None, nowhere, undeliverable=True)
             skipped = None
-            if plan.run_at is not None and target is None:
-                skipped = f"no home channel on {row['platform']} (/sethome, or home_channel)"
-            elif plan.run_at is not None and self.runner.is_busy(key):
+            if plan.run_at is not None and self.runner.is_busy(key):
                 skipped = "its previous run was still running"
             if plan.run_at is None or skipped is not None:
                 return await self._skip(row, cadence, plan, target, skipped)
+            assert target is not None
             return await self._start(row, cadence, plan, target, key)
         finally:
             self._firing.discard(schedule_id)
@@ -229,14 +240,23 @@ class Scheduler:
         plan: FirePlan,
         target: SessionSource | None,
         reason: str | None,
+        *,
+        undeliverable: bool = False,
     ) -> bool:
-        """Move past fire times that do not run: one `missed` row, one line to the user."""
+        """Move past fire times that do not run: one `missed` row, one line to the user.
+        `undeliverable` (nowhere to deliver: `reason` says why): the fire time that was
+        due is recorded `undeliverable`, nothing runs and nothing is sent; the operator
+        is told by a warning (and `doctor`)."""
         schedule_id = row["schedule_id"]
-        missed = plan.missed + ([plan.run_at] if plan.run_at is not None else [])
+        undelivered = plan.run_at if undeliverable else None
+        missed = list(plan.missed)
+        if plan.run_at is not None and not undeliverable:
+            missed.append(plan.run_at)
         notice = None
         if target is not None:
             notice = self._missed_notice(row, cadence, missed, target, reason)
-        summary = _missed_summary(cadence, missed, reason)
+        why = None if undeliverable else reason  # a run before it was not missed for it
+        summary = _missed_summary(cadence, missed, why) if missed else ""
         keep = self.settings.keep_runs
         noticed: list[int] = []
 
@@ -244,16 +264,46 @@ class Scheduler:
             now = time.time()
             if not rows.advance(conn, schedule_id, row["next_run_at"], plan.next_run_at, now):
                 return False
-            rows.record_missed(conn, schedule_id, missed[0], summary, now, keep)
+            if missed:
+                rows.record_missed(conn, schedule_id, missed[0], summary, now, keep)
+            if undelivered is not None:
+                note = f"not run: {reason}."
+                rows.record_undeliverable(conn, schedule_id, undelivered, note, now, keep)
             noticed.extend(_record_notice(conn, notice, now))
             return True
 
         if not await self.runner.store.write(write, dirty=False):
             return False
-        self.runner.metrics.count_schedule_run(rows.MISSED)
-        log.info("schedule_missed", schedule_id=schedule_id, fire_times=len(missed), reason=reason)
+        if missed:
+            self.runner.metrics.count_schedule_run(rows.MISSED)
+            log.info("schedule_missed", schedule_id=schedule_id, fire_times=len(missed), reason=why)
+        if undelivered is not None:
+            self.runner.metrics.count_schedule_run(rows.UNDELIVERABLE)
+            log.warning(
+                "schedule_undeliverable",
+                schedule_id=schedule_id,
+                platform=row["platform"],
+                reason=reason,
+                hint="enable the platform (or set its home channel), or remove the schedule",
+            )
         if notice is not None:
             await self._send(notice[0], noticed, notice)
+        return True
+
+    async def _pause_unreadable(self, row: dict[str, Any], error: str) -> bool:
+        """A stored cadence this gateway cannot read (a cron expression beyond today's
+        bounds): paused with a warning, not retried every pass."""
+        schedule_id = row["schedule_id"]
+        now = time.time()
+        await self.runner.store.write(
+            lambda conn: rows.set_status(conn, schedule_id, rows.PAUSED, None, now), dirty=False
+        )
+        log.warning(
+            "schedule_unreadable",
+            schedule_id=schedule_id,
+            error=error,
+            hint="paused; remove it and add it again",
+        )
         return True
 
     def _missed_notice(
@@ -280,25 +330,39 @@ class Scheduler:
             target, list(zip(ids, notice[1], strict=True)), None
         )
 
-    async def _target(self, row: dict[str, Any]) -> SessionSource | None:
+    async def _destination(self, row: dict[str, Any]) -> tuple[SessionSource | None, str | None]:
+        """Where a run's reply goes, or (None, why it cannot be delivered): the home
+        channel is not set, or the platform is not enabled (no adapter)."""
+        platform = row["platform"]
         if row["deliver"] == "home":
-            platform = row["platform"]
             stored = await self.runner.store.read(lambda conn: rows.get_home(conn, platform))
-            return home_target(stored, platform, self.runner.config)
-        return SessionSource.from_dict(codec.loads(row["target"]))
+            target = home_target(stored, platform, self.runner.config)
+        else:
+            target = SessionSource.from_dict(codec.loads(row["target"]))
+        if target is None:
+            return None, f"no home channel on {platform} (/sethome, or home_channel)"
+        if not self.deliverable(target):
+            return None, f"{platform} is not enabled in this gateway"
+        return target, None
+
+    def deliverable(self, target: SessionSource) -> bool:
+        return target.platform in self.runner.adapters
 
     # --- /schedule run ID ---------------------------------------------------------------------
 
-    async def run_now(self, row: dict[str, Any]) -> bool:
-        """Run a schedule now, outside its cadence (its next fire time stays)."""
+    async def run_now(self, row: dict[str, Any]) -> str | None:
+        """Run a schedule now, outside its cadence (its next fire time stays); None when
+        it started, else why not."""
         cadence = Cadence.from_json(row["cadence"])
-        target = await self._target(row)
+        target, nowhere = await self._destination(row)
         if target is None:
-            return False
+            return nowhere
         key = schedule_session_key(row["agent_id"], row["schedule_id"])
         now = round(time.time(), 3)
         plan = FirePlan(now, [], row["next_run_at"])
-        return await self._start({**row, "next_run_at": None}, cadence, plan, target, key)
+        if await self._start({**row, "next_run_at": None}, cadence, plan, target, key):
+            return None
+        return "a run of it is still going"
 
     # --- a run's end ----------------------------------------------------------------------------
 
@@ -357,7 +421,9 @@ class Scheduler:
         cadence = Cadence.from_json(run["cadence"])
         due = local_time(run["fire_time"], cadence.timezone)
         text = INTERRUPTED_NOTICE.format(id=run["schedule_id"], due=due)
-        notice = (target, self.runner.split_reply(target, text))
+        notice = None  # none for a platform no longer enabled: it would wait forever
+        if self.deliverable(target):
+            notice = (target, self.runner.split_reply(target, text))
         final = None if cadence.recurring else rows.DONE
         keep = self.settings.keep_runs
 

@@ -8,7 +8,8 @@ memory.
 A run's life: `claim` (a `running` row, unique per schedule and fire time, written in
 the transaction that advances `next_run_at` and begins the run's turn) -> `settle` (in
 the turn's finish transaction: ok or failed) or `interrupt` (the turn was dropped).
-Fire times nobody ran become one `missed` row (`record_missed`).
+Fire times nobody ran become one `missed` row (`record_missed`); one whose reply had
+nowhere to go (platform not enabled, no home channel) an `undeliverable` row.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from gateway.store.pg import is_postgres
 
 ACTIVE, PAUSED, DONE = "active", "paused", "done"
 RUNNING, OK, FAILED, MISSED, INTERRUPTED = "running", "ok", "failed", "missed", "interrupted"
+UNDELIVERABLE = "undeliverable"  # its platform not enabled, or no home channel: not run
 SUMMARY_CHARS = 500  # of a run's output, kept in its history
 
 _COLUMNS = (
@@ -243,14 +245,38 @@ def record_missed(
     keep: int,
 ) -> None:
     """One `missed` row for fire times nobody ran (`fire_time`: the first of them)."""
+    _record_not_run(conn, schedule_id, fire_time, MISSED, summary, now, keep)
+
+
+def record_undeliverable(
+    conn: sqlite3.Connection,
+    schedule_id: str,
+    fire_time: float,
+    summary: str,
+    now: float,
+    keep: int,
+) -> None:
+    """An `undeliverable` row: the fire time came, but its reply had nowhere to go."""
+    _record_not_run(conn, schedule_id, fire_time, UNDELIVERABLE, summary, now, keep)
+
+
+def _record_not_run(
+    conn: sqlite3.Connection,
+    schedule_id: str,
+    fire_time: float,
+    status: str,
+    summary: str,
+    now: float,
+    keep: int,
+) -> None:
     conn.execute(
         "INSERT OR IGNORE INTO schedule_runs (schedule_id, fire_time, status, started_at,"
         " finished_at, output_summary) VALUES (?, ?, ?, NULL, ?, ?)",
-        (schedule_id, fire_time, MISSED, now, summary[:SUMMARY_CHARS]),
+        (schedule_id, fire_time, status, now, summary[:SUMMARY_CHARS]),
     )
     conn.execute(
         "UPDATE schedules SET last_run_status = ?, updated_at = ? WHERE schedule_id = ?",
-        (MISSED, now, schedule_id),
+        (status, now, schedule_id),
     )
     prune(conn, schedule_id, keep)
 

@@ -4,7 +4,8 @@
 The same book and validation as `/schedule` (gateway.schedules.book), scoped the same
 way: the asking user's schedules under this agent, delivered to the asking chat (or the
 platform's home channel). A refusal (a time in the past, too short an interval, too
-many schedules) is a ValueError: a result the model reads and can explain.
+many schedules, no home channel) is a ValueError: a result the model reads and can
+explain.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from gateway.tools.builtin import Args
 from gateway.tools.registry import Tool, TurnScope
 
 WHEN_HELP = (
-    'When: "in 30m" / "in 2h" / "in 1d" (once, from now), "at 09:00" (once, the next time'
-    ' the clock shows it) or "at 2026-12-01 09:00" (once), "every 2h" (repeating), or a'
-    ' five-field cron expression such as "0 9 * * 1-5" (weekdays at 9:00). Times are in'
-    " the gateway's time zone unless `timezone` is given."
+    'When: "in 30 minutes" / "in 2h 30m" / "in 3 days" / "in 1 month" (once, from now),'
+    ' "at 09:00" (once, the next time the clock shows it) or "at 2026-12-01 09:00" (once),'
+    ' "every 2 hours" / "every 1 week" / "every 6 months" (repeating; months keep the day'
+    ' of the month), or a five-field cron expression such as "0 9 * * 1-5" (weekdays at'
+    " 9:00). Units: s, m/min, h/hr, d/day, w/week, month (singular or plural). Times are"
+    " in the gateway's time zone unless `timezone` is given."
 )
 
 

@@ -58,6 +58,7 @@ class Delivery:
         self.slots = slots if slots is not None else ChatSlots()
         self.max_flood_wait = max_flood_wait
         self._sending: set[int] = set()  # delivery ids being sent right now
+        self._stranded: dict[Platform, int] = {}  # pending replies per missing platform
 
     def start_typing(self, source: SessionSource) -> asyncio.Task[None] | None:
         """Keep a typing indicator up while the agent works, on platforms that have one
@@ -263,7 +264,12 @@ class Delivery:
         the platform), once each. Periodic passes only take chunks older than
         `min_age_seconds`, leaving fresh ones to the turn that is sending them."""
         sent = 0
+        stranded: dict[Platform, int] = {}
         for row in await self.turnlog.pending_outbound(min_age_seconds):
+            platform = row["target"].platform
+            if platform not in self.adapters:
+                stranded[platform] = stranded.get(platform, 0) + 1
+                continue
             if row.get("attachment") is not None:
                 attachment = Attachment.from_dict(row["attachment"])
                 sent += await self.send_attachments(
@@ -278,7 +284,22 @@ class Delivery:
             )
         if sent:
             log.info("pending_replies_sent", count=sent)
+        self._report_stranded(stranded)
         return sent
+
+    def _report_stranded(self, stranded: dict[Platform, int]) -> None:
+        """Warn once per platform (and again when its count changes) about replies that
+        wait for a platform that is not enabled: every housekeeping pass finds them again,
+        and a line per row and pass would flood the log."""
+        for platform, count in stranded.items():
+            if self._stranded.get(platform) != count:
+                log.warning(
+                    "pending_replies_without_adapter",
+                    platform=platform.value,
+                    count=count,
+                    hint=f"enable platforms.{platform.value} to send them",
+                )
+        self._stranded = stranded
 
 
 def _interval(adapter: PlatformAdapter) -> float:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from structlog.testing import capture_logs
+
 from adapters.base import PlatformAdapter, SendResult
 from config import GatewayConfig
 from gateway.delivery import Delivery
@@ -66,3 +68,35 @@ async def test_a_streamed_chunk_edits_its_own_message_when_an_earlier_one_is_in_
         )
         assert sent == 1
         assert platform.calls == [("edit", "m2", "second part")]
+
+
+async def test_replies_for_a_platform_that_is_not_enabled_are_warned_once_not_per_pass(
+    tmp_path: Path,
+) -> None:
+    """Replies recorded for a platform that is no longer enabled stay pending (enabling
+    it again sends them); each housekeeping pass finds them again, and the log says so
+    once per platform, not once per row and pass."""
+    config = GatewayConfig.model_validate({"timezone": "UTC"})
+    telegram = SessionSource(platform=Platform.TELEGRAM, chat_id="55", user_id="u1")
+    async with SessionStore(tmp_path, config) as store:
+        await store.write(
+            lambda conn: journal.record_outbound(
+                conn,
+                telegram,
+                ["one", "two", "three"],
+                reply_to=None,
+                session_key="agent:main:telegram:dm:55",
+                now=time.time(),
+            )
+        )
+        platform = EditingPlatform()
+        delivery = Delivery({Platform.LOCAL: platform}, TurnLog(store), Metrics())
+        with capture_logs() as logs:
+            for _ in range(3):
+                assert await delivery.resend_pending() == 0
+        warnings = [e for e in logs if e["log_level"] == "warning"]
+        assert [(e["event"], e["platform"], e["count"]) for e in warnings] == [
+            ("pending_replies_without_adapter", "telegram", 3)
+        ]
+        assert platform.calls == []
+        assert len(await TurnLog(store).pending_outbound(0)) == 3  # kept, not dropped

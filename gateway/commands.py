@@ -205,7 +205,10 @@ async def cmd_forget(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
     if done["status"] != "deleted":
         return "That session is gone already."
     # The reply names no id or title: it is kept in the delivery ledger afterwards.
-    return f"Forgot this session ({done['messages']} messages). Your next message starts anew."
+    return (
+        f"Forgot this session ({done['messages']} messages). Nothing of it is kept;"
+        " your next message starts a new session."
+    )
 
 
 async def cmd_retry(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:

@@ -559,19 +559,22 @@ class Recall:
                 (platform, user_id, agent_id),
             ).rowcount
             gone.sessions = gone.schedules = 0  # a retried transaction counts afresh
-            busy = []
+            busy, dm_chats = [], set()
             for session_id, key, origin in conn.execute(
                 "SELECT session_id, session_key, origin FROM sessions"
                 " WHERE json_extract(origin, '$.platform') = ?"
                 " AND json_extract(origin, '$.user_id') = ?",
                 (platform, user_id),
             ).fetchall():
-                namespace = index.transcript_namespace(key, codec.loads(origin), settings)
+                source = codec.loads(origin)
+                namespace = index.transcript_namespace(key, source, settings)
                 if namespace is None or (
                     agent_id is not None and not key.startswith(f"agent:{agent_id}:")
                 ):
                     continue
                 namespaces.add(namespace)
+                if isinstance(source, dict) and source.get("chat_type") == "dm":
+                    dm_chats.add(str(source.get("chat_id")))
                 try:
                     if purge.delete_session(conn, session_id, now, erase=True) is not None:
                         gone.sessions += 1
@@ -586,6 +589,7 @@ class Recall:
                     busy.append(key)
                 else:
                     gone.sessions += deleted
+            purge.erase_user_journal(conn, platform, user_id, agent_id, dm_chats, now)
             if agent_id is not None:
                 namespaces.add(f"memory:{agent_id}:{platform}:{user_id}")
             else:  # pairing is the gateway's, not one agent's

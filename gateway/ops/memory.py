@@ -149,5 +149,8 @@ def _counted(count: int, what: str) -> str:
 def _confirmed(whose: str) -> bool:
     if not sys.stdin.isatty():
         return False
-    answer = input(f"Delete every note, own session and memory entry of {whose} for good? [y/N] ")
+    answer = input(
+        f"Delete every note, own session, schedule, memory entry and pairing of {whose}"
+        " for good? [y/N] "
+    )
     return answer.strip().lower() in ("y", "yes")

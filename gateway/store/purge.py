@@ -192,25 +192,80 @@ def _chat_only(target: str) -> str:
 
 
 def _erase_journal(conn: sqlite3.Connection, window: _Window) -> int:
-    """Delete the window's finished inbox rows and sent replies; the newest reply of all,
-    when it is one of them, is kept with nothing of its chat (see the module's docstring)."""
+    """Delete the window's finished inbox rows and sent replies."""
     inbox = conn.execute(
         "DELETE FROM inbox WHERE session_key = ? AND state != 'accepted'"
         " AND accepted_at BETWEEN ? AND ?",
         (window.key, window.lo, window.hi),
     ).rowcount
-    where, params = window.outbound()
+    return inbox + _erase_outbound(conn, window)
+
+
+def _erase_outbound(conn: sqlite3.Connection, window: _Window, everything: bool = False) -> int:
+    """Delete the window's sent replies (`everything`: all sent replies of its chat);
+    the newest reply of all, when it is one of them, is kept with nothing of its chat
+    (see the module's docstring)."""
+    if everything:
+        assert window.chat is not None
+        where, params = "platform = ? AND chat_id = ? AND state = 'sent'", list(window.chat)
+    else:
+        where, params = window.outbound()
     newest = conn.execute("SELECT max(id) FROM outbound").fetchone()[0] or 0
-    outbound = conn.execute(
+    erased = conn.execute(
         f"DELETE FROM outbound WHERE {where} AND id != ?", (*params, newest)
     ).rowcount
-    outbound += conn.execute(
+    erased += conn.execute(
         "UPDATE outbound SET chat_id = '', target = '{}', text = '', reply_to = NULL,"
         " session_key = NULL, platform_message_id = NULL, edit_message_id = NULL,"
         f" attachment = NULL WHERE id = ? AND {where}",
         (newest, *params),
     ).rowcount
-    return inbox + outbound
+    return erased
+
+
+def erase_user_journal(
+    conn: sqlite3.Connection,
+    platform: str,
+    user_id: str,
+    agent_id: str | None,
+    dm_chats: set[str],
+    now: datetime,
+) -> int:
+    """What the journal keeps of one user beyond their deleted sessions' windows (see
+    `delete_session`): their finished inbox rows (an event whose sender is the user:
+    commands sent while the chat had no session, messages of a shared group), of one
+    agent's session keys with `agent_id`. Of every agent's: all finished rows and sent
+    replies of their DM chats too (`dm_chats`, with those their inbox rows show), which
+    are theirs alone (such as rows an earlier `delete_session` only scrubbed). Returns
+    how many rows went."""
+    low, high = entries.agent_key_range(agent_id) if agent_id is not None else ("", "")
+    theirs, chats = [], set(dm_chats)
+    for inbox_id, key, event in conn.execute(
+        "SELECT id, session_key, event FROM inbox WHERE platform = ? AND state != 'accepted'"
+        " AND instr(event, ?) > 0",
+        (platform, user_id),
+    ).fetchall():
+        source = codec.loads(event).get("source")
+        if not isinstance(source, dict) or str(source.get("user_id")) != user_id:
+            continue
+        if agent_id is None or low <= key < high:
+            theirs.append(inbox_id)
+            if source.get("chat_type") == "dm" and source.get("chat_id"):
+                chats.add(str(source["chat_id"]))
+    erased = sum(
+        conn.execute("DELETE FROM inbox WHERE id = ?", (inbox_id,)).rowcount
+        for inbox_id in theirs
+    )
+    if agent_id is not None:
+        return erased
+    for chat_id in sorted(chats):
+        erased += conn.execute(
+            "DELETE FROM inbox WHERE platform = ? AND chat_id = ? AND state != 'accepted'",
+            (platform, chat_id),
+        ).rowcount
+        window = _Window("", "", (platform, chat_id), 0.0, now.timestamp())
+        erased += _erase_outbound(conn, window, everything=True)
+    return erased
 
 
 def _chat_of(origin: str | None) -> tuple[str, str] | None:

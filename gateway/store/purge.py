@@ -253,8 +253,7 @@ def erase_user_journal(
             if source.get("chat_type") == "dm" and source.get("chat_id"):
                 chats.add(str(source["chat_id"]))
     erased = sum(
-        conn.execute("DELETE FROM inbox WHERE id = ?", (inbox_id,)).rowcount
-        for inbox_id in theirs
+        conn.execute("DELETE FROM inbox WHERE id = ?", (inbox_id,)).rowcount for inbox_id in theirs
     )
     if agent_id is not None:
         return erased

@@ -29,7 +29,9 @@ What goes, and why that way:
   replies are left to be delivered (a session cannot be deleted while its turn runs).
   When a user's data is deleted (`erase=True`) the same rows are deleted outright,
   since their chat id and key name the user: a redelivery of one of those messages is
-  then a new message. Only the newest outbound row of all is kept, emptied of
+  then a new message. `erase_user_journal` then takes the rest of theirs: what they
+  sent outside any session's window (commands before a chat's first session), and all
+  of their DM chats. Only the newest outbound row of all is kept, emptied of
   everything naming its chat, as `journal.expire_outbound` keeps it: SQLite would
   reuse its id, a reply cursor a client may have read past.
 

@@ -589,7 +589,7 @@ class Recall:
                     busy.append(key)
                 else:
                     gone.sessions += deleted
-            purge.erase_user_journal(conn, platform, user_id, agent_id, dm_chats, now)
+            purge.erase_user_journal(conn, platform, user_id, agent_id, dm_chats)
             if agent_id is not None:
                 namespaces.add(f"memory:{agent_id}:{platform}:{user_id}")
             else:  # pairing is the gateway's, not one agent's

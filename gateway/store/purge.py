@@ -200,18 +200,12 @@ def _erase_journal(conn: sqlite3.Connection, window: _Window) -> int:
         " AND accepted_at BETWEEN ? AND ?",
         (window.key, window.lo, window.hi),
     ).rowcount
-    return inbox + _erase_outbound(conn, window)
+    return inbox + _erase_outbound(conn, *window.outbound())
 
 
-def _erase_outbound(conn: sqlite3.Connection, window: _Window, everything: bool = False) -> int:
-    """Delete the window's sent replies (`everything`: all sent replies of its chat);
-    the newest reply of all, when it is one of them, is kept with nothing of its chat
-    (see the module's docstring)."""
-    if everything:
-        assert window.chat is not None
-        where, params = "platform = ? AND chat_id = ? AND state = 'sent'", list(window.chat)
-    else:
-        where, params = window.outbound()
+def _erase_outbound(conn: sqlite3.Connection, where: str, params: list[Any]) -> int:
+    """Delete the outbound rows `where` names; the newest row of all, when it is one of
+    them, is kept with nothing of its chat (see the module's docstring)."""
     newest = conn.execute("SELECT max(id) FROM outbound").fetchone()[0] or 0
     erased = conn.execute(
         f"DELETE FROM outbound WHERE {where} AND id != ?", (*params, newest)
@@ -231,15 +225,13 @@ def erase_user_journal(
     user_id: str,
     agent_id: str | None,
     dm_chats: set[str],
-    now: datetime,
 ) -> int:
     """What the journal keeps of one user beyond their deleted sessions' windows (see
-    `delete_session`): their finished inbox rows (an event whose sender is the user:
-    commands sent while the chat had no session, messages of a shared group), of one
-    agent's session keys with `agent_id`. Of every agent's: all finished rows and sent
-    replies of their DM chats too (`dm_chats`, with those their inbox rows show), which
-    are theirs alone (such as rows an earlier `delete_session` only scrubbed). Returns
-    how many rows went."""
+    `delete_session`): the finished inbox rows they sent (commands sent while their chat
+    had no session, messages in a shared group), with `agent_id` only those of that
+    agent's session keys. Without: also every finished inbox row and sent reply of their
+    DM chats (`dm_chats`, and those their inbox rows show), which are theirs alone (such
+    as rows an earlier `delete_session` only scrubbed). Returns how many rows went."""
     low, high = entries.agent_key_range(agent_id) if agent_id is not None else ("", "")
     theirs, chats = [], set(dm_chats)
     for inbox_id, key, event in conn.execute(
@@ -264,8 +256,9 @@ def erase_user_journal(
             "DELETE FROM inbox WHERE platform = ? AND chat_id = ? AND state != 'accepted'",
             (platform, chat_id),
         ).rowcount
-        window = _Window("", "", (platform, chat_id), 0.0, now.timestamp())
-        erased += _erase_outbound(conn, window, everything=True)
+        erased += _erase_outbound(
+            conn, "platform = ? AND chat_id = ? AND state = 'sent'", [platform, chat_id]
+        )
     return erased
 
 

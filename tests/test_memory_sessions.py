@@ -502,6 +502,21 @@ async def test_forget_asks_then_deletes_the_current_session(gateway: Gateway) ->
     assert await gateway.session_id() != session_id
 
 
+async def test_after_forget_an_earlier_session_is_still_resumed(gateway: Gateway) -> None:
+    """/forget leaves the chat without a session, not without its earlier ones."""
+    await gateway.say("c1", "the old tapir talk")
+    old = await gateway.session_id()
+    await gateway.say("c1", "/new")
+    await gateway.say("c1", "tapir news")
+    assert (await gateway.say("c1", "/forget yes")).startswith("Forgot this session")
+    assert old in await gateway.say("c1", "/resume")
+    resumed = await gateway.say("c1", f"/resume {old}")
+    assert resumed == f"Resumed session {old} (2 messages)."
+    assert await gateway.session_id() == old
+    assert await gateway.say("c1", "tapir again") == "echo: tapir again"
+    assert len(await gateway.runner.store.load_transcript(old)) == 4
+
+
 async def test_deleting_the_current_session_leaves_nothing_naming_its_user(
     gateway: Gateway, store_backend: StorageBackend
 ) -> None:

@@ -499,7 +499,7 @@ class HttpAdapter(PlatformAdapter):
         if done["status"] == "busy":
             return _error(409, f"a turn is running in session {session_id}; try again later")
         return web.json_response(
-            {key: done[key] for key in ("session_id", "session_key", "messages", "new_session_id")}
+            {key: done[key] for key in ("session_id", "session_key", "messages", "was_current")}
         )
 
     async def _search(self, request: web.Request) -> web.Response:

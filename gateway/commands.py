@@ -109,14 +109,15 @@ async def cmd_status(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
 
 
 async def cmd_resume(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    # A chat whose current session was deleted (/forget) has no entry, but may have
+    # earlier sessions to go back to.
     entry = await runner.store.get_entry(key)
-    if entry is None:
-        return "No session yet, nothing to resume."
+    current = entry.session_id if entry is not None else None
     if not cmd.args:
         history = [
             h
             for h in await runner.store.list_session_history(key, limit=10)
-            if h["session_id"] != entry.session_id
+            if h["session_id"] != current
         ]
         if not history:
             return "No earlier sessions to resume."
@@ -136,7 +137,7 @@ async def cmd_resume(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
         if len(found) != 1:
             return _title_matches(cmd.args, found)
         target = found[0][0]
-    switched = await runner.store.switch_session(key, target)
+    switched = await runner.store.switch_session(key, target, event.source)
     if switched is None:
         return f"No earlier session {target} in this chat. /resume lists them."
     await runner.agents.evict(key)
@@ -205,7 +206,10 @@ async def cmd_forget(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
     if done["status"] != "deleted":
         return "That session is gone already."
     # The reply names no id or title: it is kept in the delivery ledger afterwards.
-    return f"Forgot this session ({done['messages']} messages). Your next message starts anew."
+    return (
+        f"Forgot this session ({done['messages']} messages). Nothing of it is kept;"
+        " your next message starts a new session."
+    )
 
 
 async def cmd_retry(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:

@@ -98,8 +98,10 @@ class SessionOps:
         return await self.store.read(read)
 
     async def delete_session(self, session_id: str) -> dict[str, Any]:
-        """Delete a session and all it owns (`gateway.store.purge`). `status` is
-        `deleted`, `not_found`, or `busy` (a turn runs in it: nothing was deleted)."""
+        """Delete a session and all it owns (`gateway.store.purge`); when it was its
+        chat's current one, the chat's routing entry goes too (`was_current`) and no
+        session takes its place until the chat's next message. `status` is `deleted`,
+        `not_found`, or `busy` (a turn runs in it: nothing was deleted)."""
         meta = await self.store.read(lambda conn: archive.session_meta(conn, session_id))
         if meta is None:
             return {"status": "not_found", "session_id": session_id}
@@ -116,8 +118,10 @@ class SessionOps:
         if done is None:
             return {"status": "not_found", "session_id": session_id}
         media_files.remove_session_media(self.home, session_id)  # its files go with it
-        if done["new_session_id"] is not None:
-            await self.agents.evict(key)  # its context held the deleted messages
+        if done["was_current"]:
+            # Its context held the deleted messages; the key's next message routes afresh
+            # (no entry: a new session, as a new chat's first).
+            await self.agents.evict(key)
         # The session's chunks and vectors leave memory.db now, not at the indexer's next
         # round (state.db's log has them either way; a failure here is caught up later).
         with contextlib.suppress(sqlite3.Error, *driver_errors(), OSError):

@@ -6,6 +6,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import psycopg
+
 
 def tables_holding(db: Path, needle: str) -> list[str]:
     """Every table.column of a database with a value containing `needle` (FTS5 shadow
@@ -31,3 +33,24 @@ def tables_holding(db: Path, needle: str) -> list[str]:
         return found
     finally:
         conn.close()
+
+
+def pg_tables_holding(dsn: str, needle: str) -> list[str]:
+    """The PostgreSQL store's tables with a row whose text holds `needle` (every
+    column, as the row's text form)."""
+    with psycopg.connect(dsn) as conn:
+        tables = [
+            row[0]
+            for row in conn.execute(
+                "SELECT table_name FROM information_schema.tables"
+                " WHERE table_schema = current_schema() AND table_type = 'BASE TABLE'"
+            )
+        ]
+        return sorted(
+            table
+            for table in tables
+            if conn.execute(
+                f"SELECT EXISTS (SELECT 1 FROM {table} t WHERE strpos(t::text, %s) > 0)",
+                (needle,),
+            ).fetchone()[0]
+        )

@@ -159,7 +159,9 @@ async def test_approval_records_one_notice_to_the_dm_the_code_was_asked_from(sto
     assert request is not None and request.target == latest
     assert await pairing.approve("slack", code) is None  # once
     [row] = await store.write(lambda conn: journal.pending_outbound(conn, time.time() + 1))
-    assert (row["target"], row["text"], row["reply_to"]) == (latest, APPROVED_NOTICE, None)
+    # The ledger keeps the DM to deliver to, not who it is (`journal.delivery_target`).
+    dm_only = SessionSource(Platform.SLACK, "D222")
+    assert (row["target"], row["text"], row["reply_to"]) == (dm_only, APPROVED_NOTICE, None)
 
 
 async def test_a_code_without_a_dm_is_approved_without_a_notice(store) -> None:

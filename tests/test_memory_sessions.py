@@ -28,7 +28,7 @@ from gateway.store.search import fts_query
 from tests.commandline import cli
 from tests.gateway_client import GatewayClient
 from tests.pg_support import StorageBackend
-from tests.scanning import tables_holding
+from tests.scanning import pg_tables_holding, tables_holding
 from tests.waiting import wait_for
 
 KEY1 = "agent:main:http:dm:c1"
@@ -406,7 +406,8 @@ async def test_delete_cascades_everywhere(gateway: Gateway) -> None:
     status, body = await gateway.http("DELETE", f"/v1/sessions/{session_id}")
     assert status == 200, body
     assert body["session_id"] == session_id and body["messages"] == 4
-    assert body["new_session_id"] == await gateway.session_id() != session_id
+    assert body["was_current"] is True
+    assert await gateway.runner.store.get_entry(KEY1) is None  # no session until c1 speaks
 
     assert tables_holding(state, session_id) == []  # ... and finds it nowhere now
     assert tables_holding(state, "quokka plan") == []
@@ -424,8 +425,9 @@ async def test_delete_cascades_everywhere(gateway: Gateway) -> None:
     assert status == 404
     status, _ = await gateway.http("DELETE", f"/v1/sessions/{session_id}")
     assert status == 404
-    # The chat goes on in its new session.
+    # The chat goes on in a new session.
     assert await gateway.say("c1", "hello again") == "echo: hello again"
+    assert await gateway.session_id() != session_id
 
 
 async def test_deleting_an_earlier_session_keeps_the_current_one(gateway: Gateway) -> None:
@@ -435,7 +437,7 @@ async def test_deleting_an_earlier_session_keeps_the_current_one(gateway: Gatewa
     await gateway.say("c1", "new talk")
     current = await gateway.session_id()
     status, body = await gateway.http("DELETE", f"/v1/sessions/{old}")
-    assert status == 200 and body["new_session_id"] is None
+    assert status == 200 and body["was_current"] is False
     assert await gateway.session_id() == current
     assert [m["content"] for m in await gateway.runner.store.load_transcript(current)] == [
         "new talk",
@@ -473,12 +475,16 @@ async def test_cli_delete(gateway: Gateway) -> None:
     deleted = await asyncio.to_thread(cli, gateway.home, "sessions", "delete", session_id, "--yes")
     assert deleted.returncode == 0, deleted.stderr
     assert f"deleted session {session_id} (2 messages)" in deleted.stdout
+    assert f"{KEY1} has no session now" in deleted.stdout
     assert tables_holding(gateway.home / "sessions" / "state.db", session_id) == []
-    assert await gateway.session_id() != session_id
+    assert await gateway.runner.store.get_entry(KEY1) is None
     status, found = await gateway.http("GET", "/v1/search", q="numbat")
     assert status == 200 and found["results"] == []
     again = await asyncio.to_thread(cli, gateway.home, "sessions", "delete", session_id, "--yes")
     assert again.returncode == 1 and "no session" in again.stderr
+    # The daemon routes the chat's next message to a new session, under its feet.
+    assert await gateway.say("c1", "numbat again") == "echo: numbat again"
+    assert await gateway.session_id() != session_id
 
 
 async def test_forget_asks_then_deletes_the_current_session(gateway: Gateway) -> None:
@@ -489,10 +495,69 @@ async def test_forget_asks_then_deletes_the_current_session(gateway: Gateway) ->
     assert await gateway.session_id() == session_id  # asking deletes nothing
     done = await gateway.say("c1", "/forget yes")
     assert done.startswith("Forgot this session (2 messages)")
-    assert await gateway.session_id() != session_id
+    assert await gateway.runner.store.get_entry(KEY1) is None
     assert "Nothing found" in await gateway.say("c1", "/search axolotl")
     assert tables_holding(gateway.home / "sessions" / "state.db", session_id) == []
     assert await gateway.say("c1", "fresh start") == "echo: fresh start"
+    assert await gateway.session_id() != session_id
+
+
+async def test_after_forget_an_earlier_session_is_still_resumed(gateway: Gateway) -> None:
+    """/forget leaves the chat without a session, not without its earlier ones."""
+    await gateway.say("c1", "the old tapir talk")
+    old = await gateway.session_id()
+    await gateway.say("c1", "/new")
+    await gateway.say("c1", "tapir news")
+    assert (await gateway.say("c1", "/forget yes")).startswith("Forgot this session")
+    assert old in await gateway.say("c1", "/resume")
+    resumed = await gateway.say("c1", f"/resume {old}")
+    assert resumed == f"Resumed session {old} (2 messages)."
+    assert await gateway.session_id() == old
+    assert await gateway.say("c1", "tapir again") == "echo: tapir again"
+    assert len(await gateway.runner.store.load_transcript(old)) == 4
+
+
+async def test_deleting_the_current_session_leaves_nothing_naming_its_user(
+    gateway: Gateway, store_backend: StorageBackend
+) -> None:
+    """The HTTP API and /forget delete a chat's current session without starting another
+    (which would carry who wrote there): no row names the user or the session after
+    either, and the chat's next message gets a new session and an answer."""
+    sessions = gateway.home / "sessions"
+
+    async def holding(needle: str) -> list[str]:
+        if store_backend.postgres:
+            return pg_tables_holding(store_backend.dsn or "", needle)
+        await gateway.runner.store.flush_mirror()
+        mirror = (sessions / "sessions.json").read_text()
+        found = tables_holding(sessions / "state.db", needle)
+        return found + (["sessions.json"] if needle in mirror else [])
+
+    async def say(text: str) -> str:
+        await gateway.client.post("c1", text, user_id="zed-9", user_name="Zed Okapi")
+        (reply,) = await gateway.client.replies("c1", 1)
+        return reply
+
+    for forget in ("/forget", "http"):
+        await say("the okapi plan")
+        await say("/status")
+        session_id = await gateway.session_id()
+        assert {"sessions", "session_entry_docs"} <= {
+            found.split(".")[0] for found in await holding("zed-9")
+        }
+        if forget == "http":
+            status, body = await gateway.http("DELETE", f"/v1/sessions/{session_id}")
+            assert status == 200 and body["was_current"] is True, body
+        else:
+            assert (await say("/forget yes")).startswith("Forgot this session")
+        assert await gateway.runner.store.get_entry(KEY1) is None
+        assert await holding("zed-9") == [], forget
+        assert await holding("Zed Okapi") == [], forget
+        assert await holding(session_id) == [], forget
+        status, listed = await gateway.http("GET", "/v1/sessions")
+        assert KEY1 not in [s["session_key"] for s in listed["sessions"]]
+        assert await say("okapi again") == "echo: okapi again"
+        assert await gateway.session_id() != session_id
 
 
 async def test_http_token_guards_the_new_endpoints(tmp_path: Path) -> None:

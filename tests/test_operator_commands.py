@@ -60,11 +60,13 @@ def test_memory_delete_all_says_how_many_of_each_kind_went(tmp_path: Path) -> No
     assert done.returncode == 0, done.stderr
     # One note (one chunk) and one session (two messages, a chunk each).
     assert done.stdout == (
-        "deleted everything of telegram:55: 1 note, 1 session, 0 schedules, 3 index entries\n"
+        "deleted everything of telegram:55: 1 note, 1 session, 0 schedules, 3 index entries,"
+        " 0 pairings\n"
     )
+    # Nothing of theirs is left (no session was started in place of their current one).
     again = json.loads(cli(tmp_path, *args, "--json").stdout)
     assert again["notes"] == again["schedules"] == again["index_entries"] == 0
-    assert again["deleted"] == again["sessions"]  # the total, of the kinds above
+    assert again["sessions"] == again["pairings"] == again["deleted"] == 0
 
 
 def test_usage_errors_exit_2_whether_argparse_or_the_command_finds_them(

@@ -44,7 +44,7 @@ from tests.fakes.agents import ScriptedAgent as EchoAgent
 from tests.fakes.openai_server import FakeOpenAI
 from tests.gateway_client import GatewayClient
 from tests.pg_support import StorageBackend
-from tests.scanning import tables_holding
+from tests.scanning import pg_tables_holding, tables_holding
 from tests.waiting import wait_for
 
 ALICE = Namespace("main", "http", "alice")
@@ -72,27 +72,6 @@ def index_count(backend: StorageBackend, sessions: Path, table: str) -> int:
         if not found or found[0] is None:
             return -1
         return conn.execute(f"SELECT count(*) FROM memory_{table}").fetchone()[0]
-
-
-def pg_tables_holding(dsn: str, needle: str) -> list[str]:
-    """The PostgreSQL store's tables with a row whose text holds `needle` (every
-    column, as the row's text form)."""
-    with psycopg.connect(dsn) as conn:
-        tables = [
-            row[0]
-            for row in conn.execute(
-                "SELECT table_name FROM information_schema.tables"
-                " WHERE table_schema = current_schema() AND table_type = 'BASE TABLE'"
-            )
-        ]
-        return sorted(
-            table
-            for table in tables
-            if conn.execute(
-                f"SELECT EXISTS (SELECT 1 FROM {table} t WHERE strpos(t::text, %s) > 0)",
-                (needle,),
-            ).fetchone()[0]
-        )
 
 
 @pytest.fixture
@@ -592,6 +571,56 @@ async def test_forgetting_a_user_leaves_nothing_of_theirs_in_any_table(gateway: 
     assert next(h.text for h in await recall.search(BOB, "wombat")).startswith("bob")
     assert await recall.search(ALICE, "wombat") == []
     assert await recall.list_notes(ALICE) == []
+
+
+async def test_forgetting_a_user_leaves_no_row_naming_them_and_twice_deletes_nothing(
+    gateway: Gateway,
+) -> None:
+    """After `forget_user` not one row of any table names Alice (her id is in her chat's
+    id, `dm-alice`): no session nor routing entry (none started in place of her current
+    one), no journal row, no pairing; sessions.json neither. A second run deletes 0, and
+    her next message starts a new session that is answered."""
+    runner, backend = gateway.runner, gateway.backend
+    sessions = gateway.home / "sessions"
+    await runner.recall.save(ALICE, "a note of hers")
+    await gateway.say("alice", "first words")
+    await gateway.say("alice", "/new")
+    await gateway.say("alice", "second words")
+    await gateway.say("bob", "words of bob")
+    code = await runner.pairing.request("http", "alice", "Alice Liddell")
+    assert code is not None and await runner.pairing.approve("http", code) is not None
+    assert await runner.pairing.request("http", "alice", "Alice Liddell")  # pending again
+    await gateway.say("alice", "/status")  # the newest reply of all is hers
+    await runner.recall.indexer.catch_up()
+
+    async def holding(needle: str) -> list[str]:
+        if backend.postgres:
+            return pg_tables_holding(backend.dsn or "", needle)
+        await runner.store.search_index.catch_up()
+        await runner.store.flush_mirror()
+        mirror = (sessions / "sessions.json").read_text()
+        found = [t for f in sorted(sessions.glob("*.db")) for t in tables_holding(f, needle)]
+        return found + (["sessions.json"] if needle in mirror else [])
+
+    held = await holding("alice")
+    assert {"sessions", "session_entries", "session_entry_docs", "inbox", "outbound"} <= {
+        name.split(".")[0] for name in held
+    }, held
+    assert await holding("Liddell")
+    gone = await runner.recall.forget_user("http", "alice")
+    assert (gone.notes, gone.sessions) == (1, 2)
+    await runner.recall.indexer.catch_up()
+    assert await holding("alice") == []
+    assert await holding("Liddell") == []
+    assert gone.pairings == 2  # her approval and her pending code
+    assert await runner.store.get_entry("agent:main:http:dm:dm-alice") is None
+    assert await holding("words of bob")  # Bob's chat is his still
+
+    again = await runner.recall.forget_user("http", "alice")
+    assert again.total == 0, again
+    assert await gateway.say("alice", "hello again") == "echo: hello again"
+    entry = await runner.store.get_entry("agent:main:http:dm:dm-alice")
+    assert entry is not None and not entry.is_fresh_reset
 
 
 @pytest.mark.sqlite_only

@@ -38,6 +38,7 @@ from gateway.store.pg.dialect import translate
 from tests.fakes.openai_server import FakeOpenAI, serve_in_a_thread, tool_calls, tool_results
 from tests.gateway_client import GatewayClient, RunningGateway
 from tests.pg_support import StorageBackend
+from tests.scanning import pg_tables_holding, tables_holding
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -538,8 +539,12 @@ async def test_the_tool_refusal_is_a_result_for_the_model(make_gateway: MakeGate
 # --- deleting a user's data -------------------------------------------------------------------
 
 
-async def test_forgetting_a_user_deletes_their_schedules(make_gateway: MakeGateway) -> None:
-    gw = await make_gateway()
+async def test_forgetting_a_user_deletes_their_schedules(
+    make_gateway: MakeGateway, store_backend: StorageBackend, tmp_path: Path
+) -> None:
+    """...and every row naming them: their commands' journal rows (sent while their chat
+    had no session of its own), their runs' sessions, replies and journal rows."""
+    gw = await make_gateway(home=tmp_path)
     mine = await gw.schedule("in 1s once")
     await gw.client.replies("c1", 1, within=10)
     await wait_for(lambda: _settled(gw, mine))
@@ -551,6 +556,12 @@ async def test_forgetting_a_user_deletes_their_schedules(make_gateway: MakeGatew
     assert await gw.row(kept) is not None
     key = schedule_session_key("main", mine)
     assert await _sessions_of(gw, key) == 0
+    if store_backend.postgres:
+        held = pg_tables_holding(store_backend.dsn or "", "u1")
+    else:
+        held = [t for f in (tmp_path / "sessions").glob("*.db") for t in tables_holding(f, "u1")]
+    assert held == []
+    assert (await gw.runner.recall.forget_user("http", "u1")).total == 0
 
 
 # --- after downtime, after a crash -------------------------------------------------------------

@@ -322,10 +322,11 @@ class Forgotten:
     sessions: int = 0  # the user's own, and their schedules' sessions
     schedules: int = 0
     index_entries: int = 0  # chunks (each with its full-text entry and vector)
+    pairings: int = 0  # the user's pairing approval and pending code (all agents only)
 
     @property
     def total(self) -> int:
-        return self.notes + self.sessions + self.schedules + self.index_entries
+        return self.notes + self.sessions + self.schedules + self.index_entries + self.pairings
 
 
 class Recall:
@@ -533,9 +534,12 @@ class Recall:
         self, platform: str, user_id: str, agent_id: str | None = None
     ) -> Forgotten:
         """Everything of one user (of one agent, or of all): notes, the user's own
-        sessions (not shared group sessions) with their transcripts, their schedules, and
-        every chunk and vector of theirs. Returns what went, counted by kind. Raises
-        `purge.SessionBusy` naming the sessions a running turn kept (the rest is gone)."""
+        sessions (not shared group sessions) with their transcripts, routing entries and
+        journal rows, their schedules, every chunk and vector of theirs, and (of all
+        agents) their pairing. No session is started in place of a current one deleted:
+        nothing naming the user is left, and a second run finds nothing. Returns what
+        went, counted by kind. Raises `purge.SessionBusy` naming the sessions a running
+        turn kept (the rest is gone)."""
         now = datetime.now(UTC)
         settings = self.indexer.settings
         gone = Forgotten()
@@ -555,21 +559,24 @@ class Recall:
                 (platform, user_id, agent_id),
             ).rowcount
             gone.sessions = gone.schedules = 0  # a retried transaction counts afresh
-            busy = []
+            busy, dm_chats = [], set()
             for session_id, key, origin in conn.execute(
                 "SELECT session_id, session_key, origin FROM sessions"
                 " WHERE json_extract(origin, '$.platform') = ?"
                 " AND json_extract(origin, '$.user_id') = ?",
                 (platform, user_id),
             ).fetchall():
-                namespace = index.transcript_namespace(key, codec.loads(origin), settings)
+                source = codec.loads(origin)
+                namespace = index.transcript_namespace(key, source, settings)
                 if namespace is None or (
                     agent_id is not None and not key.startswith(f"agent:{agent_id}:")
                 ):
                     continue
                 namespaces.add(namespace)
+                if isinstance(source, dict) and source.get("chat_type") == "dm":
+                    dm_chats.add(str(source.get("chat_id")))
                 try:
-                    if purge.delete_session(conn, session_id, now) is not None:
+                    if purge.delete_session(conn, session_id, now, erase=True) is not None:
                         gone.sessions += 1
                 except purge.SessionBusy:
                     busy.append(session_id)
@@ -577,13 +584,22 @@ class Recall:
             for agent, schedule_id in schedules.delete_for_user(conn, platform, user_id, agent_id):
                 gone.schedules += 1
                 key = schedule_session_key(agent, schedule_id)
-                deleted = schedules.delete_sessions(conn, key, now)
+                deleted = schedules.delete_sessions(conn, key, now, erase=True)
                 if deleted is None:
                     busy.append(key)
                 else:
                     gone.sessions += deleted
+            purge.erase_user_journal(conn, platform, user_id, agent_id, dm_chats)
             if agent_id is not None:
                 namespaces.add(f"memory:{agent_id}:{platform}:{user_id}")
+            else:  # pairing is the gateway's, not one agent's
+                gone.pairings = sum(
+                    conn.execute(
+                        f"DELETE FROM {table} WHERE platform = ? AND user_id = ?",
+                        (platform, user_id),
+                    ).rowcount
+                    for table in ("paired_users", "pairing_codes")
+                )
             return sorted(namespaces), busy
 
         namespaces, busy = await self.store.write(write)

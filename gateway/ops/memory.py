@@ -115,6 +115,7 @@ async def _delete_all(recall: Recall, args: argparse.Namespace, platform: str, u
         "sessions": gone.sessions,
         "schedules": gone.schedules,
         "index_entries": gone.index_entries,
+        "pairings": gone.pairings,
     }
     result = {"deleted": gone.total, **counts, "user": f"{platform}:{user_id}"}
     _report(args, {**result, "agent": args.agent})
@@ -134,6 +135,7 @@ def _report(args: argparse.Namespace, result: dict[str, Any]) -> None:
                 ("sessions", "session"),
                 ("schedules", "schedule"),
                 ("index_entries", "index entry"),
+                ("pairings", "pairing"),
             )
         )
         print(f"deleted everything of {result['user']}: {counted}")
@@ -147,5 +149,8 @@ def _counted(count: int, what: str) -> str:
 def _confirmed(whose: str) -> bool:
     if not sys.stdin.isatty():
         return False
-    answer = input(f"Delete every note, own session and memory entry of {whose} for good? [y/N] ")
+    answer = input(
+        f"Delete every note, own session, schedule, memory entry and pairing of {whose}"
+        " for good? [y/N] "
+    )
     return answer.strip().lower() in ("y", "yes")

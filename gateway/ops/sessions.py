@@ -128,8 +128,8 @@ async def _delete(store: SessionStore, args: argparse.Namespace) -> int:
     finally:
         await recall.close()
     print(f"deleted session {session_id} ({done['messages']} messages)")
-    if done["new_session_id"] is not None:
-        print(f"{done['session_key']} now continues in a new session {done['new_session_id']}")
+    if done["was_current"]:
+        print(f"{done['session_key']} has no session now; its next message starts one")
     return 0
 
 

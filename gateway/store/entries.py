@@ -297,6 +297,17 @@ def replace_session(
     return new
 
 
+def drop_entry(conn: sqlite3.Connection, session_key: str) -> bool:
+    """Remove `session_key`'s routing entry (hot row and cold row), starting no session
+    in its place: the key's next message routes as a brand-new chat's first. Returns
+    whether there was one."""
+    dropped = conn.execute(
+        "DELETE FROM session_entries WHERE session_key = ?", (session_key,)
+    ).rowcount
+    conn.execute("DELETE FROM session_entry_docs WHERE session_key = ?", (session_key,))
+    return dropped > 0
+
+
 def mark_active_since(conn: sqlite3.Connection, cutoff: float, now: datetime) -> int:
     """Mark entries touched since `cutoff` (epoch) resume_pending ("restart_interrupted"),
     skipping those already pending or suspended; returns how many."""

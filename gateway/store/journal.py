@@ -175,6 +175,28 @@ def _turn(row: tuple[Any, ...]) -> dict[str, Any]:
 # --- delivery ledger -------------------------------------------------------------------------
 
 
+#: what an outbound row keeps of its target: the chat a reply goes to (all a delivery
+#: after a restart reads), never who it answers (user id and name, a DM's chat name), so
+#: the delivery ledger names no user beyond the chat itself
+DELIVERY_FIELDS = (
+    "platform",
+    "chat_id",
+    "chat_type",
+    "thread_id",
+    "parent_chat_id",
+    "guild_id",
+    "chat_id_alt",
+)
+
+
+def delivery_target(data: object) -> str:
+    """A target (`SessionSource.to_dict()`, or an outbound row's decoded `target`) as the
+    outbound ledger stores it: its `DELIVERY_FIELDS` that are set."""
+    if not isinstance(data, dict):
+        return "{}"
+    return codec.dumps({name: data[name] for name in DELIVERY_FIELDS if data.get(name)})
+
+
 def record_outbound(
     conn: sqlite3.Connection,
     target: SessionSource,
@@ -189,7 +211,7 @@ def record_outbound(
 
     `edits`: the platform messages a streamed reply showed so far; chunk i is delivered
     as an edit of `edits[i]` (the rest as new messages)."""
-    target_json = codec.dumps(target.to_dict())
+    target_json = delivery_target(target.to_dict())
     ids = []
     for index, chunk in enumerate(chunks):
         cursor = conn.execute(
@@ -221,7 +243,7 @@ def record_attachments(
 ) -> list[int]:
     """Record a reply's attachments (`Attachment.to_dict()`) as pending, after its text
     chunks; returns their delivery ids."""
-    target_json = codec.dumps(target.to_dict())
+    target_json = delivery_target(target.to_dict())
     ids = []
     for attachment in attachments:
         cursor = conn.execute(

@@ -120,9 +120,12 @@ def delete(conn: sqlite3.Connection, schedule_id: str) -> bool:
     return conn.execute("DELETE FROM schedules WHERE schedule_id = ?", (schedule_id,)).rowcount > 0
 
 
-def delete_sessions(conn: sqlite3.Connection, session_key: str, now: datetime) -> int | None:
+def delete_sessions(
+    conn: sqlite3.Connection, session_key: str, now: datetime, *, erase: bool = False
+) -> int | None:
     """A deleted schedule's session key: its routing entry and every session of it, with
-    all they hold. None (nothing deleted) while a run's turn is in flight there."""
+    all they hold (`erase`: their journal rows too, see `gateway.store.purge`). None
+    (nothing deleted) while a run's turn is in flight there."""
     if conn.execute("SELECT 1 FROM turns WHERE session_key = ?", (session_key,)).fetchone():
         return None
     entries.prune(conn, [session_key], float("inf"), now)
@@ -130,7 +133,7 @@ def delete_sessions(conn: sqlite3.Connection, session_key: str, now: datetime) -
     for (session_id,) in conn.execute(
         "SELECT session_id FROM sessions WHERE session_key = ?", (session_key,)
     ).fetchall():
-        if purge.delete_session(conn, session_id, now) is not None:
+        if purge.delete_session(conn, session_id, now, erase=erase) is not None:
             deleted += 1
     return deleted
 

@@ -416,21 +416,29 @@ class SessionStore:
 
         return await self._write(tx)
 
-    async def switch_session(self, session_key: str, target_session_id: str) -> SessionEntry | None:
+    async def switch_session(
+        self, session_key: str, target_session_id: str, source: SessionSource | None = None
+    ) -> SessionEntry | None:
         """Point `session_key` at an earlier session of the same key (/resume).
 
-        Returns None when the key is unknown or the target is not a session of this key.
+        A key without an entry (its current session was deleted, or it was pruned) gets
+        one for the asking `source`. Returns None when the target is not a session of
+        this key, or the key has no entry and no `source` is given.
         """
         now = _utcnow()
 
         def tx(conn: sqlite3.Connection) -> SessionEntry | None:
             entry = entries.load_entry(conn, session_key)
             row = entries.load_counters(conn, target_session_id, session_key)
-            if entry is None or row is None:
+            created = entry is None
+            if row is None or (entry is None and source is None):
                 return None
-            if entry.session_id == target_session_id:
+            if entry is None:
+                entry = entries.fresh_entry(session_key, source, now)
+            elif entry.session_id == target_session_id:
                 return entry
-            entries.end_session_row(conn, entry, now, entries.END_SWITCH)
+            else:
+                entries.end_session_row(conn, entry, now, entries.END_SWITCH)
             conn.execute(
                 "UPDATE sessions SET ended_at = NULL, end_reason = NULL WHERE session_id = ?",
                 (target_session_id,),
@@ -444,7 +452,10 @@ class SessionStore:
             entry.suspended = entry.resume_pending = entry.expiry_finalized = False
             entry.was_auto_reset = entry.is_fresh_reset = False
             entry.resume_reason = None
-            entries.save_hot(conn, entry)  # same origin and names: a new session id only
+            if created:  # its cold row too: who resumes, as for a new chat's first message
+                entries.save_entry(conn, entry)
+            else:
+                entries.save_hot(conn, entry)  # same origin and names: a new session id only
             return entry
 
         return await self._write(tx)

@@ -13,15 +13,20 @@ from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from typing import TYPE_CHECKING
 
+import structlog
+
 from adapters.base import Accepted, AcceptStatus, MessageEvent
 from gateway.command_syntax import NAMES, Command
 from gateway.policy import next_reset_at
 from gateway.schedule_commands import cmd_schedule, cmd_sethome, next_run_line
 from gateway.session import agent_id_of_key
 from gateway.store import titles
+from gateway.store.session_store import MAX_REWIND
 
 if TYPE_CHECKING:
     from gateway.run import GatewayRunner
+
+log = structlog.get_logger("gateway.commands")
 
 
 def _age(delta: timedelta) -> str:
@@ -226,8 +231,8 @@ async def cmd_undo(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Co
         n = int(cmd.args) if cmd.args else 1
     except ValueError:
         return "Usage: /undo [N] (N = how many of your last messages to take back)"
-    if n < 1:
-        return "Usage: /undo [N] with N at least 1"
+    if not 1 <= n <= MAX_REWIND:
+        return f"N is out of range: /undo [N] takes N from 1 to {MAX_REWIND:,}."
     if runner.is_busy(key):
         return "A turn is running; wait for it or /stop it first."
     entry = await runner.store.get_entry(key)
@@ -312,8 +317,15 @@ Messages sent while a reply is running are combined into the next turn."""
 
 
 async def dispatch(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Accepted:
-    """Run a command and send its text reply; returns what the HTTP API reports."""
-    reply = await HANDLERS[cmd.name](runner, event, key, cmd)
+    """Run a command and send its text reply; returns what the HTTP API reports.
+
+    The command's message is recorded (its id taken) before it runs, so a command that
+    fails unexpectedly is still answered: with a short error, the cause in the log."""
+    try:
+        reply = await HANDLERS[cmd.name](runner, event, key, cmd)
+    except Exception as exc:
+        log.exception("command_failed", command=cmd.name, error_type=type(exc).__name__)
+        reply = f"Sorry, /{cmd.name} failed. The error was logged."
     if isinstance(reply, Accepted):
         return reply
     if reply is not None:

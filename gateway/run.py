@@ -84,6 +84,10 @@ log = structlog.get_logger("gateway.run")
 
 FinalizeHook = Callable[[SessionEntry], Awaitable[None]]
 
+INTERNAL_ERROR_TEXT = (
+    "Sorry, something went wrong while answering. The error was logged; /retry asks again."
+)
+
 
 @dataclass(frozen=True, slots=True)
 class TurnOutcome:
@@ -377,13 +381,22 @@ class GatewayRunner(SessionOps):
             return Accepted(AcceptStatus.IGNORED, detail=str(exc))
         event = event.scrubbed()
         adapter = self.adapters.get(event.source.platform)
-        if adapter is not None and not await adapter.authorize(event):
+        if adapter is None:
+            # Authorization is the platform adapter's (its allow-lists, pairing): with no
+            # adapter for the platform nobody can say who may talk, so nobody may.
+            log.warning(
+                "message_denied_no_adapter",
+                platform=event.source.platform.value,
+                chat_id=event.source.chat_id,
+            )
+            return Accepted(AcceptStatus.IGNORED, detail="not authorized")
+        if not await adapter.authorize(event):
             return Accepted(AcceptStatus.IGNORED, detail="not authorized")
         text = event.text.strip()
         if not text and not event.media:
             return Accepted(AcceptStatus.IGNORED, detail="empty message")
 
-        kind, command = command_syntax.classify(text, adapter.bot_username if adapter else None)
+        kind, command = command_syntax.classify(text, adapter.bot_username)
         if kind == "queue":
             assert command is not None
             event = replace(event, text=command.args)
@@ -630,7 +643,8 @@ class GatewayRunner(SessionOps):
                     await self._run_turn(key, event, start)
                 except Exception:
                     # An internal failure (the store, a bug): keep the session usable. The
-                    # turn's marker stays, so the next start re-runs it.
+                    # turn answered its messages with an error notice, or, when even that
+                    # could not be recorded, its marker stays for the next start.
                     self.metrics.turn_errors_total += 1
                     log.exception("turn_internal_error", session_key=key)
                 start = None
@@ -672,6 +686,7 @@ class GatewayRunner(SessionOps):
         source = event.source
         turn = TurnLine(source.platform.value, started)  # the log's one line for this turn
         stream: Stream | None = None
+        finished = False  # the turn's end is recorded (its message answered)
         try:
             if begun is None:
                 begun = await self.turnlog.begin(event, key, self._turn_text(event))
@@ -743,6 +758,7 @@ class GatewayRunner(SessionOps):
             ids = await self._finish(
                 key, begun, event, outcome, chunks, tools, settles, edits if edits else None
             )
+            finished = True
             if run_status is not None:
                 self.metrics.count_schedule_run(run_status)
             if outcome.reply is not None:
@@ -767,12 +783,39 @@ class GatewayRunner(SessionOps):
         except asyncio.CancelledError:
             turn.outcome = "cancelled"  # /stop, or a shutdown that could not wait
             raise
+        except Exception:
+            if not finished:
+                turn.outcome = "error"
+                await self._answer_internal_error(key, event, begun)
+            raise  # logged by the worker
         finally:
             if stream is not None:
                 stream.close()  # after the final's delivery: the chat's slot is free again
                 self.metrics.stream_edits_total += stream.edits
                 self.metrics.stream_flood_waits_total += stream.floods
             turn.log(log)
+
+    async def _answer_internal_error(
+        self, key: str, event: MessageEvent, begun: TurnStart | None
+    ) -> None:
+        """An unexpected error (a bug, the store) before the turn recorded its end: answer
+        its messages with a short error all the same, as a failed agent call is answered,
+        instead of leaving them waiting for a restart. If even that cannot be recorded,
+        the turn's marker and messages stay, and the next start runs them again."""
+        source = event.source
+        chunks = self.delivery.split(source, INTERNAL_ERROR_TEXT)
+        try:
+            if begun is not None:
+                failed = TurnOutcome.failed(INTERNAL_ERROR_TEXT, "error")
+                ids = await self._finish(key, begun, event, failed, chunks, edits=[])
+            else:
+                ids = await self.turnlog.answer_unbegun(key, event, chunks)
+        except Exception as exc:
+            log.warning("turn_error_unanswered", error=str(exc), error_type=type(exc).__name__)
+            return
+        await self.delivery.send_recorded(
+            source, list(zip(ids, chunks, strict=False)), event.reply_to
+        )
 
     async def _finish(
         self,

@@ -315,3 +315,37 @@ async def test_a_start_that_fails_marks_nothing(tmp_path: Path) -> None:
     # fires exactly now.
     async with restarted(tmp_path) as (_, probe):
         await wait_for(lambda: probe.sent == [STUCK_NOTICE])
+
+
+async def test_a_turn_that_fails_inside_the_gateway_still_answers(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An unexpected error in the turn path (not the agent's: a bug, the store) answers
+    the message with an error notice at once and settles it, instead of leaving it
+    unanswered until some later restart; the session goes on working."""
+    from gateway.run import INTERNAL_ERROR_TEXT
+
+    probe = ProbeAdapter()
+    runner = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
+    await runner.start()
+    try:
+        prepare = runner.memory.prepare
+        calls = 0
+
+        def failing_once(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("a bug in the turn path")
+            return prepare(*args, **kwargs)
+
+        monkeypatch.setattr(runner.memory, "prepare", failing_once)
+        await runner.handle_message(event("hello", "m1"))
+        await wait_for(lambda: probe.sent == [INTERNAL_ERROR_TEXT])
+        await wait_for(lambda: not runner.is_busy(KEY))
+        assert await runner.turnlog.open_inbox() == []
+        assert await runner.turnlog.open_turns() == []
+        await runner.handle_message(event("again", "m2"))
+        await wait_for(lambda: probe.sent == [INTERNAL_ERROR_TEXT, "echo: again"])
+    finally:
+        await runner.stop()

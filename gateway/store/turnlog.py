@@ -314,6 +314,32 @@ class TurnLog:
 
         await self.store.write(tx, dirty=False)
 
+    async def answer_unbegun(
+        self, session_key: str, event: MessageEvent, chunks: list[str]
+    ) -> list[int]:
+        """A turn that failed before its begin committed: settle its messages and record
+        `chunks` (an error notice) as their answer, in one transaction. A resumed turn's
+        marker (written by an earlier run) goes too. Returns the chunks' delivery ids."""
+        now = time.time()
+        fence = self.fence
+
+        def tx(conn: sqlite3.Connection) -> list[int]:
+            if fence is not None:
+                fence(conn, session_key)
+            if event.resume:
+                journal.end_turn(conn, session_key)
+            journal.close_inbox(conn, list(event.inbox_ids), journal.DONE, now)
+            return journal.record_outbound(
+                conn,
+                event.source,
+                chunks,
+                reply_to=event.reply_to,
+                session_key=session_key,
+                now=now,
+            )
+
+        return await self.store.write(tx, dirty=False)
+
     async def close_inbox(self, inbox_ids: list[int]) -> None:
         """Messages answered without a turn (a command another replica journaled)."""
         now = time.time()

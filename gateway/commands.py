@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -216,6 +216,11 @@ async def cmd_forget(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
 async def cmd_retry(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
     if runner.is_busy(key):
         return "A turn is running; wait for it or /stop it first."
+    aside = await runner.turnlog.set_aside_messages(key)
+    if aside:
+        # Messages the stuck-loop guard set aside: run again as one turn, whose end
+        # settles them (a second /retry then finds none).
+        return await runner.submit(key, _rerun_of(aside))
     entry = await runner.store.get_entry(key)
     if entry is None:
         return "Nothing to retry."
@@ -224,6 +229,19 @@ async def cmd_retry(runner: GatewayRunner, event: MessageEvent, key: str, cmd: C
         return "Nothing to retry."
     await runner.agents.evict(key)  # the agent's own context still holds the old answer
     return await runner.submit(key, replace(event, text=undone["target_text"], synthetic=True))
+
+
+def _rerun_of(aside: list[tuple[int, dict[str, Any]]]) -> MessageEvent:
+    """One turn of set-aside messages: merged as messages waiting behind a turn are
+    (`SessionQueue`), answering the latest of them."""
+    events = [MessageEvent.from_dict(data) for _, data in aside]
+    return replace(
+        events[-1],
+        text="\n".join(e.text for e in events if e.text),
+        media=tuple(m for e in events for m in e.media),
+        inbox_ids=tuple(inbox_id for inbox_id, _ in aside),
+        synthetic=True,
+    )
 
 
 async def cmd_undo(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
@@ -305,7 +323,7 @@ HELP_TEXT = """Commands:
 /title [TEXT] — show or rename this session's title
 /search WORDS — find messages in this chat's sessions (WORD* by prefix)
 /forget — delete this session for good (asks first: /forget yes)
-/retry — ask again: re-run your last message
+/retry — ask again: re-run your last message (or the ones set aside after restarts)
 /undo [N] — take back your last N messages and their replies
 /compress [FOCUS] — condense this session's history into its summary now
 /schedule add WHEN PROMPT — run PROMPT later or repeatedly (in 30m, at 09:00, every 2h,

@@ -321,6 +321,9 @@ class GatewayRunner(SessionOps):
                     # A full disk refuses the flag; the turn's marker re-runs it all the same.
                     with contextlib.suppress(StoreUnwritable):
                         await self.store.mark_resume_pending(key, reason)
+                        # Stopped on purpose: whoever resumes it must not count this
+                        # stop as a crash while it ran (a replica's takeover).
+                        await self.turnlog.mark_waiting(key)
                     log.warning("turn_interrupted_by_shutdown", session_key=key, reason=reason)
         for adapter in self.adapters.values():
             try:
@@ -538,7 +541,7 @@ class GatewayRunner(SessionOps):
             text = self._turn_text(event)
         try:
             result = await self.turnlog.accept_and_begin(
-                event, key, kind, text, claim, claim_fences=claim_fences
+                event, key, kind, text, claim, claim_fences=claim_fences, running=self._slot_free()
             )
         except BaseException:
             if not begun.done():
@@ -689,7 +692,9 @@ class GatewayRunner(SessionOps):
         finished = False  # the turn's end is recorded (its message answered)
         try:
             if begun is None:
-                begun = await self.turnlog.begin(event, key, self._turn_text(event))
+                begun = await self.turnlog.begin(
+                    event, key, self._turn_text(event), running=self._slot_free()
+                )
             entry = begun.entry
             turn.session_id = entry.session_id
             if begun.resumed:
@@ -735,7 +740,7 @@ class GatewayRunner(SessionOps):
                 if intake is not None and intake.only_refusals:
                     outcome = TurnOutcome.failed(intake.notices[0], "too_large")
                 else:
-                    outcome = await self._call_agent(key, request, agent, stream)
+                    outcome = await self._call_agent(key, request, agent, stream, begun)
                 edits = await stream.finish() if stream is not None else shown
             finally:
                 if typing is not None:
@@ -869,8 +874,32 @@ class GatewayRunner(SessionOps):
             had_activity=entry.reset_had_activity,
         )
 
+    def _slot_free(self) -> bool:
+        """Would a turn begun now take an agent slot at once (its marker then says it
+        runs, in its begin transaction: no write of its own)?"""
+        return not self._turn_slots.locked()
+
+    async def _take_slot(self, key: str, begun: TurnStart) -> None:
+        """The turn's agent slot. From here on the turn runs, and its marker says so (a
+        crash then counts against it in the stuck-loop guard): said at begin already
+        when a slot was free then; otherwise, or when the slot went meanwhile, said now,
+        in the next group commit, unawaited."""
+        row, marked = begun.user_row, begun.running
+        if self._turn_slots.locked():
+            if marked and row is not None:
+                self.turnlog.mark_running(key, row, False)  # it waits after all
+            marked = False
+        await self._turn_slots.acquire()
+        if not marked and row is not None:
+            self.turnlog.mark_running(key, row, True)
+
     async def _call_agent(
-        self, key: str, request: TurnRequest, spec: AgentSpec, stream: Stream | None = None
+        self,
+        key: str,
+        request: TurnRequest,
+        spec: AgentSpec,
+        stream: Stream | None,
+        begun: TurnStart,
     ) -> TurnOutcome:
         """Run the agent; a failure becomes a short text for the user, never an exception.
         With a `stream`, an agent that can stream (`stream_turn`) shows its reply as it
@@ -879,23 +908,27 @@ class GatewayRunner(SessionOps):
         task = asyncio.current_task()
         assert task is not None
         try:
-            async with self._turn_slots, self.agents.lease(key, spec.signature) as agent:
-                self._deadlines.arm(task, timeout)
-                try:
-                    streaming = getattr(agent, "stream_turn", None) if stream else None
-                    if streaming is not None and stream is not None:
-                        result = await streaming(request, stream.update)
-                    else:
-                        result = await agent.run_turn(request)
-                    check_tool_rounds(result.messages)
-                    check_attachments(result.attachments)
-                except asyncio.CancelledError:
-                    # Ours (the deadline) unless someone else cancelled too (/stop).
-                    if self._deadlines.disarm(task) and task.uncancel() == 0:
-                        raise TimeoutError from None
-                    raise
-                finally:
-                    self._deadlines.disarm(task)
+            await self._take_slot(key, begun)
+            try:
+                async with self.agents.lease(key, spec.signature) as agent:
+                    self._deadlines.arm(task, timeout)
+                    try:
+                        streaming = getattr(agent, "stream_turn", None) if stream else None
+                        if streaming is not None and stream is not None:
+                            result = await streaming(request, stream.update)
+                        else:
+                            result = await agent.run_turn(request)
+                        check_tool_rounds(result.messages)
+                        check_attachments(result.attachments)
+                    except asyncio.CancelledError:
+                        # Ours (the deadline) unless someone else cancelled too (/stop).
+                        if self._deadlines.disarm(task) and task.uncancel() == 0:
+                            raise TimeoutError from None
+                        raise
+                    finally:
+                        self._deadlines.disarm(task)
+            finally:
+                self._turn_slots.release()
         except TimeoutError:
             self.metrics.turn_timeouts_total += 1
             log.warning("turn_timeout", timeout_seconds=timeout)

@@ -142,7 +142,9 @@ def test_replicas_starting_together_migrate_once(pg_schema_dsn: str) -> None:
         thread.join(timeout=30)
     assert not errors
     with psycopg.connect(pg_schema_dsn) as conn:
-        assert conn.execute("SELECT version FROM hermes_schema").fetchall() == [(14,)]
+        assert conn.execute("SELECT version FROM hermes_schema").fetchall() == [
+            (migrations.SCHEMA_VERSION,)
+        ]
 
 
 def test_triggers_log_messages_and_notes_as_on_sqlite(pg_schema_dsn: str) -> None:

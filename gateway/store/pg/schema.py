@@ -361,7 +361,12 @@ CREATE TRIGGER memory_vectors_count_deletes AFTER DELETE ON memory_vectors
 
 #: the steps after the baseline, by the version they bring the store to (15: ..., each
 #: the twin of gateway.store.migrations' step of the same number)
-_STEPS: dict[int, str] = {}
+_STEPS: dict[int, str] = {
+    15: """
+    ALTER TABLE turns ADD COLUMN running BIGINT NOT NULL DEFAULT 0;
+    CREATE INDEX inbox_set_aside ON inbox(session_key, id) WHERE state = 'set_aside';
+    """,
+}
 
 #: the tables of the baseline that hold the gateway's data, parents before children
 #: (foreign keys): what `storage migrate` copies and `doctor` counts

@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import structlog
 
 from adapters.base import Accepted, AcceptStatus, MessageEvent
 from gateway.command_syntax import NAMES, Command
@@ -19,9 +21,12 @@ from gateway.policy import next_reset_at
 from gateway.schedule_commands import cmd_schedule, cmd_sethome, next_run_line
 from gateway.session import agent_id_of_key
 from gateway.store import titles
+from gateway.store.session_store import MAX_REWIND
 
 if TYPE_CHECKING:
     from gateway.run import GatewayRunner
+
+log = structlog.get_logger("gateway.commands")
 
 
 def _age(delta: timedelta) -> str:
@@ -215,6 +220,11 @@ async def cmd_forget(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
 async def cmd_retry(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
     if runner.is_busy(key):
         return "A turn is running; wait for it or /stop it first."
+    aside = await runner.turnlog.set_aside_messages(key)
+    if aside:
+        # Messages the stuck-loop guard set aside: run again as one turn, whose end
+        # settles them (a second /retry then finds none).
+        return await runner.submit(key, _rerun_of(aside))
     entry = await runner.store.get_entry(key)
     if entry is None:
         return "Nothing to retry."
@@ -225,13 +235,26 @@ async def cmd_retry(runner: GatewayRunner, event: MessageEvent, key: str, cmd: C
     return await runner.submit(key, replace(event, text=undone["target_text"], synthetic=True))
 
 
+def _rerun_of(aside: list[tuple[int, dict[str, Any]]]) -> MessageEvent:
+    """One turn of set-aside messages: merged as messages waiting behind a turn are
+    (`SessionQueue`), answering the latest of them."""
+    events = [MessageEvent.from_dict(data) for _, data in aside]
+    return replace(
+        events[-1],
+        text="\n".join(e.text for e in events if e.text),
+        media=tuple(m for e in events for m in e.media),
+        inbox_ids=tuple(inbox_id for inbox_id, _ in aside),
+        synthetic=True,
+    )
+
+
 async def cmd_undo(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
     try:
         n = int(cmd.args) if cmd.args else 1
     except ValueError:
         return "Usage: /undo [N] (N = how many of your last messages to take back)"
-    if n < 1:
-        return "Usage: /undo [N] with N at least 1"
+    if not 1 <= n <= MAX_REWIND:
+        return f"N is out of range: /undo [N] takes N from 1 to {MAX_REWIND:,}."
     if runner.is_busy(key):
         return "A turn is running; wait for it or /stop it first."
     entry = await runner.store.get_entry(key)
@@ -304,7 +327,7 @@ HELP_TEXT = """Commands:
 /title [TEXT] — show or rename this session's title
 /search WORDS — find messages in this chat's sessions (WORD* by prefix)
 /forget — delete this session for good (asks first: /forget yes)
-/retry — ask again: re-run your last message
+/retry — ask again: re-run your last message (or the ones set aside after restarts)
 /undo [N] — take back your last N messages and their replies
 /compress [FOCUS] — condense this session's history into its summary now
 /schedule add WHEN PROMPT — run PROMPT later or repeatedly (in 30m, at 09:00, every 2h,
@@ -316,8 +339,15 @@ Messages sent while a reply is running are combined into the next turn."""
 
 
 async def dispatch(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Accepted:
-    """Run a command and send its text reply; returns what the HTTP API reports."""
-    reply = await HANDLERS[cmd.name](runner, event, key, cmd)
+    """Run a command and send its text reply; returns what the HTTP API reports.
+
+    The command's message is recorded (its id taken) before it runs, so a command that
+    fails unexpectedly is still answered: with a short error, the cause in the log."""
+    try:
+        reply = await HANDLERS[cmd.name](runner, event, key, cmd)
+    except Exception as exc:
+        log.exception("command_failed", command=cmd.name, error_type=type(exc).__name__)
+        reply = f"Sorry, /{cmd.name} failed. The error was logged."
     if isinstance(reply, Accepted):
         return reply
     if reply is not None:

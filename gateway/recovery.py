@@ -12,14 +12,19 @@ start that fails in between (a port taken) leaves the sessions and the markers a
 found them, for the next start to decide again.
 
 Stuck loop: `restart_counts.json` counts, per session key, the consecutive unclean
-starts that found the same turn of that key in flight (a busy chat whose different
-turns happen to be running at crashes is not a loop). At 3 the session is suspended, its
-turn dropped, and the user told; a successful turn clears its count.
+starts that found the same turn of that key running (a busy chat whose different turns
+happen to be running at crashes is not a loop). Running means its work had begun (its
+marker's `running`, set when it takes its agent slot); a turn that only waited (behind
+another turn, for a slot, or resumed and not reached before the next crash) is neither
+counted nor cleared. At 3 the session is suspended, its turn set aside, and the user
+told how many messages that was, with the start of each; /retry runs them again (once,
+as one turn). A successful turn clears its count.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +32,7 @@ import structlog
 
 from adapters.base import MessageEvent
 from gateway.fsutil import atomic_write_bytes
+from gateway.store import journal
 
 if TYPE_CHECKING:
     from gateway.run import GatewayRunner
@@ -37,10 +43,37 @@ CLEAN_SHUTDOWN = ".clean_shutdown"
 RESTART_COUNTS = "restart_counts.json"
 STUCK_LOOP_THRESHOLD = 3
 RECENTLY_ACTIVE_SECONDS = 120
-STUCK_NOTICE = (
-    "I was restarted several times while answering your last message, so I stopped "
-    "trying and started a fresh session. Please send it again if you still need it."
-)
+#: how every stuck-loop notice begins (`stuck_notice`)
+STUCK_NOTICE_START = "I was restarted several times while answering"
+QUOTE_CHARS = 60  # of each set-aside message, quoted in the notice
+MAX_QUOTED = 5  # messages quoted; the rest are counted
+
+
+def stuck_notice(events: Sequence[dict[str, Any]]) -> str:
+    """What the user is told when the guard sets a turn aside: how many messages, the
+    start of each (at most MAX_QUOTED of them), and that /retry runs them again.
+    `events`: the turn's messages as the inbox recorded them, oldest first."""
+    count = len(events)
+    them = "it" if count == 1 else "them"
+    what = "your message" if count == 1 else f"your {count} messages"
+    lines = [
+        f"{STUCK_NOTICE_START} {what}, so I stopped trying, set {them} aside and started "
+        "a fresh session. Set aside:"
+    ]
+    lines += [f"- {_quote(data)}" for data in events[:MAX_QUOTED]]
+    if count > MAX_QUOTED:
+        lines.append(f"and {count - MAX_QUOTED} more")
+    lines.append(f"Send /retry to run {them} again (once, as one message).")
+    return "\n".join(lines)
+
+
+def _quote(data: dict[str, Any]) -> str:
+    text = " ".join(str(data.get("text") or "").split())
+    if not text:
+        return "(a file)" if data.get("media") else "(an empty message)"
+    if len(text) > QUOTE_CHARS:
+        text = text[:QUOTE_CHARS].rstrip() + "…"
+    return f'"{text}"'
 
 
 class Recovery:
@@ -77,13 +110,15 @@ class Recovery:
             # turn, starts counting again.
             counts = {}
             for marker in markers:
-                turn = marker["user_message_id"] or 0
-                before = self.counts.get(marker["session_key"], {})
+                key, turn = marker["session_key"], marker["user_message_id"] or 0
+                before = self.counts.get(key, {})
                 same = before.get("turn") == turn
-                counts[marker["session_key"]] = {
-                    "turn": turn,
-                    "count": before.get("count", 0) + 1 if same else 1,
-                }
+                if not marker["running"]:
+                    # It waited and did nothing: no evidence either way.
+                    if same:
+                        counts[key] = before
+                    continue
+                counts[key] = {"turn": turn, "count": before.get("count", 0) + 1 if same else 1}
             self.counts = counts
             stuck = {k for k, c in counts.items() if c["count"] >= STUCK_LOOP_THRESHOLD}
             self._stuck = [m for m in markers if m["session_key"] in stuck]
@@ -92,19 +127,17 @@ class Recovery:
 
     async def mark(self) -> None:
         """Write what `prepare` decided: once the adapters are up, before anything runs."""
-        store, turnlog = self.runner.store, self.runner.turnlog
+        store = self.runner.store
         self.clean_marker.unlink(missing_ok=True)
         self.marked = True
         if not self.was_clean:
             marked = await store.suspend_recently_active(RECENTLY_ACTIVE_SECONDS)
             for marker in self._stuck:
-                # The notice is recorded with the drop (one transaction) and sent by
-                # resume() with the other pending replies: a crash in between cannot
-                # leave the messages dropped and the user untold.
-                source = MessageEvent.from_dict(marker["event"]).source
-                notice = (source, self.runner.split_reply(source, STUCK_NOTICE))
+                # The notice is recorded with the set-aside (one transaction) and sent
+                # by resume() with the other pending replies: a crash in between cannot
+                # leave the messages set aside and the user untold.
                 await store.suspend_session(marker["session_key"])
-                await turnlog.abandon(marker["session_key"], marker["inbox_ids"], notice)
+                await self.set_aside(marker)
                 self.counts.pop(marker["session_key"], None)
             self._write_counts()
             log.warning(
@@ -113,10 +146,26 @@ class Recovery:
                 interrupted_turns=len(self._markers),
                 stuck_sessions_suspended=len(self._stuck),
             )
+        if self._markers:
+            # Nothing of the last process runs any more: each turn is running again
+            # only once this one reaches its agent slot.
+            await store.write(journal.all_waiting, dirty=False)
         for marker in self._markers:
             entry = await store.get_entry(marker["session_key"])
             if entry is not None and not entry.resume_pending:
                 await store.mark_resume_pending(marker["session_key"], "restart_interrupted")
+
+    async def set_aside(self, marker: dict[str, Any]) -> tuple[list[int], list[str]]:
+        """Give up on a stuck turn: its messages set aside for /retry and the notice
+        recorded, in one transaction. Returns the notice's delivery ids and chunks."""
+        source = MessageEvent.from_dict(marker["event"]).source
+        split = self.runner.split_reply
+        return await self.runner.turnlog.set_aside(
+            marker["session_key"],
+            marker["inbox_ids"],
+            source,
+            lambda events: split(source, stuck_notice(events or [marker["event"]])),
+        )
 
     async def resume(self) -> int:
         """After `mark()`: resend, re-run and re-queue. Returns events queued."""

@@ -44,7 +44,7 @@ from gateway.cluster.heartbeat import Heartbeat
 from gateway.cluster.leader import LeaderRole
 from gateway.cluster.notify import Listener, notify
 from gateway.housekeeping import RESEND_AFTER_SECONDS
-from gateway.recovery import STUCK_LOOP_THRESHOLD, STUCK_NOTICE
+from gateway.recovery import STUCK_LOOP_THRESHOLD, stuck_notice
 from gateway.store import codec, journal, schedules
 
 if TYPE_CHECKING:
@@ -65,7 +65,9 @@ SWEEP_LIMIT = 200
 # The one leader: the single-connection platforms, housekeeping and the scheduler. One
 # role, so the replica that sends a platform's pending replies is connected to it.
 LEADER = "leader:housekeeping"
-TAKEOVERS = "takeovers"  # in a turn marker's event: how often other replicas resumed it
+# In a turn marker's event: how often a replica died while running it (a takeover of a
+# marker that was only waiting, never reached by the replica that died, does not count).
+TAKEOVERS = "takeovers"
 
 
 class LeaseLost(RuntimeError):
@@ -356,24 +358,33 @@ class Replica:
         return queued
 
     async def _resume(self, key: str, marker: dict[str, Any]) -> bool:
-        """Run an interrupted turn again, or, when it was taken over STUCK_LOOP_THRESHOLD
-        times already (a message that kills each replica that runs it would otherwise
-        take the fleet down one by one), drop it, suspend the session and tell the user,
-        as one node's stuck-loop guard does (gateway.recovery). False when dropped."""
+        """Run an interrupted turn again, or, when replicas died running it
+        STUCK_LOOP_THRESHOLD times already (a message that kills each replica that runs
+        it would otherwise take the fleet down one by one), set it aside, suspend the
+        session and tell the user, as one node's stuck-loop guard does (gateway.recovery).
+        A holder that died while the turn only waited (its marker's `running` unset) does
+        not count against it. False when set aside."""
         runner = self.runner
         data = dict(marker["event"])
-        attempts = int(data.get(TAKEOVERS, 0)) + 1
+        attempts = int(data.get(TAKEOVERS, 0)) + (1 if marker["running"] else 0)
         if attempts >= STUCK_LOOP_THRESHOLD:
             source = MessageEvent.from_dict(data).source
             await runner.store.suspend_session(key)
-            await runner.turnlog.abandon(key, marker["inbox_ids"])
+            ids, chunks = await runner.turnlog.set_aside(
+                key,
+                marker["inbox_ids"],
+                source,
+                lambda events: runner.split_reply(source, stuck_notice(events or [data])),
+            )
             log.warning("stuck_session_suspended", session_key=key, takeovers=attempts)
-            await runner.deliver(source, STUCK_NOTICE)
+            await runner.delivery.send_recorded(source, list(zip(ids, chunks, strict=True)), None)
             return False
         data[TAKEOVERS] = attempts  # counted in the marker: it survives the next crash
         await runner.store.write(
             lambda conn: conn.execute(
-                "UPDATE turns SET event = ? WHERE session_key = ?", (codec.dumps(data), key)
+                # Waiting again: running once this replica reaches its agent slot.
+                "UPDATE turns SET event = ?, running = 0 WHERE session_key = ?",
+                (codec.dumps(data), key),
             )
         )
         entry = await runner.store.get_entry(key)

@@ -84,6 +84,10 @@ log = structlog.get_logger("gateway.run")
 
 FinalizeHook = Callable[[SessionEntry], Awaitable[None]]
 
+INTERNAL_ERROR_TEXT = (
+    "Sorry, something went wrong while answering. The error was logged; /retry asks again."
+)
+
 
 @dataclass(frozen=True, slots=True)
 class TurnOutcome:
@@ -319,6 +323,9 @@ class GatewayRunner(SessionOps):
                     # A full disk refuses the flag; the turn's marker re-runs it all the same.
                     with contextlib.suppress(StoreUnwritable):
                         await self.store.mark_resume_pending(key, reason)
+                        # Stopped on purpose: whoever resumes it must not count this
+                        # stop as a crash while it ran (a replica's takeover).
+                        await self.turnlog.mark_waiting(key)
                     log.warning("turn_interrupted_by_shutdown", session_key=key, reason=reason)
         for adapter in self.adapters.values():
             try:
@@ -382,13 +389,22 @@ class GatewayRunner(SessionOps):
             return Accepted(AcceptStatus.IGNORED, detail=str(exc))
         event = event.scrubbed()
         adapter = self.adapters.get(event.source.platform)
-        if adapter is not None and not await adapter.authorize(event):
+        if adapter is None:
+            # Authorization is the platform adapter's (its allow-lists, pairing): with no
+            # adapter for the platform nobody can say who may talk, so nobody may.
+            log.warning(
+                "message_denied_no_adapter",
+                platform=event.source.platform.value,
+                chat_id=event.source.chat_id,
+            )
+            return Accepted(AcceptStatus.IGNORED, detail="not authorized")
+        if not await adapter.authorize(event):
             return Accepted(AcceptStatus.IGNORED, detail="not authorized")
         text = event.text.strip()
         if not text and not event.media:
             return Accepted(AcceptStatus.IGNORED, detail="empty message")
 
-        kind, command = command_syntax.classify(text, adapter.bot_username if adapter else None)
+        kind, command = command_syntax.classify(text, adapter.bot_username)
         if kind == "queue":
             assert command is not None
             event = replace(event, text=command.args)
@@ -530,7 +546,7 @@ class GatewayRunner(SessionOps):
             text = self._turn_text(event)
         try:
             result = await self.turnlog.accept_and_begin(
-                event, key, kind, text, claim, claim_fences=claim_fences
+                event, key, kind, text, claim, claim_fences=claim_fences, running=self._slot_free()
             )
         except BaseException:
             if not begun.done():
@@ -635,7 +651,8 @@ class GatewayRunner(SessionOps):
                     await self._run_turn(key, event, start)
                 except Exception:
                     # An internal failure (the store, a bug): keep the session usable. The
-                    # turn's marker stays, so the next start re-runs it.
+                    # turn answered its messages with an error notice, or, when even that
+                    # could not be recorded, its marker stays for the next start.
                     self.metrics.turn_errors_total += 1
                     log.exception("turn_internal_error", session_key=key)
                 start = None
@@ -677,9 +694,12 @@ class GatewayRunner(SessionOps):
         source = event.source
         turn = TurnLine(source.platform.value, started)  # the log's one line for this turn
         stream: Stream | None = None
+        finished = False  # the turn's end is recorded (its message answered)
         try:
             if begun is None:
-                begun = await self.turnlog.begin(event, key, self._turn_text(event))
+                begun = await self.turnlog.begin(
+                    event, key, self._turn_text(event), running=self._slot_free()
+                )
             entry = begun.entry
             turn.session_id = entry.session_id
             if begun.resumed:
@@ -725,7 +745,7 @@ class GatewayRunner(SessionOps):
                 if intake is not None and intake.only_refusals:
                     outcome = TurnOutcome.failed(intake.notices[0], "too_large")
                 else:
-                    outcome = await self._call_agent(key, request, agent, stream)
+                    outcome = await self._call_agent(key, request, agent, stream, begun)
                 edits = await stream.finish() if stream is not None else shown
             finally:
                 if typing is not None:
@@ -764,6 +784,7 @@ class GatewayRunner(SessionOps):
                 edits if edits else None,
                 token_factor=factor,
             )
+            finished = True
             if run_status is not None:
                 self.metrics.count_schedule_run(run_status)
             if outcome.reply is not None:
@@ -785,12 +806,39 @@ class GatewayRunner(SessionOps):
         except asyncio.CancelledError:
             turn.outcome = "cancelled"  # /stop, or a shutdown that could not wait
             raise
+        except Exception:
+            if not finished:
+                turn.outcome = "error"
+                await self._answer_internal_error(key, event, begun)
+            raise  # logged by the worker
         finally:
             if stream is not None:
                 stream.close()  # after the final's delivery: the chat's slot is free again
                 self.metrics.stream_edits_total += stream.edits
                 self.metrics.stream_flood_waits_total += stream.floods
             turn.log(log)
+
+    async def _answer_internal_error(
+        self, key: str, event: MessageEvent, begun: TurnStart | None
+    ) -> None:
+        """An unexpected error (a bug, the store) before the turn recorded its end: answer
+        its messages with a short error all the same, as a failed agent call is answered,
+        instead of leaving them waiting for a restart. If even that cannot be recorded,
+        the turn's marker and messages stay, and the next start runs them again."""
+        source = event.source
+        chunks = self.delivery.split(source, INTERNAL_ERROR_TEXT)
+        try:
+            if begun is not None:
+                failed = TurnOutcome.failed(INTERNAL_ERROR_TEXT, "error")
+                ids = await self._finish(key, begun, event, failed, chunks, edits=[])
+            else:
+                ids = await self.turnlog.answer_unbegun(key, event, chunks)
+        except Exception as exc:
+            log.warning("turn_error_unanswered", error=str(exc), error_type=type(exc).__name__)
+            return
+        await self.delivery.send_recorded(
+            source, list(zip(ids, chunks, strict=False)), event.reply_to
+        )
 
     async def _finish(
         self,
@@ -847,8 +895,32 @@ class GatewayRunner(SessionOps):
             had_activity=entry.reset_had_activity,
         )
 
+    def _slot_free(self) -> bool:
+        """Would a turn begun now take an agent slot at once (its marker then says it
+        runs, in its begin transaction: no write of its own)?"""
+        return not self._turn_slots.locked()
+
+    async def _take_slot(self, key: str, begun: TurnStart) -> None:
+        """The turn's agent slot. From here on the turn runs, and its marker says so (a
+        crash then counts against it in the stuck-loop guard): said at begin already
+        when a slot was free then; otherwise, or when the slot went meanwhile, said now,
+        in the next group commit, unawaited."""
+        row, marked = begun.user_row, begun.running
+        if self._turn_slots.locked():
+            if marked and row is not None:
+                self.turnlog.mark_running(key, row, False)  # it waits after all
+            marked = False
+        await self._turn_slots.acquire()
+        if not marked and row is not None:
+            self.turnlog.mark_running(key, row, True)
+
     async def _call_agent(
-        self, key: str, request: TurnRequest, spec: AgentSpec, stream: Stream | None = None
+        self,
+        key: str,
+        request: TurnRequest,
+        spec: AgentSpec,
+        stream: Stream | None,
+        begun: TurnStart,
     ) -> TurnOutcome:
         """Run the agent; a failure becomes a short text for the user, never an exception.
         With a `stream`, an agent that can stream (`stream_turn`) shows its reply as it
@@ -857,23 +929,27 @@ class GatewayRunner(SessionOps):
         task = asyncio.current_task()
         assert task is not None
         try:
-            async with self._turn_slots, self.agents.lease(key, spec.signature) as agent:
-                self._deadlines.arm(task, timeout)
-                try:
-                    streaming = getattr(agent, "stream_turn", None) if stream else None
-                    if streaming is not None and stream is not None:
-                        result = await streaming(request, stream.update)
-                    else:
-                        result = await agent.run_turn(request)
-                    check_tool_rounds(result.messages)
-                    check_attachments(result.attachments)
-                except asyncio.CancelledError:
-                    # Ours (the deadline) unless someone else cancelled too (/stop).
-                    if self._deadlines.disarm(task) and task.uncancel() == 0:
-                        raise TimeoutError from None
-                    raise
-                finally:
-                    self._deadlines.disarm(task)
+            await self._take_slot(key, begun)
+            try:
+                async with self.agents.lease(key, spec.signature) as agent:
+                    self._deadlines.arm(task, timeout)
+                    try:
+                        streaming = getattr(agent, "stream_turn", None) if stream else None
+                        if streaming is not None and stream is not None:
+                            result = await streaming(request, stream.update)
+                        else:
+                            result = await agent.run_turn(request)
+                        check_tool_rounds(result.messages)
+                        check_attachments(result.attachments)
+                    except asyncio.CancelledError:
+                        # Ours (the deadline) unless someone else cancelled too (/stop).
+                        if self._deadlines.disarm(task) and task.uncancel() == 0:
+                            raise TimeoutError from None
+                        raise
+                    finally:
+                        self._deadlines.disarm(task)
+            finally:
+                self._turn_slots.release()
         except TimeoutError:
             self.metrics.turn_timeouts_total += 1
             log.warning("turn_timeout", timeout_seconds=timeout)

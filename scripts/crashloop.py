@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from gateway.faults import POINTS
-from gateway.recovery import STUCK_NOTICE
+from gateway.recovery import STUCK_NOTICE_START
 from scripts.harness import Daemon, is_connection_error
 
 ACCEPTED = {"started", "pending", "queued", "duplicate"}
@@ -88,10 +88,10 @@ def check_files(daemon: Daemon, ledger: Ledger) -> None:
 
 
 def dropped_by_guard(daemon: Daemon) -> set[str]:
-    """Messages the stuck-loop guard dropped (their turn was in flight at 3 crashes)."""
+    """Messages the stuck-loop guard set aside (their turn was running at 3 crashes)."""
     conn = daemon.db()
     try:
-        rows = conn.execute("SELECT message_id FROM inbox WHERE state = 'dropped'").fetchall()
+        rows = conn.execute("SELECT message_id FROM inbox WHERE state = 'set_aside'").fetchall()
     finally:
         conn.close()
     return {message_id for (message_id,) in rows}
@@ -109,8 +109,16 @@ def answered_texts(daemon: Daemon, chats: list[str]) -> dict[str, int]:
                 break
             after = page[-1]["seq"]
             for reply in page:
-                if reply["text"] == STUCK_NOTICE:
+                if reply["text"].startswith(STUCK_NOTICE_START):
                     counts[f"notice:{chat}"] = counts.get(f"notice:{chat}", 0) + 1
+                    # Each set-aside message is quoted (`- "m12"`), or counted ("and
+                    # K more"): `quoted:<text>` and `more:<chat>`.
+                    for line in reply["text"].split("\n"):
+                        if line.startswith('- "') and line.endswith('"'):
+                            key = f"quoted:{line[3:-1]}"
+                            counts[key] = counts.get(key, 0) + 1
+                        elif line.startswith("and ") and line.endswith(" more"):
+                            counts[f"more:{chat}"] = 1
                     continue
                 body = reply["text"].split("\n\n")[-1]  # drop a reset notice, if any
                 if not body.startswith(ECHO_PREFIX):
@@ -184,12 +192,13 @@ def run(args: argparse.Namespace) -> int:
             check_files(daemon, ledger)
         finally:
             daemon.ensure_stopped()
-        # A message the stuck-loop guard dropped is answered by its notice (the designed
-        # outcome of a turn that crashed the gateway three times); without one, it is lost.
+        # A message the stuck-loop guard set aside is answered by the notice that names
+        # it (the designed outcome of a turn that crashed the gateway three times while
+        # it ran; /retry would run it again); without one, it is lost.
         notified = {
             t
             for t in dropped & ledger.accepted.keys()
-            if counts.get(f"notice:{ledger.accepted[t]}")
+            if counts.get(f"quoted:{t}") or counts.get(f"more:{ledger.accepted[t]}")
         }
         lost = sorted(
             (t for t in ledger.accepted if counts.get(t, 0) == 0 and t not in notified),

@@ -340,3 +340,35 @@ async def test_an_approved_user_is_told_so_once_by_the_daemon(tmp_path: Path) ->
             await asyncio.to_thread(daemon.ensure_stopped)
     assert _texts_to(tg, BOB)[1:] == [APPROVED_NOTICE, "echo: hi again"]
     assert _texts_to(tg, CAT)[1:] == [APPROVED_NOTICE]
+
+
+async def test_a_message_for_a_platform_without_an_adapter_is_denied_and_logged(
+    tmp_path: Path,
+) -> None:
+    """Authorization is the adapter's: an event for a platform that has none (here
+    Telegram, with only the HTTP API running) is refused, never run, and logged."""
+    from structlog.testing import capture_logs
+
+    from adapters.base import AcceptStatus
+    from adapters.http import HttpAdapter
+    from gateway.run import GatewayRunner
+
+    config = GatewayConfig.model_validate(
+        {"timezone": "UTC", "platforms": {"http": {"enabled": True, "port": 0}}}
+    )
+    runner = GatewayRunner(config, [HttpAdapter(config.platforms.http)], home=tmp_path)
+    await runner.start()
+    try:
+        stranger = SessionSource(platform=Platform.TELEGRAM, chat_id="55", user_id="55")
+        with capture_logs() as logs:
+            accepted = await runner.handle_message(
+                MessageEvent(source=stranger, text="hello", message_id="t1")
+            )
+        assert accepted.status == AcceptStatus.IGNORED
+        assert accepted.detail == "not authorized"
+        assert not runner.is_busy(runner.store.session_key_for(stranger))
+        assert await runner.turnlog.open_inbox() == []
+        denied = [e for e in logs if e["event"] == "message_denied_no_adapter"]
+        assert denied and denied[0]["platform"] == "telegram"
+    finally:
+        await runner.stop()

@@ -15,7 +15,7 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
-from gateway.recovery import STUCK_NOTICE
+from gateway.recovery import stuck_notice
 from gateway.run import GatewayRunner
 from tests.gateway_client import GatewayClient
 from tests.pg_support import fresh_schema
@@ -138,7 +138,8 @@ async def test_a_turn_taken_over_three_times_suspends_its_session_with_one_notic
         )
         conn.execute("UPDATE leases SET expires_at = 0 WHERE name = %s", (f"session:{key}",))
     (notice,) = await b.client.replies("c4", 1, within=10)
-    assert notice == STUCK_NOTICE
+    assert notice == stuck_notice([{"text": "hang forever"}])
+    assert '"hang forever"' in notice and "/retry" in notice
     assert await b.client.no_more_replies("c4", settle=1.0) == []
     entry = await b.runner.store.get_entry(key)
     assert entry is not None and entry.suspended
@@ -146,3 +147,36 @@ async def test_a_turn_taken_over_three_times_suspends_its_session_with_one_notic
         assert conn.execute(
             "SELECT count(*) FROM turns WHERE session_key = %s", (key,)
         ).fetchone() == (0,)
+
+
+async def test_a_takeover_of_a_turn_that_only_waited_does_not_count_against_it(
+    pair: list[Replica], dsn: str
+) -> None:
+    """A replica that died before the turn it held began (its marker not `running`:
+    waiting behind another turn or for a slot, or resumed and not reached yet) is no
+    evidence against the turn: taken over again, it runs, its count unchanged."""
+    a, b = pair
+    key = "agent:main:http:dm:c5"
+    await a.client.post("c5", "hang for a while")
+    await wait_for(lambda: a.runner.is_busy(key))
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE turns SET event = jsonb_set(event::jsonb, '{takeovers}', '2')::text,"
+            " running = 0 WHERE session_key = %s",
+            (key,),
+        )
+        conn.execute("UPDATE leases SET expires_at = 0 WHERE name = %s", (f"session:{key}",))
+    await wait_for(lambda: b.runner.is_busy(key), within=10)  # resumed, not set aside
+
+    def marker() -> tuple[str, int] | None:
+        with psycopg.connect(dsn) as conn:
+            return conn.execute(
+                "SELECT event::jsonb ->> 'takeovers', running FROM turns WHERE session_key = %s",
+                (key,),
+            ).fetchone()
+
+    # B reached the turn's agent slot: running again, and the takeover not counted.
+    await wait_for(lambda: marker() == ("2", 1), within=10)
+    assert await b.client.no_more_replies("c5", settle=0.5) == []
+    entry = await b.runner.store.get_entry(key)
+    assert entry is not None and not entry.suspended

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.recovery import STUCK_NOTICE
+from gateway.recovery import stuck_notice
 from scripts.harness import Daemon
 
 pytestmark = pytest.mark.timeout(120)
@@ -175,7 +175,7 @@ def test_three_unclean_restarts_during_one_turn_suspend_the_session(
         if count < 3:  # recovery writes the count once the adapters are up: wait for it
             wait_for_restart_count(daemon, count)
     replies = [r["text"] for r in daemon.wait_replies("c1", 1)]
-    assert replies == [STUCK_NOTICE]
+    assert replies == [stuck_notice([{"text": "never finishes"}])]
     entry = daemon.entry(KEY)
     assert entry is not None and entry["suspended"]
     assert json.loads((daemon.home / "restart_counts.json").read_text()) == {}
@@ -187,6 +187,77 @@ def test_three_unclean_restarts_during_one_turn_suspend_the_session(
     finally:
         conn.close()
     assert daemon.entry(KEY)["session_id"] != first_id
+
+
+def markers(daemon: Daemon) -> dict[str, tuple[int, bool]]:
+    """Each open turn marker: session key -> (how many messages, running)."""
+    conn = daemon.db()
+    try:
+        rows = conn.execute("SELECT session_key, inbox_ids, running FROM turns").fetchall()
+    finally:
+        conn.close()
+    return {key: (len(json.loads(ids)), bool(running)) for key, ids, running in rows}
+
+
+def wait_for_markers(daemon: Daemon, accept, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if accept(markers(daemon)):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"markers never as expected: {markers(daemon)}")
+
+
+def test_a_stuck_merged_turn_is_set_aside_named_and_run_again_by_retry(
+    daemons: list[Daemon], tmp_path: Path
+) -> None:
+    """kill -9 three times while chat c1's turn of two merged messages runs, while chat
+    c2's turn waits for the one agent slot each time: the notice counts and quotes c1's
+    two messages, c2 is never counted and gets its answer, and /retry runs c1's messages
+    again as one turn."""
+    other = "agent:main:http:dm:c2"
+    settings = slow_echo(3).replace("agent:\n", "agent:\n  max_concurrent_turns: 1\n", 1)
+    daemon = make(daemons, tmp_path / "home", settings)
+    daemon.start()
+    daemon.post("c1", "first", message_id="m1")
+    wait_for_turn_marker(daemon)
+    daemon.post("c1", "second", message_id="m2")
+    daemon.post("c1", "third", message_id="m3")
+    # "first" answered, the merged turn of m2 and m3 runs and holds the slot.
+    wait_for_markers(daemon, lambda m: m.get(KEY) == (2, True))
+    daemon.post("c2", "waits its turn", message_id="n1")
+    wait_for_markers(daemon, lambda m: m == {KEY: (2, True), other: (1, False)})
+
+    def c1_runs(found: dict[str, tuple[int, bool]]) -> bool:
+        return found.get(KEY) == (2, True) and found.get(other, (1, False)) == (1, False)
+
+    for count in (1, 2, 3):
+        daemon.kill9()
+        daemon.start()
+        if count < 3:
+            wait_for_restart_count(daemon, count)
+            counts = json.loads((daemon.home / "restart_counts.json").read_text())
+            assert other not in counts  # it only waited
+            wait_for_markers(daemon, c1_runs)
+    notice = stuck_notice([{"text": "second"}, {"text": "third"}])
+    assert "your 2 messages" in notice and '- "second"\n- "third"' in notice
+    texts = [r["text"] for r in daemon.wait_replies("c1", 2)]
+    assert texts == ["echo: first", notice]
+    assert [r["text"] for r in daemon.wait_replies("c2", 1)] == ["echo: waits its turn"]
+
+    daemon.post("c1", "/retry", message_id="m4")
+    again = daemon.wait_replies("c1", 3)[-1]["text"]
+    assert again.split("\n\n")[-1] == "echo: second\nthird"
+    conn = daemon.db()
+    try:
+        states = conn.execute(
+            "SELECT message_id, state FROM inbox WHERE message_id IN ('m2', 'm3')"
+        ).fetchall()
+    finally:
+        conn.close()
+    assert sorted(states) == [("m2", "done"), ("m3", "done")]
+    daemon.post("c1", "/retry", message_id="m5")  # once: now an ordinary retry
+    assert daemon.wait_replies("c1", 4)[-1]["text"].split("\n\n")[-1] == "echo: second\nthird"
 
 
 def test_the_same_message_id_across_a_restart_gets_one_reply(

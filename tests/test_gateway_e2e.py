@@ -348,6 +348,44 @@ async def test_retry_reruns_the_last_message_and_undo_takes_turns_back(
     assert await gw.client.replies("c1", 1) == ["Nothing to retry."]
 
 
+async def test_undo_with_a_number_out_of_range_is_answered_and_changes_nothing(
+    make_gateway: MakeGateway,
+) -> None:
+    gw = await make_gateway()
+    await gw.client.post("c1", "one")
+    await gw.client.replies("c1", 1)
+    for n in ("99999999999999999999", "1001", "0", "-3"):
+        accepted = await gw.client.post("c1", f"/undo {n}", message_id=f"undo-{n}")
+        assert accepted["status"] == "command"
+        (reply,) = await gw.client.replies("c1", 1)
+        assert reply == "N is out of range: /undo [N] takes N from 1 to 1,000."
+    transcript = await gw.runner.store.load_transcript(await gw.current_session_id(KEY))
+    assert [m["content"] for m in transcript] == ["one", "echo: one"]
+
+
+async def test_a_command_that_fails_unexpectedly_is_still_answered(
+    make_gateway: MakeGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A command's message id is taken before it runs: an unexpected error in it must
+    still answer (an error notice), not leave the message unanswered for good."""
+    gw = await make_gateway()
+    await gw.client.post("c1", "one")
+    await gw.client.replies("c1", 1)
+
+    async def broken(session_id: str, n: int = 1) -> dict[str, Any]:
+        raise RuntimeError("a bug in the store")
+
+    monkeypatch.setattr(gw.runner.store, "rewind_session", broken)
+    accepted = await gw.client.post("c1", "/undo", message_id="u1")
+    assert accepted["status"] == "command"
+    assert await gw.client.replies("c1", 1) == ["Sorry, /undo failed. The error was logged."]
+    # The same message again is a redelivery (answered already), not a second run.
+    assert (await gw.client.post("c1", "/undo", message_id="u1"))["status"] == "duplicate"
+    monkeypatch.undo()
+    await gw.client.post("c1", "two")
+    assert await gw.client.replies("c1", 1) == ["echo: two"]
+
+
 async def test_command_with_bot_suffix_and_unknown_slash_words(make_gateway: MakeGateway) -> None:
     gw = await make_gateway()
     await gw.client.post("c1", "/help@hermes_bot")

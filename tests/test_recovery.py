@@ -11,7 +11,7 @@ from pathlib import Path
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
 from config import GatewayConfig
 from gateway.agents.protocol import TurnRequest, TurnResult
-from gateway.recovery import RESTART_COUNTS, STUCK_NOTICE
+from gateway.recovery import RESTART_COUNTS, stuck_notice
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
 from gateway.store.session_store import SessionStore
@@ -20,6 +20,7 @@ from tests.waiting import wait_for
 SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="c1", user_id="u1")
 CONFIG = GatewayConfig.model_validate({"timezone": "UTC"})
 KEY = "agent:main:local:dm:c1"
+BLOCKED_NOTICE = stuck_notice([{"text": "block forever"}])
 
 
 class ProbeAdapter(PlatformAdapter):
@@ -211,7 +212,7 @@ async def test_a_crash_right_after_the_stuck_loop_guard_still_tells_the_user(
     third = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
     await third.start()
     try:
-        assert probe.sent == [STUCK_NOTICE]
+        assert probe.sent == [BLOCKED_NOTICE]
         assert await third.turnlog.open_inbox() == []
         assert await third.turnlog.open_turns() == []
     finally:
@@ -314,4 +315,157 @@ async def test_a_start_that_fails_marks_nothing(tmp_path: Path) -> None:
     # The failed start did not count: this one is the third unclean start, and the guard
     # fires exactly now.
     async with restarted(tmp_path) as (_, probe):
-        await wait_for(lambda: probe.sent == [STUCK_NOTICE])
+        await wait_for(lambda: probe.sent == [BLOCKED_NOTICE])
+
+
+async def test_a_turn_that_fails_inside_the_gateway_still_answers(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """An unexpected error in the turn path (not the agent's: a bug, the store) answers
+    the message with an error notice at once and settles it, instead of leaving it
+    unanswered until some later restart; the session goes on working."""
+    from gateway.run import INTERNAL_ERROR_TEXT
+
+    probe = ProbeAdapter()
+    runner = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
+    await runner.start()
+    try:
+        prepare = runner.memory.prepare
+        calls = 0
+
+        def failing_once(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                raise RuntimeError("a bug in the turn path")
+            return prepare(*args, **kwargs)
+
+        monkeypatch.setattr(runner.memory, "prepare", failing_once)
+        await runner.handle_message(event("hello", "m1"))
+        await wait_for(lambda: probe.sent == [INTERNAL_ERROR_TEXT])
+        await wait_for(lambda: not runner.is_busy(KEY))
+        assert await runner.turnlog.open_inbox() == []
+        assert await runner.turnlog.open_turns() == []
+        await runner.handle_message(event("again", "m2"))
+        await wait_for(lambda: probe.sent == [INTERNAL_ERROR_TEXT, "echo: again"])
+    finally:
+        await runner.stop()
+
+
+class Gated(Echo):
+    """`first` waits for `RELEASE`; anything else never ends (the turn that kills)."""
+
+    release: asyncio.Event
+
+    async def run_turn(self, request: TurnRequest) -> TurnResult:
+        if request.text == "first":
+            await Gated.release.wait()
+            return TurnResult("echo: first")
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+LONG = "please compare these two contracts clause by clause and list every difference"
+
+
+async def test_the_stuck_loop_notice_names_each_set_aside_message_and_retry_runs_them_once(
+    tmp_path: Path,
+) -> None:
+    """A stuck turn that merged several messages: the notice says how many were set
+    aside and quotes the start of each; /retry runs them again as one turn, once."""
+    Gated.release = asyncio.Event()
+    first = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Gated, home=tmp_path)
+    await first.start()
+    await first.handle_message(event("first", "m1"))
+    await wait_for(lambda: bool(first._running))
+    for text, message_id in (("summarise the report", "m2"), (LONG, "m3")):
+        assert (await first.handle_message(event(text, message_id))).status == (
+            AcceptStatus.PENDING
+        )
+    Gated.release.set()  # the merged turn of m2 and m3 begins, and never ends
+
+    async def merged_turn_running() -> bool:
+        turns = await first.turnlog.open_turns()
+        return len(turns) == 1 and len(turns[0]["inbox_ids"]) == 2 and turns[0]["running"]
+
+    await wait_for(merged_turn_running)
+    [marker] = await first.turnlog.open_turns()
+    await crash(first)
+    counts = {KEY: {"turn": marker["user_message_id"], "count": 2}}
+    (tmp_path / RESTART_COUNTS).write_text(json.dumps(counts))
+
+    probe = ProbeAdapter()
+    second = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
+    await second.start()
+    try:
+        await wait_for(lambda: len(probe.sent) == 1)
+        notice = probe.sent[0]
+        assert notice == (
+            "I was restarted several times while answering your 2 messages, so I stopped"
+            " trying, set them aside and started a fresh session. Set aside:\n"
+            '- "summarise the report"\n'
+            f'- "{LONG[:60].rstrip()}…"\n'
+            "Send /retry to run them again (once, as one message)."
+        )
+        assert len(await second.turnlog.set_aside_messages(KEY)) == 2
+
+        await second.handle_message(event("/retry", "m4"))
+        await wait_for(lambda: len(probe.sent) == 2)
+        # In a fresh session (the stuck one was suspended), which the reply says first.
+        fresh, reply = probe.sent[1].split("\n\n")
+        assert "fresh start" in fresh and reply == f"echo: summarise the report\n{LONG}"
+        await wait_for(lambda: not second.is_busy(KEY))
+        assert await second.turnlog.set_aside_messages(KEY) == []  # once
+        assert await second.turnlog.open_inbox() == []
+        states = await second.store.read(
+            lambda c: c.execute(
+                "SELECT message_id, state FROM inbox WHERE message_id IN ('m2', 'm3')"
+            ).fetchall()
+        )
+        assert sorted(states) == [("m2", "done"), ("m3", "done")]
+    finally:
+        await second.stop()
+
+
+async def test_a_turn_that_only_waited_at_each_crash_is_not_counted(tmp_path: Path) -> None:
+    """One agent slot: chat c1's turn runs (and kills the gateway, three times), chat
+    c2's was begun too but waits for the slot at every crash. Only c1's counts: c1 is
+    set aside at the third unclean start, c2 is resumed and runs."""
+    config = GatewayConfig.model_validate({"timezone": "UTC", "agent": {"max_concurrent_turns": 1}})
+    other = SessionSource(platform=Platform.LOCAL, chat_id="c2", user_id="u2")
+    other_key = "agent:main:local:dm:c2"
+    probe = ProbeAdapter()
+    runner = GatewayRunner(config, [probe], agent_factory=Echo, home=tmp_path)
+    await runner.start()
+    await runner.handle_message(event("block forever", "m1"))
+    await wait_for(lambda: bool(runner._running))
+    await runner.handle_message(MessageEvent(source=other, text="block too", message_id="n1"))
+
+    async def c1_runs_and_c2_waits() -> bool:
+        turns = {t["session_key"]: t["running"] for t in await runner.turnlog.open_turns()}
+        return turns == {KEY: True, other_key: False}
+
+    for start in (1, 2, 3):
+        try:
+            await wait_for(c1_runs_and_c2_waits)
+        finally:
+            await crash(runner)
+        probe = ProbeAdapter()
+        runner = GatewayRunner(config, [probe], agent_factory=Echo, home=tmp_path)
+        await runner.start()
+        counts = json.loads((tmp_path / RESTART_COUNTS).read_text())
+        if start < 3:
+            assert other_key not in counts
+            assert counts[KEY]["count"] == start
+    try:
+        assert probe.sent == [BLOCKED_NOTICE]  # c1's, and none for c2
+        await wait_for(lambda: runner.is_busy(other_key) and bool(runner._running))
+        [turn] = await runner.turnlog.open_turns()
+        assert turn["session_key"] == other_key
+        await wait_for(lambda: _running_marker(runner, other_key))
+    finally:
+        await runner.stop()
+
+
+async def _running_marker(runner: GatewayRunner, key: str) -> bool:
+    return any(t["session_key"] == key and t["running"] for t in await runner.turnlog.open_turns())

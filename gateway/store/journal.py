@@ -22,6 +22,8 @@ from gateway.session import SessionSource
 from gateway.store import codec
 
 ACCEPTED, DONE, DROPPED = "accepted", "done", "dropped"
+#: a stuck turn's messages the guard gave up on: kept for /retry (`set_aside_rows`)
+SET_ASIDE = "set_aside"
 PENDING, SENT = "pending", "sent"
 
 
@@ -64,17 +66,36 @@ def accept(
     return cursor.lastrowid if cursor.rowcount == 1 else None
 
 
+_CLOSE = (
+    "UPDATE inbox SET state = ?, done_at = ? WHERE id = ?"
+    # Set aside: a /retry runs them again, and that turn's end settles them.
+    " AND state IN ('accepted', 'set_aside')"
+)
+
+
 def close_inbox(conn: sqlite3.Connection, ids: list[int], state: str, now: float) -> None:
     if len(ids) == 1:  # the common case, without executemany's per-call setup
-        conn.execute(
-            "UPDATE inbox SET state = ?, done_at = ? WHERE id = ? AND state = 'accepted'",
-            (state, now, ids[0]),
-        )
+        conn.execute(_CLOSE, (state, now, ids[0]))
         return
-    conn.executemany(
-        "UPDATE inbox SET state = ?, done_at = ? WHERE id = ? AND state = 'accepted'",
-        [(state, now, inbox_id) for inbox_id in ids],
+    conn.executemany(_CLOSE, [(state, now, inbox_id) for inbox_id in ids])
+
+
+def inbox_events(conn: sqlite3.Connection, ids: Sequence[int]) -> list[dict[str, Any]]:
+    """The recorded events of these inbox rows, in acceptance order (missing ones left out)."""
+    rows = [
+        conn.execute("SELECT id, event FROM inbox WHERE id = ?", (inbox_id,)).fetchone()
+        for inbox_id in sorted(ids)
+    ]
+    return [codec.loads(row[1]) for row in rows if row is not None]
+
+
+def set_aside_rows(conn: sqlite3.Connection, session_key: str) -> list[tuple[int, dict[str, Any]]]:
+    """The key's set-aside messages (id, event), oldest first."""
+    rows = conn.execute(
+        "SELECT id, event FROM inbox WHERE session_key = ? AND state = 'set_aside' ORDER BY id",
+        (session_key,),
     )
+    return [(inbox_id, codec.loads(event)) for inbox_id, event in rows]
 
 
 def open_inbox(conn: sqlite3.Connection) -> list[dict[str, Any]]:
@@ -115,13 +136,16 @@ def start_turn(
     user_message_id: int | None,
     event: str,
     now: float,
+    running: bool = True,
 ) -> int:
+    """`running`: the turn's work begins now (False: it waits; `mark_running` later)."""
     cursor = conn.execute(
         "INSERT INTO turns (session_key, session_id, inbox_ids, user_message_id, event,"
-        " started_at) VALUES (?, ?, ?, ?, ?, ?)"
+        " started_at, running) VALUES (?, ?, ?, ?, ?, ?, ?)"
         " ON CONFLICT (session_key) DO UPDATE SET session_id = excluded.session_id,"
         " inbox_ids = excluded.inbox_ids, user_message_id = excluded.user_message_id,"
-        " event = excluded.event, started_at = excluded.started_at",
+        " event = excluded.event, started_at = excluded.started_at,"
+        " running = excluded.running",
         (
             session_key,
             session_id,
@@ -129,9 +153,25 @@ def start_turn(
             user_message_id,
             event,
             now,
+            int(running),
         ),
     )
     return int(cursor.lastrowid or 0)
+
+
+def mark_running(
+    conn: sqlite3.Connection, session_key: str, user_message_id: int, running: bool
+) -> None:
+    """Whether the key's turn (the one that asked `user_message_id`) is running or waits."""
+    conn.execute(
+        "UPDATE turns SET running = ? WHERE session_key = ? AND user_message_id = ?",
+        (int(running), session_key, user_message_id),
+    )
+
+
+def all_waiting(conn: sqlite3.Connection) -> None:
+    """At start-up: no turn of an earlier process runs any more."""
+    conn.execute("UPDATE turns SET running = 0 WHERE running != 0")
 
 
 def end_turn(conn: sqlite3.Connection, session_key: str) -> list[int]:
@@ -142,25 +182,26 @@ def end_turn(conn: sqlite3.Connection, session_key: str) -> list[int]:
     return codec.loads(row[0]) if row else []
 
 
+_TURN_COLUMNS = (
+    "turn_id, session_key, session_id, inbox_ids, user_message_id, event, started_at, running"
+)
+
+
 def get_turn(conn: sqlite3.Connection, session_key: str) -> dict[str, Any] | None:
     row = conn.execute(
-        "SELECT turn_id, session_key, session_id, inbox_ids, user_message_id, event, started_at"
-        " FROM turns WHERE session_key = ?",
+        f"SELECT {_TURN_COLUMNS} FROM turns WHERE session_key = ?",
         (session_key,),
     ).fetchone()
     return _turn(row) if row else None
 
 
 def open_turns(conn: sqlite3.Connection) -> list[dict[str, Any]]:
-    rows = conn.execute(
-        "SELECT turn_id, session_key, session_id, inbox_ids, user_message_id, event, started_at"
-        " FROM turns ORDER BY turn_id"
-    )
+    rows = conn.execute(f"SELECT {_TURN_COLUMNS} FROM turns ORDER BY turn_id")
     return [_turn(row) for row in rows]
 
 
 def _turn(row: tuple[Any, ...]) -> dict[str, Any]:
-    turn_id, key, session_id, inbox_ids, user_message_id, event, started_at = row
+    turn_id, key, session_id, inbox_ids, user_message_id, event, started_at, running = row
     return {
         "turn_id": turn_id,
         "session_key": key,
@@ -169,6 +210,7 @@ def _turn(row: tuple[Any, ...]) -> dict[str, Any]:
         "user_message_id": user_message_id,
         "event": codec.loads(event),
         "started_at": started_at,
+        "running": bool(running),
     }
 
 

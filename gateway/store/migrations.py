@@ -15,7 +15,7 @@ from typing import Any
 from gateway.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 15
+SCHEMA_VERSION = 16
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -319,6 +319,15 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     # so a restart does not start again from 1.0. NULL: none learnt yet.
     15: """
     ALTER TABLE sessions ADD COLUMN token_factor REAL;
+    """,
+    # The stuck-loop guard. `turns.running`: 1 once the turn's work began (its agent
+    # slot taken), 0 while it only waits (behind another turn, for a slot, or resumed
+    # and not yet run): a crash counts against a turn only when it was running. Inbox
+    # rows of a turn the guard gave up on are `set_aside` (not dropped): /retry runs
+    # them again, found by the partial index.
+    16: """
+    ALTER TABLE turns ADD COLUMN running INTEGER NOT NULL DEFAULT 0;
+    CREATE INDEX inbox_set_aside ON inbox(session_key, id) WHERE state = 'set_aside';
     """,
 }
 

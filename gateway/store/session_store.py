@@ -48,6 +48,8 @@ NEVER_RESET = SessionResetPolicy(mode="none")
 STATE_DB = "state.db"
 SESSIONS_JSON = "sessions.json"
 PRUNE_PAGE = 500  # routing entries dropped per write by prune_old_entries
+#: the most user turns one /undo takes back (and what SQLite's LIMIT can take at all)
+MAX_REWIND = 1_000
 
 
 def _utcnow() -> datetime:
@@ -661,8 +663,8 @@ class SessionStore:
 
     async def rewind_session(self, session_id: str, n: int = 1) -> dict[str, Any]:
         """Soft-delete the last `n` user turns; `{rewound_count, turns_undone, target_text}`."""
-        if n < 1:
-            raise ValueError("n must be at least 1")
+        if not 1 <= n <= MAX_REWIND:
+            raise ValueError(f"n must be between 1 and {MAX_REWIND}")
         # The summary checkpoint follows in the same transaction (issue 15).
         return await self._write(
             lambda conn: summary_checkpoints.rewind(conn, session_id, n), dirty=False

@@ -46,6 +46,7 @@ class TurnStart:
     active_minute: int | None = None  # the hot row's active_minute as begin read it
     context: Loaded = NOTHING_LOADED  # what the context strategy read (rows, summary checkpoint)
     user_row: int | None = None  # the user message's transcript row (media rewrite it)
+    running: bool = True  # its marker says it runs (else `mark_running` once it does)
 
 
 class TurnLog:
@@ -80,9 +81,12 @@ class TurnLog:
             self._accept_tx(event, session_key, kind, state, _encoded(event)), dirty=False
         )
 
-    async def begin(self, event: MessageEvent, session_key: str, text: str) -> TurnStart:
-        """Route to the session, store the user message and the turn marker, all at once."""
-        begin = self._begin_tx(event, session_key, text, _encoded(event))
+    async def begin(
+        self, event: MessageEvent, session_key: str, text: str, *, running: bool = True
+    ) -> TurnStart:
+        """Route to the session, store the user message and the turn marker, all at once.
+        `running`: the turn's work starts now (False: it waits for an agent slot first)."""
+        begin = self._begin_tx(event, session_key, text, _encoded(event), running=running)
         # The message was accepted already: a full disk delays its turn, never drops it.
         start = await self.store.write(
             lambda conn: begin(conn, list(event.inbox_ids)), persist=True
@@ -99,6 +103,7 @@ class TurnLog:
         claim: Callable[[sqlite3.Connection], bool] | None = None,
         *,
         claim_fences: bool = False,
+        running: bool = True,
     ) -> tuple[int, TurnStart] | None:
         """`accept` and `begin` in one transaction, for a message to an idle session: one
         commit (and one wait) fewer per turn. None when the message is a redelivery.
@@ -109,7 +114,9 @@ class TurnLog:
         session's lease on a replica, so the turn's own fence would only repeat it."""
         record = _encoded(event)
         accept = self._accept_tx(event, session_key, kind, journal.ACCEPTED, record)
-        begin = self._begin_tx(event, session_key, text, record, fenced=claim_fences)
+        begin = self._begin_tx(
+            event, session_key, text, record, fenced=claim_fences, running=running
+        )
 
         def tx(conn: sqlite3.Connection) -> tuple[int, TurnStart] | None:
             # The claim first: on a replica it may be what takes the session's lease
@@ -141,9 +148,17 @@ class TurnLog:
         )
 
     def _begin_tx(
-        self, event: MessageEvent, session_key: str, text: str, record: str, *, fenced: bool = False
+        self,
+        event: MessageEvent,
+        session_key: str,
+        text: str,
+        record: str,
+        *,
+        fenced: bool = False,
+        running: bool = True,
     ) -> Callable[[sqlite3.Connection, list[int]], TurnStart]:
-        """`fenced`: the transaction checked the session's lease already (a replica)."""
+        """`fenced`: the transaction checked the session's lease already (a replica).
+        `running`: what the marker says (`journal.start_turn`)."""
         route = self.store.route_for_turn_tx(event.source, session_key)
         user_message: dict[str, Any] = {"role": "user", "content": text}
         if event.message_id:
@@ -168,8 +183,17 @@ class TurnLog:
                 asked = transcript.load_row(conn, marker["user_message_id"])
                 content = asked.get("content") if asked else None
                 resumed_text = content if isinstance(content, str) else text
+                if marker["running"] != running:  # a resumed turn: waiting, as a rule
+                    journal.mark_running(conn, session_key, marker["user_message_id"], running)
                 return TurnStart(
-                    entry, True, resumed_text, fresh, minute, loaded, marker["user_message_id"]
+                    entry,
+                    True,
+                    resumed_text,
+                    fresh,
+                    minute,
+                    loaded,
+                    marker["user_message_id"],
+                    running,
                 )
             loaded = turn_context.load(conn, entry.session_id, plan)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
@@ -186,8 +210,9 @@ class TurnLog:
                 user_message_id=user_row,
                 event=record,
                 now=now,
+                running=running,
             )
-            return TurnStart(entry, False, text, fresh, minute, loaded, user_row)
+            return TurnStart(entry, False, text, fresh, minute, loaded, user_row, running)
 
         return tx
 
@@ -232,8 +257,14 @@ class TurnLog:
         if then is not None:
             next_event, next_text = then
             # Fenced by this transaction's own fence (below).
+            # Begun, not running: it waits for this turn's reply to go out first.
             begin_next = self._begin_tx(
-                next_event, session_key, next_text, _encoded(next_event), fenced=True
+                next_event,
+                session_key,
+                next_text,
+                _encoded(next_event),
+                fenced=True,
+                running=False,
             )
             next_inbox = list(next_event.inbox_ids)
         now = datetime.now(UTC)
@@ -317,6 +348,87 @@ class TurnLog:
                 )
 
         await self.store.write(tx, dirty=False)
+
+    async def set_aside(
+        self,
+        session_key: str,
+        inbox_ids: list[int],
+        target: SessionSource,
+        notice: Callable[[list[dict[str, Any]]], list[str]],
+    ) -> tuple[list[int], list[str]]:
+        """The stuck-loop guard gives up on the key's turn: its marker goes, its messages
+        are set aside (kept for /retry, `set_aside_messages`), and `notice(their events)`
+        is recorded for `target`, all in one transaction: a crash cannot set them aside
+        without the user being told. Returns the notice's delivery ids and chunks."""
+        now = time.time()
+        fence = self.fence
+
+        def tx(conn: sqlite3.Connection) -> tuple[list[int], list[str]]:
+            if fence is not None:
+                fence(conn, session_key)
+            marked = journal.end_turn(conn, session_key)
+            journal.end_stream(conn, session_key)
+            ids = list(dict.fromkeys([*inbox_ids, *marked]))
+            chunks = notice(journal.inbox_events(conn, ids))
+            journal.close_inbox(conn, ids, journal.SET_ASIDE, now)
+            delivery = journal.record_outbound(
+                conn, target, chunks, reply_to=None, session_key=session_key, now=now
+            )
+            return delivery, chunks
+
+        return await self.store.write(tx, dirty=False)
+
+    async def set_aside_messages(self, session_key: str) -> list[tuple[int, dict[str, Any]]]:
+        """The key's set-aside messages (inbox id, event), oldest first."""
+        return await self.store.read(lambda conn: journal.set_aside_rows(conn, session_key))
+
+    def mark_running(self, session_key: str, user_message_id: int, running: bool) -> None:
+        """Say in the key's marker whether its turn runs now (the stuck-loop guard counts
+        a crash against a running turn only), in the next group commit, unawaited: only
+        a turn that waited before its agent slot writes this."""
+        fence = self.fence
+
+        def tx(conn: sqlite3.Connection) -> None:
+            if fence is not None:
+                fence(conn, session_key)
+            journal.mark_running(conn, session_key, user_message_id, running)
+
+        self.store.write_later(tx, _log_failed_running_mark)
+
+    async def mark_waiting(self, session_key: str) -> None:
+        """The key's turn was stopped (a drain): its marker no longer says it runs."""
+        await self.store.write(
+            lambda conn: conn.execute(
+                "UPDATE turns SET running = 0 WHERE session_key = ?", (session_key,)
+            ),
+            dirty=False,
+        )
+
+    async def answer_unbegun(
+        self, session_key: str, event: MessageEvent, chunks: list[str]
+    ) -> list[int]:
+        """A turn that failed before its begin committed: settle its messages and record
+        `chunks` (an error notice) as their answer, in one transaction. A resumed turn's
+        marker (written by an earlier run) goes too. Returns the chunks' delivery ids."""
+        now = time.time()
+        fence = self.fence
+
+        def tx(conn: sqlite3.Connection) -> list[int]:
+            if fence is not None:
+                fence(conn, session_key)
+            if event.resume:
+                journal.end_turn(conn, session_key)
+            journal.close_inbox(conn, list(event.inbox_ids), journal.DONE, now)
+            return journal.record_outbound(
+                conn,
+                event.source,
+                chunks,
+                reply_to=event.reply_to,
+                session_key=session_key,
+                now=now,
+            )
+
+        return await self.store.write(tx, dirty=False)
 
     async def close_inbox(self, inbox_ids: list[int]) -> None:
         """Messages answered without a turn (a command another replica journaled)."""
@@ -450,6 +562,11 @@ def _encoded(event: MessageEvent) -> str:
 def _log_failed_mark(marked: asyncio.Future[None]) -> None:
     if not marked.cancelled() and (exc := marked.exception()) is not None:
         _log_failed_mark_error(exc)
+
+
+def _log_failed_running_mark(error: BaseException | None) -> None:
+    if error is not None:
+        log.warning("turn_running_mark_failed", error=str(error))
 
 
 def _log_failed_mark_error(exc: BaseException) -> None:

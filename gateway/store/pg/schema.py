@@ -364,6 +364,11 @@ CREATE TRIGGER memory_vectors_count_deletes AFTER DELETE ON memory_vectors
 _STEPS: dict[int, str] = {
     # the session's token calibration (gateway.context.tokens.Calibration)
     15: "ALTER TABLE sessions ADD COLUMN token_factor DOUBLE PRECISION",
+    # the stuck-loop guard: which turns were running, which messages were set aside
+    16: """
+    ALTER TABLE turns ADD COLUMN running BIGINT NOT NULL DEFAULT 0;
+    CREATE INDEX inbox_set_aside ON inbox(session_key, id) WHERE state = 'set_aside';
+    """,
 }
 
 #: the tables of the baseline that hold the gateway's data, parents before children

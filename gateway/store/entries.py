@@ -84,7 +84,8 @@ _SELECT_HOT = (
     f"SELECT session_id, created_at, updated_at, {_COUNTER_COLUMNS}, cost_status,"
     " last_prompt_tokens, was_auto_reset, auto_reset_reason, reset_had_activity,"
     " is_fresh_reset, expiry_finalized, suspended, resume_pending, resume_reason,"
-    " last_resume_marked_at, active_minute FROM session_entries WHERE session_key = ?"
+    " last_resume_marked_at, active_minute, token_factor FROM session_entries"
+    " WHERE session_key = ?"
 )
 _from_epoch = datetime.fromtimestamp
 
@@ -97,23 +98,24 @@ def load_entry(conn: sqlite3.Connection, session_key: str) -> SessionEntry | Non
 
 def load_hot(
     conn: sqlite3.Connection, session_key: str, source: SessionSource
-) -> tuple[SessionEntry, int] | None:
-    """A turn's entry, from the hot row alone (one primary-key look-up, no JSON), and the
-    row's active_minute. `platform` and `chat_type` come from `source` (the key was built
-    from it); `origin` and `display_name`, which a turn neither reads nor changes, are None.
+) -> tuple[SessionEntry, int, float | None] | None:
+    """A turn's entry, from the hot row alone (one primary-key look-up, no JSON), the
+    row's active_minute and its stored token calibration. `platform` and `chat_type` come
+    from `source` (the key was built from it); `origin` and `display_name`, which a turn
+    neither reads nor changes, are None.
     """
     row = conn.execute(_SELECT_HOT, (session_key,)).fetchone()
     if row is None:
         return None
-    (sid, created, updated, i, o, cr, cw, total, cost, status, prompt, auto, reason,
-     activity, fresh, finalized, suspended, pending, resume, marked, minute) = row  # fmt: skip
+    (sid, created, updated, i, o, cr, cw, total, cost, status, prompt, auto, reason, activity,
+     fresh, finalized, suspended, pending, resume, marked, minute, factor) = row  # fmt: skip
     entry = SessionEntry(
         session_key, sid, _from_epoch(created, UTC), _from_epoch(updated, UTC), None, None,
         source.platform, source.chat_type, i, o, cr, cw, total, cost, status, prompt,
         bool(auto), reason, bool(activity), bool(fresh), bool(finalized), bool(suspended),
         bool(pending), resume, None if marked is None else _from_epoch(marked, UTC),
     )  # fmt: skip
-    return entry, minute
+    return entry, minute, factor
 
 
 def _entry_of(row: tuple[Any, ...]) -> SessionEntry:
@@ -327,10 +329,12 @@ def settle_turn(
     minute: int | None,
     usage: TokenUsage | None,
     succeeded: bool,
+    token_factor: float | None = None,
 ) -> None:
     """A turn's end, as one UPDATE of the hot row (nothing loaded, nothing encoded):
-    touched at `now`, the turn's usage added, and when it succeeded its resume and reset
-    flags consumed. `minute` is the new active_minute, None when the row holds it already
+    touched at `now`, the turn's usage added, the session's token calibration stored when
+    it moved (`token_factor`), and when it succeeded its resume and reset flags consumed.
+    `minute` is the new active_minute, None when the row holds it already
     (its index is then left alone). Only while `session_id` is still the key's session: a
     reset or switch since the turn began is left as it is."""
     sets = ["updated_at = ?"]
@@ -345,6 +349,9 @@ def settle_turn(
             sets.append("cost_status = 'estimated'")
         sets.append("last_prompt_tokens = ?")
         params.append(usage.input_tokens)
+    if token_factor is not None:
+        sets.append("token_factor = ?")
+        params.append(token_factor)
     if succeeded:
         sets.append(
             "resume_pending = 0, resume_reason = NULL, was_auto_reset = 0, is_fresh_reset = 0"

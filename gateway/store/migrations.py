@@ -315,10 +315,13 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     ALTER TABLE outbound ADD COLUMN attachment TEXT;
     """,
     # The session's token calibration (gateway.context.tokens.Calibration): the ratio of
-    # the prompt tokens its model reports to the gateway's estimate, kept with the session
-    # so a restart does not start again from 1.0. NULL: none learnt yet.
+    # the prompt tokens its model reports to the gateway's estimate, kept in the key's hot
+    # row so a restart does not start again from 1.0. There a turn reads it with the row
+    # and its end writes it in the UPDATE it makes anyway: no statement of its own. A new
+    # session of the key starts from its predecessor's (the same chat's prompt shape).
+    # NULL: none learnt yet.
     15: """
-    ALTER TABLE sessions ADD COLUMN token_factor REAL;
+    ALTER TABLE session_entries ADD COLUMN token_factor REAL;
     """,
     # The stuck-loop guard. `turns.running`: 1 once the turn's work began (its agent
     # slot taken), 0 while it only waits (behind another turn, for a slot, or resumed

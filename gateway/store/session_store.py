@@ -296,22 +296,24 @@ class SessionStore:
 
     def route_for_turn_tx(
         self, source: SessionSource, key: str | None = None
-    ) -> Callable[[sqlite3.Connection], tuple[SessionEntry, bool, int]]:
+    ) -> Callable[[sqlite3.Connection], tuple[SessionEntry, bool, int, float | None]]:
         """Routing for a turn, which touches the entry when it ends: a session that simply
         continues is read from its hot row alone (see `entries.load_hot`: origin and
         display name are None) and not written here. Returns the entry, whether this
-        transaction wrote it (a new or reset session), and the row's active_minute.
+        transaction wrote it (a new or reset session), the row's active_minute and its
+        stored token calibration (None: none yet).
         `key`: the source's session key, when the caller has it already."""
         if key is None:
             key = self._generate_session_key(source)
         route = self._routing_tx(source, key, False, _utcnow())
 
-        def tx(conn: sqlite3.Connection) -> tuple[SessionEntry, bool, int]:
+        def tx(conn: sqlite3.Connection) -> tuple[SessionEntry, bool, int, float | None]:
             loaded = entries.load_hot(conn, key, source)
             entry, fresh = route(conn, loaded[0] if loaded else None)
+            factor = loaded[2] if loaded else None
             if fresh or loaded is None:
-                return entry, True, entries.minute_of(entry.updated_at)
-            return entry, False, loaded[1]
+                return entry, True, entries.minute_of(entry.updated_at), factor
+            return entry, False, loaded[1], factor
 
         return tx
 

@@ -170,7 +170,7 @@ class TurnLog:
         def tx(conn: sqlite3.Connection, inbox_ids: list[int]) -> TurnStart:
             if fence is not None:
                 fence(conn, session_key)
-            entry, fresh, minute = route(conn)
+            entry, fresh, minute, factor = route(conn)
             marker = journal.get_turn(conn, session_key) if event.resume else None
             if (
                 marker is not None
@@ -178,7 +178,7 @@ class TurnLog:
                 and marker["user_message_id"] is not None
             ):
                 loaded = turn_context.load(
-                    conn, entry.session_id, plan, before=marker["user_message_id"]
+                    conn, entry.session_id, plan, factor, before=marker["user_message_id"]
                 )
                 asked = transcript.load_row(conn, marker["user_message_id"])
                 content = asked.get("content") if asked else None
@@ -195,7 +195,7 @@ class TurnLog:
                     marker["user_message_id"],
                     running,
                 )
-            loaded = turn_context.load(conn, entry.session_id, plan)
+            loaded = turn_context.load(conn, entry.session_id, plan, factor)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
             if not loaded.messages:
                 # The session's first user message titles it (issue 15): decided from the
@@ -289,10 +289,15 @@ class TurnLog:
             # One UPDATE of the hot row, nothing loaded or encoded; a session reset since
             # `begin` is left alone (its own entry is not this turn's to settle).
             entries.settle_turn(
-                conn, session_key, session_id, now.timestamp(), minute, usage, succeeded
+                conn,
+                session_key,
+                session_id,
+                now.timestamp(),
+                minute,
+                usage,
+                succeeded,
+                token_factor,
             )
-            if token_factor is not None:
-                turn_context.save_factor(conn, session_id, token_factor)
             journal.close_inbox(conn, list(event.inbox_ids), journal.DONE, now.timestamp())
             journal.end_turn(conn, session_key)
             if edits is not None:

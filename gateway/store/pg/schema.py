@@ -363,7 +363,7 @@ CREATE TRIGGER memory_vectors_count_deletes AFTER DELETE ON memory_vectors
 #: of gateway.store.migrations' step of the same number
 _STEPS: dict[int, str] = {
     # the session's token calibration (gateway.context.tokens.Calibration)
-    15: "ALTER TABLE sessions ADD COLUMN token_factor DOUBLE PRECISION",
+    15: "ALTER TABLE session_entries ADD COLUMN token_factor DOUBLE PRECISION",
     # the stuck-loop guard: which turns were running, which messages were set aside
     16: """
     ALTER TABLE turns ADD COLUMN running BIGINT NOT NULL DEFAULT 0;

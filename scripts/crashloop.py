@@ -206,7 +206,11 @@ def run(args: argparse.Namespace) -> int:
         )
         duplicated = sorted((t for t in ledger.accepted if counts.get(t, 0) > 1), key=_order)
         unknown = sorted(
-            (t for t in counts if t not in ledger.accepted and not t.startswith("notice:")),
+            (
+                t
+                for t in counts
+                if t not in ledger.accepted and not t.startswith(("notice:", "quoted:", "more:"))
+            ),
             key=_order,
         )
     elapsed = time.monotonic() - started

@@ -9,6 +9,7 @@ every time. To explore with fresh random examples:
 from __future__ import annotations
 
 import os
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -50,3 +51,15 @@ def store_backend(request: pytest.FixtureRequest) -> Iterator[StorageBackend]:
         return
     with fresh_schema() as dsn:
         yield StorageBackend("postgres", dsn)
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    """Processes a test starts (append them): each is killed, if still running, and
+    reaped at the end."""
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for proc in started:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -106,16 +105,6 @@ def test_chat_says_which_variable_its_token_needs(tmp_path: Path) -> None:
     assert "platforms.http.token: environment variable HERMES_TEST_HTTP is not set" in (
         result.stderr
     )
-
-
-@pytest.fixture
-def procs() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for proc in started:
-        if proc.poll() is None:
-            proc.kill()
-        proc.communicate()
 
 
 @pytest.mark.timeout(90)

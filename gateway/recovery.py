@@ -32,6 +32,7 @@ import structlog
 
 from adapters.base import MessageEvent
 from gateway.fsutil import atomic_write_bytes
+from gateway.session import schedule_id_of_key
 from gateway.store import journal
 
 if TYPE_CHECKING:
@@ -49,10 +50,18 @@ QUOTE_CHARS = 60  # of each set-aside message, quoted in the notice
 MAX_QUOTED = 5  # messages quoted; the rest are counted
 
 
-def stuck_notice(events: Sequence[dict[str, Any]]) -> str:
+def stuck_notice(events: Sequence[dict[str, Any]], session_key: str = "") -> str:
     """What the user is told when the guard sets a turn aside: how many messages, the
     start of each (at most MAX_QUOTED of them), and that /retry runs them again.
-    `events`: the turn's messages as the inbox recorded them, oldest first."""
+    `events`: the turn's messages as the inbox recorded them, oldest first. A scheduled
+    job's run (`session_key` is its session) is not the chat's to /retry: the notice
+    names the task and `/schedule run`."""
+    schedule_id = schedule_id_of_key(session_key)
+    if schedule_id is not None:
+        return (
+            f"{STUCK_NOTICE_START} scheduled task {schedule_id}, so I stopped trying and set"
+            f" this run aside. /schedule run {schedule_id} runs it again now."
+        )
     count = len(events)
     them = "it" if count == 1 else "them"
     what = "your message" if count == 1 else f"your {count} messages"
@@ -164,7 +173,9 @@ class Recovery:
             marker["session_key"],
             marker["inbox_ids"],
             source,
-            lambda events: split(source, stuck_notice(events or [marker["event"]])),
+            lambda events: split(
+                source, stuck_notice(events or [marker["event"]], marker["session_key"])
+            ),
         )
 
     async def resume(self) -> int:

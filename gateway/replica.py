@@ -374,7 +374,7 @@ class Replica:
                 key,
                 marker["inbox_ids"],
                 source,
-                lambda events: runner.split_reply(source, stuck_notice(events or [data])),
+                lambda events: runner.split_reply(source, stuck_notice(events or [data], key)),
             )
             log.warning("stuck_session_suspended", session_key=key, takeovers=attempts)
             await runner.delivery.send_recorded(source, list(zip(ids, chunks, strict=True)), None)

@@ -13,7 +13,7 @@ from config import GatewayConfig
 from gateway.agents.protocol import TurnRequest, TurnResult
 from gateway.recovery import RESTART_COUNTS, stuck_notice
 from gateway.run import GatewayRunner
-from gateway.session import Platform, SessionSource
+from gateway.session import Platform, SessionSource, schedule_session_key
 from gateway.store.session_store import SessionStore
 from tests.waiting import wait_for
 
@@ -469,3 +469,35 @@ async def test_a_turn_that_only_waited_at_each_crash_is_not_counted(tmp_path: Pa
 
 async def _running_marker(runner: GatewayRunner, key: str) -> bool:
     return any(t["session_key"] == key and t["running"] for t in await runner.turnlog.open_turns())
+
+
+async def test_a_stuck_scheduled_run_is_named_with_schedule_run_not_retry(
+    tmp_path: Path,
+) -> None:
+    """A scheduled job's run that kills the gateway three times is set aside like a
+    chat's turn, but its session is the job's own, not the chat's: the notice in the
+    chat names the task and `/schedule run`, never a /retry the chat could not use."""
+    probe = ProbeAdapter()
+    runner = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
+    await runner.start()
+    await runner.handle_message(event("/schedule add every 1h block forever", "s1"))
+    await wait_for(lambda: any(text.startswith("Scheduled ") for text in probe.sent))
+    schedule_id = probe.sent[-1].split()[1]
+    await runner.handle_message(event(f"/schedule run {schedule_id}", "s2"))
+    job_key = schedule_session_key("main", schedule_id)
+    for _ in range(3):
+        try:
+            await wait_for(lambda runner=runner: _running_marker(runner, job_key))
+        finally:
+            await crash(runner)
+        probe = ProbeAdapter()
+        runner = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
+        await runner.start()
+    try:
+        await wait_for(lambda: any(t.startswith("I was restarted") for t in probe.sent))
+        (notice,) = [t for t in probe.sent if t.startswith("I was restarted")]
+        assert f"scheduled task {schedule_id}" in notice
+        assert f"/schedule run {schedule_id}" in notice
+        assert "/retry" not in notice
+    finally:
+        await runner.stop()

@@ -54,10 +54,13 @@ def wait_ready(proc: subprocess.Popen[str], within: float = 30) -> list[str]:
     raise AssertionError(f"no gateway_ready (exit {proc.wait()}):\n{''.join(lines)}")
 
 
-def finish(proc: subprocess.Popen[str], within: float = 30) -> tuple[int, str]:
-    """SIGINT, then its exit code and the rest of its output; killed if it does not exit
-    within `within` seconds (the code is then -9)."""
-    if proc.poll() is None:
+def finish(
+    proc: subprocess.Popen[str], within: float = 30, *, interrupt: bool = True
+) -> tuple[int, str]:
+    """SIGINT (unless `interrupt` is false: a process expected to exit by itself), then
+    its exit code and the rest of its output; killed if it does not exit within `within`
+    seconds (the code is then -9)."""
+    if interrupt and proc.poll() is None:
         proc.send_signal(signal.SIGINT)
     try:
         out, _ = proc.communicate(timeout=within)

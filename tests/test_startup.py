@@ -101,21 +101,11 @@ def test_an_index_that_cannot_be_opened_ends_the_start_with_an_exit_code(
     home = _home(tmp_path)
     (home / "sessions" / "memory.db-shm").mkdir(parents=True)
     procs.append(proc := spawn(home, "run", "--log-json"))
-    code, out = finish_without_signal(proc, within=30)
+    code, out = finish(proc, within=30, interrupt=False)
     assert code == 1, out
     failed = [e for e in _events(out.splitlines()) if e["event"] == "gateway_start_failed"]
     assert failed, out
     assert "Traceback" not in out
-
-
-def finish_without_signal(proc: subprocess.Popen[str], within: float) -> tuple[int, str]:
-    """Its exit code and output once it exits by itself; killed (-9) after `within` s."""
-    try:
-        out, _ = proc.communicate(timeout=within)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    return proc.returncode, out
 
 
 def _alias_bomb(levels: int = 9) -> str:

@@ -215,7 +215,9 @@ class Scheduler:
             if run_id is None:
                 return False
             if plan.missed:
-                rows.record_missed(conn, schedule_id, plan.missed[0], summary, now, keep)
+                rows.record_not_run(
+                    conn, schedule_id, plan.missed[0], rows.MISSED, summary, now, keep
+                )
                 noticed.extend(_record_notice(conn, notice, now))
             rows.prune(conn, schedule_id, keep)
             return True
@@ -265,10 +267,12 @@ class Scheduler:
             if not rows.advance(conn, schedule_id, row["next_run_at"], plan.next_run_at, now):
                 return False
             if missed:
-                rows.record_missed(conn, schedule_id, missed[0], summary, now, keep)
+                rows.record_not_run(conn, schedule_id, missed[0], rows.MISSED, summary, now, keep)
             if undelivered is not None:
                 note = f"not run: {reason}."
-                rows.record_undeliverable(conn, schedule_id, undelivered, note, now, keep)
+                rows.record_not_run(
+                    conn, schedule_id, undelivered, rows.UNDELIVERABLE, note, now, keep
+                )
             noticed.extend(_record_notice(conn, notice, now))
             return True
 

@@ -8,8 +8,8 @@ memory.
 A run's life: `claim` (a `running` row, unique per schedule and fire time, written in
 the transaction that advances `next_run_at` and begins the run's turn) -> `settle` (in
 the turn's finish transaction: ok or failed) or `interrupt` (the turn was dropped).
-Fire times nobody ran become one `missed` row (`record_missed`); one whose reply had
-nowhere to go (platform not enabled, no home channel) an `undeliverable` row.
+Fire times nobody ran become one `missed` row; one whose reply had nowhere to go
+(platform not enabled, no home channel) an `undeliverable` row (`record_not_run`).
 """
 
 from __future__ import annotations
@@ -239,31 +239,7 @@ def claim(
     return cursor.lastrowid
 
 
-def record_missed(
-    conn: sqlite3.Connection,
-    schedule_id: str,
-    fire_time: float,
-    summary: str,
-    now: float,
-    keep: int,
-) -> None:
-    """One `missed` row for fire times nobody ran (`fire_time`: the first of them)."""
-    _record_not_run(conn, schedule_id, fire_time, MISSED, summary, now, keep)
-
-
-def record_undeliverable(
-    conn: sqlite3.Connection,
-    schedule_id: str,
-    fire_time: float,
-    summary: str,
-    now: float,
-    keep: int,
-) -> None:
-    """An `undeliverable` row: the fire time came, but its reply had nowhere to go."""
-    _record_not_run(conn, schedule_id, fire_time, UNDELIVERABLE, summary, now, keep)
-
-
-def _record_not_run(
+def record_not_run(
     conn: sqlite3.Connection,
     schedule_id: str,
     fire_time: float,
@@ -272,6 +248,8 @@ def _record_not_run(
     now: float,
     keep: int,
 ) -> None:
+    """A run row for a fire time that did not run: `missed` (`fire_time`: the first of
+    those nobody ran) or `undeliverable` (its reply had nowhere to go)."""
     conn.execute(
         "INSERT OR IGNORE INTO schedule_runs (schedule_id, fire_time, status, started_at,"
         " finished_at, output_summary) VALUES (?, ?, ?, NULL, ?, ?)",

@@ -83,6 +83,25 @@ def wait_for_restart_count(daemon: Daemon, count: int, timeout: float = 10) -> N
     raise AssertionError(f"restart count {count} never written")
 
 
+def markers(daemon: Daemon) -> dict[str, tuple[int, bool]]:
+    """Each open turn marker: session key -> (how many messages, running)."""
+    conn = daemon.db()
+    try:
+        rows = conn.execute("SELECT session_key, inbox_ids, running FROM turns").fetchall()
+    finally:
+        conn.close()
+    return {key: (len(json.loads(ids)), bool(running)) for key, ids, running in rows}
+
+
+def wait_for_markers(daemon: Daemon, accept, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if accept(markers(daemon)):
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"markers never as expected: {markers(daemon)}")
+
+
 def assert_files_sound(daemon: Daemon) -> None:
     assert daemon.integrity_ok()
     assert isinstance(daemon.sessions_json(), dict)
@@ -167,9 +186,11 @@ def test_three_unclean_restarts_during_one_turn_suspend_the_session(
     daemon = make(daemons, tmp_path / "home", slow_echo(30))
     daemon.start()
     daemon.post("c1", "never finishes", message_id="m1")
-    wait_for_turn_marker(daemon)
-    first_id = daemon.entry(KEY)["session_id"]
+    first_id = None
     for count in (1, 2, 3):
+        # Only a turn whose work had begun counts: kill it once it holds its slot.
+        wait_for_markers(daemon, lambda m: m.get(KEY) == (1, True))
+        first_id = first_id or daemon.entry(KEY)["session_id"]
         daemon.kill9()
         daemon.start()
         if count < 3:  # recovery writes the count once the adapters are up: wait for it
@@ -187,25 +208,6 @@ def test_three_unclean_restarts_during_one_turn_suspend_the_session(
     finally:
         conn.close()
     assert daemon.entry(KEY)["session_id"] != first_id
-
-
-def markers(daemon: Daemon) -> dict[str, tuple[int, bool]]:
-    """Each open turn marker: session key -> (how many messages, running)."""
-    conn = daemon.db()
-    try:
-        rows = conn.execute("SELECT session_key, inbox_ids, running FROM turns").fetchall()
-    finally:
-        conn.close()
-    return {key: (len(json.loads(ids)), bool(running)) for key, ids, running in rows}
-
-
-def wait_for_markers(daemon: Daemon, accept, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if accept(markers(daemon)):
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"markers never as expected: {markers(daemon)}")
 
 
 def test_a_stuck_merged_turn_is_set_aside_named_and_run_again_by_retry(

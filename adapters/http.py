@@ -429,7 +429,8 @@ class HttpAdapter(PlatformAdapter):
             await response.prepare(request)
             while not self._stopping:
                 try:
-                    kind, text = await asyncio.wait_for(queue.get(), STREAM_KEEPALIVE_SECONDS)
+                    async with asyncio.timeout(STREAM_KEEPALIVE_SECONDS):
+                        kind, text = await queue.get()
                 except TimeoutError:
                     await response.write(b": keep-alive\n\n")
                     continue

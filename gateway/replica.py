@@ -177,7 +177,8 @@ class Replica:
         self.runner.turnlog.fence = self.fence
         self.listener.start()
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.listener.subscribed(), self.ttl)
+            async with asyncio.timeout(self.ttl):
+                await self.listener.subscribed()
         self.heartbeat.start()
         for role in self.roles:
             role.start()
@@ -409,7 +410,8 @@ class Replica:
         rounds = 0
         while True:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._sweep_wake.wait(), SWEEP_SECONDS)
+                async with asyncio.timeout(SWEEP_SECONDS):
+                    await self._sweep_wake.wait()
             self._sweep_wake.clear()
             if not self.healthy or not self.runner._accepting:
                 continue

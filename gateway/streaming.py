@@ -145,7 +145,8 @@ class Stream:
 
     async def _closed_within(self, seconds: float) -> bool:
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._closing.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self._closing.wait()
         return self._closing.is_set()
 
     async def _show_now(self, slot: ChatSlot) -> None:

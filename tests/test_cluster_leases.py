@@ -257,6 +257,37 @@ async def test_two_roles_elect_exactly_one_and_stop_hands_over_at_once(
     await wait_for(lambda: events[-1] == ("gain", standby.owner), within=1)
 
 
+async def test_a_role_stopped_as_its_connection_opens_stops_and_never_leads(
+    dsn: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`stop()` lands in the very loop step in which the role's connection opens: the
+    cancellation must not be lost (it was, with `asyncio.wait_for` on Python 3.11: the
+    role then took the lease, ran on_gain and its stop waited forever)."""
+    real_connect = psycopg.AsyncConnection.connect
+    opened: asyncio.Queue[tuple[asyncio.Future[object], object]] = asyncio.Queue()
+
+    async def held_open(*args: object, **kwargs: object) -> object:
+        conn = await real_connect(*args, **kwargs)
+        gate = asyncio.get_running_loop().create_future()
+        opened.put_nowait((gate, conn))
+        return await gate
+
+    monkeypatch.setattr(psycopg.AsyncConnection, "connect", held_open)
+    events: list[tuple[str, str]] = []
+    role = leader_role(dsn, "rc", events, 1.5)
+    role.start()
+    async with asyncio.timeout(5):
+        gate, conn = await opened.get()
+    gate.set_result(conn)  # the connection is there ...
+    stopping = asyncio.create_task(role.stop())  # ... and stop() arrives in the same step
+    try:
+        async with asyncio.timeout(5):
+            await stopping
+    finally:
+        stopping.cancel()
+    assert role.gains == 0 and events == [] and not role.is_leader
+
+
 async def test_a_leader_whose_backend_is_killed_keeps_or_hands_over_never_both(
     dsn: str, roles: list[LeaderRole]
 ) -> None:

@@ -35,11 +35,16 @@ def describe(exc: BaseException) -> str:
 async def connect(dsn: str, within: float, purpose: str) -> psycopg.AsyncConnection[Any]:
     """An autocommit connection, or TimeoutError after `within` seconds (libpq's own
     `connect_timeout` counts whole seconds and at least 2). `purpose` becomes its
-    `application_name` (cut to Postgres's 63 bytes), so `pg_stat_activity` names it."""
+    `application_name` (cut to Postgres's 63 bytes), so `pg_stat_activity` names it.
+
+    `asyncio.timeout`, not `asyncio.wait_for`: on Python 3.11, `wait_for` drops a
+    cancellation that arrives as the connection opens, and the task that should have
+    stopped goes on (a `stop()` then waits for it forever)."""
     opening = psycopg.AsyncConnection.connect(
         dsn, autocommit=True, application_name=f"hermes {purpose}"[:63]
     )
-    return await asyncio.wait_for(opening, within)
+    async with asyncio.timeout(within):
+        return await opening
 
 
 async def bounded(conn: psycopg.AsyncConnection[Any], operation: Awaitable[T], within: float) -> T:
@@ -72,7 +77,8 @@ async def close_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:
     if conn is None:
         return
     try:
-        await asyncio.wait_for(conn.close(), 1.0)
+        async with asyncio.timeout(1.0):
+            await conn.close()
     except Exception:
         pass  # a dead peer: the socket goes with the object
 

@@ -74,12 +74,14 @@ class LeaderRole:
         self._task: asyncio.Task[None] | None = None
         self._expiry: asyncio.TimerHandle | None = None
         self._callbacks = SerialCallbacks(f"leader {name}")
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"leader {self.name}")
 
     async def stop(self) -> None:
         """Stop acting as leader, then release the lease so a standby takes it at once."""
+        self._stopping = True  # from here on, a renewal in flight gains nothing
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -139,7 +141,7 @@ class LeaderRole:
         if self._expiry is not None:
             self._expiry.cancel()
         self._expiry = loop.call_at(act_until, self._step_down, "lease_expiring")
-        if not self.is_leader:
+        if not self.is_leader and not self._stopping:
             self.is_leader = True
             self.gains += 1
             log.info("leader_gained", lease=self.name, owner=self.owner)

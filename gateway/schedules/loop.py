@@ -130,7 +130,8 @@ class Scheduler:
                 if self.next_fire is not None:
                     timeout = min(timeout, self.next_fire[1] - now)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout)
+                    async with asyncio.timeout(timeout):
+                        await self._wake.wait()
                 if self._wake.is_set():
                     self._wake.clear()
                     stale = True

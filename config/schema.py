@@ -103,6 +103,9 @@ class AgentConfig(BaseModel):
 
     backend: str = "echo"
     gateway_timeout: float = Field(default=1800.0, gt=0)
+    # `openai` backend: a model that sends no byte for this long (no headers, no body, no
+    # stream event) has stalled; the request fails and is retried as a 5xx is.
+    idle_timeout_seconds: float = Field(default=60.0, gt=0)
     gateway_auto_continue_freshness: int = Field(default=3600, ge=0)
     restart_drain_timeout: float = Field(default=60.0, ge=0)
     max_concurrent_turns: int = Field(default=16, ge=1)

@@ -93,6 +93,7 @@ def build_agent_factory(config: AgentConfig, where: str = "agent") -> AgentFacto
             model=config.model,
             api_key=config.api_key,
             max_tool_rounds=config.max_tool_rounds,
+            idle_timeout=config.idle_timeout_seconds,
         )
     return _user_factory(config.backend, config.options, where)
 
@@ -112,6 +113,7 @@ def agent_signature(config: AgentConfig) -> str:
         "options": config.options,
         "api_key_sha256": key_hash,
         "max_tool_rounds": config.max_tool_rounds,
+        "idle_timeout_seconds": config.idle_timeout_seconds,
     }
     encoded = json.dumps(shape, sort_keys=True, default=repr).encode()
     return hashlib.sha256(encoded).hexdigest()[:16]

@@ -11,7 +11,11 @@ tools (`TurnRequest.tools`) runs OpenAI function calling: the model's tool calls
 what it said, or a note that it stopped. One request per round (one per turn without
 tools), and one per rolling summary (`summarize`). 429 and 5xx answers are retried
 twice, honouring ``Retry-After``.
-The turn timeout is the runner's job, so requests have no total timeout here.
+A model that sends nothing for `idle_timeout` seconds (no response headers, no body
+bytes, no stream event) has stalled: that request fails and is retried like a 5xx,
+unless part of its streamed reply was already handed to `on_text` (a retry would start
+that text over). The turn's overall limit is the runner's job, so requests have no total
+timeout here.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from gateway.session import TokenUsage
 log = structlog.get_logger(__name__)
 
 MAX_RETRY_AFTER_SECONDS = 30.0
+CONNECT_TIMEOUT_SECONDS = 10.0  # TCP connect; shorter when the idle timeout is
 ERROR_MESSAGE_LIMIT = 200
 _FORWARDED_ROLES = ("user", "assistant", "system")
 
@@ -106,6 +111,10 @@ def summary_messages(request: SummaryRequest) -> list[dict[str, Any]]:
     ]
 
 
+class ModelStalled(AgentError):
+    """The model server sent nothing for the idle timeout (a request that may be retried)."""
+
+
 class OpenAIAgent:
     """Chat completions over aiohttp; one ClientSession per agent, opened on first use."""
 
@@ -117,10 +126,12 @@ class OpenAIAgent:
         api_key: str | None = None,
         backoff: tuple[float, ...] = (0.5, 1.0),
         max_tool_rounds: int = 8,
+        idle_timeout: float = 60.0,
     ) -> None:
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.max_tool_rounds = max_tool_rounds
+        self.idle_timeout = idle_timeout
         self._api_key = api_key
         self._backoff = backoff  # one delay per retry; its length is the retry count
         self._session: aiohttp.ClientSession | None = None
@@ -191,7 +202,12 @@ class OpenAIAgent:
 
     async def _complete(self, body: dict[str, Any]) -> tuple[dict[str, Any], TokenUsage]:
         for attempt in range(len(self._backoff) + 1):
-            status, headers, payload = await self._post(body)
+            try:
+                status, headers, payload = await self._post(body)
+            except ModelStalled:
+                if not await self._waited_to_retry(attempt, None, {}):
+                    raise
+                continue
             if not await self._waited_to_retry(attempt, status, headers):
                 break
         if status >= 400:
@@ -202,27 +218,42 @@ class OpenAIAgent:
         self, body: dict[str, Any], on_text: Callable[[str], None]
     ) -> tuple[dict[str, Any], TokenUsage]:
         """`_complete` with ``stream: true``: the same retries before the first byte, then
-        the events read as they come."""
+        the events read as they come. A stall is retried only while no text was shown."""
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        shown = False
+
+        def show(text: str) -> None:
+            nonlocal shown
+            shown = True
+            on_text(text)
+
         for attempt in range(len(self._backoff) + 1):
-            async with self._opened(body) as response:
-                if response.status == 200:
-                    return await _read_stream(response.content, on_text)
-                status, headers = response.status, response.headers.copy()
-                payload = await response.read()
+            try:
+                async with self._opened(body) as response:
+                    if response.status == 200:
+                        return await _read_stream(response.content, show)
+                    status, headers = response.status, response.headers.copy()
+                    payload = await response.read()
+            except ModelStalled:
+                if shown or not await self._waited_to_retry(attempt, None, {}):
+                    raise
+                continue
             if not await self._waited_to_retry(attempt, status, headers):
                 break
         raise AgentError(self._http_error(status, payload))
 
-    async def _waited_to_retry(self, attempt: int, status: int, headers: Mapping[str, str]) -> bool:
-        """After a 429 or 5xx with retries left: wait (Retry-After, else our backoff) and
-        say so; False: the answer stands."""
-        if not (status == 429 or status >= 500) or attempt == len(self._backoff):
+    async def _waited_to_retry(
+        self, attempt: int, status: int | None, headers: Mapping[str, str]
+    ) -> bool:
+        """After a 429, a 5xx or a stall (`status` None) with retries left: wait
+        (Retry-After, else our backoff) and say so; False: the answer stands."""
+        retryable = status is None or status == 429 or status >= 500
+        if not retryable or attempt == len(self._backoff):
             return False
         delay = _retry_after(headers)
         if delay is None:
             delay = self._backoff[attempt]
-        log.warning("model_retry", status=status, attempt=attempt + 1, delay=delay)
+        log.warning("model_retry", status=status or "stalled", attempt=attempt + 1, delay=delay)
         await asyncio.sleep(delay)
         return True
 
@@ -230,9 +261,14 @@ class OpenAIAgent:
     async def _opened(self, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
         """The POST's response, open (reading it fails as `AgentError`s too)."""
         if self._session is None:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=10)
+            # sock_read is aiohttp's idle timer: it restarts with every byte received,
+            # from the request sent through the headers to the body's last byte.
+            timeout = aiohttp.ClientTimeout(
+                total=None,
+                sock_connect=min(CONNECT_TIMEOUT_SECONDS, self.idle_timeout),
+                sock_read=self.idle_timeout,
             )
+            self._session = aiohttp.ClientSession(timeout=timeout)
         headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
         with self._read_errors():
             async with self._session.post(self.url, json=body, headers=headers) as response:
@@ -248,6 +284,10 @@ class OpenAIAgent:
             reason = "connection refused" if refused else exc.os_error.strerror or "unreachable"
             raise AgentError(
                 f"cannot connect to the model server at {self._host}: {reason}"
+            ) from exc
+        except aiohttp.SocketTimeoutError as exc:
+            raise ModelStalled(
+                f"the model server at {self._host} sent nothing for {self.idle_timeout:g} seconds"
             ) from exc
         except TimeoutError as exc:
             raise AgentError(f"timed out connecting to the model server at {self._host}") from exc

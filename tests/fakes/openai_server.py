@@ -2,7 +2,8 @@
 
 Speaks the real wire format (``POST /v1/chat/completions``, ``chat.completion`` JSON,
 OpenAI-style ``{"error": {...}}`` bodies) and records every request. Faults are queued
-and each applies to one request: ``fail_next``, ``delay_next``, ``malformed_next``.
+and each applies to one request: ``fail_next``, ``delay_next``, ``malformed_next``,
+``stall_next`` (headers, then silence: mid-stream, or where the body should be).
 ``hold(predicate)`` keeps the requests it matches waiting until its event is set, and
 ``usage`` may be a function of the request (a stand-in tokenizer counting the prompt).
 
@@ -47,6 +48,7 @@ class _Fault:
     retry_after: float | None = None
     delay: float = 0.0
     malformed: bool = False
+    stall_after: int | None = None  # content chunks sent before the silence
 
 
 _call_ids = itertools.count(1)
@@ -134,6 +136,7 @@ class FakeOpenAI:
         self._script: deque[str | dict[str, Any]] = deque()
         self._ids = itertools.count(1)
         self._runner: web.AppRunner | None = None
+        self._stopping = asyncio.Event()  # ends the silence of stalled answers
         # POST /v1/embeddings: a text found here gets this vector; any other text a
         # deterministic one of `embedding_dimensions` (from its hash), so a test steers
         # which texts are near each other.
@@ -164,6 +167,7 @@ class FakeOpenAI:
         return self.base_url
 
     async def stop(self) -> None:
+        self._stopping.set()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -190,6 +194,12 @@ class FakeOpenAI:
     def malformed_next(self) -> None:
         """Answer the next request 200 with a body that is not JSON."""
         self._faults.append(_Fault(malformed=True))
+
+    def stall_next(self, after_chunks: int = 0, times: int = 1) -> None:
+        """The next ``times`` requests get their response headers and then nothing more
+        until the server stops: a streamed answer after ``after_chunks`` content chunks,
+        any other with its body promised (Content-Length) but never sent."""
+        self._faults.extend(_Fault(stall_after=after_chunks) for _ in range(times))
 
     def script(self, *answers: str | dict[str, Any]) -> None:
         """Answer the next requests with these, in order (then `reply` again)."""
@@ -292,19 +302,31 @@ class FakeOpenAI:
         if fault.malformed:
             return web.Response(text='{"choices": [', content_type="application/json")
         if body.get("stream"):
-            return await self._stream(request, body)
+            return await self._stream(request, body, fault.stall_after)
+        if fault.stall_after is not None:
+            response = web.StreamResponse(headers={"Content-Type": "application/json"})
+            response.content_length = len(json.dumps(self._completion(body)))
+            await response.prepare(request)
+            await self._stopping.wait()
+            return response
         return web.json_response(self._completion(body))
 
-    async def _stream(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, body: dict[str, Any], stall_after: int | None = None
+    ) -> web.StreamResponse:
         """The completion as OpenAI streams it: ``data: {chunk}`` events of
         ``chat.completion.chunk`` (content `stream_chunk_words` words at a time, every
         `stream_delay` seconds; each tool call's id and name first, then its arguments in
         two pieces), the usage last when ``stream_options.include_usage``, then
-        ``data: [DONE]``."""
+        ``data: [DONE]``. With `stall_after`, silence after that many content chunks (0:
+        right after the headers)."""
         completion = self._completion(body)
         message = completion["choices"][0]["message"]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if stall_after == 0:
+            await self._stopping.wait()
+            return response
         base = {k: completion[k] for k in ("id", "created", "model")}
         base["object"] = "chat.completion.chunk"
 
@@ -324,6 +346,9 @@ class FakeOpenAI:
             asked = last_user_content(body)
             self.token_times[asked] = (self.token_times.get(asked, (now, now))[0], now)
             await emit({"content": piece})
+            if stall_after is not None and at // step + 1 >= stall_after:
+                await self._stopping.wait()
+                return response
         for index, call in enumerate(message.get("tool_calls") or ()):
             function = call["function"]
             arguments = function["arguments"]

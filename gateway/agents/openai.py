@@ -32,7 +32,8 @@ import aiohttp
 import structlog
 
 from gateway.agents.protocol import AgentError, SummaryRequest, Tools, TurnRequest, TurnResult
-from gateway.context.condense import transcript_text
+from gateway.context.condense import clip_at_boundary, transcript_text
+from gateway.context.tokens import token_chars
 from gateway.session import TokenUsage
 
 log = structlog.get_logger(__name__)
@@ -94,10 +95,26 @@ SUMMARY_INSTRUCTIONS = (
 )
 
 
+# Characters per English word, its space and punctuation included, rounded up so that a
+# summary of the asked length fits `max_chars` without being cut.
+CHARS_PER_WORD = 7
+
+
+def summary_length(max_chars: int) -> str:
+    """How long the summary may be, as the model can count it: English words, and
+    characters of a script without spaces (CJK), each as many as fit `max_chars`
+    measured the way the summary is (`token_chars`)."""
+    words = max(1, max_chars // CHARS_PER_WORD)
+    ideographs = max(1, max_chars // token_chars("\u5b57"))
+    return (
+        f"Use at most {words} words ({max_chars} characters); in a language written"
+        f" without spaces, such as Chinese or Japanese, at most {ideographs} characters."
+    )
+
+
 def summary_messages(request: SummaryRequest) -> list[dict[str, Any]]:
     """The chat request that asks the model for the updated summary."""
-    words = max(request.max_chars // 6, 50)
-    instructions = f"{SUMMARY_INSTRUCTIONS} Use at most {words} words."
+    instructions = f"{SUMMARY_INSTRUCTIONS} {summary_length(request.max_chars)}"
     if request.focus:
         instructions += f" Focus on: {request.focus}"
     parts = []
@@ -198,7 +215,7 @@ class OpenAIAgent:
         message, _ = await self._complete(
             {"model": self.model, "messages": summary_messages(request), "temperature": 0}
         )
-        return _reply_text(message).strip()[: request.max_chars]
+        return clip_at_boundary(_reply_text(message).strip(), request.max_chars)
 
     async def _complete(self, body: dict[str, Any]) -> tuple[dict[str, Any], TokenUsage]:
         for attempt in range(len(self._backoff) + 1):

@@ -5,6 +5,8 @@ The extractive list needs no model: one bullet per message, its first words, app
 to the summary so far; when the whole outgrows `max_chars` the oldest bullets go first
 (and say how many went), so the summary stays bounded however long the session grows
 (in characters of ASCII text, and in as many estimated tokens for other scripts).
+Text that must be shortened is cut at a sentence end, else between words
+(`clip_at_boundary`), never inside a word where the text has a better place to cut.
 """
 
 from __future__ import annotations
@@ -20,6 +22,17 @@ HEADER = "Recent condensed turns:"
 BULLET_CHARS = 160  # per message; a message matching the focus keeps more
 FOCUS_BULLET_CHARS = 480
 _OMITTED = re.compile(r"^- \((\d+) earlier condensed turns omitted\)$")
+# Where a cut keeps whole sentences (positions, so a match is where the text may end):
+# after ". ! ? ..." (and a closing quote or bracket) that a space follows, after the full
+# stops of scripts without spaces (CJK), which need none, and before a line break.
+_SENTENCE_END = re.compile(
+    r"(?<=[.!?\u2026])[\"')\]\u201d\u2019]*(?=\s)|(?<=[\u3002\uff01\uff1f])|(?=\n)"
+)
+# Where a cut keeps whole words: before a space, or after a CJK comma, colon or semicolon.
+_WORD_END = re.compile(r"(?=\s)|(?<=[\u3001\uff0c\uff1b\uff1a])")
+# A boundary closer to the start than this share of the room is not worth what it drops:
+# the next kind of boundary (or, with none, the last character that fits) instead.
+_MIN_KEPT = 0.5
 
 
 def message_text(message: dict[str, Any]) -> str:
@@ -44,16 +57,24 @@ def message_text(message: dict[str, Any]) -> str:
     return " ".join(text.split())
 
 
-def _clip(text: str, limit: int) -> str:
-    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
-
-
-def _clip_measured(text: str, limit: int) -> str:
-    """`_clip` by `token_chars`: a bound in characters holds other scripts to as many
-    estimated tokens as ASCII text of that length."""
+def clip_at_boundary(text: str, limit: int, ellipsis: str = "") -> str:
+    """`text` if its `token_chars` are at most `limit`; else its start, ending at the last
+    sentence end that fits, else the last word end, else (a script without spaces, or
+    one long word) the last character that fits; then `ellipsis`, all within `limit`."""
     if token_chars(text) <= limit:
         return text
-    return clip_chars(text, max(0, limit - 3)).rstrip() + "..."
+    head = clip_chars(text, max(0, limit - len(ellipsis)))
+    room = len(head)
+    window = text[: room + 1]  # one character more: does the head end where a word does?
+    for boundary in (_SENTENCE_END, _WORD_END):
+        cuts = [match.end() for match in boundary.finditer(window) if 0 < match.end() <= room]
+        if cuts and cuts[-1] >= room * _MIN_KEPT:
+            return head[: cuts[-1]].rstrip() + ellipsis
+    return head.rstrip() + ellipsis
+
+
+def _clip(text: str, limit: int) -> str:
+    return clip_at_boundary(text, limit, "...")
 
 
 def _focus_words(focus: str | None) -> list[str]:
@@ -109,7 +130,7 @@ def extractive(
         omitted += 1
         text = render()
     if token_chars(text) > max_chars:  # the head alone is too long (a model's long summary)
-        text = _clip_measured(text, max_chars)
+        text = _clip(text, max_chars)
     return text
 
 

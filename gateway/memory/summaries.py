@@ -38,7 +38,6 @@ from gateway.context.tokens import (
     CHARS_PER_TOKEN,
     MESSAGE_OVERHEAD,
     Calibration,
-    clip_chars,
     message_tokens,
     size_tokens,
     text_tokens,
@@ -315,8 +314,9 @@ class Memory:
                         async with asyncio.timeout(SUMMARY_TIMEOUT):
                             text = await summarize(request)
                         if isinstance(text, str) and text.strip():
-                            # As many estimated tokens as `limit` ASCII characters.
-                            return clip_chars(text.strip(), limit)
+                            # As many estimated tokens as `limit` ASCII characters,
+                            # ending at a sentence or a word.
+                            return condense.clip_at_boundary(text.strip(), limit)
             except Exception as exc:  # the model failing: the extractive summary instead
                 log.warning("summary_model_failed", session_id=session_id, error=str(exc))
         return condense.extractive(previous, messages, limit, focus)

@@ -19,11 +19,13 @@ import pytest
 
 from adapters.base import Accepted, AcceptStatus, MessageEvent
 from adapters.http import MAX_REPLIES_PER_POLL, HttpAdapter
-from config import HttpConfig
+from config import GatewayConfig, HttpConfig
 from gateway.ops import chat as chat_module
 from gateway.ops.chat import chat, main_chat
+from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
 from tests.fakes.ledger import FakeLedger
+from tests.fakes.openai_server import FakeOpenAI
 
 TOKEN = "chat-token"
 
@@ -252,23 +254,31 @@ PROMPT = "you> "
 
 def screen_lines(raw: str) -> list[str]:
     """The lines a terminal shows for `raw`: carriage return, line feed, erase to end of
-    line (ESC [ K) and backspace are applied; other escape sequences are dropped."""
-    lines, col = [""], 0
+    line (ESC [ K), cursor up n lines (ESC [ n F), erase to end of screen (ESC [ J) and
+    backspace are applied; other escape sequences are dropped."""
+    lines, row, col = [""], 0, 0
     for token in re.findall(r"\x1b\[[0-9;?]*[A-Za-z]|\x1b[=>]|.", raw, re.DOTALL):
-        line = lines[-1]
+        line = lines[row]
         if token == "\r":
             col = 0
         elif token == "\n":
-            lines.append("")
+            row += 1
+            if row == len(lines):
+                lines.append("")
             col = 0
         elif token == "\x1b[K":
-            lines[-1] = line[:col]
+            lines[row] = line[:col]
+        elif token == "\x1b[J":
+            lines[row] = line[:col]
+            del lines[row + 1 :]
+        elif (up := re.fullmatch(r"\x1b\[(\d*)F", token)) is not None:
+            row, col = max(row - int(up.group(1) or 1), 0), 0
         elif token == "\b":
             col = max(col - 1, 0)
         elif token.startswith("\x1b") or token == "\x07":
             continue
         else:
-            lines[-1] = line[:col] + token + line[col + 1 :]
+            lines[row] = line[:col] + token + line[col + 1 :]
             col += 1
     return lines
 
@@ -363,3 +373,93 @@ async def test_the_prompt_is_shown_once_on_a_terminal(served, tmp_path, status, 
     start = lines.index(f"{PROMPT}hi")
     assert lines[start : start + 3] == [f"{PROMPT}hi", printed, PROMPT]
     assert code == 0  # Ctrl-D at the prompt
+
+
+REPLY = "one two three four five six"
+
+
+async def openai_gateway(fake: FakeOpenAI, home: Path, **agent: Any) -> GatewayRunner:
+    """The real gateway, its HTTP API streaming every delta, its agent the fake model."""
+    config = GatewayConfig.model_validate(
+        {
+            "timezone": "UTC",
+            "platforms": {"http": {"enabled": True, "port": 0, "token": TOKEN}},
+            "streaming": {"min_chars": 1},
+            "agent": {"backend": "openai", "base_url": fake.base_url, "tools": [], **agent},
+        }
+    )
+    runner = GatewayRunner(config, [HttpAdapter(config.platforms.http)], home=home)
+    await runner.start()
+    return runner
+
+
+def http_url(runner: GatewayRunner) -> str:
+    (adapter,) = runner.adapters.values()
+    assert isinstance(adapter, HttpAdapter)
+    return adapter.url
+
+
+async def test_the_reply_streams_into_the_terminal_after_a_thinking_line(tmp_path):
+    """The real gateway with the `openai` backend, its model paused mid-reply: the
+    terminal shows "thinking", then the first words before the model wrote the rest,
+    then the whole reply, once, in the same place."""
+    async with FakeOpenAI() as fake:
+        runner = await openai_gateway(fake, tmp_path / "gateway")
+        started = fake.hold(lambda body: True)
+        resume = asyncio.Event()
+        fake.stall_next(after_chunks=2, until=resume)
+        fake.script(REPLY)
+        terminal = await Terminal.start(http_url(runner), tmp_path / "chat")
+        try:
+            await terminal.wait_for(lambda out: out.endswith(PROMPT))
+            terminal.type(b"tell me\r")
+            await terminal.wait_for(lambda out: "bot> thinking..." in out)
+            started.set()  # the model starts writing
+            await terminal.wait_for(lambda out: "bot> one two" in out)
+            assert "three" not in terminal.output  # shown before the model wrote the rest
+            resume.set()
+            await terminal.wait_for(lambda out: f"bot> {REPLY}" in out and out.endswith(PROMPT))
+        finally:
+            code = await terminal.close()
+            await runner.stop()
+    lines = screen_lines(terminal.output.replace("\r\n", "\n"))
+    start = lines.index(f"{PROMPT}tell me")
+    assert lines[start:] == [f"{PROMPT}tell me", f"bot> {REPLY}", PROMPT, ""]
+    assert code == 0
+
+
+async def test_a_reply_that_fails_midway_replaces_its_partial_text(tmp_path):
+    """The model stalls after two words (`agent.idle_timeout_seconds`): the failure takes
+    the partial reply's place; the words shown are not left above it."""
+    async with FakeOpenAI() as fake:
+        runner = await openai_gateway(fake, tmp_path / "gateway", idle_timeout_seconds=0.5)
+        fake.stall_next(after_chunks=2)
+        fake.script(REPLY)
+        terminal = await Terminal.start(http_url(runner), tmp_path / "chat")
+        try:
+            await terminal.wait_for(lambda out: out.endswith(PROMPT))
+            terminal.type(b"tell me\r")
+            await terminal.wait_for(lambda out: "bot> one two" in out)
+            await terminal.wait_for(lambda out: "sent nothing" in out and out.endswith(PROMPT))
+        finally:
+            code = await terminal.close()
+            await runner.stop()
+    lines = screen_lines(terminal.output.replace("\r\n", "\n"))
+    start = lines.index(f"{PROMPT}tell me")
+    (failure,) = lines[start + 1 : -2]
+    assert failure.startswith("bot> Sorry, the agent failed: the model server at")
+    assert lines[-2:] == [PROMPT, ""] and code == 0
+
+
+def test_a_line_entered_under_a_live_reply_moves_above_it() -> None:
+    """The terminal echoes a line typed while a reply streams below that reply; the
+    console moves the reply back under it, where its final text then lands."""
+    output = io.StringIO()
+    console = chat_module._Console(output, interactive=True)
+    console.show_live("bot> thinking...")
+    with console.reading():
+        output.write(f"{PROMPT}/status\n")  # what input() and the terminal write
+    console.entered("/status")
+    console.show_live("bot> one two")
+    console.finish_live("bot> one two three")
+    assert screen_lines(output.getvalue()) == [f"{PROMPT}/status", "bot> one two three", ""]

@@ -1,7 +1,11 @@
 """`hermes-gateway chat`: a terminal chat with the running daemon over its HTTP API.
 
 Two parts run side by side: a prompt loop that POSTs each line to `/v1/messages`, and a
-reader that long-polls `/v1/chats/{chat_id}/messages` and prints replies as they arrive.
+reader that prints the replies. On a terminal the reader follows the chat's server-sent
+events (`/v1/chats/{chat_id}/stream`): a "thinking" line once a turn starts, the reply
+growing in its place as the model writes it, and the final text put there once. Not on
+a terminal (piped), it long-polls `/v1/chats/{chat_id}/messages` and prints each final
+reply as one plain line.
 
 Exit codes: 0 on Ctrl-D or Ctrl-C, 1 when the gateway is unreachable or refuses the token.
 """
@@ -11,11 +15,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
+import shutil
 import sys
 import threading
+import unicodedata
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TextIO
 from urllib.parse import quote
 
@@ -28,6 +35,10 @@ __all__ = ["chat", "main_chat"]
 
 POLL_WAIT_SECONDS = 25
 RETRY_SECONDS = 2.0
+# The stream sends a keep-alive every 15 s: this long without a byte, the connection is
+# dead (a gateway gone without closing it) and is opened again.
+STREAM_IDLE_SECONDS = 40
+THINKING = "bot> thinking..."
 STATUS_LINES = {
     "queued": "queued",
     "pending": "(will be answered after the current reply)",
@@ -53,6 +64,10 @@ class _Console:
     is drawn again. A line printed at any other time, such as "queued" or a reply that
     lands between Enter and the next input(), is just printed: input() draws the prompt
     itself when it is called, so drawing it here too showed it twice.
+
+    On a terminal, the reply being written (or the "thinking" line before it) is a live
+    block just above the prompt (`show_live`): redrawn in place as it grows, and replaced
+    by the final text (`finish_live`), so no text is shown twice.
     """
 
     def __init__(self, output: TextIO, interactive: bool) -> None:
@@ -62,15 +77,67 @@ class _Console:
         self._lock = threading.Lock()  # say() runs on the loop, input() in its own thread
         self._prompt_shown = False
         self._hooked = False
+        self._live: str | None = None  # the live block's text (a terminal only)
+        self._live_rows = 0  # the screen rows it takes as drawn (0: none drawn)
 
     def say(self, line: str) -> None:
+        """A finished line, printed above the live block and the prompt."""
         with self._lock:
-            if self.interactive and self._prompt_shown:
-                # Clear the prompt line, print, then redraw the prompt and what was typed.
-                typed = readline_buffer()
-                self.output.write(f"\r\x1b[K{line}\n{self.prompt}{typed}")
+            if self.interactive:
+                self._redraw(line)
             else:
                 self.output.write(f"{line}\n")
+            self.output.flush()
+
+    @property
+    def live(self) -> str | None:
+        return self._live
+
+    def show_live(self, text: str) -> None:
+        """Draw (or redraw) the live block with `text` (a terminal only)."""
+        with self._lock:
+            self._live = text
+            self._redraw()
+            self.output.flush()
+
+    def finish_live(self, line: str) -> None:
+        """The live block becomes the finished `line` (a reply's final text)."""
+        with self._lock:
+            self._live = None
+            self._redraw(line)
+            self.output.flush()
+
+    def _redraw(self, line: str | None = None) -> None:
+        """Erase the prompt (when shown) and the live block (the rows just above it),
+        then write `line`, the live block and the prompt with what was typed. Erasing the
+        block moves the cursor up (ESC [ n F) and clears to the end of the screen (ESC [ J).
+        """
+        parts = []
+        if self._prompt_shown:
+            parts.append("\r\x1b[K")
+        if self._live_rows:
+            parts.append(f"\x1b[{self._live_rows}F\x1b[J")
+        if line is not None:
+            parts.append(f"{line}\n")
+        self._live_rows = 0
+        if self._live is not None:
+            parts.append(f"{self._live}\n")
+            self._live_rows = screen_rows(self._live, _columns(self.output))
+        if self._prompt_shown:
+            parts.append(f"{self.prompt}{readline_buffer()}")
+        self.output.write("".join(parts))
+
+    def entered(self, line: str) -> None:
+        """input() returned `line`: the terminal echoed it below the live block. Move the
+        block below it again, so the block stays just above the cursor."""
+        with self._lock:
+            if not self._live_rows:
+                return
+            entered = f"{self.prompt}{line}"
+            rows = self._live_rows + screen_rows(entered, _columns(self.output))
+            self.output.write(f"\x1b[{rows}F\x1b[J{entered}\n")
+            self._live_rows = 0
+            self._redraw()
             self.output.flush()
 
     def watch_readline(self) -> None:
@@ -102,6 +169,31 @@ class _Console:
             self._prompt_shown = True
 
 
+def screen_rows(text: str, columns: int) -> int:
+    """The terminal rows `text` takes (lines wrapped at `columns`; East Asian wide
+    characters take two columns, combining marks none)."""
+    rows = 0
+    for line in text.split("\n"):
+        width = sum(_char_width(char) for char in line)
+        rows += max(1, -(-width // columns))
+    return rows
+
+
+def _char_width(char: str) -> int:
+    if unicodedata.combining(char):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in ("W", "F") else 1
+
+
+def _columns(output: TextIO) -> int:
+    """The terminal's width (a terminal that does not say, 0, counts as 80 wide)."""
+    try:
+        columns = os.get_terminal_size(output.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        columns = 0
+    return columns if columns > 0 else shutil.get_terminal_size().columns
+
+
 def readline_buffer() -> str:
     module = sys.modules.get("readline")
     return module.get_line_buffer() if module is not None else ""
@@ -119,6 +211,8 @@ class ChatClient:
         self.user_id = user_id
         self.console = console
         self.replies_url = f"{url}/v1/chats/{quote(chat_id, safe='')}/messages"
+        self.stream_url = f"{url}/v1/chats/{quote(chat_id, safe='')}/stream"
+        self.finals = 0  # replies shown by `stream_replies`
 
     async def _get_replies(self, after: int, wait: float) -> dict[str, Any]:
         params = {"after": after, "wait": wait}
@@ -173,6 +267,46 @@ class ChatClient:
                 self.console.say(f"bot> {message['text']}")
             after = int(data["next"])
 
+    async def stream_replies(self, after: int) -> None:
+        """Follow the chat's server-sent events forever: each `delta` grows the live
+        block, each `final` replaces it with the reply's whole text; reconnects with the
+        last final's seq, so none is lost or shown twice. A gateway without the stream
+        endpoint is long-polled instead."""
+        lost = False
+        while True:
+            written = ""  # the reply so far, from its deltas
+            try:
+                timeout = aiohttp.ClientTimeout(total=None, sock_read=STREAM_IDLE_SECONDS)
+                params = {"after": after}
+                async with self.http.get(self.stream_url, params=params, timeout=timeout) as resp:
+                    if resp.status == 401:
+                        raise GatewayUnavailable(_token_hint(self.url))
+                    if resp.status == 404:
+                        await self.print_replies(after)
+                        return
+                    resp.raise_for_status()
+                    if lost:
+                        self.console.say("(reconnected)")
+                        lost = False
+                    async for event, data in _events(resp.content):
+                        if event == "delta":
+                            written += str(data["text"])
+                            self.console.show_live(f"bot> {written}")
+                        elif event == "final":
+                            after = int(data["seq"])
+                            written = ""
+                            self.finals += 1
+                            self.console.finish_live(f"bot> {data['text']}")
+            except GatewayUnavailable as exc:
+                self.console.say(f"({exc}; no more replies will be shown)")
+                return
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError):
+                pass
+            if not lost:
+                self.console.say("(lost the gateway; retrying...)")
+                lost = True
+            await asyncio.sleep(RETRY_SECONDS)
+
     async def send(self, text: str) -> None:
         body = {
             "chat_id": self.chat_id,
@@ -182,6 +316,7 @@ class ChatClient:
             # One id per typed line: a retried POST of the same line is deduplicated.
             "message_id": uuid.uuid4().hex,
         }
+        finals = self.finals
         try:
             async with self.http.post(f"{self.url}/v1/messages", json=body) as resp:
                 if resp.status == 401:
@@ -200,6 +335,11 @@ class ChatClient:
             self.console.say(f"(ignored: {detail})")
         elif status in STATUS_LINES:
             self.console.say(STATUS_LINES[status])
+        # Until the reply's first words replace it; not when its reply (a fast one) or its
+        # first words came while the POST was answered.
+        quiet = self.console.live is None and self.finals == finals
+        if status == "started" and self.console.interactive and quiet:
+            self.console.show_live(THINKING)
 
     async def prompt_loop(self, input_fn: Callable[[str], str]) -> int:
         while True:
@@ -211,6 +351,21 @@ class ChatClient:
             text = line.strip()
             if text:  # commands such as /help go to the gateway, which answers them
                 await self.send(text)
+
+
+async def _events(content: aiohttp.StreamReader) -> AsyncIterator[tuple[str, dict[str, Any]]]:
+    """Server-sent events as (event name, JSON data); comments (keep-alives) skipped."""
+    name, data = "message", ""
+    async for raw in content:
+        line = raw.decode("utf-8").rstrip("\r\n")
+        if not line:
+            if data:
+                yield name, json.loads(data)
+            name, data = "message", ""
+        elif line.startswith("event:"):
+            name = line[6:].strip()
+        elif line.startswith("data:"):
+            data += line[5:].strip()
 
 
 async def read_line(input_fn: Callable[[str], str], console: _Console) -> str | None:
@@ -237,6 +392,7 @@ async def read_line(input_fn: Callable[[str], str], console: _Console) -> str | 
         try:
             with console.reading():
                 result = input_fn(console.prompt)
+            console.entered(result)
         except (EOFError, KeyboardInterrupt):
             pass
         except Exception as exc:
@@ -292,7 +448,8 @@ async def chat(
             return 1
         print(f"connected to {url} as {user_id} in chat {chat_id}", file=output)
         print("/help for commands, Ctrl-D to quit", file=output)
-        reader = asyncio.create_task(client.print_replies(after))
+        follow = client.stream_replies if interactive else client.print_replies
+        reader = asyncio.create_task(follow(after))
         console.watch_readline()
         try:
             return await client.prompt_loop(input_fn)

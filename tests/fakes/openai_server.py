@@ -49,6 +49,7 @@ class _Fault:
     delay: float = 0.0
     malformed: bool = False
     stall_after: int | None = None  # content chunks sent before the silence
+    resume: asyncio.Event | None = None  # ends the silence (else the server's stop does)
 
 
 _call_ids = itertools.count(1)
@@ -195,11 +196,14 @@ class FakeOpenAI:
         """Answer the next request 200 with a body that is not JSON."""
         self._faults.append(_Fault(malformed=True))
 
-    def stall_next(self, after_chunks: int = 0, times: int = 1) -> None:
+    def stall_next(
+        self, after_chunks: int = 0, times: int = 1, until: asyncio.Event | None = None
+    ) -> None:
         """The next ``times`` requests get their response headers and then nothing more
         until the server stops: a streamed answer after ``after_chunks`` content chunks,
-        any other with its body promised (Content-Length) but never sent."""
-        self._faults.extend(_Fault(stall_after=after_chunks) for _ in range(times))
+        any other with its body promised (Content-Length) but never sent. With `until`, a
+        streamed answer goes on once that event is set (a pause, not a stall)."""
+        self._faults.extend(_Fault(stall_after=after_chunks, resume=until) for _ in range(times))
 
     def script(self, *answers: str | dict[str, Any]) -> None:
         """Answer the next requests with these, in order (then `reply` again)."""
@@ -302,7 +306,7 @@ class FakeOpenAI:
         if fault.malformed:
             return web.Response(text='{"choices": [', content_type="application/json")
         if body.get("stream"):
-            return await self._stream(request, body, fault.stall_after)
+            return await self._stream(request, body, fault.stall_after, fault.resume)
         if fault.stall_after is not None:
             response = web.StreamResponse(headers={"Content-Type": "application/json"})
             response.content_length = len(json.dumps(self._completion(body)))
@@ -312,20 +316,24 @@ class FakeOpenAI:
         return web.json_response(self._completion(body))
 
     async def _stream(
-        self, request: web.Request, body: dict[str, Any], stall_after: int | None = None
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        stall_after: int | None = None,
+        resume: asyncio.Event | None = None,
     ) -> web.StreamResponse:
         """The completion as OpenAI streams it: ``data: {chunk}`` events of
         ``chat.completion.chunk`` (content `stream_chunk_words` words at a time, every
         `stream_delay` seconds; each tool call's id and name first, then its arguments in
         two pieces), the usage last when ``stream_options.include_usage``, then
         ``data: [DONE]``. With `stall_after`, silence after that many content chunks (0:
-        right after the headers)."""
+        right after the headers), until `resume` is set (then the rest) or the server
+        stops."""
         completion = self._completion(body)
         message = completion["choices"][0]["message"]
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        if stall_after == 0:
-            await self._stopping.wait()
+        if stall_after == 0 and not await self._resumed(resume):
             return response
         base = {k: completion[k] for k in ("id", "created", "model")}
         base["object"] = "chat.completion.chunk"
@@ -346,8 +354,7 @@ class FakeOpenAI:
             asked = last_user_content(body)
             self.token_times[asked] = (self.token_times.get(asked, (now, now))[0], now)
             await emit({"content": piece})
-            if stall_after is not None and at // step + 1 >= stall_after:
-                await self._stopping.wait()
+            if at // step + 1 == stall_after and not await self._resumed(resume):
                 return response
         for index, call in enumerate(message.get("tool_calls") or ()):
             function = call["function"]
@@ -375,6 +382,18 @@ class FakeOpenAI:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _resumed(self, resume: asyncio.Event | None) -> bool:
+        """Silence until `resume` is set (True) or the server stops (False)."""
+        waits = [asyncio.ensure_future(self._stopping.wait())]
+        if resume is not None:
+            waits.append(asyncio.ensure_future(resume.wait()))
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return resume is not None and resume.is_set() and not self._stopping.is_set()
 
     def _completion(self, body: dict[str, Any]) -> dict[str, Any]:
         usage = dict(self.usage(body) if callable(self.usage) else self.usage)

@@ -273,8 +273,8 @@ class ChatClient:
         last final's seq, so none is lost or shown twice. A gateway without the stream
         endpoint is long-polled instead."""
         lost = False
+        written = ""  # the reply so far, from its deltas (kept across a reconnect)
         while True:
-            written = ""  # the reply so far, from its deltas
             try:
                 timeout = aiohttp.ClientTimeout(total=None, sock_read=STREAM_IDLE_SECONDS)
                 params = {"after": after}

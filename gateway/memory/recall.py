@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from config import GatewayConfig
-    from gateway.memory.embeddings import OpenAIEmbedder
+    from gateway.memory.embeddings import Embedder
     from gateway.store.session_store import SessionStore
 
 log = structlog.get_logger("gateway.memory.recall")
@@ -152,7 +152,7 @@ class MemoryIndexer(ThreadedSqliteTask):
         self,
         store: SessionStore,
         settings: index.IndexSettings,
-        embedder: HashEmbedder | OpenAIEmbedder,
+        embedder: Embedder,
         interval: float = 1.0,
     ) -> None:
         super().__init__(interval)

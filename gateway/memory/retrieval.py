@@ -433,9 +433,10 @@ def hybrid(
     min_similarity: float,
     sql: RecallSql | None = None,
     exclude: Recent | None = None,
+    notes_only: bool = False,
 ) -> list[Scored]:
     """The namespace's best `k` chunks for the query, one per note; none made only of
-    the `exclude` rows."""
+    the `exclude` rows; with `notes_only`, notes' chunks only (of the candidates)."""
     sql = sql or SQLITE
     rows = (
         vector_rows(conn, cache, namespace, model, query_vec, tags, sql) if vector_weight else None
@@ -446,6 +447,8 @@ def hybrid(
     text = text_scores(conn, namespace, query, tags, sql) if text_weight > 0 else {}
     merged = fused(scoring.result(), text, vector_weight, text_weight)
     found = sql.rows(conn, list(merged), exclude)
+    if notes_only:
+        found = [row for row in found if row[1] == "note"]
     hits = [
         Scored(
             chunk_id,

@@ -381,8 +381,8 @@ class MemoryConfig(BaseModel):
     def _local_needs_a_path(self) -> MemoryConfig:
         if self.embedding == "local" and not self.model_path:
             raise ValueError(
-                "memory.model_path: embedding: local needs the model's directory"
-                " (a model2vec model, e.g. minishlab/potion-base-8M downloaded once)"
+                "embedding: local needs memory.model_path, the directory of a model2vec"
+                " model (e.g. minishlab/potion-base-8M, downloaded once)"
             )
         return self
 

@@ -46,7 +46,7 @@ from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
 from gateway.housekeeping import Housekeeper
 from gateway.media import MediaIntake
-from gateway.memory.recall import Asking, Namespace, Recall, notes_prompt
+from gateway.memory.recall import Namespace, Recall, notes_prompt
 from gateway.memory.summaries import Memory
 from gateway.ops.logs import TurnLine
 from gateway.ops.metrics import Metrics
@@ -715,9 +715,8 @@ class GatewayRunner(SessionOps):
                 # auto_recall: the user's best notes for this message, counted in the
                 # context budget with the rest of the prompt. Not in a shared session:
                 # a user's notes are theirs, not the group's to read in the replies.
-                asking = Asking(entry.session_id, begun.user_row)
                 notes = await self.recall.for_turn(
-                    Namespace.of(agent_id_of(key), source), begun.text, asking
+                    Namespace.of(agent_id_of(key), source), begun.text
                 )
                 if notes:
                     system_prompt = f"{system_prompt}\n\n{notes_prompt(notes)}"

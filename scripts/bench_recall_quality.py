@@ -10,6 +10,7 @@ weights (1, 0) (vector only), (0, 1) (text only) and memory.weights' defaults (f
         --model all-MiniLM-L6-v2                                     # any /v1/embeddings
     .venv/bin/python scripts/bench_recall_quality.py --local PATH     # a model2vec model
     .venv/bin/python scripts/bench_recall_quality.py --postgres postgresql://postgres@127.0.0.1/test
+    .venv/bin/python scripts/bench_recall_quality.py --cost   # also auto_recall's cost a turn
 
 With --postgres the store (and so the index) is on that server, in a schema of its own,
 dropped at the end.
@@ -24,6 +25,7 @@ import secrets
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -78,6 +80,31 @@ async def quality(home: Path, config: GatewayConfig, path: Path = DATA) -> dict[
     return out
 
 
+async def auto_recall_cost(home: Path, config: GatewayConfig, rounds: int = 20) -> dict[str, float]:
+    """CPU and wall time of one `Recall.for_turn` (auto_recall before a turn), per call:
+    for a user with the set's notes, and for one with none (the common case)."""
+    notes, questions = load()
+    nobody = Namespace("main", "telegram", "no-notes")
+    out: dict[str, float] = {}
+    async with SessionStore(home, config) as store:
+        recall = Recall(store, config)
+        await recall.open()
+        try:
+            for note in notes:
+                await recall.save(USER, note)
+            for name, ns in (("with_notes", USER), ("without_notes", nobody)):
+                await recall.for_turn(ns, questions[0][0])  # warm: vectors loaded
+                calls = [q for _ in range(rounds) for q, _ in questions]
+                cpu, wall = time.process_time(), time.perf_counter()
+                for question in calls:
+                    await recall.for_turn(ns, question)
+                out[f"{name}_cpu_us"] = (time.process_time() - cpu) / len(calls) * 1e6
+                out[f"{name}_ms"] = (time.perf_counter() - wall) / len(calls) * 1e3
+        finally:
+            await recall.close()
+    return out
+
+
 def memory_config(args: argparse.Namespace) -> dict[str, Any]:
     if args.openai:
         return {"embedding": "openai", "base_url": args.openai, "model": args.model}
@@ -98,11 +125,12 @@ def run(args: argparse.Namespace) -> dict[str, Score]:
             conn.execute(f"CREATE SCHEMA {schema}")
         dsn = make_conninfo(args.postgres, options=f"-c search_path={schema}")
         storage = {"backend": "postgres", "dsn": dsn}
-    config = GatewayConfig.model_validate(
-        {"memory": {**memory_config(args), "auto_recall": 0}, "storage": storage}
-    )
+    config = GatewayConfig.model_validate({"memory": memory_config(args), "storage": storage})
     try:
-        return asyncio.run(quality(home / "sessions", config))
+        result = asyncio.run(quality(home / "sessions", config))
+        if args.cost:
+            args.cost_figures = asyncio.run(auto_recall_cost(home / "cost", config))
+        return result
     finally:
         shutil.rmtree(home, ignore_errors=True)
         if args.postgres:
@@ -117,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--local", metavar="PATH", help="a model2vec model directory")
     parser.add_argument("--postgres", metavar="DSN", help="the store on this PostgreSQL server")
     parser.add_argument("--misses", action="store_true", help="list the questions missed")
+    parser.add_argument("--cost", action="store_true", help="also time auto_recall per turn")
     return parser.parse_args(argv)
 
 
@@ -134,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         if args.misses:
             for question in score.misses:
                 print(f"    missed at rank 1: {question}")
+    if args.cost:
+        c = args.cost_figures
+        print(
+            f"auto_recall per turn: a user with {len(load()[0])} notes"
+            f" {c['with_notes_cpu_us']:.0f} us CPU, {c['with_notes_ms']:.2f} ms;"
+            f" a user without notes {c['without_notes_cpu_us']:.1f} us CPU"
+        )
     return 0
 
 

@@ -491,12 +491,15 @@ class Recall:
         *,
         notes_only: bool = False,
         embed_within: float | None = None,
+        index_first: bool = True,
     ) -> list[Hit]:
         """The namespace's best `k` notes and transcript chunks for `query` (hybrid).
         From a turn (`asking`), none of the turn's own messages nor of the newest
         `memory.exclude_recent_messages` of its session before them. With
         `embed_within`, the embedder is given that long for the query's vector and
-        nothing else (chunks waiting for theirs are found by their words meanwhile)."""
+        nothing else (chunks waiting for theirs are found by their words meanwhile).
+        `index_first` False searches the index as the background indexer left it (at
+        most about a second behind) instead of catching it up first."""
         if not isinstance(query, str) or not query.strip():
             raise ValueError("a search needs some words")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
@@ -504,7 +507,8 @@ class Recall:
         clean_tags = normalize_tags(tags)
         namespace = str(ns)
         exclude = await self._recent(asking) if asking is not None else None
-        await self._index(namespace, embed=embed_within is None)
+        if index_first:
+            await self._index(namespace, embed=embed_within is None)
         query_vec = None
         if self.weights[0] > 0 and time.monotonic() >= self._vectors_paused_until:
             try:
@@ -558,7 +562,7 @@ class Recall:
                     self._noted = {row[0] for row in rows}
         return str(ns) in self._noted
 
-    async def for_turn(self, ns: Namespace, text: str, asking: Asking) -> list[Hit]:
+    async def for_turn(self, ns: Namespace, text: str) -> list[Hit]:
         """auto_recall: the namespace's best `memory.auto_recall` notes for a turn's
         text, for its system prompt. Never fails the turn: an error is logged and no note
         returned, and a slow embedder costs it AUTO_EMBED_SECONDS at most (the words
@@ -572,9 +576,13 @@ class Recall:
                 ns,
                 text[:AUTO_QUERY_CHARS],
                 k=self.auto_recall,
-                asking=asking,
+                # No `asking`: what it leaves out are transcript rows, and notes only
+                # are looked for.
                 notes_only=True,
                 embed_within=AUTO_EMBED_SECONDS,
+                # A note saved in this process was indexed by its save; one saved
+                # elsewhere waits for the background indexer (about a second).
+                index_first=False,
             )
         except (sqlite3.Error, *driver_errors(), OSError, StoreUnwritable, ValueError) as exc:
             log.warning("auto_recall_failed", error=f"{type(exc).__name__}: {exc}")

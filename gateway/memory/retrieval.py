@@ -12,7 +12,8 @@ Equal scores go to the more recently updated. Tag filters are SQL (`chunk_tags`)
 
 The text signal ranks by the query's rare words only (`kept_words`): a word held by
 more than half the index's chunks (bm25's IDF is 0 or below there: "the", "my") is
-dropped, so a match on such words alone is no text candidate at all.
+dropped unless it is the query's rarest, so a match on such words alone is no text
+candidate when the query has a rarer word.
 
 The vector math is numpy: one matrix-vector product over the namespace's vectors
 (exact cosine: vectors and query are unit length), held in memory per namespace
@@ -226,10 +227,12 @@ def kept_words(conn: Any, text: str, sql: RecallSql) -> tuple[list[str], dict[st
     bm25 scores every chunk that holds any of the words, and a word found in a large
     share of the index ("the", "is") costs the most and weighs the least (its IDF is
     near 0). So the rarest words are kept while the chunks holding them add up to at
-    most MAX_POSTINGS, the rarest one always, unless it alone is held by more; and no
-    word held by more than half the index's chunks (its bm25 IDF is 0 or below: a
-    stopword of this index, whatever the language), once more than COMMON_FLOOR hold
-    it (in a handful of chunks, a shared word is still a match). Only the first MAX_QUERY_WORDS
+    most MAX_POSTINGS, the rarest one always, unless it alone is held by more; and,
+    besides the rarest, no word held by more than half the index's chunks (its bm25
+    IDF is 0 or below: a stopword of this index, whatever the language) once more than
+    COMMON_FLOOR hold it (in a handful of chunks, a shared word is still a match). The
+    rarest is kept even then: a query of that one word ("herons", in every note) still
+    finds every chunk holding it. Only the first MAX_QUERY_WORDS
     distinct words count (each costs a look-up; the query's vector is made from all of
     it)."""
     words = query_words(text)[:MAX_QUERY_WORDS]
@@ -242,7 +245,7 @@ def kept_words(conn: Any, text: str, sql: RecallSql) -> tuple[list[str], dict[st
     kept, total = [], 0
     for word in sorted(words, key=held.__getitem__):
         total += held[word]
-        if total > MAX_POSTINGS or held[word] > common:
+        if total > MAX_POSTINGS or (kept and held[word] > common):
             break
         kept.append(word)
     return kept, held

@@ -714,7 +714,8 @@ class GatewayRunner(SessionOps):
             if source.user_id and not session_context.shared_multi_user_session:
                 # auto_recall: the user's best notes for this message, counted in the
                 # context budget with the rest of the prompt. Not in a shared session:
-                # a user's notes are theirs, not the group's to read in the replies.
+                # one of its turns may carry several users' messages, and a user's
+                # notes are theirs, not the group's.
                 notes = await self.recall.for_turn(
                     Namespace.of(agent_id_of(key), source), begun.text
                 )

@@ -49,7 +49,10 @@ async def gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterato
 
 @asynccontextmanager
 async def started(
-    tmp_path: Path, store_backend: StorageBackend, memory: dict[str, Any] | None = None
+    tmp_path: Path,
+    store_backend: StorageBackend,
+    memory: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> AsyncIterator[Gateway]:
     async with FakeOpenAI(check_pairing=True) as fake:
         config = GatewayConfig.model_validate(
@@ -59,6 +62,7 @@ async def started(
                 "agent": {"backend": "openai", "base_url": fake.base_url, "model": "m"},
                 "memory": memory or {},
                 "session_reset": {"mode": "none"},
+                **settings,
             }
         )
         config = store_backend.apply(config)
@@ -233,10 +237,28 @@ async def test_after_new_a_saved_note_reaches_the_prompt_with_no_tool_call(
 
 async def test_another_agents_notes_never_reach_the_prompt(gateway: Gateway) -> None:
     await gateway.runner.recall.save(alice("helper"), "the helper's secret: pelican")
-    asked = len(chat_requests(gateway.fake))
     await gateway.ask("alice", "what is the secret pelican?", "none")
-    (body,) = chat_requests(gateway.fake)[asked:]
-    assert "pelican" not in system_of(body).replace("what is the secret pelican?", "")
+    assert "pelican" not in system_of(chat_requests(gateway.fake)[-1])
+    # ... while the same note under this agent (main, from the session key) is there.
+    await gateway.runner.recall.save(alice(), "the main secret: pelican")
+    await gateway.ask("alice", "what is the secret pelican now?", "one")
+    assert "- the main secret: pelican" in system_of(chat_requests(gateway.fake)[-1])
+
+
+async def test_a_shared_group_session_gets_no_users_notes(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    """One turn of a shared session may carry several users' messages: no one's notes
+    go into its prompt (the tools still answer the asking user)."""
+    async with started(tmp_path, store_backend, group_sessions_per_user=False) as gw:
+        await gw.runner.recall.save(alice(), "Alice works as a carpenter in Oslo")
+        gw.fake.script("a group answer")
+        await gw.client.post("g1", "where do I work as a carpenter?", "alice", chat_type="group")
+        await gw.client.replies("g1", 1)
+        assert "carpenter in Oslo" not in system_of(chat_requests(gw.fake)[-1])
+        assert "Multi-user" in system_of(chat_requests(gw.fake)[-1])  # it was shared
+        await gw.ask("alice", "where do I work as a carpenter?", "Oslo")  # her DM: there
+        assert "carpenter in Oslo" in system_of(chat_requests(gw.fake)[-1])
 
 
 async def test_auto_recall_zero_puts_no_note_in_the_prompt(

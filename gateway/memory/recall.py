@@ -556,10 +556,12 @@ class Recall:
                 at = self._noted_at
                 if at is None or time.monotonic() - at > NOTED_TTL_SECONDS:
                     self._noted_at = time.monotonic()
+                    before = set(self._noted)
                     rows = await self.store.read(
                         lambda conn: conn.execute("SELECT DISTINCT namespace FROM notes").fetchall()
                     )
-                    self._noted = {row[0] for row in rows}
+                    # A save while the query ran may be missing from its answer.
+                    self._noted = {row[0] for row in rows} | (self._noted - before)
         return str(ns) in self._noted
 
     async def for_turn(self, ns: Namespace, text: str) -> list[Hit]:

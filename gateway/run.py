@@ -46,7 +46,7 @@ from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
 from gateway.housekeeping import Housekeeper
 from gateway.media import MediaIntake
-from gateway.memory.recall import Recall
+from gateway.memory.recall import Namespace, Recall, notes_prompt
 from gateway.memory.summaries import Memory
 from gateway.ops.logs import TurnLine
 from gateway.ops.metrics import Metrics
@@ -707,12 +707,20 @@ class GatewayRunner(SessionOps):
             elif begun.fresh and entry.was_auto_reset:
                 await self._log_reset(key, entry)
             agent = self.roster.for_key(key)  # the key's agent: its prompt, plan, timeout
-            system_prompt = self._system_prompt(
-                build_session_context(
-                    source, self.config, entry, platforms=self._platforms, homes=self._homes
-                ),
-                agent,
+            session_context = build_session_context(
+                source, self.config, entry, platforms=self._platforms, homes=self._homes
             )
+            system_prompt = self._system_prompt(session_context, agent)
+            if source.user_id and not session_context.shared_multi_user_session:
+                # auto_recall: the user's best notes for this message, counted in the
+                # context budget with the rest of the prompt. Not in a shared session:
+                # one of its turns may carry several users' messages, and a user's
+                # notes are theirs, not the group's.
+                notes = await self.recall.for_turn(
+                    Namespace.of(agent_id_of(key), source), begun.text
+                )
+                if notes:
+                    system_prompt = f"{system_prompt}\n\n{notes_prompt(notes)}"
             context = self.memory.prepare(
                 entry.session_id, begun.context, system_prompt, begun.text, agent.plan
             )
@@ -1000,8 +1008,18 @@ class GatewayRunner(SessionOps):
         return toolbox.bind(scope)
 
     def _system_prompt(self, context: SessionContext, agent: AgentSpec) -> str:
+        """The agent's configured prompt, or two lines saying what it is and which tools
+        it has; then the session's context."""
         block = build_session_context_prompt(context, redact_pii=agent.config.redact_pii)
         custom = agent.config.system_prompt
+        if custom is None:
+            toolbox = self.toolbox_for(agent.agent_id)
+            names = ", ".join(toolbox.tools) if toolbox is not None else ""
+            custom = (
+                f"Agent {agent.agent_id!r} of hermes-gateway: an AI assistant answering"
+                " people in chats.\n"
+                + (f"Tools you may call: {names}." if names else "You have no tools.")
+            )
         return f"{custom}\n\n{block}" if custom else block
 
     def _with_reset_notice(self, entry: SessionEntry, reply: str) -> str:

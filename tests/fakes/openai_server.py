@@ -127,7 +127,7 @@ class FakeOpenAI:
         )
         self.usage = usage or {"prompt_tokens": 7, "completion_tokens": 3}
         self.held: list[dict[str, Any]] = []  # bodies of requests waiting on a hold
-        self._holds: list[tuple[Callable[[dict[str, Any]], bool], asyncio.Event]] = []
+        self._holds: list[tuple[str, Callable[[dict[str, Any]], bool], asyncio.Event]] = []
         self.requests: list[dict[str, Any]] = []
         self.base_url = ""
         self._faults: deque[_Fault] = deque()
@@ -195,10 +195,13 @@ class FakeOpenAI:
         """Answer the next requests with these, in order (then `reply` again)."""
         self._script.extend(answers)
 
-    def hold(self, predicate: Callable[[dict[str, Any]], bool]) -> asyncio.Event:
-        """Requests whose body matches wait (in `held`) until the returned event is set."""
+    def hold(
+        self, predicate: Callable[[dict[str, Any]], bool], path: str = "/v1/chat/completions"
+    ) -> asyncio.Event:
+        """Requests to `path` whose body matches wait (in `held`) until the returned
+        event is set."""
         release = asyncio.Event()
-        self._holds.append((predicate, release))
+        self._holds.append((path, predicate, release))
         return release
 
     # --- handler -------------------------------------------------------------------------
@@ -212,6 +215,10 @@ class FakeOpenAI:
                 "headers": {h: request.headers.get(h) for h in _RECORDED_HEADERS},
             }
         )
+        for path, predicate, release in self._holds:  # a stalled embeddings server
+            if path == request.path and predicate(body) and not release.is_set():
+                self.held.append(body)
+                await release.wait()
         fault = self._faults.popleft() if self._faults else _Fault()
         sent = request.headers.get("Authorization", "").removeprefix("Bearer ")
         if self.expected_key is not None and sent != self.expected_key:
@@ -267,8 +274,13 @@ class FakeOpenAI:
                 "headers": {h: request.headers.get(h) for h in _RECORDED_HEADERS},
             }
         )
-        for predicate, release in self._holds:
-            if isinstance(body, dict) and predicate(body) and not release.is_set():
+        for path, predicate, release in self._holds:
+            if (
+                path == request.path
+                and isinstance(body, dict)
+                and predicate(body)
+                and not release.is_set()
+            ):
                 self.held.append(body)
                 await release.wait()
         fault = self._faults.popleft() if self._faults else _Fault()

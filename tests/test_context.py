@@ -14,6 +14,7 @@ from gateway.context.tokens import (
     MAX_FACTOR,
     MIN_FACTOR,
     STORE_CHANGE,
+    UNCALIBRATED_FACTOR,
     Calibration,
     message_tokens,
     size_tokens,
@@ -59,7 +60,7 @@ def test_context_errors_name_the_key(tmp_path: Path, text: str, expected: str) -
 
 def test_calibration_goes_up_at_once_and_down_slowly() -> None:
     calibration = Calibration()
-    assert calibration.factor("s") == 1.0
+    assert calibration.factor("s") == UNCALIBRATED_FACTOR
     assert calibration.observe("s", 1000, 1500) == 1.5  # the model counts more: at once
     assert calibration.observe("s", 1000, 1000) == 1.25  # less: half way
     assert calibration.observe("s", 10, 500) == 1.25  # too small a sample: ignored
@@ -67,14 +68,14 @@ def test_calibration_goes_up_at_once_and_down_slowly() -> None:
     for _ in range(20):
         calibration.observe("s", 1000, 1)
     assert calibration.factor("s") == MIN_FACTOR
-    assert calibration.factor("other") == 1.0
+    assert calibration.factor("other") == UNCALIBRATED_FACTOR
 
 
 def test_calibration_is_bounded_in_sessions() -> None:
     calibration = Calibration(max_sessions=2)
     for sid in ("a", "b", "c"):
         calibration.observe(sid, 1000, 2000)
-    assert [calibration.factor(s) for s in ("a", "b", "c")] == [1.0, 2.0, 2.0]
+    assert [calibration.factor(s) for s in ("a", "b", "c")] == [UNCALIBRATED_FACTOR, 2.0, 2.0]
 
 
 def test_extractive_summary_appends_and_stays_bounded() -> None:

@@ -201,6 +201,26 @@ def prepare(
     )
 
 
+def summary_room(plan: Plan, prepared: Prepared) -> int:
+    """The `token_chars` of the largest summary that fits beside what the request
+    carries besides history (the system prompt, the tool specs, the new message)."""
+    room = int(plan.budget / prepared.factor) - prepared.base_tokens - prepared.asked_tokens
+    return (room - MESSAGE_OVERHEAD - text_tokens(SUMMARY_PREFIX)) * CHARS_PER_TOKEN
+
+
+def catch_up_start(plan: Plan, loaded: Loaded, prepared: Prepared, summary_chars: int) -> int:
+    """The first of the loaded rows a turn sends once everything older is condensed into
+    a summary of up to `summary_chars` (`token_chars`): what fits beside a summary of
+    that size, from a user message on."""
+    summary = MESSAGE_OVERHEAD + text_tokens(SUMMARY_PREFIX) + -(-summary_chars // CHARS_PER_TOKEN)
+    room = int(plan.budget / prepared.factor) - prepared.base_tokens - prepared.asked_tokens
+    room -= summary
+    messages = loaded.messages
+    costs = [message_tokens(m) for m in messages]
+    start = fit_suffix(messages, costs, room) if room > 0 else len(messages)
+    return user_start(messages, max(start, prepared.dropped))
+
+
 def fitted_summary(summary: str, room: int) -> dict[str, Any] | None:
     """The summary message cut to `room` estimated tokens (None: no room for any)."""
     chars = (room - MESSAGE_OVERHEAD - text_tokens(SUMMARY_PREFIX)) * CHARS_PER_TOKEN

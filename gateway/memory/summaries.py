@@ -34,7 +34,15 @@ import structlog
 
 from gateway.agents.protocol import SummaryRequest
 from gateway.context import condense
-from gateway.context.strategy import Loaded, Plan, Prepared, prepare, units
+from gateway.context.strategy import (
+    Loaded,
+    Plan,
+    Prepared,
+    catch_up_start,
+    prepare,
+    summary_room,
+    units,
+)
 from gateway.context.tokens import (
     CHARS_PER_TOKEN,
     MESSAGE_OVERHEAD,
@@ -144,9 +152,13 @@ class Memory:
         compare-and-swap. The cut falls before a user message (what the turn sends opens
         with one) or after the newest row read (the turn's own message follows). None
         when nothing was left to condense."""
-        kept = prepared.dropped
-        bound = loaded.ids[kept] if kept < len(loaded.ids) else loaded.ids[-1] + 1
+        # At most what fits beside this turn's message: the summary stored is the one sent.
         limit = self.max_summary_chars(plan, prepared.base_tokens, factor)
+        limit = max(0, min(limit, summary_room(plan, prepared)))
+        # Cut where the rest fits beside a summary of the largest size it may grow to:
+        # one condensation, not one per row its growth pushes out.
+        kept = catch_up_start(plan, loaded, prepared, limit)
+        bound = loaded.ids[kept] if kept < len(loaded.ids) else loaded.ids[-1] + 1
 
         def catch_up(conn: Any) -> tuple[summary_checkpoints.Checkpoint | None, int]:
             checkpoint = summary_checkpoints.read(conn, session_id)

@@ -172,3 +172,25 @@ async def test_a_message_too_long_for_the_window_is_refused_once_and_not_sent(
         assert checkpoint is not None and checkpoint.covered_up_to >= rows[-1][0]
         assert "fact long: timber" in (checkpoint.summary or "")
         assert fake.over_window == []
+
+
+@pytest.mark.parametrize("size", [2_000, 7_600])
+async def test_the_first_request_of_a_session_fits_before_any_calibration(
+    make_gateway: MakeGateway, size: int
+) -> None:
+    """Nothing is learnt before the first reply: the estimate is taken with its stated
+    margin (`UNCALIBRATED_FACTOR`). With every built-in tool, a message that fits is
+    answered, and one that fits only by the bare estimate (4 characters a token) is
+    refused with the notice: neither reaches the model over its window."""
+    async with FakeOpenAI(reply=fake_reply, usage=counted_usage, n_ctx=4096) as fake:
+        gw = await make_gateway(fake, 4096, list(TOOL_NAMES))
+        text = "fact: " + "x" * size
+        reply = await gw.say(text)
+        assert fake.over_window == []
+        if size < 4_000:
+            assert reply == "noted: " + text[:60]
+            (request,) = fake.requests
+            assert prompt_tokens(request["json"]) <= 4096 and request["json"]["tools"]
+        else:
+            assert reply.startswith("Your message is too long for this agent's model:")
+            assert fake.requests == []

@@ -5,6 +5,10 @@
     summary  the latest rolling summary (one system message), then the newest messages
              after the rows it covers that fit the budget, at most agent.history_limit
 
+The budget is the model's window less the reply's reserve, and everything a request
+carries counts against it: the system prompt, the tool specs, the summary, the history
+and the new message (`prepare`). Under `summary`, what does not fit is condensed into
+the summary before the turn is sent (`gateway.memory.summaries`, by `catch_up_start`).
 The store reads (`gateway.store.turn_context`, inside the turn's begin transaction);
 this module decides, on what was read, with no I/O. A tool call is never split from
 its results: an assistant message with `tool_calls` and the `tool` messages after it

@@ -1,9 +1,12 @@
 """`Memory`: what a turn sends the model, and the rolling summaries behind it.
 
-On the turn's path (`prepare`, `learn`, `after_turn`) it only computes: the strategy
-fits what the begin transaction read (`gateway.store.turn_context`) to the token budget,
-and after the reply the estimate is calibrated by the prompt size the model reported
-(the factor is stored with the session by the turn's finish). When
+On the turn's path (`prepare`, `learn`, `after_turn`) it computes: the strategy fits
+what the begin transaction read (`gateway.store.turn_context`), with the system prompt,
+the tool specs and the new message, to the token budget, and after the reply the
+estimate is calibrated by the prompt size the model reported (the factor is stored with
+the session by the turn's finish). It writes only when, under the summary strategy,
+rows no summary covers would not be sent: they are condensed into the summary first,
+extractively and in one transaction, before the model is asked (`_catch_up`). When
 the summary strategy's unsummarized history passes `trigger_ratio` of the budget (and
 has `min_messages`), a background task condenses its oldest messages until it is at
 most `target_ratio`, one chunk and one checkpoint per round:

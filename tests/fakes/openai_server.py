@@ -111,9 +111,9 @@ def prompt_tokens(body: dict[str, Any]) -> int:
     token for every 3 bytes of the UTF-8 JSON of its messages and of its tool specs, as
     sent. Real BPE vocabularies count English, JSON and most scripts in fewer tokens
     (about 4 characters a token for English), so a prompt within this bound fits."""
-    size = len(json.dumps(body.get("messages", [])).encode())
+    size = len(json.dumps(body.get("messages", []), ensure_ascii=False).encode())
     if body.get("tools"):
-        size += len(json.dumps(body["tools"]).encode())
+        size += len(json.dumps(body["tools"], ensure_ascii=False).encode())
     return -(-size // 3)
 
 

@@ -42,6 +42,7 @@ from gateway.agents.protocol import (
     check_tool_rounds,
 )
 from gateway.agents.roster import AgentSpec, Roster
+from gateway.context.strategy import too_large_text
 from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
 from gateway.housekeeping import Housekeeper
@@ -721,9 +722,6 @@ class GatewayRunner(SessionOps):
                 )
                 if notes:
                     system_prompt = f"{system_prompt}\n\n{notes_prompt(notes)}"
-            context = self.memory.prepare(
-                entry.session_id, begun.context, system_prompt, begun.text, agent.plan
-            )
             tools = self._turn_tools(key, entry.session_id, source, begun.user_row)
             intake = None
             if event.media:  # files: downloaded and read before the agent is asked
@@ -735,10 +733,21 @@ class GatewayRunner(SessionOps):
                     vision=agent.config.vision,
                     deliver=self.deliver,
                 )
+            text = begun.text if intake is None else intake.text
+            # Everything the request carries is fitted to the model's window; rows that
+            # do not fit are condensed into the summary first (never silently left out).
+            loaded, context = await self.memory.prepare(
+                entry.session_id,
+                begun.context,
+                system_prompt,
+                text,
+                agent.plan,
+                tools.spec_tokens if tools is not None else 0,
+            )
             request = TurnRequest(
                 session_key=key,
                 session_id=entry.session_id,
-                text=begun.text if intake is None else intake.text,
+                text=text,
                 history=context.history,
                 system_prompt=system_prompt,
                 source=source,
@@ -752,6 +761,8 @@ class GatewayRunner(SessionOps):
             try:
                 if intake is not None and intake.only_refusals:
                     outcome = TurnOutcome.failed(intake.notices[0], "too_large")
+                elif context.too_large:  # the model would refuse it: it is not asked
+                    outcome = TurnOutcome.failed(too_large_text(agent.plan, context), "too_large")
                 else:
                     outcome = await self._call_agent(key, request, agent, stream, begun)
                 edits = await stream.finish() if stream is not None else shown
@@ -777,7 +788,7 @@ class GatewayRunner(SessionOps):
             # reports the sum of several), and stored by the finish when it moved.
             factor = self.memory.learn(
                 entry.session_id,
-                begun.context,
+                loaded,
                 context,
                 outcome.usage if not outcome.messages else None,
             )
@@ -809,7 +820,7 @@ class GatewayRunner(SessionOps):
                 await self.delivery.send_attachments(source, files, event.reply_to)
             turn.outcome = outcome.status
             self.memory.after_turn(  # may start a summary, in the background
-                key, entry.session_id, begun.context, context, outcome.reply
+                key, entry.session_id, loaded, context, outcome.reply
             )
         except asyncio.CancelledError:
             turn.outcome = "cancelled"  # /stop, or a shutdown that could not wait

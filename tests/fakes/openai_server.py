@@ -4,7 +4,11 @@ Speaks the real wire format (``POST /v1/chat/completions``, ``chat.completion`` 
 OpenAI-style ``{"error": {...}}`` bodies) and records every request. Faults are queued
 and each applies to one request: ``fail_next``, ``delay_next``, ``malformed_next``.
 ``hold(predicate)`` keeps the requests it matches waiting until its event is set, and
-``usage`` may be a function of the request (a stand-in tokenizer counting the prompt).
+``usage`` may be a function of the request (a stand-in tokenizer counting the prompt;
+``counted_usage`` reports ``prompt_tokens(body)``). With ``n_ctx``, like a llama.cpp
+server started with that context size, a request whose ``prompt_tokens(body)`` exceeds
+it is refused with 400 (and recorded in ``over_window``). ``on_request``, if set, is
+awaited with each chat request's body before it is answered.
 
 Function calling: an answer is a text, or a message dict (``tool_calls(...)`` builds one
 that calls tools). ``script(*answers)`` queues answers, one per request; without one,
@@ -30,7 +34,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +106,21 @@ def pairing_problem(messages: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """The fake's token count of a request's prompt, a tokenizer-free upper bound: a
+    token for every 3 bytes of the UTF-8 JSON of its messages and of its tool specs, as
+    sent. Real BPE vocabularies count English, JSON and most scripts in fewer tokens
+    (about 4 characters a token for English), so a prompt within this bound fits."""
+    size = len(json.dumps(body.get("messages", []), ensure_ascii=False).encode())
+    if body.get("tools"):
+        size += len(json.dumps(body["tools"], ensure_ascii=False).encode())
+    return -(-size // 3)
+
+
+def counted_usage(body: dict[str, Any]) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens(body), "completion_tokens": 10}
+
+
 def last_user_content(body: dict[str, Any]) -> str:
     for message in reversed(body.get("messages", [])):
         if message.get("role") == "user":
@@ -119,9 +138,13 @@ class FakeOpenAI:
         reply: Callable[[dict[str, Any]], str | dict[str, Any]] | None = None,
         usage: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         check_pairing: bool = False,
+        n_ctx: int | None = None,
     ) -> None:
         self.expected_key = expected_key
         self.check_pairing = check_pairing
+        self.n_ctx = n_ctx
+        self.over_window: list[dict[str, Any]] = []  # bodies refused for exceeding n_ctx
+        self.on_request: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         self.reply: Callable[[dict[str, Any]], str | dict[str, Any]] = reply or (
             lambda body: "fake: " + last_user_content(body)
         )
@@ -296,6 +319,16 @@ class FakeOpenAI:
             return _error(400, "'messages' is a required property", None)
         if self.check_pairing and (problem := pairing_problem(body["messages"])) is not None:
             return _error(400, problem, None)
+        if self.n_ctx is not None and (counted := prompt_tokens(body)) > self.n_ctx:
+            self.over_window.append(body)
+            return _error(
+                400,
+                f"the request exceeds the available context size ({counted} tokens,"
+                f" n_ctx {self.n_ctx}), try increasing it",
+                "exceed_context_size_error",
+            )
+        if self.on_request is not None:
+            await self.on_request(body)
         if fault.status >= 400:
             headers = {}
             if fault.retry_after is not None:

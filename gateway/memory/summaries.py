@@ -155,12 +155,14 @@ class Memory:
         compare-and-swap. The cut falls before a user message (what the turn sends opens
         with one) or after the newest row read (the turn's own message follows). None
         when nothing was left to condense."""
-        # At most what fits beside this turn's message: the summary stored is the one sent.
+        # The summary stored is bounded as every summary is. A turn whose own message
+        # leaves it less room sends it cut (`prepare`): cutting the stored one would
+        # lose for good what one large message crowds out of one request.
         limit = self.max_summary_chars(plan, prepared.base_tokens, factor)
-        limit = max(0, min(limit, summary_room(plan, prepared)))
+        room = max(0, min(limit, summary_room(plan, prepared)))
         # Cut where the rest fits beside a summary of the largest size it may grow to:
         # one condensation, not one per row its growth pushes out.
-        kept = catch_up_start(plan, loaded, prepared, limit)
+        kept = catch_up_start(plan, loaded, prepared, room)
         bound = loaded.ids[kept] if kept < len(loaded.ids) else loaded.ids[-1] + 1
 
         def catch_up(conn: Any) -> tuple[summary_checkpoints.Checkpoint | None, int]:

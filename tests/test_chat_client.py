@@ -432,7 +432,8 @@ async def test_a_reply_that_fails_midway_replaces_its_partial_text(tmp_path):
     """The model stalls after two words (`agent.idle_timeout_seconds`): the failure takes
     the partial reply's place; the words shown are not left above it."""
     async with FakeOpenAI() as fake:
-        runner = await openai_gateway(fake, tmp_path / "gateway", idle_timeout_seconds=0.5)
+        # Idle 2 s: room for the partial to reach the terminal before the stall fails.
+        runner = await openai_gateway(fake, tmp_path / "gateway", idle_timeout_seconds=2)
         fake.stall_next(after_chunks=2)
         fake.script(REPLY)
         terminal = await Terminal.start(http_url(runner), tmp_path / "chat")

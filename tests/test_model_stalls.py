@@ -133,8 +133,8 @@ def test_an_idle_timeout_that_is_not_positive_is_refused_by_its_key_path(
 DEFAULT_BACKOFF = 0.5 + 1.0  # the backend's own retry delays
 
 
-def openai_agent(fake: FakeOpenAI) -> dict[str, Any]:
-    return {"backend": "openai", "base_url": fake.base_url, "idle_timeout_seconds": IDLE}
+def openai_agent(fake: FakeOpenAI, idle: float = IDLE) -> dict[str, Any]:
+    return {"backend": "openai", "base_url": fake.base_url, "idle_timeout_seconds": idle}
 
 
 async def test_a_stalled_model_fails_the_turn_once_and_the_next_message_works(
@@ -188,7 +188,8 @@ async def test_a_stream_stalled_midway_leaves_the_failure_in_one_message(
                 "timezone": "UTC",
                 "platforms": {"telegram": telegram},
                 "streaming": {"min_chars": 1},
-                "agent": openai_agent(fake),
+                # Room for the partial to be sent before the stall fails the turn.
+                "agent": openai_agent(fake, idle=2.0),
             }
         )
         runner = GatewayRunner(
@@ -199,8 +200,8 @@ async def test_a_stream_stalled_midway_leaves_the_failure_in_one_message(
             fake.stall_next(after_chunks=3)
             fake.script(WORDS)
             tg.push_message(tg.private_chat(ADA), ADA, "tell me")
-            bound = 3 * IDLE + DEFAULT_BACKOFF + MARGIN  # with the Telegram poll's latency
-            await wait_for(lambda: "sent nothing" in "".join(tg.chat_view(42)), within=bound)
+            await wait_for(lambda: tg.sent, within=MARGIN)
+            await wait_for(lambda: "sent nothing" in "".join(tg.chat_view(42)), within=2 + MARGIN)
             assert len(tg.sent) == 1  # one message: the partial ...
             assert tg.sent[0]["text"].startswith("one")
             (shown,) = tg.chat_view(42)  # ... edited into the failure

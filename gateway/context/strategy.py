@@ -23,10 +23,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from config import AgentConfig
+from gateway.context.condense import clip_at_boundary
 from gateway.context.tokens import (
     CHARS_PER_TOKEN,
     MESSAGE_OVERHEAD,
-    clip_chars,
     message_tokens,
     text_tokens,
 )
@@ -230,7 +230,7 @@ def fitted_summary(summary: str, room: int) -> dict[str, Any] | None:
     chars = (room - MESSAGE_OVERHEAD - text_tokens(SUMMARY_PREFIX)) * CHARS_PER_TOKEN
     if chars <= 0:
         return None
-    return summary_message(clip_chars(summary, chars))
+    return summary_message(clip_at_boundary(summary, chars))
 
 
 def too_large_text(plan: Plan, prepared: Prepared) -> str:

@@ -3,8 +3,14 @@
 Speaks the real wire format (``POST /v1/chat/completions``, ``chat.completion`` JSON,
 OpenAI-style ``{"error": {...}}`` bodies) and records every request. Faults are queued
 and each applies to one request: ``fail_next``, ``delay_next``, ``malformed_next``.
-``hold(predicate)`` keeps the requests it matches waiting until its event is set, and
-``usage`` may be a function of the request (a stand-in tokenizer counting the prompt).
+``hold(predicate)`` keeps the requests it matches waiting until its event is set (a
+client that gives up meanwhile ends its request), and ``usage`` may be a function of
+the request (a stand-in tokenizer counting the prompt).
+
+Concurrency: with ``label(body)`` (e.g. "summary" or "turn", and whose), every chat
+request is recorded in ``spans`` with its label and when it arrived and ended, on a
+counter of events rather than a clock; ``overlaps()`` lists the pairs that were at the
+server at the same time.
 
 Function calling: an answer is a text, or a message dict (``tool_calls(...)`` builds one
 that calls tools). ``script(*answers)`` queues answers, one per request; without one,
@@ -24,6 +30,7 @@ file's size; each request is recorded in ``transcriptions``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
 import json
@@ -38,6 +45,22 @@ from typing import Any
 from aiohttp import web
 
 _RECORDED_HEADERS = ("Authorization", "Content-Type")
+
+
+@dataclass(slots=True)
+class Span:
+    """One chat request at the server: its label, and the event counter's value when it
+    arrived and when it was answered (or its client went away); `end` None: still open."""
+
+    label: str
+    start: int
+    end: int | None = None
+    gone: bool = False  # the client went away before the answer
+
+    def overlaps(self, other: Span) -> bool:
+        return self.start < (other.end if other.end is not None else 1 << 62) and (
+            other.start < (self.end if self.end is not None else 1 << 62)
+        )
 
 
 @dataclass(slots=True)
@@ -119,8 +142,12 @@ class FakeOpenAI:
         reply: Callable[[dict[str, Any]], str | dict[str, Any]] | None = None,
         usage: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         check_pairing: bool = False,
+        label: Callable[[dict[str, Any]], str] | None = None,
     ) -> None:
         self.expected_key = expected_key
+        self.label = label
+        self.spans: list[Span] = []
+        self._events = itertools.count(1)
         self.check_pairing = check_pairing
         self.reply: Callable[[dict[str, Any]], str | dict[str, Any]] = reply or (
             lambda body: "fake: " + last_user_content(body)
@@ -201,6 +228,19 @@ class FakeOpenAI:
         self._holds.append((predicate, release))
         return release
 
+    def overlaps(self) -> list[tuple[str, str]]:
+        """The labels of every two chat requests that were at the server at once."""
+        return [
+            (a.label, b.label)
+            for i, a in enumerate(self.spans)
+            for b in self.spans[i + 1 :]
+            if a.overlaps(b)
+        ]
+
+    def order(self) -> list[str]:
+        """The labels of the chat requests in the order they arrived."""
+        return [span.label for span in self.spans]
+
     # --- handler -------------------------------------------------------------------------
 
     async def _embeddings(self, request: web.Request) -> web.Response:
@@ -267,10 +307,24 @@ class FakeOpenAI:
                 "headers": {h: request.headers.get(h) for h in _RECORDED_HEADERS},
             }
         )
-        for predicate, release in self._holds:
-            if isinstance(body, dict) and predicate(body) and not release.is_set():
-                self.held.append(body)
-                await release.wait()
+        span = None
+        if self.label is not None and isinstance(body, dict):
+            span = Span(self.label(body), next(self._events))
+            self.spans.append(span)
+        try:
+            for predicate, release in self._holds:
+                if isinstance(body, dict) and predicate(body) and not release.is_set():
+                    self.held.append(body)
+                    if not await _released(request, release):
+                        if span is not None:
+                            span.gone = True
+                        return web.Response(status=499)
+            return await self._answer(request, body)
+        finally:
+            if span is not None:
+                span.end = next(self._events)
+
+    async def _answer(self, request: web.Request, body: Any) -> web.StreamResponse:
         fault = self._faults.popleft() if self._faults else _Fault()
         if fault.delay:
             await asyncio.sleep(fault.delay)
@@ -374,6 +428,19 @@ class FakeOpenAI:
             ],
             "usage": usage,
         }
+
+
+async def _released(request: web.Request, release: asyncio.Event) -> bool:
+    """Wait for `release`; False when the client goes away first (a cancelled request:
+    its connection is closed)."""
+    while not release.is_set():
+        transport = request.transport
+        if transport is None or transport.is_closing():
+            return False
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(0.02):
+                await release.wait()
+    return True
 
 
 def _error(

@@ -179,25 +179,24 @@ async def test_a_compress_interrupted_by_a_shutdown_runs_again_and_answers_once(
 # --- background summaries yield to turns --------------------------------------------------------
 
 
-async def test_a_summary_waits_for_its_sessions_next_turn_and_never_overlaps_it(
+async def test_a_turn_cancels_its_sessions_summary_at_the_model_and_never_overlaps_it(
     make_gateway: MakeGateway, fake: FakeOpenAI
 ) -> None:
     gw = await make_gateway(**EAGER)
     await gw.say("[c1] one")
-    turn = fake.hold(asks("hold"))
-    await gw.client.post("c1", "[c1] two hold")
-    await wait_for(lambda: fake.held)
-    # Waiting behind the held turn: its end starts a summary, and this turn waits.
-    assert (await gw.client.post("c1", "[c1] three"))["status"] == "pending"
     summary = fake.hold(is_summary_request)
+    await gw.say("[c1] two")  # its end starts a summary: at the model once the lane is idle
+    await wait_for(lambda: fake.held)
+    asked = fake.spans[-1]
+    assert asked.label == "summary:c1"
+    turn = fake.hold(asks("three"))
+    assert (await gw.client.post("c1", "[c1] three"))["status"] == "started"
+    await wait_for(lambda: asked.gone)  # the turn's arrival cancelled the summary's request
     turn.set()
-    # The summary (if it asked while "three" ran) is answered only after "three" came.
-    await wait_for(lambda: "fake: [c1] three" in [r["text"] for r in fake_replies(fake)])
-    summary.set()
-    assert await gw.client.replies("c1", 2) == ["fake: [c1] two hold", "fake: [c1] three"]
-    await wait_for(lambda: not gw.runner.memory._tasks)
-    assert fake.order()[:3] == ["turn:c1"] * 3
-    assert "summary:c1" in fake.order()
+    assert await gw.client.replies("c1", 1) == ["fake: [c1] three"]
+    summary.set()  # the summary the turn's end asks for again is answered
+    await wait_for(lambda: fake.order().count("summary:c1") == 2 and not gw.runner.memory._tasks)
+    assert fake.order() == ["turn:c1", "turn:c1", "summary:c1", "turn:c1", "summary:c1"]
     assert not fake.overlaps()
 
 
@@ -234,12 +233,3 @@ async def test_a_summary_that_waited_its_bound_goes_while_another_session_runs(
     await wait_for(lambda: "summary:c1" in fake.order(), within=15)
     summary = next(s for s in fake.spans if s.label == "summary:c1")
     assert summary.overlaps(fake.spans[0])  # c2's turn was still at the model
-
-
-def fake_replies(fake: FakeOpenAI) -> list[dict[str, Any]]:
-    """What the fake answered so far, as the turns it answered (their last user text)."""
-    return [
-        {"text": "fake: " + last_user_content(r["json"])}
-        for r, span in zip(fake.requests, fake.spans, strict=False)
-        if span.end is not None and not span.gone and not is_summary_request(r["json"])
-    ]

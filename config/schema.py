@@ -311,7 +311,7 @@ class PlatformsConfig(BaseModel):
 
 
 class MemoryWeights(BaseModel):
-    """How hybrid recall merges its two signals, each min-max normalized to [0, 1]."""
+    """How hybrid recall fuses its two signals' rankings (weighted reciprocal rank)."""
 
     model_config = _MODEL_CONFIG
 
@@ -331,19 +331,28 @@ class MemoryConfig(BaseModel):
     in memory.db for full text and by vector, recalled per user and agent.
 
     ``embedding: hash`` is the zero-config default: a deterministic hashing of the words,
-    no model, no semantic similarity (the same words score alike, a paraphrase does not).
-    ``openai``: ``POST {base_url}/embeddings`` on any OpenAI-compatible server; base_url
-    and api_key default to the agent's (``agent.base_url``, ``agent.api_key``)."""
+    no model. It is lexical: it finds notes sharing the question's words, not its meaning
+    (a paraphrase in other words is not found). ``openai``: ``POST {base_url}/embeddings``
+    on any OpenAI-compatible server (Ollama, llama.cpp, vLLM, OpenAI); base_url and
+    api_key default to the agent's (``agent.base_url``, ``agent.api_key``). ``local``: a
+    model2vec model in the directory ``model_path`` (the optional extra
+    ``hermes-gateway[local-embeddings]``), run in the gateway's process, never fetched.
+
+    ``auto_recall``: before each turn, the asking user's this many best-matching notes
+    (for the turn's text) go into the system prompt; 0 turns it off."""
 
     model_config = _MODEL_CONFIG
 
-    embedding: Literal["hash", "openai"] = "hash"
+    embedding: Literal["hash", "openai", "local"] = "hash"
     base_url: str | None = None  # openai: None uses agent.base_url
     model: str = "text-embedding-3-small"  # openai: the embedding model
     api_key: str | None = Field(default=None, repr=False)  # openai: None uses agent.api_key
     # openai: the vector size the server must return (checked once at start); None
     # takes what it returns.
     dimensions: int | None = Field(default=None, ge=1, le=8192)
+    # local: the model's directory (a model2vec model: config.json, model.safetensors,
+    # tokenizer.json), loaded at start.
+    model_path: str | None = None
     hash_dimensions: int = Field(default=256, ge=16, le=4096)
     # Index the user's past transcripts (besides notes), in the background. Off: recall
     # finds notes only, and the indexer reads no message (it costs a turn CPU: see
@@ -357,6 +366,8 @@ class MemoryConfig(BaseModel):
     # nor the current session's newest this many before them: the model has those in
     # its context already, and the question it searches with would be its own best match.
     exclude_recent_messages: int = Field(default=20, ge=0, le=10_000)
+    # Notes recalled into each turn's system prompt (0: none; the memory tools still work).
+    auto_recall: int = Field(default=3, ge=0, le=20)
 
     @field_validator("chunk_overlap")
     @classmethod
@@ -365,6 +376,15 @@ class MemoryConfig(BaseModel):
         if size is not None and value >= size:
             raise ValueError(f"must be less than chunk_size ({size})")
         return value
+
+    @model_validator(mode="after")
+    def _local_needs_a_path(self) -> MemoryConfig:
+        if self.embedding == "local" and not self.model_path:
+            raise ValueError(
+                "embedding: local needs memory.model_path, the directory of a model2vec"
+                " model (e.g. minishlab/potion-base-8M, downloaded once)"
+            )
+        return self
 
 
 class SchedulesConfig(BaseModel):

@@ -35,6 +35,7 @@ from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
 from config.envfile import EnvFileError, load_env_file
 from gateway.agents.roster import Roster
+from gateway.memory.embeddings import local_model_problem
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
 from gateway.ops.memory import add_memory_parser, run_memory_command
@@ -117,6 +118,9 @@ def check_runnable(config: GatewayConfig) -> list[PlatformAdapter]:
     `check-config` calls this too, so the two commands accept and refuse the same
     configs. Raises ConfigError (exit 78) naming the key."""
     Roster(config)
+    problem = local_model_problem(config)  # memory.embedding: local's library and model
+    if problem is not None:
+        raise ConfigError(problem)
     return build_adapters(config)
 
 

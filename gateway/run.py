@@ -44,11 +44,12 @@ from gateway.agents.protocol import (
     check_tool_rounds,
 )
 from gateway.agents.roster import AgentSpec, Roster
+from gateway.context.strategy import too_large_text
 from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
 from gateway.housekeeping import Housekeeper
 from gateway.media import MediaIntake
-from gateway.memory.recall import Recall
+from gateway.memory.recall import Namespace, Recall, notes_prompt
 from gateway.memory.summaries import Memory
 from gateway.ops.logs import TurnLine
 from gateway.ops.metrics import Metrics
@@ -770,15 +771,20 @@ class GatewayRunner(SessionOps):
             elif begun.fresh and entry.was_auto_reset:
                 await self._log_reset(key, entry)
             agent = self.roster.for_key(key)  # the key's agent: its prompt, plan, timeout
-            system_prompt = self._system_prompt(
-                build_session_context(
-                    source, self.config, entry, platforms=self._platforms, homes=self._homes
-                ),
-                agent,
+            session_context = build_session_context(
+                source, self.config, entry, platforms=self._platforms, homes=self._homes
             )
-            context = self.memory.prepare(
-                entry.session_id, begun.context, system_prompt, begun.text, agent.plan
-            )
+            system_prompt = self._system_prompt(session_context, agent)
+            if source.user_id and not session_context.shared_multi_user_session:
+                # auto_recall: the user's best notes for this message, counted in the
+                # context budget with the rest of the prompt. Not in a shared session:
+                # one of its turns may carry several users' messages, and a user's
+                # notes are theirs, not the group's.
+                notes = await self.recall.for_turn(
+                    Namespace.of(agent_id_of(key), source), begun.text
+                )
+                if notes:
+                    system_prompt = f"{system_prompt}\n\n{notes_prompt(notes)}"
             tools = self._turn_tools(key, entry.session_id, source, begun.user_row)
             intake = None
             if event.media:  # files: downloaded and read before the agent is asked
@@ -790,10 +796,21 @@ class GatewayRunner(SessionOps):
                     vision=agent.config.vision,
                     deliver=self.deliver,
                 )
+            text = begun.text if intake is None else intake.text
+            # Everything the request carries is fitted to the model's window; rows that
+            # do not fit are condensed into the summary first (never silently left out).
+            loaded, context = await self.memory.prepare(
+                entry.session_id,
+                begun.context,
+                system_prompt,
+                text,
+                agent.plan,
+                tools.spec_tokens if tools is not None else 0,
+            )
             request = TurnRequest(
                 session_key=key,
                 session_id=entry.session_id,
-                text=begun.text if intake is None else intake.text,
+                text=text,
                 history=context.history,
                 system_prompt=system_prompt,
                 source=source,
@@ -807,6 +824,8 @@ class GatewayRunner(SessionOps):
             try:
                 if intake is not None and intake.only_refusals:
                     outcome = TurnOutcome.failed(intake.notices[0], "too_large")
+                elif context.too_large:  # the model would refuse it: it is not asked
+                    outcome = TurnOutcome.failed(too_large_text(agent.plan, context), "too_large")
                 else:
                     outcome = await self._call_agent(key, request, agent, stream, begun)
                 edits = await stream.finish() if stream is not None else shown
@@ -832,7 +851,7 @@ class GatewayRunner(SessionOps):
             # reports the sum of several), and stored by the finish when it moved.
             factor = self.memory.learn(
                 entry.session_id,
-                begun.context,
+                loaded,
                 context,
                 outcome.usage if not outcome.messages else None,
             )
@@ -864,7 +883,7 @@ class GatewayRunner(SessionOps):
                 await self.delivery.send_attachments(source, files, event.reply_to)
             turn.outcome = outcome.status
             self.memory.after_turn(  # may start a summary, in the background
-                key, entry.session_id, begun.context, context, outcome.reply
+                key, entry.session_id, loaded, context, outcome.reply
             )
         except asyncio.CancelledError:
             turn.outcome = "cancelled"  # /stop, or a shutdown that could not wait
@@ -1063,8 +1082,18 @@ class GatewayRunner(SessionOps):
         return toolbox.bind(scope)
 
     def _system_prompt(self, context: SessionContext, agent: AgentSpec) -> str:
+        """The agent's configured prompt, or two lines saying what it is and which tools
+        it has; then the session's context."""
         block = build_session_context_prompt(context, redact_pii=agent.config.redact_pii)
         custom = agent.config.system_prompt
+        if custom is None:
+            toolbox = self.toolbox_for(agent.agent_id)
+            names = ", ".join(toolbox.tools) if toolbox is not None else ""
+            custom = (
+                f"Agent {agent.agent_id!r} of hermes-gateway: an AI assistant answering"
+                " people in chats.\n"
+                + (f"Tools you may call: {names}." if names else "You have no tools.")
+            )
         return f"{custom}\n\n{block}" if custom else block
 
     def _with_reset_notice(self, entry: SessionEntry, reply: str) -> str:

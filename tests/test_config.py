@@ -603,3 +603,12 @@ def test_postgres_dsn_expands_its_password_and_hides_it(
 def test_an_unknown_storage_backend_is_refused(tmp_path: Path) -> None:
     error = config_error(tmp_path, "storage:\n  backend: mysql\n")
     assert error.problems == ["storage.backend: Input should be 'sqlite' or 'postgres'"]
+
+
+# --- memory.auto_recall ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["-1", "21", "three"])
+def test_auto_recall_out_of_range_names_its_key(tmp_path: Path, value: str) -> None:
+    error = str(config_error(tmp_path, f"memory:\n  auto_recall: {value}\n"))
+    assert "memory.auto_recall: " in error and "unknown key" not in error

@@ -3,22 +3,27 @@ extractive condensed-turns summary."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from config import AgentConfig, ConfigError, load_config
+from config.schema import TOOL_NAMES
 from gateway.context import condense
-from gateway.context.strategy import SUMMARY_PREFIX, Loaded, Plan, prepare
+from gateway.context.strategy import SUMMARY_PREFIX, Loaded, Plan, prepare, too_large_text
 from gateway.context.tokens import (
     MAX_FACTOR,
     MIN_FACTOR,
     STORE_CHANGE,
+    UNCALIBRATED_FACTOR,
     Calibration,
     message_tokens,
     size_tokens,
     text_tokens,
 )
+from gateway.tools import BUILTIN_TOOLS
+from gateway.tools.registry import Toolbox
 
 
 def problems(tmp_path: Path, text: str) -> list[str]:
@@ -59,7 +64,7 @@ def test_context_errors_name_the_key(tmp_path: Path, text: str, expected: str) -
 
 def test_calibration_goes_up_at_once_and_down_slowly() -> None:
     calibration = Calibration()
-    assert calibration.factor("s") == 1.0
+    assert calibration.factor("s") == UNCALIBRATED_FACTOR
     assert calibration.observe("s", 1000, 1500) == 1.5  # the model counts more: at once
     assert calibration.observe("s", 1000, 1000) == 1.25  # less: half way
     assert calibration.observe("s", 10, 500) == 1.25  # too small a sample: ignored
@@ -67,14 +72,14 @@ def test_calibration_goes_up_at_once_and_down_slowly() -> None:
     for _ in range(20):
         calibration.observe("s", 1000, 1)
     assert calibration.factor("s") == MIN_FACTOR
-    assert calibration.factor("other") == 1.0
+    assert calibration.factor("other") == UNCALIBRATED_FACTOR
 
 
 def test_calibration_is_bounded_in_sessions() -> None:
     calibration = Calibration(max_sessions=2)
     for sid in ("a", "b", "c"):
         calibration.observe(sid, 1000, 2000)
-    assert [calibration.factor(s) for s in ("a", "b", "c")] == [1.0, 2.0, 2.0]
+    assert [calibration.factor(s) for s in ("a", "b", "c")] == [UNCALIBRATED_FACTOR, 2.0, 2.0]
 
 
 def test_extractive_summary_appends_and_stays_bounded() -> None:
@@ -248,3 +253,51 @@ def test_a_summary_of_cjk_text_is_bounded_in_tokens_not_only_characters() -> Non
     assert text_tokens(head) <= 600 // 4 and head.endswith("...")
     english = condense.extractive(None, [{"role": "user", "content": "x" * 100}] * 30, 600)
     assert 600 - 120 < len(english) <= 600  # ASCII: bounded in characters as before
+
+
+# --- what every request carries ----------------------------------------------------------
+
+
+def test_the_tool_specs_and_the_message_are_counted_in_what_is_sent() -> None:
+    """`sent_tokens` (what calibration compares with the model's count) is everything
+    the request carries, the tool specs included; the history gets what they leave."""
+    plan = Plan.from_config(AgentConfig(context={"window_tokens": 2048}))
+    rows = tuple(
+        {"role": role, "content": f"{role} {n} " + "w" * 200}
+        for n in range(20)
+        for role in ("user", "assistant")
+    )
+    bare = prepare(plan, Loaded(messages=rows), system_prompt="sys", text="q")
+    tools = prepare(plan, Loaded(messages=rows), system_prompt="sys", text="q", tools_tokens=900)
+    assert tools.base_tokens == bare.base_tokens + 900
+    history = sum(message_tokens(m) for m in tools.history)
+    assert tools.sent_tokens == tools.base_tokens + history + message_tokens({"content": "q"})
+    assert tools.sent_tokens <= plan.budget
+    assert len(tools.history) < len(bare.history)  # the specs took history's room
+
+
+def test_a_message_that_alone_outgrows_the_window_is_too_large() -> None:
+    plan = Plan.from_config(AgentConfig(context={"window_tokens": 1024}))
+    fits = prepare(plan, Loaded(), system_prompt="sys", text="x" * 3000)
+    assert not fits.too_large
+    big = prepare(plan, Loaded(), system_prompt="sys", text="x" * 3000, factor=1.5)
+    assert big.too_large and big.history == ()
+    notice = too_large_text(plan, big)
+    assert "about 1,131 tokens" in notice and "window of 1,024 tokens" in notice
+    tools = prepare(plan, Loaded(), system_prompt="sys", text="hi", tools_tokens=2000)
+    assert tools.too_large
+    assert too_large_text(plan, tools).startswith("This agent cannot answer")
+
+
+def test_a_summary_too_long_for_what_the_rest_leaves_is_cut_to_fit() -> None:
+    plan = Plan.from_config(AgentConfig(context={"window_tokens": 1024}))
+    loaded = Loaded(summary="s" * 4000)
+    sent = prepare(plan, loaded, system_prompt="sys", text="q", tools_tokens=300)
+    assert sent.sent_tokens <= plan.budget
+    assert sent.history[0]["content"].startswith(SUMMARY_PREFIX + "sss")
+
+
+def test_the_toolbox_counts_its_specs_as_a_request_carries_them() -> None:
+    box = Toolbox(BUILTIN_TOOLS, list(TOOL_NAMES))
+    assert box.spec_tokens == text_tokens(json.dumps(box.specs())) > 1000
+    assert Toolbox(BUILTIN_TOOLS, []).spec_tokens == 0

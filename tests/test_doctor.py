@@ -456,3 +456,27 @@ def test_repair_refuses_while_the_gateway_runs(
         assert found["state.db"]["status"] == "error"
     finally:
         holder.close()
+
+
+# --- memory embedding -----------------------------------------------------------------------
+
+
+def test_doctor_says_plainly_that_hash_recall_is_lexical(
+    home: Home, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _, found = findings(capsys)
+    detail = found["memory embedding"]["detail"]
+    assert detail.startswith("hash: lexical, finds notes sharing the question's words")
+    assert "not its meaning" in detail and "memory.embedding: openai" in detail
+
+
+def test_a_missing_local_model_is_an_error(
+    home: Home, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    local = GatewayConfig.model_validate(
+        {"memory": {"embedding": "local", "model_path": str(tmp_path / "no-model")}}
+    )
+    rc, found = findings(capsys, config=local)
+    assert rc == 1
+    assert found["memory embedding"]["status"] == "error"
+    assert "memory.model_path" in found["memory embedding"]["detail"]

@@ -18,6 +18,7 @@ from adapters.base import Accepted, AcceptStatus, MessageEvent
 from adapters.http import HttpAdapter
 from config import GatewayConfig
 from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
+from gateway.context.strategy import SUMMARY_PREFIX
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage
 from tests.fakes.openai_server import FakeOpenAI
@@ -827,7 +828,10 @@ async def test_agent_history_is_the_latest_window_and_the_transcript_keeps_all(
         await gw.client.post("c1", text)
         await gw.client.replies("c1", 1)
     # The newest 3 rows open with an answer whose question is older: it is not sent
-    # (what is sent opens with a user message).
-    assert seen == [[], ["one", "echo: one"], ["two", "echo: two"]]
+    # as it is (what is sent opens with a user message), and neither is the question
+    # the read did not reach; under the summary strategy both are condensed into the
+    # summary first, never left out.
+    summary = SUMMARY_PREFIX + "Recent condensed turns:\n- user: one\n- assistant: echo: one"
+    assert seen == [[], ["one", "echo: one"], [summary, "two", "echo: two"]]
     transcript = await gw.runner.store.load_transcript(await gw.current_session_id(KEY))
     assert len(transcript) == 6

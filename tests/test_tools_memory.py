@@ -49,7 +49,10 @@ async def gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterato
 
 @asynccontextmanager
 async def started(
-    tmp_path: Path, store_backend: StorageBackend, memory: dict[str, Any] | None = None
+    tmp_path: Path,
+    store_backend: StorageBackend,
+    memory: dict[str, Any] | None = None,
+    **settings: Any,
 ) -> AsyncIterator[Gateway]:
     async with FakeOpenAI(check_pairing=True) as fake:
         config = GatewayConfig.model_validate(
@@ -59,6 +62,7 @@ async def started(
                 "agent": {"backend": "openai", "base_url": fake.base_url, "model": "m"},
                 "memory": memory or {},
                 "session_reset": {"mode": "none"},
+                **settings,
             }
         )
         config = store_backend.apply(config)
@@ -191,3 +195,95 @@ async def test_the_sessions_newest_messages_are_not_recalled_older_ones_are(
         assert "my favourite tea is genmaicha" in texts  # older than the newest 2
         assert "my favourite coffee is mocha" not in texts  # among them
         assert "what do I like to drink?" not in texts  # the turn's own
+
+
+# --- auto_recall: notes reach the prompt without a tool call ----------------------------
+
+
+def chat_requests(fake: FakeOpenAI) -> list[dict[str, Any]]:
+    return [r["json"] for r in fake.requests if r["path"] == "/v1/chat/completions"]
+
+
+def system_of(body: dict[str, Any]) -> str:
+    (system,) = [m["content"] for m in body["messages"] if m["role"] == "system"]
+    return system
+
+
+async def test_after_new_a_saved_note_reaches_the_prompt_with_no_tool_call(
+    gateway: Gateway,
+) -> None:
+    save = tool_calls(("memory_save", {"content": "Alice works as a carpenter in Oslo"}))
+    await gateway.ask("alice", "I work as a carpenter in Oslo, remember that", save, "noted")
+    await gateway.ask("alice", "/new")
+    asked = len(chat_requests(gateway.fake))
+
+    assert await gateway.ask("alice", "which city do I work in as a carpenter?", "Oslo") == "Oslo"
+    (body,) = chat_requests(gateway.fake)[asked:]  # one request: the model called no tool
+    assert [m["role"] for m in body["messages"]] == ["system", "user"]  # a fresh session
+    system = system_of(body)
+    assert "## Notes you saved about this user" in system
+    assert "- Alice works as a carpenter in Oslo" in system
+    # The default prompt says what the agent is and which tools it has.
+    assert system.startswith("Agent 'main' of hermes-gateway")
+    assert "Tools you may call: " in system and "memory_search" in system
+
+    # Bob asks the same: Alice's note never reaches his prompt.
+    asked = len(chat_requests(gateway.fake))
+    await gateway.ask("bob", "which city do I work in as a carpenter?", "no idea")
+    (body,) = chat_requests(gateway.fake)[asked:]
+    assert "carpenter in Oslo" not in system_of(body)
+    assert "## Notes you saved" not in system_of(body)
+
+
+async def test_another_agents_notes_never_reach_the_prompt(gateway: Gateway) -> None:
+    await gateway.runner.recall.save(alice("helper"), "the helper's secret: pelican")
+    await gateway.ask("alice", "what is the secret pelican?", "none")
+    assert "pelican" not in system_of(chat_requests(gateway.fake)[-1])
+    # ... while the same note under this agent (main, from the session key) is there.
+    await gateway.runner.recall.save(alice(), "the main secret: pelican")
+    await gateway.ask("alice", "what is the secret pelican now?", "one")
+    assert "- the main secret: pelican" in system_of(chat_requests(gateway.fake)[-1])
+
+
+async def test_a_shared_group_session_gets_no_users_notes(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    """One turn of a shared session may carry several users' messages: no one's notes
+    go into its prompt (the tools still answer the asking user)."""
+    async with started(tmp_path, store_backend, group_sessions_per_user=False) as gw:
+        await gw.runner.recall.save(alice(), "Alice works as a carpenter in Oslo")
+        gw.fake.script("a group answer")
+        await gw.client.post("g1", "where do I work as a carpenter?", "alice", chat_type="group")
+        await gw.client.replies("g1", 1)
+        assert "carpenter in Oslo" not in system_of(chat_requests(gw.fake)[-1])
+        assert "Multi-user" in system_of(chat_requests(gw.fake)[-1])  # it was shared
+        await gw.ask("alice", "where do I work as a carpenter?", "Oslo")  # her DM: there
+        assert "carpenter in Oslo" in system_of(chat_requests(gw.fake)[-1])
+
+
+async def test_auto_recall_zero_puts_no_note_in_the_prompt(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    async with started(tmp_path, store_backend, {"auto_recall": 0}) as gw:
+        await gw.runner.recall.save(alice(), "Alice works as a carpenter in Oslo")
+        await gw.ask("alice", "where do I work as a carpenter?", "Oslo")
+        assert "carpenter" not in system_of(chat_requests(gw.fake)[-1])
+
+
+async def test_a_stalled_embeddings_server_costs_the_turn_seconds_not_the_turn(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    """The query's vector is waited for a bounded time; the note is then found by its
+    words, and the turn answers."""
+    async with FakeOpenAI() as embeddings:
+        memory = {"embedding": "openai", "base_url": embeddings.base_url, "dimensions": 8}
+        async with started(tmp_path, store_backend, memory) as gw:
+            await gw.runner.recall.save(alice(), "Alice works as a carpenter in Oslo")
+            release = embeddings.hold(lambda body: True, path="/v1/embeddings")
+            try:
+                reply = await gw.ask("alice", "what do I do as a carpenter?", "you build")
+                assert reply == "you build"
+                assert "carpenter in Oslo" in system_of(chat_requests(gw.fake)[-1])
+                assert embeddings.held  # the turn did ask for the vector
+            finally:
+                release.set()

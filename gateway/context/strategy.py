@@ -5,6 +5,10 @@
     summary  the latest rolling summary (one system message), then the newest messages
              after the rows it covers that fit the budget, at most agent.history_limit
 
+The budget is the model's window less the reply's reserve, and everything a request
+carries counts against it: the system prompt, the tool specs, the summary, the history
+and the new message (`prepare`). Under `summary`, what does not fit is condensed into
+the summary before the turn is sent (`gateway.memory.summaries`, by `catch_up_start`).
 The store reads (`gateway.store.turn_context`, inside the turn's begin transaction);
 this module decides, on what was read, with no I/O. A tool call is never split from
 its results: an assistant message with `tool_calls` and the `tool` messages after it
@@ -19,7 +23,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from config import AgentConfig
-from gateway.context.tokens import message_tokens
+from gateway.context.tokens import (
+    CHARS_PER_TOKEN,
+    MESSAGE_OVERHEAD,
+    clip_chars,
+    message_tokens,
+    text_tokens,
+)
 
 SUMMARY_PREFIX = "Rolling session summary:\n"
 MAX_REPLY_RESERVE = 4096
@@ -87,11 +97,15 @@ class Prepared:
     """A turn's history as sent, and what it weighs (estimated, uncalibrated tokens)."""
 
     history: tuple[dict[str, Any], ...]
-    sent_tokens: int  # system prompt + summary + history sent + user text
-    system_tokens: int
-    fixed_tokens: int  # system prompt + summary: what every turn of the session carries
+    sent_tokens: int  # everything the request carries: system, tools, summary, history, text
+    base_tokens: int  # system prompt + tool specs: what every request of the agent carries
+    fixed_tokens: int  # base + summary: what every turn of the session carries
     unsummarized_tokens: int  # every loaded row, sent or not, + the user text
     dropped: int  # loaded rows that did not fit
+    asked_tokens: int = 0  # the new message
+    # The new message with the base alone outgrows the budget: the model is not asked.
+    too_large: bool = False
+    factor: float = 1.0  # the session's calibration the fit was made with
 
 
 def units(messages: Sequence[dict[str, Any]]) -> list[tuple[int, int]]:
@@ -144,18 +158,34 @@ def summary_message(summary: str) -> dict[str, Any]:
 
 
 def prepare(
-    plan: Plan, loaded: Loaded, *, system_prompt: str, text: str, factor: float = 1.0
+    plan: Plan,
+    loaded: Loaded,
+    *,
+    system_prompt: str,
+    text: str,
+    factor: float = 1.0,
+    tools_tokens: int = 0,
 ) -> Prepared:
     """The history to send: the summary (if any), then the newest whole units of the
-    loaded rows that fit what the budget leaves (by the calibrated estimate), from a user
-    message on (`user_start`)."""
+    loaded rows that fit what the budget leaves (by the calibrated estimate) after the
+    system prompt, the tool specs (`tools_tokens`), the summary and the new message, from
+    a user message on (`user_start`). A summary too long for what the rest leaves is cut
+    to fit (the rows it covers stay covered); a new message that does not fit even with
+    no history and no summary is `too_large`, and nothing is sent."""
     system = message_tokens({"content": system_prompt}) if system_prompt else 0
+    base = system + tools_tokens
     asked = message_tokens({"content": text})
+    room = int(plan.budget / factor) - base - asked
+    if room < 0:
+        dropped = len(loaded.messages)
+        return Prepared((), base + asked, base, base, asked, dropped, asked, True, factor)
     summary = summary_message(loaded.summary) if loaded.summary else None
-    fixed = system + (message_tokens(summary) if summary is not None else 0)
+    if summary is not None and message_tokens(summary) > room:
+        summary = fitted_summary(loaded.summary or "", room)
+    fixed = base + (message_tokens(summary) if summary is not None else 0)
+    room -= fixed - base
     costs = [message_tokens(m) for m in loaded.messages]
     total = sum(costs)
-    room = int(plan.budget / factor) - fixed - asked
     messages = loaded.messages
     if total <= room and (not messages or messages[0].get("role") == "user"):
         start = 0  # the usual turn: everything fits (what `fit_suffix` finds, without its walk)
@@ -166,8 +196,61 @@ def prepare(
     return Prepared(
         history=(summary, *kept) if summary is not None else tuple(kept),
         sent_tokens=fixed + asked + (total if start == 0 else sum(costs[start:])),
-        system_tokens=system,
+        base_tokens=base,
         fixed_tokens=fixed,
         unsummarized_tokens=total + asked,
         dropped=start,
+        asked_tokens=asked,
+        factor=factor,
+    )
+
+
+def summary_room(plan: Plan, prepared: Prepared) -> int:
+    """The `token_chars` of the largest summary that fits beside what the request
+    carries besides history (the system prompt, the tool specs, the new message)."""
+    room = int(plan.budget / prepared.factor) - prepared.base_tokens - prepared.asked_tokens
+    return (room - MESSAGE_OVERHEAD - text_tokens(SUMMARY_PREFIX)) * CHARS_PER_TOKEN
+
+
+def catch_up_start(plan: Plan, loaded: Loaded, prepared: Prepared, summary_chars: int) -> int:
+    """The first of the loaded rows a turn sends once everything older is condensed into
+    a summary of up to `summary_chars` (`token_chars`): what fits beside a summary of
+    that size, from a user message on."""
+    summary = MESSAGE_OVERHEAD + text_tokens(SUMMARY_PREFIX) + -(-summary_chars // CHARS_PER_TOKEN)
+    room = int(plan.budget / prepared.factor) - prepared.base_tokens - prepared.asked_tokens
+    room -= summary
+    messages = loaded.messages
+    costs = [message_tokens(m) for m in messages]
+    start = fit_suffix(messages, costs, room) if room > 0 else len(messages)
+    return user_start(messages, max(start, prepared.dropped))
+
+
+def fitted_summary(summary: str, room: int) -> dict[str, Any] | None:
+    """The summary message cut to `room` estimated tokens (None: no room for any)."""
+    chars = (room - MESSAGE_OVERHEAD - text_tokens(SUMMARY_PREFIX)) * CHARS_PER_TOKEN
+    if chars <= 0:
+        return None
+    return summary_message(clip_chars(summary, chars))
+
+
+def too_large_text(plan: Plan, prepared: Prepared) -> str:
+    """What the user is told when their message cannot be sent (`Prepared.too_large`):
+    the sizes as the model would count them (the calibrated estimate), and what to do."""
+    window, reserve = plan.window_tokens, plan.window_tokens - plan.budget
+    base = round(prepared.base_tokens * prepared.factor)
+    asked = round(prepared.asked_tokens * prepared.factor)
+    room = plan.budget / prepared.factor - prepared.base_tokens - MESSAGE_OVERHEAD
+    if room <= 0:
+        return (
+            f"This agent cannot answer: its system prompt and tools alone take about {base:,}"
+            f" tokens, more than its model's window of {window:,} tokens leaves once"
+            f" {reserve:,} are kept for the reply. The operator can raise"
+            " agent.context.window_tokens (if the model allows) or give it fewer tools."
+        )
+    return (
+        f"Your message is too long for this agent's model: it is about {asked:,} tokens,"
+        f" and with the system prompt and tools (about {base:,}) it does not fit the model's"
+        f" window of {window:,} tokens, {reserve:,} of them kept for the reply. Nothing was"
+        f" sent to the model. Send a shorter message, or split it into parts of at most"
+        f" about {int(room) * CHARS_PER_TOKEN:,} characters of English text."
     )

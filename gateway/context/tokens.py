@@ -13,7 +13,11 @@ only sends a little less history). ASCII text, the usual case, costs one length.
 The error that matters (what the model itself counts) is measured on every turn:
 `Calibration` learns, per session, the ratio between the prompt_tokens a reply reports
 and what we estimated we sent, and scales the estimates by it; the session's factor is
-stored with it (`gateway.store.turn_context`), so a restart does not relearn it.
+stored with it (`gateway.store.turn_context`), so a restart does not relearn it. Until a
+session's model has reported a prompt size, the estimate is taken `UNCALIBRATED_FACTOR`
+times: the first request must fit the window too, and the model may count more than
+this estimate (JSON, such as the tool specs, comes to about 3 characters a token on the
+common vocabularies, not 4).
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ MESSAGE_OVERHEAD = 4  # role and separators, per message (as chat templates add 
 # wild one is a backend that does not count (echo counts words): bounded both ways.
 MIN_SAMPLE_TOKENS = 64
 MIN_FACTOR, MAX_FACTOR = 0.5, 3.0
+# A session without a reported prompt size yet counts its estimate 1.5 times (4 ASCII
+# characters a token become about 2.7): denser than the common BPE vocabularies count
+# English prose or JSON, so its first request fits; the first report replaces it.
+UNCALIBRATED_FACTOR = 1.5
 SMOOTHING = 0.5  # weight of a newest observation below the factor
 # A factor is stored again when it moved by more than this share of the stored one:
 # a turn whose estimate barely moved writes nothing.
@@ -72,6 +80,11 @@ def size_tokens(chars: int, utf8_bytes: int) -> int:
     return -(-(chars + 2 * max(0, utf8_bytes - chars)) // CHARS_PER_TOKEN)
 
 
+def json_tokens(value: Any) -> int:
+    """Estimated tokens of a value as a backend sends it: its JSON (the tool specs)."""
+    return text_tokens(json.dumps(value))
+
+
 def message_tokens(message: dict[str, Any]) -> int:
     """Estimated tokens of one chat message as a backend sends it (uncalibrated)."""
     content = message.get("content")
@@ -88,7 +101,8 @@ def message_tokens(message: dict[str, Any]) -> int:
 
 
 class Calibration:
-    """Per-session factor: reported prompt tokens / our estimate, smoothed and bounded.
+    """Per-session factor: reported prompt tokens / our estimate, smoothed and bounded
+    (`UNCALIBRATED_FACTOR` for a session nothing was learnt of yet).
 
     Held here for the sessions seen lately (at most `max_sessions`, least recently used
     out) and stored with each session: a turn restores it from what its begin read
@@ -99,7 +113,7 @@ class Calibration:
         self._factors: OrderedDict[str, float] = OrderedDict()
 
     def factor(self, session_id: str) -> float:
-        return self._factors.get(session_id, 1.0)
+        return self._factors.get(session_id, UNCALIBRATED_FACTOR)
 
     def restore(self, session_id: str, stored: float | None) -> None:
         """The factor stored with the session, for a session this process holds none of
@@ -112,11 +126,12 @@ class Calibration:
         prompt the model counted as `reported`."""
         if raw_estimate < MIN_SAMPLE_TOKENS or reported <= 0:
             return self.factor(session_id)
-        old = self.factor(session_id)
+        old = self._factors.get(session_id)
         seen = reported / raw_estimate
         # Up at once, down slowly: an estimate too low overflows the model's window, one
-        # too high only sends a little less history.
-        new = seen if seen > old else old + SMOOTHING * (seen - old)
+        # too high only sends a little less history. The first report replaces the
+        # margin taken without one: it was never measured.
+        new = seen if old is None or seen > old else old + SMOOTHING * (seen - old)
         new = min(MAX_FACTOR, max(MIN_FACTOR, new))
         self._put(session_id, new)
         return new
@@ -128,8 +143,6 @@ class Calibration:
             return None
         factor = self._factors[session_id]
         if stored is not None and abs(factor - stored) <= STORE_CHANGE * stored:
-            return None
-        if stored is None and factor == 1.0:
             return None
         return factor
 

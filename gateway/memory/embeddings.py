@@ -2,33 +2,46 @@
 
 `hash` (the zero-config default): each word (lowercased, \\w+) is hashed (blake2b) to a
 dimension and a sign, and the counts are L2-normalized: the "hashing trick". No model,
-deterministic, no semantic similarity: texts score alike when they share words, a
-paraphrase in other words does not, and the same text always gives the same vector.
+deterministic, and lexical: texts score alike when they share words, a paraphrase in
+other words does not, and the same text always gives the same vector.
 (The seed hashes the whole text to one random vector; hashing words instead keeps the
 vector signal from being noise whenever the text is not repeated exactly.)
 
 `openai`: `POST {base_url}/embeddings` on any OpenAI-compatible server (OpenAI, Ollama,
 vLLM, llama.cpp), in batches; the vector size is checked once at start (`check`).
 The API key goes in the Authorization header only, never in a log line or an error.
+
+`local`: a model2vec static model (the optional extra `local-embeddings`) loaded from the
+directory `memory.model_path`, never from a hub; it embeds on a worker thread, each
+text cut at LOCAL_MAX_CHARS. A missing library or directory is a ConfigError naming the
+key (exit 78).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import importlib.util
+import os
 import re
 from collections.abc import Sequence
-from typing import Protocol
+from pathlib import Path
+from typing import Any, Protocol
 
 import aiohttp
 import numpy as np
 
-from config import GatewayConfig
+from config import ConfigError, GatewayConfig
 
 _WORD = re.compile(r"\w+")
 BATCH = 64  # texts per /embeddings request
 SLOT_CACHE_WORDS = 500_000  # hash: words whose slot is kept (about 60 MB at most)
 INLINE_CHARS = 2_000  # hash: texts up to this size are embedded on the caller's thread
+# local: characters of one text the model sees. A static model's cost is linear in the
+# tokens, and the index's chunks are at most memory.chunk_size (8,192) characters.
+LOCAL_MAX_CHARS = 8_192
+LOCAL_LIBRARY = "model2vec"
+LOCAL_FILES = ("config.json", "tokenizer.json")  # besides the vectors (*.safetensors)
 
 
 class EmbeddingError(RuntimeError):
@@ -162,16 +175,89 @@ class OpenAIEmbedder:
             self._session = None
 
 
+class LocalEmbedder:
+    """A model2vec model from a directory, run in this process (the module docstring).
+    Loading it (tens of MB of vectors) happens on a thread at `check`, not at build."""
+
+    min_similarity = 0.0
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        vectors = sorted(path.glob("*.safetensors"))
+        # The directory's name and the vectors' size: another model at the same path
+        # is another id, and the index re-embeds for it.
+        self.model_id = f"local:{path.name}:{sum(v.stat().st_size for v in vectors)}"
+        self._model: Any = None
+        self._loading = asyncio.Lock()
+
+    async def check(self) -> None:
+        await self._loaded()
+
+    async def _loaded(self) -> Any:
+        async with self._loading:
+            if self._model is None:
+                try:
+                    self._model = await asyncio.to_thread(_load_model2vec, self.path)
+                except (OSError, ValueError, KeyError, RuntimeError) as exc:
+                    raise EmbeddingError(f"memory.model_path {self.path}: {exc}") from None
+            return self._model
+
+    async def embed(self, texts: Sequence[str]) -> np.ndarray:
+        model = await self._loaded()
+        clipped = [text[:LOCAL_MAX_CHARS] for text in texts]
+        out = await asyncio.to_thread(model.encode, clipped)
+        return unit_rows(np.asarray(out, dtype=np.float32).reshape(len(clipped), -1))
+
+    async def close(self) -> None:
+        return None
+
+
+def _load_model2vec(path: Path) -> Any:
+    # Never the hub: the directory is checked to exist, and the library is told it is
+    # offline before its first import (huggingface_hub reads this once).
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from model2vec import StaticModel
+
+    return StaticModel.from_pretrained(path, force_download=False)
+
+
+def local_model_problem(config: GatewayConfig) -> str | None:
+    """Why `embedding: local` cannot run (None: it can, or another backend is chosen);
+    the directory and the library are looked at, nothing is loaded."""
+    memory = config.memory
+    if memory.embedding != "local":
+        return None
+    path = Path(memory.model_path or "").expanduser()
+    if importlib.util.find_spec(LOCAL_LIBRARY) is None:
+        return (
+            "memory.embedding: local needs the model2vec library:"
+            " pip install 'hermes-gateway[local-embeddings]'"
+        )
+    if not path.is_dir():
+        return f"memory.model_path: {path} is not a directory"
+    missing = [name for name in LOCAL_FILES if not (path / name).is_file()]
+    if missing or not any(path.glob("*.safetensors")):
+        wanted = ", ".join([*missing, "*.safetensors"] if missing else ["*.safetensors"])
+        return f"memory.model_path: {path} holds no model2vec model (missing {wanted})"
+    return None
+
+
 def unit_rows(matrix: np.ndarray) -> np.ndarray:
     """Rows scaled to length 1 (a zero row stays zero): a dot product is then cosine."""
     norms = np.linalg.norm(matrix, axis=1, keepdims=True)
     return np.divide(matrix, norms, out=np.zeros_like(matrix), where=norms > 0)
 
 
-def build_embedder(config: GatewayConfig) -> HashEmbedder | OpenAIEmbedder:
+def build_embedder(config: GatewayConfig) -> HashEmbedder | OpenAIEmbedder | LocalEmbedder:
+    """The configured backend. Raises ConfigError (exit 78) when `local` cannot run."""
     memory = config.memory
     if memory.embedding == "hash":
         return HashEmbedder(memory.hash_dimensions)
+    if memory.embedding == "local":
+        problem = local_model_problem(config)
+        if problem is not None:
+            raise ConfigError(problem)
+        return LocalEmbedder(Path(memory.model_path or "").expanduser())
     return OpenAIEmbedder(
         base_url=memory.base_url or config.agent.base_url,
         model=memory.model,

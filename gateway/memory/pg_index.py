@@ -443,7 +443,8 @@ class PgRecallSql:
     chunk's length) times its IDF, ln(1 + (N - n + 0.5) / (n + 0.5)) with n the chunks
     holding the word and N the table's estimated size: like bm25, more and rarer words
     rank first and long chunks are damped; unlike bm25, term frequency does not saturate
-    and N is the planner's estimate. Candidates are then min-max normalized as on SQLite.
+    and N is the planner's estimate. Only the resulting order enters the fusion, as on
+    SQLite (gateway.memory.retrieval.fused).
     """
 
     def vector_deletes(self, conn: psycopg.Connection[Any]) -> int:
@@ -493,6 +494,11 @@ class PgRecallSql:
             assert row is not None
             known.update((word, int(found)) for word, found in zip(rest, row, strict=True))
         return known
+
+    def chunks_at_most(self, conn: psycopg.Connection[Any]) -> int:
+        """The largest chunk id: no fewer than the chunks there are (an index's end)."""
+        row = conn.execute("SELECT coalesce(max(id), 0) FROM memory_chunks").fetchone()
+        return int(row[0]) if row else 0
 
     _common: tuple[float, frozenset[str]] = (0.0, frozenset())
     COMMON_TTL = 60.0  # seconds the common words are reused (ANALYZE runs seldom)

@@ -17,6 +17,7 @@ import asyncio
 import functools
 import re
 import sqlite3
+import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from collections.abc import Callable
 
     from config import GatewayConfig
-    from gateway.memory.embeddings import OpenAIEmbedder
+    from gateway.memory.embeddings import Embedder
     from gateway.store.session_store import SessionStore
 
 log = structlog.get_logger("gateway.memory.recall")
@@ -59,6 +60,17 @@ MAX_NOTE_CHARS = 8_000
 MAX_K = 50
 EMBED_BATCH = 256  # chunks embedded per step of the background indexer
 _NO_BOUND = 2**62
+# auto_recall (`Recall.for_turn`): how long a turn waits for its question's vector (past
+# it the notes are ranked by words alone, and the vector is not asked for again for
+# VECTOR_PAUSE_SECONDS), the question's characters looked at, and each note's in the
+# prompt.
+AUTO_EMBED_SECONDS = 2.0
+VECTOR_PAUSE_SECONDS = 60.0
+AUTO_QUERY_CHARS = 2_000
+AUTO_NOTE_CHARS = 1_000
+# The namespaces holding notes are read again after this long: notes another process
+# saved (the CLI, another replica) reach auto_recall within it; this process's own at once.
+NOTED_TTL_SECONDS = 30.0
 _NOTE_ID = re.compile(r"^note-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$")
 
 
@@ -152,7 +164,7 @@ class MemoryIndexer(ThreadedSqliteTask):
         self,
         store: SessionStore,
         settings: index.IndexSettings,
-        embedder: HashEmbedder | OpenAIEmbedder,
+        embedder: Embedder,
         interval: float = 1.0,
     ) -> None:
         super().__init__(interval)
@@ -350,6 +362,13 @@ class Recall:
             self.embedder,
         )
         self._prepared = False
+        self.auto_recall = memory.auto_recall
+        # auto_recall's cheap "has this user any note" (`has_notes`): the namespaces
+        # holding notes, as last read, and when.
+        self._noted: set[str] = set()
+        self._noted_at: float | None = None
+        self._noted_lock = asyncio.Lock()
+        self._vectors_paused_until = 0.0
 
     @property
     def path(self) -> Path:
@@ -426,6 +445,7 @@ class Recall:
                 raise ValueError(f"there is no note {note_id} in this memory")
 
         await self.store.write(write, dirty=False)
+        self._noted.add(namespace)
         await self._index()
         return new_id
 
@@ -468,10 +488,18 @@ class Recall:
         tags: Sequence[str] = (),
         k: int = 5,
         asking: Asking | None = None,
+        *,
+        notes_only: bool = False,
+        embed_within: float | None = None,
+        index_first: bool = True,
     ) -> list[Hit]:
         """The namespace's best `k` notes and transcript chunks for `query` (hybrid).
         From a turn (`asking`), none of the turn's own messages nor of the newest
-        `memory.exclude_recent_messages` of its session before them."""
+        `memory.exclude_recent_messages` of its session before them. With
+        `embed_within`, the embedder is given that long for the query's vector and
+        nothing else (chunks waiting for theirs are found by their words meanwhile).
+        `index_first` False searches the index as the background indexer left it (at
+        most about a second behind) instead of catching it up first."""
         if not isinstance(query, str) or not query.strip():
             raise ValueError("a search needs some words")
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= MAX_K:
@@ -479,13 +507,18 @@ class Recall:
         clean_tags = normalize_tags(tags)
         namespace = str(ns)
         exclude = await self._recent(asking) if asking is not None else None
-        await self._index(namespace)
+        if index_first:
+            await self._index(namespace, embed=embed_within is None)
         query_vec = None
-        if self.weights[0] > 0:
+        if self.weights[0] > 0 and time.monotonic() >= self._vectors_paused_until:
             try:
-                query_vec = (await self.embedder.embed([query]))[0]
+                async with asyncio.timeout(embed_within):
+                    query_vec = (await self.embedder.embed([query]))[0]
             except EmbeddingError as exc:
                 log.warning("memory_query_embedding_failed", error=str(exc))
+            except TimeoutError:
+                self._vectors_paused_until = time.monotonic() + VECTOR_PAUSE_SECONDS
+                log.warning("memory_query_embedding_slow", seconds=embed_within)
         vector_weight, text_weight = self.weights
         sql = self.indexer.sql
         cache, model, floor = (
@@ -508,9 +541,54 @@ class Recall:
                 min_similarity=floor,
                 sql=sql,
                 exclude=exclude,
+                notes_only=notes_only,
             )
         )
         return [_hit(item) for item in scored]
+
+    # --- auto_recall -------------------------------------------------------------------
+
+    async def has_notes(self, ns: Namespace) -> bool:
+        """Whether the namespace held a note when last looked (NOTED_TTL_SECONDS): a set
+        look-up per turn, one query for all users per interval."""
+        if self._noted_at is None or time.monotonic() - self._noted_at > NOTED_TTL_SECONDS:
+            async with self._noted_lock:
+                at = self._noted_at
+                if at is None or time.monotonic() - at > NOTED_TTL_SECONDS:
+                    self._noted_at = time.monotonic()
+                    before = set(self._noted)
+                    rows = await self.store.read(
+                        lambda conn: conn.execute("SELECT DISTINCT namespace FROM notes").fetchall()
+                    )
+                    # A save while the query ran may be missing from its answer.
+                    self._noted = {row[0] for row in rows} | (self._noted - before)
+        return str(ns) in self._noted
+
+    async def for_turn(self, ns: Namespace, text: str) -> list[Hit]:
+        """auto_recall: the namespace's best `memory.auto_recall` notes for a turn's
+        text, for its system prompt. Never fails the turn: an error is logged and no note
+        returned, and a slow embedder costs it AUTO_EMBED_SECONDS at most (the words
+        rank alone then)."""
+        if not self.auto_recall or not text.strip():
+            return []
+        try:
+            if not await self.has_notes(ns):
+                return []
+            return await self.search(
+                ns,
+                text[:AUTO_QUERY_CHARS],
+                k=self.auto_recall,
+                # No `asking`: what it leaves out are transcript rows, and notes only
+                # are looked for.
+                notes_only=True,
+                embed_within=AUTO_EMBED_SECONDS,
+                # A note saved in this process was indexed by its save; one saved
+                # elsewhere waits for the background indexer (about a second).
+                index_first=False,
+            )
+        except (sqlite3.Error, *driver_errors(), OSError, StoreUnwritable, ValueError) as exc:
+            log.warning("auto_recall_failed", error=f"{type(exc).__name__}: {exc}")
+            return []
 
     async def _recent(self, asking: Asking) -> Recent | None:
         """What a search from `asking` leaves out: its session's rows from the oldest of
@@ -644,11 +722,27 @@ class Recall:
             for note_id, agent, content, tags, created, updated in rows
         ]
 
-    async def _index(self, namespace: str | None = None) -> None:
+    async def _index(self, namespace: str | None = None, embed: bool = True) -> None:
         if not self._prepared:
             await self.indexer.prepare()
             self._prepared = True
-        await self.indexer.catch_up(namespace=namespace)
+        await self.indexer.catch_up(embed=embed, namespace=namespace)
+
+
+def notes_prompt(hits: Sequence[Hit]) -> str:
+    """auto_recall's block of the system prompt ("" for no note)."""
+    if not hits:
+        return ""
+    lines = [
+        "## Notes you saved about this user (best match for their message first;"
+        " memory_search finds more)"
+    ]
+    for hit in hits:
+        text = " ".join(hit.text.split())
+        if len(text) > AUTO_NOTE_CHARS:
+            text = text[: AUTO_NOTE_CHARS - 1] + "…"
+        lines.append(f"- {text}")
+    return "\n".join(lines)
 
 
 def _forget_search_tokens(conn: sqlite3.Connection) -> None:

@@ -1,9 +1,19 @@
-"""Hybrid recall over memory.db (seed 002): full text (FTS5, bm25) and vectors, merged.
+"""Hybrid recall over memory.db (seed 002): full text (FTS5, bm25) and vectors, fused.
 
-Only the asking namespace is scored. Each signal keeps its best CANDIDATES, is min-max
-normalized to [0, 1] over them, and the two are merged by weight (0.7 vector, 0.3 text
-by default; a chunk missing from one signal's candidates scores 0 there); equal scores
-go to the more recently updated. Tag filters are SQL (`chunk_tags`), for both signals.
+Only the asking namespace is scored. Each signal keeps its best CANDIDATES and ranks
+them; the two rankings are fused by weighted reciprocal rank (RRF): a chunk scores
+`vector_weight / (RRF_K + its vector rank) + text_weight / (RRF_K + its text rank)`
+(0.7 and 0.3 by default; a chunk missing from one signal's candidates scores 0 there),
+scaled so that first in both is 1. Ranks, not raw scores: min-max scaling lifted the
+best text match to full weight however little it matched (a question sharing only "my"
+and "is" with a note), and put it above the vector's own first. With RRF_K 0 and the
+vector weighing at least twice the text, the vector's first stays first (see RRF_K).
+Equal scores go to the more recently updated. Tag filters are SQL (`chunk_tags`), for both signals.
+
+The text signal ranks by the query's rare words only (`kept_words`): a word held by
+more than half the index's chunks (bm25's IDF is 0 or below there: "the", "my") is
+dropped unless it is the query's rarest, so a match on such words alone is no text
+candidate when the query has a rarer word.
 
 The vector math is numpy: one matrix-vector product over the namespace's vectors
 (exact cosine: vectors and query are unit length), held in memory per namespace
@@ -21,12 +31,11 @@ active (an /undo takes a message back without a log entry); a note's text, tags 
 times are read from state.db's `notes`, the data of record.
 
 Two backends, one algorithm: the choice of words, the vector cache, the numpy scoring,
-normalization and merging are written once here; what differs is only SQL, behind
-`RecallSql` (`SQLITE` below for memory.db, `gateway.memory.pg_index.PG` for the index
-in a PostgreSQL store). The one difference in the scores: PostgreSQL has no bm25, so its
-text score is ts_rank_cd per kept word weighted by the word's IDF (see `PgRecallSql`);
-both are min-max normalized over the candidates before the merge, so only the order
-within the text candidates can differ, not the scale.
+ranking and fusion are written once here; what differs is only SQL, behind `RecallSql`
+(`SQLITE` below for memory.db, `gateway.memory.pg_index.PG` for the index in a
+PostgreSQL store). PostgreSQL has no bm25, so its text score is ts_rank_cd per kept
+word weighted by the word's IDF (see `PgRecallSql`); only the text ranking enters the
+fusion, so the two backends differ at most in the order of the text candidates.
 """
 
 from __future__ import annotations
@@ -43,9 +52,18 @@ import numpy as np
 
 from gateway.store import codec
 
-CANDIDATES = 64  # per signal, before the merge
+CANDIDATES = 64  # per signal, before the fusion
+# Reciprocal rank fusion's constant, k in weight / (k + rank). The common 60 flattens
+# the ranks' weights so far that the text's first (often one shared everyday word, on
+# questions asked in other words) outweighed the vector's own order: on the paraphrase
+# set (BENCHMARKS.md, "Recall quality") fused found 4 of 12 first where the vector alone
+# found 11. At 0, with the default weights, the vector's first (0.7 / 1) outweighs its
+# second plus the text's first (0.7 / 2 + 0.3 / 1): the text signal reorders the rest of
+# the list, and decides alone when the vector has no candidate.
+RRF_K = 0
 CACHE_BYTES = 512 * 1024 * 1024  # vectors held in memory across namespaces
 MAX_POSTINGS = 1_000  # chunks a text search may rank (see text_query)
+COMMON_FLOOR = 5  # a word held by at most this many chunks is never "common"
 MAX_QUERY_WORDS = 64  # a query's first distinct words the text side looks at (one count each)
 _WORD = re.compile(r"\w+")
 _MATH = ThreadPoolExecutor(max_workers=1, thread_name_prefix="recall-math")
@@ -73,6 +91,8 @@ class RecallSql(Protocol):
     ) -> list[tuple[int, int, bytes]]: ...
 
     def postings(self, conn: Any, words: list[str]) -> dict[str, int]: ...
+
+    def chunks_at_most(self, conn: Any) -> int: ...
 
     def ranked(
         self,
@@ -207,17 +227,25 @@ def kept_words(conn: Any, text: str, sql: RecallSql) -> tuple[list[str], dict[st
     bm25 scores every chunk that holds any of the words, and a word found in a large
     share of the index ("the", "is") costs the most and weighs the least (its IDF is
     near 0). So the rarest words are kept while the chunks holding them add up to at
-    most MAX_POSTINGS, the rarest one always, unless it alone is held by more. Only the
-    first MAX_QUERY_WORDS distinct words count (each costs a look-up; the query's vector
-    is made from all of it)."""
+    most MAX_POSTINGS, the rarest one always, unless it alone is held by more; and,
+    besides the rarest, no word held by more than half the index's chunks (its bm25
+    IDF is 0 or below: a stopword of this index, whatever the language) once more than
+    COMMON_FLOOR hold it (in a handful of chunks, a shared word is still a match). The
+    rarest is kept even then: a query of that one word ("herons", in every note) still
+    finds every chunk holding it. Only the first MAX_QUERY_WORDS
+    distinct words count (each costs a look-up; the query's vector is made from all of
+    it)."""
     words = query_words(text)[:MAX_QUERY_WORDS]
     if not words:
         return [], {}
     held = sql.postings(conn, words)
+    # An upper bound of the index's size (deleted chunks may still count): a word is
+    # only ever kept for it, never dropped.
+    common = max(sql.chunks_at_most(conn) / 2, COMMON_FLOOR)
     kept, total = [], 0
     for word in sorted(words, key=held.__getitem__):
         total += held[word]
-        if total > MAX_POSTINGS:
+        if total > MAX_POSTINGS or (kept and held[word] > common):
             break
         kept.append(word)
     return kept, held
@@ -284,6 +312,11 @@ class SqliteRecallSql:
 
     def postings(self, conn: sqlite3.Connection, words: list[str]) -> dict[str, int]:
         return {word: _postings(conn, word) for word in words}
+
+    def chunks_at_most(self, conn: sqlite3.Connection) -> int:
+        """The largest chunk id: no fewer than the chunks there are, read off the
+        primary key's end (counting them walks the table)."""
+        return conn.execute("SELECT coalesce(max(id), 0) FROM chunks").fetchone()[0]
 
     def ranked(
         self,
@@ -365,14 +398,27 @@ def vector_scores(
     return {int(ids[i]): float(sims[i]) for i in best if sims[i] >= min_similarity and sims[i] > 0}
 
 
-def normalized(scores: dict[int, float]) -> dict[int, float]:
-    """Min-max to [0, 1]; all equal (or one) scores 1."""
-    if not scores:
-        return {}
-    lo, hi = min(scores.values()), max(scores.values())
-    if hi - lo <= 1e-12:
-        return dict.fromkeys(scores, 1.0)
-    return {key: (value - lo) / (hi - lo) for key, value in scores.items()}
+def ranks(scores: dict[int, float]) -> dict[int, int]:
+    """1 for the best score, 2 for the next, ...; equal scores by chunk id."""
+    order = sorted(scores, key=lambda chunk_id: (-scores[chunk_id], chunk_id))
+    return {chunk_id: rank for rank, chunk_id in enumerate(order, 1)}
+
+
+def fused(
+    vector: dict[int, float],
+    text: dict[int, float],
+    vector_weight: float,
+    text_weight: float,
+) -> dict[int, float]:
+    """Weighted reciprocal rank fusion of the two signals' candidates (the module
+    docstring), scaled so that first in both scores 1."""
+    scale = (RRF_K + 1) / ((vector_weight + text_weight) or 1.0)
+    vector_ranks, text_ranks = ranks(vector), ranks(text)
+    out = dict.fromkeys(vector_ranks.keys() | text_ranks.keys(), 0.0)
+    for weight, ranked in ((vector_weight, vector_ranks), (text_weight, text_ranks)):
+        for chunk_id, rank in ranked.items():
+            out[chunk_id] += scale * weight / (RRF_K + rank)
+    return out
 
 
 def hybrid(
@@ -390,9 +436,10 @@ def hybrid(
     min_similarity: float,
     sql: RecallSql | None = None,
     exclude: Recent | None = None,
+    notes_only: bool = False,
 ) -> list[Scored]:
     """The namespace's best `k` chunks for the query, one per note; none made only of
-    the `exclude` rows."""
+    the `exclude` rows; with `notes_only`, notes' chunks only (of the candidates)."""
     sql = sql or SQLITE
     rows = (
         vector_rows(conn, cache, namespace, model, query_vec, tags, sql) if vector_weight else None
@@ -400,13 +447,11 @@ def hybrid(
     # The matrix product releases the GIL: it runs on a thread of its own while SQLite
     # (which releases it too) ranks the text on this one.
     scoring = _MATH.submit(vector_scores, rows, query_vec, min_similarity)
-    text = normalized(text_scores(conn, namespace, query, tags, sql)) if text_weight > 0 else {}
-    vector = normalized(scoring.result())
-    merged = {
-        chunk_id: vector_weight * vector.get(chunk_id, 0.0) + text_weight * text.get(chunk_id, 0.0)
-        for chunk_id in text.keys() | vector.keys()
-    }
+    text = text_scores(conn, namespace, query, tags, sql) if text_weight > 0 else {}
+    merged = fused(scoring.result(), text, vector_weight, text_weight)
     found = sql.rows(conn, list(merged), exclude)
+    if notes_only:
+        found = [row for row in found if row[1] == "note"]
     hits = [
         Scored(
             chunk_id,

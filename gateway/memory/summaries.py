@@ -1,9 +1,12 @@
 """`Memory`: what a turn sends the model, and the rolling summaries behind it.
 
-On the turn's path (`prepare`, `learn`, `after_turn`) it only computes: the strategy
-fits what the begin transaction read (`gateway.store.turn_context`) to the token budget,
-and after the reply the estimate is calibrated by the prompt size the model reported
-(the factor is stored with the session by the turn's finish). When
+On the turn's path (`prepare`, `learn`, `after_turn`) it computes: the strategy fits
+what the begin transaction read (`gateway.store.turn_context`), with the system prompt,
+the tool specs and the new message, to the token budget, and after the reply the
+estimate is calibrated by the prompt size the model reported (the factor is stored with
+the session by the turn's finish). It writes only when, under the summary strategy,
+rows no summary covers would not be sent: they are condensed into the summary first,
+extractively and in one transaction, before the model is asked (`_catch_up`). When
 the summary strategy's unsummarized history passes `trigger_ratio` of the budget (and
 has `min_messages`), a background task condenses its oldest messages until it is at
 most `target_ratio`, one chunk and one checkpoint per round:
@@ -29,18 +32,27 @@ backend), else, or when the model fails, from the extractive condensed-turns lis
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import structlog
 
 from gateway.agents.protocol import SummaryRequest
 from gateway.context import condense
-from gateway.context.strategy import Loaded, Plan, Prepared, prepare, units
+from gateway.context.strategy import (
+    Loaded,
+    Plan,
+    Prepared,
+    catch_up_start,
+    prepare,
+    summary_room,
+    units,
+)
 from gateway.context.tokens import (
     CHARS_PER_TOKEN,
     MESSAGE_OVERHEAD,
@@ -60,6 +72,7 @@ MAX_CONCURRENT = 2
 MAX_ROUNDS = 8
 MAX_SCHEDULED = 256
 CHUNK_ROWS = 400  # oldest unsummarized rows a round looks at
+CATCH_UP_ROUNDS = 3  # turn-path condensations per turn (each summary is bounded)
 SUMMARY_TIMEOUT = 300.0  # seconds for the model's summary before the extractive one
 #: seconds a background round waits for its agent's other sessions' turns before it
 #: asks the model anyway (it never goes ahead of its own session's turns)
@@ -120,20 +133,120 @@ class Memory:
 
     # --- the turn's path -----------------------------------------------------------------
 
-    def prepare(
+    async def prepare(
         self,
         session_id: str,
         loaded: Loaded,
         system_prompt: str,
         text: str,
         plan: Plan | None = None,
-    ) -> Prepared:
-        """The turn's history (the summary first, if any), fitted to the budget of
-        `plan` (the turn's agent's; default `self.plan`)."""
+        tools_tokens: int = 0,
+    ) -> tuple[Loaded, Prepared]:
+        """The turn's history (the summary first, if any), fitted with the system prompt,
+        the tool specs (`tools_tokens`) and `text` to the budget of `plan` (the turn's
+        agent's; default `self.plan`). Under the summary strategy no row is left out
+        unless a summary covers it: rows that do not fit, and older ones the read did not
+        reach, are condensed into the summary first (`_catch_up`). Returns what the turn
+        then has loaded (the summary it sends, the rows after it) and what it sends."""
         self.calibration.restore(session_id, loaded.token_factor)
         factor = self.calibration.factor(session_id)
         plan = self.plan if plan is None else plan
-        return prepare(plan, loaded, system_prompt=system_prompt, text=text, factor=factor)
+
+        def fit(loaded: Loaded) -> Prepared:
+            return prepare(
+                plan,
+                loaded,
+                system_prompt=system_prompt,
+                text=text,
+                factor=factor,
+                tools_tokens=tools_tokens,
+            )
+
+        prepared = fit(loaded)
+        for _ in range(CATCH_UP_ROUNDS):  # a round's longer summary may push out more rows
+            if plan.strategy != "summary" or prepared.too_large or not loaded.ids:
+                break
+            if not (prepared.dropped or loaded.full):
+                break
+            caught = await self._catch_up(plan, session_id, loaded, prepared, factor)
+            if caught is None:
+                break
+            loaded = caught
+            prepared = fit(loaded)
+        return loaded, prepared
+
+    async def _catch_up(
+        self, plan: Plan, session_id: str, loaded: Loaded, prepared: Prepared, factor: float
+    ) -> Loaded | None:
+        """Condense every unsummarized row older than the first row the turn sends into
+        the summary, in the turn's own time: extractively (no model call on the turn's
+        path; a background summary may rewrite it later), in one transaction, by epoch
+        compare-and-swap. The cut falls before a user message (what the turn sends opens
+        with one) or after the newest row read (the turn's own message follows). None
+        when nothing was left to condense."""
+        # The summary stored is bounded as every summary is. A turn whose own message
+        # leaves it less room sends it cut (`prepare`): cutting the stored one would
+        # lose for good what one large message crowds out of one request.
+        limit = self.max_summary_chars(plan, prepared.base_tokens, factor)
+        room = max(0, min(limit, summary_room(plan, prepared)))
+        # Cut where the rest fits beside a summary of the largest size it may grow to:
+        # one condensation, not one per row its growth pushes out.
+        kept = catch_up_start(plan, loaded, prepared, room)
+        bound = loaded.ids[kept] if kept < len(loaded.ids) else loaded.ids[-1] + 1
+
+        def catch_up(conn: Any) -> tuple[summary_checkpoints.Checkpoint | None, int]:
+            checkpoint = summary_checkpoints.read(conn, session_id)
+            epoch = covered = condensed = 0
+            text, before = None, 0
+            if checkpoint is not None:
+                epoch, covered = checkpoint.epoch, checkpoint.covered_up_to
+                text = checkpoint.summary
+                before = checkpoint.messages if text else 0
+            while rows := summary_checkpoints.rows_between(
+                conn, session_id, covered, bound, CHUNK_ROWS
+            ):
+                text = condense.extractive(text, [message for _, message in rows], limit)
+                covered, condensed = rows[-1][0], condensed + len(rows)
+            if not condensed or text is None:
+                return checkpoint, 0
+            written = summary_checkpoints.write(
+                conn,
+                session_id,
+                expected_epoch=epoch,
+                covered_up_to=covered,
+                summary=text,
+                messages=before + condensed,
+                now=time.time(),
+            )
+            if not written:  # another replica's summary committed first: read it again
+                return None, 0
+            total = before + condensed
+            return summary_checkpoints.Checkpoint(epoch + 1, covered, text, total), condensed
+
+        for _ in range(CATCH_UP_ROUNDS):
+            checkpoint, condensed = await self.store.write(catch_up, dirty=False)
+            if checkpoint is not None:
+                break
+        if checkpoint is None or (not condensed and checkpoint.epoch == loaded.epoch):
+            return None  # nothing older to condense, and no newer summary to send
+        log.info(
+            "summary_caught_up",
+            session_id=session_id,
+            condensed=condensed,
+            covered_up_to=checkpoint.covered_up_to,
+            chars=len(checkpoint.summary or ""),
+            epoch=checkpoint.epoch,
+        )
+        start = bisect.bisect_right(loaded.ids, checkpoint.covered_up_to)
+        return replace(
+            loaded,
+            ids=loaded.ids[start:],
+            messages=loaded.messages[start:],
+            summary=checkpoint.summary,
+            covered_up_to=checkpoint.covered_up_to,
+            epoch=checkpoint.epoch,
+            full=False,
+        )
 
     def learn(
         self, session_id: str, loaded: Loaded, prepared: Prepared, usage: TokenUsage | None
@@ -164,7 +277,7 @@ class Memory:
         tokens += message_tokens({"content": reply})
         factor = self.calibration.factor(session_id)
         if tokens * factor > plan.trigger_ratio * plan.budget:
-            self.schedule(key, session_id, prepared.system_tokens)
+            self.schedule(key, session_id, prepared.base_tokens)
 
     # --- summaries -----------------------------------------------------------------------
 
@@ -292,7 +405,7 @@ class Memory:
                 checkpoint = work.checkpoint
                 previous = checkpoint.summary if checkpoint is not None else None
                 text = await self._condense(
-                    plan, key, session_id, previous, work.messages[:count], focus
+                    plan, key, session_id, previous, work.messages[:count], focus, system_tokens
                 )
                 # Past the model: a turn arriving now does not cancel the round's write.
                 self._at_model.discard(session_id)
@@ -384,11 +497,15 @@ class Memory:
                     break
         return take
 
-    def max_summary_chars(self, plan: Plan | None = None) -> int:
-        """A summary takes at most half of what the target leaves the history (in ASCII
+    def max_summary_chars(
+        self, plan: Plan | None = None, base_tokens: int = 0, factor: float = 1.0
+    ) -> int:
+        """A summary takes at most half of what the target leaves the history once every
+        request's system prompt and tool specs (`base_tokens`) are counted (in ASCII
         characters; text of other scripts is held to as many estimated tokens)."""
         plan = self.plan if plan is None else plan
-        return int(plan.budget * plan.target_ratio / 2) * CHARS_PER_TOKEN
+        room = plan.budget / factor - base_tokens
+        return max(0, int(room * plan.target_ratio / 2)) * CHARS_PER_TOKEN
 
     async def _condense(
         self,
@@ -398,8 +515,9 @@ class Memory:
         previous: str | None,
         messages: Sequence[dict[str, Any]],
         focus: str | None,
+        base_tokens: int = 0,
     ) -> str:
-        limit = self.max_summary_chars(plan)
+        limit = self.max_summary_chars(plan, base_tokens, self.calibration.factor(session_id))
         if self.lease is not None:
             request = SummaryRequest(key, session_id, previous, tuple(messages), limit, focus)
             try:

@@ -32,6 +32,7 @@ from typing import Any
 
 from config import GatewayConfig, hermes_home
 from gateway.fsutil import fsync_dir, set_aside
+from gateway.memory.embeddings import local_model_problem
 from gateway.memory.index import MEMORY_DB
 from gateway.ops.service import ENV_FILE
 from gateway.ops.status import is_live, read_status
@@ -480,6 +481,34 @@ def check_postgres(dsn: str) -> list[Finding]:
     return [*findings, Finding("leases", OK, f"{found.leases} held{expired}")]
 
 
+def check_memory_embedding(config: GatewayConfig) -> Finding:
+    """What recall finds by: `hash` is lexical (said plainly, since recall "works" with
+    it and only misses what is asked in other words); `local`'s model must be there."""
+    memory = config.memory
+    if memory.embedding == "hash":
+        return Finding(
+            "memory embedding",
+            OK,
+            "hash: lexical, finds notes sharing the question's words, not its meaning;"
+            " for meaning set memory.embedding: openai (a local embeddings server such as"
+            " Ollama's) or local (memory.model_path)",
+        )
+    if memory.embedding == "local":
+        problem = local_model_problem(config)
+        if problem is not None:
+            return Finding("memory embedding", ERROR, problem)
+        return Finding("memory embedding", OK, f"local: model2vec model in {memory.model_path}")
+    where = memory.base_url or config.agent.base_url
+    return Finding("memory embedding", OK, f"openai: {memory.model} at {redact_url(where)}")
+
+
+def redact_url(url: str) -> str:
+    """A URL without its user info (a password may be in it)."""
+    scheme, sep, rest = url.partition("://")
+    host = rest.rpartition("@")[2] if sep else url
+    return f"{scheme}{sep}{host}" if sep else host
+
+
 def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Finding]:
     home = check_home(paths)
     if home.status == ERROR:
@@ -497,6 +526,7 @@ def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Findin
             check_temp_files(paths),
             check_restart_counts(paths),
             check_replica_stop(paths),
+            check_memory_embedding(config),
         ]
         return [finding for finding in found if finding is not None]
     db = check_state_db(paths)
@@ -517,6 +547,8 @@ def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Findin
         found += check_journal(paths, enabled)
         if config is not None:
             found.append(check_schedules(paths, config))
+    if config is not None:
+        found.append(check_memory_embedding(config))
     found.append(check_clean_shutdown(paths))
     return [finding for finding in found if finding is not None]
 

@@ -142,16 +142,24 @@ def unsummarized(conn: sqlite3.Connection, session_id: str, limit: int) -> Unsum
         " FROM messages WHERE session_id = ? AND active = 1 AND id > ? AND id < ?",
         (session_id, after, until),
     ).fetchone()
+    rows = rows_between(conn, session_id, after, until, limit)
+    return Unsummarized(
+        checkpoint=checkpoint,
+        ids=tuple(row_id for row_id, _ in rows),
+        messages=tuple(message for _, message in rows),
+        total_messages=int(count),
+        total_chars=int(chars),
+        total_bytes=int(octet_count),
+    )
+
+
+def rows_between(
+    conn: sqlite3.Connection, session_id: str, after: int, until: int, limit: int
+) -> list[tuple[int, dict[str, Any]]]:
+    """Up to `limit` of the oldest active rows with `after` < id < `until`, with their ids."""
     rows = conn.execute(
         "SELECT id, message FROM messages WHERE session_id = ? AND active = 1"
         " AND id > ? AND id < ? ORDER BY id LIMIT ?",
         (session_id, after, until, limit),
     ).fetchall()
-    return Unsummarized(
-        checkpoint=checkpoint,
-        ids=tuple(row_id for row_id, _ in rows),
-        messages=tuple(codec.loads(message) for _, message in rows),
-        total_messages=int(count),
-        total_chars=int(chars),
-        total_bytes=int(octet_count),
-    )
+    return [(row_id, codec.loads(message)) for row_id, message in rows]

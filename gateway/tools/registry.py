@@ -25,6 +25,7 @@ from typing import Any
 import structlog
 from pydantic import BaseModel, ValidationError
 
+from gateway.context.tokens import json_tokens
 from gateway.session import SessionSource
 from gateway.store import scratchpad
 from gateway.store.session_store import SessionStore
@@ -82,6 +83,9 @@ class Toolbox:
             raise ValueError(f"unknown tools: {unknown}")
         self.tools = {name: known[name] for name in enabled}
         self._specs = [tool.spec() for tool in self.tools.values()]
+        # What the specs weigh in every request that carries them (the context budget
+        # counts them): estimated once, the list never changes.
+        self.spec_tokens = json_tokens(self._specs) if self._specs else 0
 
     def specs(self) -> list[dict[str, Any]]:
         return [dict(spec) for spec in self._specs]
@@ -99,6 +103,11 @@ class TurnTools:
 
     def specs(self) -> list[dict[str, Any]]:
         return self._box.specs()
+
+    @property
+    def spec_tokens(self) -> int:
+        """The estimated tokens of `specs()` as a request carries them."""
+        return self._box.spec_tokens
 
     @property
     def names(self) -> list[str]:

@@ -5,7 +5,11 @@ OpenAI-style ``{"error": {...}}`` bodies) and records every request. Faults are 
 and each applies to one request: ``fail_next``, ``delay_next``, ``malformed_next``.
 ``hold(predicate)`` keeps the requests it matches waiting until its event is set (a
 client that gives up meanwhile ends its request), and ``usage`` may be a function of
-the request (a stand-in tokenizer counting the prompt).
+the request (a stand-in tokenizer counting the prompt; ``counted_usage`` reports
+``prompt_tokens(body)``). With ``n_ctx``, like a llama.cpp server started with that
+context size, a request whose ``prompt_tokens(body)`` exceeds it is refused with 400
+(and recorded in ``over_window``). ``on_request``, if set, is awaited with each chat
+request's body before it is answered.
 
 Concurrency: with ``label(body)`` (e.g. "summary" or "turn", and whose), every chat
 request is recorded in ``spans`` with its label and when it arrived and ended, on a
@@ -36,7 +40,7 @@ import json
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -124,6 +128,21 @@ def pairing_problem(messages: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def prompt_tokens(body: dict[str, Any]) -> int:
+    """The fake's token count of a request's prompt, a tokenizer-free upper bound: a
+    token for every 3 bytes of the UTF-8 JSON of its messages and of its tool specs, as
+    sent. Real BPE vocabularies count English, JSON and most scripts in fewer tokens
+    (about 4 characters a token for English), so a prompt within this bound fits."""
+    size = len(json.dumps(body.get("messages", []), ensure_ascii=False).encode())
+    if body.get("tools"):
+        size += len(json.dumps(body["tools"], ensure_ascii=False).encode())
+    return -(-size // 3)
+
+
+def counted_usage(body: dict[str, Any]) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens(body), "completion_tokens": 10}
+
+
 def last_user_content(body: dict[str, Any]) -> str:
     for message in reversed(body.get("messages", [])):
         if message.get("role") == "user":
@@ -141,6 +160,7 @@ class FakeOpenAI:
         reply: Callable[[dict[str, Any]], str | dict[str, Any]] | None = None,
         usage: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         check_pairing: bool = False,
+        n_ctx: int | None = None,
         label: Callable[[dict[str, Any]], str] | None = None,
     ) -> None:
         self.expected_key = expected_key
@@ -148,12 +168,15 @@ class FakeOpenAI:
         self.spans: list[Span] = []
         self._events = itertools.count(1)
         self.check_pairing = check_pairing
+        self.n_ctx = n_ctx
+        self.over_window: list[dict[str, Any]] = []  # bodies refused for exceeding n_ctx
+        self.on_request: Callable[[dict[str, Any]], Awaitable[None]] | None = None
         self.reply: Callable[[dict[str, Any]], str | dict[str, Any]] = reply or (
             lambda body: "fake: " + last_user_content(body)
         )
         self.usage = usage or {"prompt_tokens": 7, "completion_tokens": 3}
         self.held: list[dict[str, Any]] = []  # bodies of requests waiting on a hold
-        self._holds: list[tuple[Callable[[dict[str, Any]], bool], asyncio.Event]] = []
+        self._holds: list[tuple[str, Callable[[dict[str, Any]], bool], asyncio.Event]] = []
         self.requests: list[dict[str, Any]] = []
         self.base_url = ""
         self._faults: deque[_Fault] = deque()
@@ -225,10 +248,13 @@ class FakeOpenAI:
         """Answer the next requests with these, in order (then `reply` again)."""
         self._script.extend(answers)
 
-    def hold(self, predicate: Callable[[dict[str, Any]], bool]) -> asyncio.Event:
-        """Requests whose body matches wait (in `held`) until the returned event is set."""
+    def hold(
+        self, predicate: Callable[[dict[str, Any]], bool], path: str = "/v1/chat/completions"
+    ) -> asyncio.Event:
+        """Requests to `path` whose body matches wait (in `held`) until the returned
+        event is set."""
         release = asyncio.Event()
-        self._holds.append((predicate, release))
+        self._holds.append((path, predicate, release))
         return release
 
     def overlaps(self) -> list[tuple[str, str]]:
@@ -255,6 +281,10 @@ class FakeOpenAI:
                 "headers": {h: request.headers.get(h) for h in _RECORDED_HEADERS},
             }
         )
+        for path, predicate, release in self._holds:  # a stalled embeddings server
+            if path == request.path and predicate(body) and not release.is_set():
+                self.held.append(body)
+                await release.wait()
         fault = self._faults.popleft() if self._faults else _Fault()
         sent = request.headers.get("Authorization", "").removeprefix("Bearer ")
         if self.expected_key is not None and sent != self.expected_key:
@@ -315,8 +345,13 @@ class FakeOpenAI:
             span = Span(self.label(body), next(self._events))
             self.spans.append(span)
         try:
-            for predicate, release in self._holds:
-                if isinstance(body, dict) and predicate(body) and not release.is_set():
+            for path, predicate, release in self._holds:
+                if (
+                    path == request.path
+                    and isinstance(body, dict)
+                    and predicate(body)
+                    and not release.is_set()
+                ):
                     self.held.append(body)
                     await release.wait()
             return await self._answer(request, body)
@@ -342,6 +377,16 @@ class FakeOpenAI:
             return _error(400, "'messages' is a required property", None)
         if self.check_pairing and (problem := pairing_problem(body["messages"])) is not None:
             return _error(400, problem, None)
+        if self.n_ctx is not None and (counted := prompt_tokens(body)) > self.n_ctx:
+            self.over_window.append(body)
+            return _error(
+                400,
+                f"the request exceeds the available context size ({counted} tokens,"
+                f" n_ctx {self.n_ctx}), try increasing it",
+                "exceed_context_size_error",
+            )
+        if self.on_request is not None:
+            await self.on_request(body)
         if fault.status >= 400:
             headers = {}
             if fault.retry_after is not None:

@@ -3,7 +3,10 @@ session memory commands /title /search /forget /compress (issue 15).
 
 Each handler gets the runner and the event and returns the text to send back (or None
 when the command answers through a turn of its own, like /retry). Which `/words` are
-commands, and how a message is taken, is `gateway.command_syntax`.
+commands, and how a message is taken, is `gateway.command_syntax`. Most answer inline
+(`dispatch`, on the intake path: reads or one transaction each); one that calls a model
+(`command_syntax.LANE_COMMANDS`) is queued in its session's lane and run by the
+session's worker (`reply_of`), as a turn is.
 """
 
 from __future__ import annotations

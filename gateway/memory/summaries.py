@@ -128,6 +128,7 @@ class Memory:
         self._background: dict[str, str] = {}
         self._at_model: set[str] = set()
         self._turns_changed = asyncio.Event()
+        self._yielding = 0  # background rounds waiting on `_turns_changed`
         self._slots = asyncio.Semaphore(MAX_CONCURRENT)
         self._closed = False
 
@@ -323,9 +324,11 @@ class Memory:
                 task.cancel()
 
     def turns_changed(self) -> None:
-        """A session's lane closed: waiting summaries look again."""
-        self._turns_changed.set()
-        self._turns_changed = asyncio.Event()
+        """A session's lane closed: waiting summaries look again. (Every turn's end calls
+        this: with no summary waiting it changes nothing.)"""
+        if self._yielding:
+            self._turns_changed.set()
+            self._turns_changed = asyncio.Event()
 
     async def close(self) -> None:
         """Cancel the summaries in flight (a checkpoint is all or nothing: none is half
@@ -362,9 +365,13 @@ class Memory:
         while True:
             while (left := self._yields(key, deadline)) is not False:
                 changed = self._turns_changed
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(left):
-                        await changed.wait()
+                self._yielding += 1
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(left):
+                            await changed.wait()
+                finally:
+                    self._yielding -= 1
             await self._slots.acquire()
             if self._yields(key, deadline) is False:
                 self._at_model.add(session_id)

@@ -20,6 +20,10 @@ QUEUE_COMMANDS = frozenset({"queue", "q"})
 #: The commands that answer through a turn of their own; the others stop, inspect or
 #: switch a session, which a busy gateway still takes (/stop frees what a user holds).
 TURN_COMMANDS = frozenset({"retry"})
+#: The commands that run in their session's lane like a turn (they call the agent's
+#: model): accepted at once and answered when done, never on the intake path. The
+#: README's command table says why each other command stays inline.
+LANE_COMMANDS = frozenset({"compress"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +58,9 @@ def classify(text: str, bot_username: str | None = None) -> tuple[str, Command |
 
 
 def starts_work(text: str, bot_username: str | None = None) -> bool:
-    """Would this message start or queue an agent turn (plain text, /queue TEXT, /retry)?"""
+    """Would this message start or queue an agent turn, or work like one (plain text,
+    /queue TEXT, /retry, a lane command)?"""
     kind, command = classify(text.strip(), bot_username)
-    return kind != "command" or (command is not None and command.name in TURN_COMMANDS)
+    return kind != "command" or (
+        command is not None and command.name in TURN_COMMANDS | LANE_COMMANDS
+    )

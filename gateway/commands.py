@@ -3,7 +3,10 @@ session memory commands /title /search /forget /compress (issue 15).
 
 Each handler gets the runner and the event and returns the text to send back (or None
 when the command answers through a turn of its own, like /retry). Which `/words` are
-commands, and how a message is taken, is `gateway.command_syntax`.
+commands, and how a message is taken, is `gateway.command_syntax`. Most answer inline
+(`dispatch`, on the intake path: reads or one transaction each); one that calls a model
+(`command_syntax.LANE_COMMANDS`) is queued in its session's lane and run by the
+session's worker (`reply_of`), as a turn is.
 """
 
 from __future__ import annotations
@@ -271,9 +274,8 @@ async def cmd_undo(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Co
 
 
 async def cmd_compress(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
-    """Condense the session's unsummarized messages into its rolling summary now."""
-    if runner.is_busy(key):
-        return "A turn is running in this session; /compress once it has answered."
+    """Condense the session's unsummarized messages into its rolling summary now. It runs
+    in the session's lane (`LANE_COMMANDS`): no turn of this session runs meanwhile."""
     entry = await runner.store.get_entry(key)
     if entry is None:
         return "No session yet, nothing to compress."
@@ -339,17 +341,23 @@ Messages sent while a reply is running are combined into the next turn."""
 
 
 async def dispatch(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Accepted:
-    """Run a command and send its text reply; returns what the HTTP API reports.
+    """Run an inline command and send its text reply; returns what the HTTP API reports.
 
     The command's message is recorded (its id taken) before it runs, so a command that
     fails unexpectedly is still answered: with a short error, the cause in the log."""
-    try:
-        reply = await HANDLERS[cmd.name](runner, event, key, cmd)
-    except Exception as exc:
-        log.exception("command_failed", command=cmd.name, error_type=type(exc).__name__)
-        reply = f"Sorry, /{cmd.name} failed. The error was logged."
+    reply = await reply_of(runner, event, key, cmd)
     if isinstance(reply, Accepted):
         return reply
     if reply is not None:
         await runner.deliver(event.source, reply, reply_to=event.reply_to)
     return Accepted(AcceptStatus.COMMAND, session_key=key, detail=cmd.name)
+
+
+async def reply_of(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    """What the command answers (a lane command's too: the runner records and sends it);
+    an unexpected failure is a short error, its cause logged."""
+    try:
+        return await HANDLERS[cmd.name](runner, event, key, cmd)
+    except Exception as exc:
+        log.exception("command_failed", command=cmd.name, error_type=type(exc).__name__)
+        return f"Sorry, /{cmd.name} failed. The error was logged."

@@ -2,15 +2,33 @@
 
 One owner: the runner. While a turn runs, plain messages go to the slot and merge there
 (joined with a newline, nothing dropped); each `/queue` entry goes to the overflow and
-later gets a full turn of its own. The slot runs first, then the overflow in order.
+later gets a full turn of its own, and so does each command that runs in the session's
+lane (`LaneCommand`, e.g. /compress). The slot runs first, then the overflow in order.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from adapters.base import MessageEvent
+from gateway.command_syntax import Command
+
+
+@dataclass(frozen=True, slots=True)
+class LaneCommand:
+    """A command that runs in its session's lane like a turn (it waits for the turn
+    before it, and the next waits for it): one that calls a model or is otherwise slow."""
+
+    event: MessageEvent
+    command: Command
+
+    @property
+    def inbox_ids(self) -> tuple[int, ...]:
+        return self.event.inbox_ids
+
+
+Job = MessageEvent | LaneCommand
 
 
 class QueueFull(Exception):
@@ -21,7 +39,7 @@ class SessionQueue:
     def __init__(self, max_depth: int) -> None:
         self.max_depth = max_depth
         self._slot: MessageEvent | None = None
-        self._overflow: deque[MessageEvent] = deque()
+        self._overflow: deque[Job] = deque()
 
     @property
     def depth(self) -> int:
@@ -46,17 +64,26 @@ class SessionQueue:
             media=self._slot.media + event.media,  # files merge too, in order
         )
 
-    def enqueue_fifo(self, event: MessageEvent) -> None:
-        """Append a /queue entry; it will get its own turn after the slot."""
+    def enqueue_fifo(self, event: Job) -> None:
+        """Append a /queue entry or a lane command; it runs on its own after the slot."""
         if self.depth >= self.max_depth:
             raise QueueFull
         self._overflow.append(event)
 
-    def pop_next(self) -> MessageEvent | None:
+    def pop_next(self) -> Job | None:
         if self._slot is not None:
             event, self._slot = self._slot, None
             return event
         return self._overflow.popleft() if self._overflow else None
+
+    def pop_next_turn(self) -> MessageEvent | None:
+        """`pop_next` when what is next is a turn; None when it is a lane command (the
+        worker runs that itself) or nothing waits."""
+        if self._slot is None and self._overflow and isinstance(self._overflow[0], LaneCommand):
+            return None
+        job = self.pop_next()
+        assert not isinstance(job, LaneCommand)
+        return job
 
     def put_back(self, event: MessageEvent) -> None:
         """Return a popped event to the front (its turn could not begin): it goes first,

@@ -3,7 +3,8 @@
     .clean_shutdown present?  yes: delete it, skip suspension
                               no:  suspend_recently_active(120), then the stuck-loop check
     interrupted turns (markers) -> resume_pending, re-run once adapters are up
-    accepted, unanswered messages -> re-queued in acceptance order
+    accepted, unanswered messages -> re-queued in acceptance order (a lane command
+                                     left unanswered, e.g. /compress, runs again)
     recorded, unsent reply chunks -> sent once
 
 `prepare()` decides all of it from what is on disk before the adapters start, and
@@ -194,7 +195,7 @@ class Recovery:
             queued += 1
         for row in self._backlog:
             event = MessageEvent.from_dict(row["event"], inbox_ids=(row["id"],))
-            await runner.submit(row["session_key"], event, fifo=row["kind"] == "queue")
+            await runner.requeue(row["session_key"], event, row["kind"])
             queued += 1
         if queued or self._stuck:
             log.info("recovery_resumed", turns=len(self._markers), queued=queued)

@@ -344,10 +344,7 @@ class Replica:
                 continue
             taken.add(inbox_id)
             event = MessageEvent.from_dict(codec.loads(data), inbox_ids=(inbox_id,))
-            if kind == "command":
-                await runner.run_forwarded_command(key, event)
-            else:
-                await runner.submit(key, event, fifo=kind == "queue")
+            await runner.requeue(key, event, kind)
             queued += 1
         if not runner.is_busy(key):
             # Nothing left to run (commands only): give the lease back.

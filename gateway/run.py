@@ -2,8 +2,10 @@
 
     handle_message: authorize -> command? -> accept (durable, dedup) -> busy? queue : start
                     (a message to an idle session is accepted and its turn begun in one
-                    transaction: `_accept_and_start`)
+                    transaction: `_accept_and_start`); a fast command answers inline,
+                    one that calls a model (`LANE_COMMANDS`) is queued like a turn
     session worker: turn -> next from the queue -> turn ... until the queue is empty
+                    (the session's lane: its turns and lane commands, one at a time)
     turn:           begin (session, user message, marker) -> agent -> finish (reply,
                     counters, ledger) -> send the recorded chunks (`gateway.delivery`;
                     their "sent" marks ride along with a later commit)
@@ -23,7 +25,7 @@ import asyncio
 import contextlib
 import gc
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -54,7 +56,7 @@ from gateway.ops.metrics import Metrics
 from gateway.ops.status import keep_status, write_status
 from gateway.pairing import Pairing
 from gateway.policy import reset_notice
-from gateway.queue import QueueFull, SessionQueue
+from gateway.queue import Job, LaneCommand, QueueFull, SessionQueue
 from gateway.recovery import Recovery
 from gateway.schedules.book import ScheduleBook, iso
 from gateway.schedules.loop import Scheduler
@@ -64,6 +66,7 @@ from gateway.session import (
     SessionEntry,
     SessionSource,
     TokenUsage,
+    agent_id_of_key,
     build_session_context,
     build_session_context_prompt,
     is_shared_multi_user_session,
@@ -88,6 +91,11 @@ FinalizeHook = Callable[[SessionEntry], Awaitable[None]]
 INTERNAL_ERROR_TEXT = (
     "Sorry, something went wrong while answering. The error was logged; /retry asks again."
 )
+
+
+def _in_lane(command: command_syntax.Command | None) -> bool:
+    """Does this command run in its session's lane (`command_syntax.LANE_COMMANDS`)?"""
+    return command is not None and command.name in command_syntax.LANE_COMMANDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,11 +157,16 @@ class GatewayRunner(SessionOps):
             max_size=config.agent.cache_max_size,
             idle_ttl=config.agent.cache_idle_ttl_seconds,
         )
+        # Background summaries yield to turns: of their own session always, of their
+        # agent's other sessions for a bounded time (`gateway.memory.summaries`).
+        self._lanes_per_agent: dict[str, int] = {}
         self.memory = Memory(
             self.store,
             main.plan,
             lambda key: self.agents.lease(key, self.roster.for_key(key).signature),
             plan_for=plan_for,
+            session_busy=self.is_busy,
+            agent_busy=lambda key: self._lanes_per_agent.get(agent_id_of_key(key), 0) > 0,
         )
         # Long-term memory: notes and hybrid recall (the memory tools, `hermes-gateway memory`).
         self.recall = Recall(self.store, config)
@@ -413,7 +426,10 @@ class GatewayRunner(SessionOps):
             return await self._handle_on_replica(key, event, kind, command)
         if kind != "command" and self._held is None and key not in self._workers:
             return await self._accept_and_start(key, event, kind)
-        inbox_id = await self.turnlog.accept(event, key, kind, done=kind == "command")
+        # A lane command is answered by its own transaction (`_run_command`), so it stays
+        # open in the inbox until then: a crash before it re-runs it at the next start.
+        inline = kind == "command" and not _in_lane(command)
+        inbox_id = await self.turnlog.accept(event, key, kind, done=inline)
         if inbox_id is None:
             return Accepted(AcceptStatus.DUPLICATE, session_key=key)
         event = event.with_inbox_ids((inbox_id,))
@@ -450,11 +466,12 @@ class GatewayRunner(SessionOps):
                 if not await cluster.claim(key):
                     return await self._forward(key, event, kind)
             try:
-                inbox_id = await self.turnlog.accept(event, key, kind, done=kind == "command")
+                inline = kind == "command" and not _in_lane(command)
+                inbox_id = await self.turnlog.accept(event, key, kind, done=inline)
                 if inbox_id is not None:
                     cluster.took(key, (inbox_id,))
                     event = event.with_inbox_ids((inbox_id,))
-                    if kind != "command":  # queued behind the running turn, under the lock
+                    if not inline:  # queued behind the running turn, under the lock
                         return await self._dispatch(key, event, kind, command)
             except BaseException:
                 if key not in self._workers:
@@ -479,13 +496,19 @@ class GatewayRunner(SessionOps):
             return Accepted(AcceptStatus.DUPLICATE, session_key=key)
         return Accepted(AcceptStatus.PENDING, session_key=key, detail="run by another replica")
 
-    async def run_forwarded_command(self, key: str, event: MessageEvent) -> None:
-        """A command another replica journaled for this one (it runs the session)."""
+    async def requeue(self, key: str, event: MessageEvent, kind: str) -> None:
+        """An accepted message not yet answered (start-up recovery, a replica picking up
+        a session): queued as it was on arrival. A command left open is a lane command
+        (inline ones are answered as they are accepted; another replica journals both)."""
+        if kind != "command":
+            await self.submit(key, event, fifo=kind == "queue")
+            return
         adapter = self.adapters.get(event.source.platform)
         _, command = command_syntax.classify(
             event.text.strip(), adapter.bot_username if adapter else None
         )
-        await self.turnlog.close_inbox(list(event.inbox_ids))
+        if not _in_lane(command):  # answered inline: settled first, as on arrival
+            await self.turnlog.close_inbox(list(event.inbox_ids))
         if command is not None:
             await self._dispatch(key, event, "command", command)
 
@@ -504,6 +527,9 @@ class GatewayRunner(SessionOps):
     ) -> Accepted:
         if kind == "command" and command is not None:
             self.metrics.commands_total += 1
+            if _in_lane(command):
+                accepted = await self.submit(key, LaneCommand(event, command), fifo=True)
+                return replace(accepted, detail=accepted.detail or command.name)
             return await commands.dispatch(self, event, key, command)
         return await self.submit(key, event, fifo=kind == "queue")
 
@@ -540,9 +566,7 @@ class GatewayRunner(SessionOps):
         begun: asyncio.Future[tuple[int, TurnStart] | None] = (
             asyncio.get_running_loop().create_future()
         )
-        self._workers[key] = asyncio.create_task(
-            self._session_worker(key, event, begun), name=f"session:{key}"
-        )
+        self._open_lane(key, self._session_worker(key, event, begun))
         if text is None:
             text = self._turn_text(event)
         try:
@@ -563,16 +587,14 @@ class GatewayRunner(SessionOps):
             begun.set_result(result)
         return Accepted(AcceptStatus.STARTED, session_key=key)
 
-    async def submit(self, key: str, event: MessageEvent, *, fifo: bool = False) -> Accepted:
-        """Start a turn now, or park the message behind the running one."""
+    async def submit(self, key: str, event: Job, *, fifo: bool = False) -> Accepted:
+        """Start a turn (or lane command) now, or park it behind the running one."""
         if key not in self._workers:
-            self._workers[key] = asyncio.create_task(
-                self._session_worker(key, event), name=f"session:{key}"
-            )
+            self._open_lane(key, self._session_worker(key, event))
             return Accepted(AcceptStatus.STARTED, session_key=key)
         queue = self._queues.setdefault(key, SessionQueue(self.config.queue.max_depth))
         try:
-            if fifo:
+            if fifo or isinstance(event, LaneCommand):
                 queue.enqueue_fifo(event)
             else:
                 queue.enqueue_pending(event)
@@ -587,6 +609,25 @@ class GatewayRunner(SessionOps):
             )
             return Accepted(AcceptStatus.REFUSED, session_key=key, detail="queue full")
         return Accepted(AcceptStatus.QUEUED if fifo else AcceptStatus.PENDING, session_key=key)
+
+    def _open_lane(self, key: str, work: Coroutine[Any, Any, None]) -> None:
+        """The session's worker: its turns run one at a time from here until its queue is
+        empty. Its agent counts it as busy (background summaries yield to it)."""
+        self._workers[key] = asyncio.create_task(work, name=f"session:{key}")
+        agent_id = agent_id_of_key(key)
+        self._lanes_per_agent[agent_id] = self._lanes_per_agent.get(agent_id, 0) + 1
+        self.memory.turn_arrived(key)
+
+    def _close_lane(self, key: str) -> None:
+        if self._workers.pop(key, None) is None:
+            return
+        agent_id = agent_id_of_key(key)
+        left = self._lanes_per_agent.get(agent_id, 1) - 1
+        if left > 0:
+            self._lanes_per_agent[agent_id] = left
+        else:
+            self._lanes_per_agent.pop(agent_id, None)
+        self.memory.turns_changed()
 
     # --- per-session state (used by commands and the watcher) ----------------------------
 
@@ -633,23 +674,26 @@ class GatewayRunner(SessionOps):
     async def _session_worker(
         self,
         key: str,
-        event: MessageEvent | None,
+        event: Job | None,
         begun: asyncio.Future[tuple[int, TurnStart] | None] | None = None,
     ) -> None:
         try:
             start = None
             if begun is not None:  # accepted and begun by `_accept_and_start`
                 accepted = await begun
-                if accepted is not None:
+                if accepted is not None and isinstance(event, MessageEvent):
                     inbox_id, start = accepted
                     event = event.with_inbox_ids((inbox_id,))
                 else:
                     queue = self._queues.get(key)
                     event = queue.pop_next() if queue else None
             while event is not None:
-                self._running[key] = event
+                self._running[key] = event.event if isinstance(event, LaneCommand) else event
                 try:
-                    await self._run_turn(key, event, start)
+                    if isinstance(event, LaneCommand):
+                        await self._run_command(key, event)
+                    else:
+                        await self._run_turn(key, event, start)
                 except Exception:
                     # An internal failure (the store, a bug): keep the session usable. The
                     # turn answered its messages with an error notice, or, when even that
@@ -670,12 +714,31 @@ class GatewayRunner(SessionOps):
         finally:
             self._next_begun.pop(key, None)
             self._running.pop(key, None)
-            self._workers.pop(key, None)
+            self._close_lane(key)
             queue = self._queues.get(key)
             if queue is not None and not queue:
                 del self._queues[key]
             if self.cluster is not None:
                 self.cluster.worker_ended(key)
+
+    async def _run_command(self, key: str, job: LaneCommand) -> None:
+        """A lane command: run it, then record its answer and settle its message in one
+        transaction, and send the answer. A crash before that transaction leaves the
+        message open in the inbox, and the next start runs the command again (a
+        /compress then condenses what is left): answered once, never lost."""
+        event, command = job.event, job.command
+        typing = self.delivery.start_typing(event.source)
+        try:
+            reply = await commands.reply_of(self, event, key, command)
+        finally:
+            if typing is not None:
+                typing.cancel()
+        text = reply if isinstance(reply, str) else f"/{command.name} done."
+        chunks = self.delivery.split(event.source, text)
+        ids = await self.turnlog.answer_unbegun(key, event, chunks)
+        await self.delivery.send_recorded(
+            event.source, list(zip(ids, chunks, strict=False)), event.reply_to
+        )
 
     def _turn_text(self, event: MessageEvent) -> str:
         """The user message as stored: prefixed with its sender in a shared session."""
@@ -876,7 +939,7 @@ class GatewayRunner(SessionOps):
         begin the key's next waiting turn in the same transaction (it then runs without
         a begin of its own)."""
         queue = self._queues.get(key)
-        waiting = queue.pop_next() if queue and not self._draining else None
+        waiting = queue.pop_next_turn() if queue and not self._draining else None
         then = (waiting, self._turn_text(waiting)) if waiting is not None else None
         try:
             ids, next_start = await self.turnlog.finish(

@@ -12,9 +12,15 @@ has `min_messages`), a background task condenses its oldest messages until it is
 most `target_ratio`, one chunk and one checkpoint per round:
 
 - never on the reply's path: a task, started after the reply is sent;
-- bounded: `MAX_CONCURRENT` summaries at once gateway-wide, `MAX_ROUNDS` rounds each,
-  at most `MAX_SCHEDULED` sessions waiting (more are asked again at their next turn);
-- one at a time per session (`/compress` waits for a running one, then runs);
+- yielding to turns: a round asks the model only when no turn of its session waits or
+  runs (a turn that arrives meanwhile cancels the round at the model; the turn's end
+  asks again), and, across sessions, when its agent has no turn waiting or running, or
+  has waited `YIELD_SECONDS` for that (so a busy agent still gets its summaries);
+- bounded: `MAX_CONCURRENT` summaries at the model at once gateway-wide, `MAX_ROUNDS`
+  rounds each, at most `MAX_SCHEDULED` sessions waiting (more are asked again at their
+  next turn);
+- one at a time per session (`/compress`, which runs in the session's lane, cancels a
+  background one of its session and goes ahead of the others waiting);
 - cancelled at shutdown (`close`), before the store closes;
 - race-safe: each checkpoint is written by epoch compare-and-swap
   (`gateway.store.summary_checkpoints.write`); a round that lost the race stops.
@@ -27,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractAsyncContextManager
@@ -66,9 +73,17 @@ MAX_SCHEDULED = 256
 CHUNK_ROWS = 400  # oldest unsummarized rows a round looks at
 CATCH_UP_ROUNDS = 3  # turn-path condensations per turn (each summary is bounded)
 SUMMARY_TIMEOUT = 300.0  # seconds for the model's summary before the extractive one
+#: seconds a background round waits for its agent's other sessions' turns before it
+#: asks the model anyway (it never goes ahead of its own session's turns)
+YIELD_SECONDS = 30.0
 
 Lease = Callable[[str], AbstractAsyncContextManager[Any]]
 PlanFor = Callable[[str], Plan]  # session key -> its agent's plan (several agents)
+Busy = Callable[[str], bool]  # session key -> does a turn of it (or of its agent) wait or run
+
+
+def _never_busy(key: str) -> bool:
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +98,11 @@ class Condensed:
 
 class Memory:
     """`plan`: what turns load (`agent.context`); with several agents, `plan_for` gives
-    each session key its own agent's plan, and `plan` is the main agent's."""
+    each session key its own agent's plan, and `plan` is the main agent's.
+
+    `session_busy(key)`: a turn (or a lane command) of the session waits or runs;
+    `agent_busy(key)`: one of the key's agent's sessions has one. The runner calls
+    `turn_arrived` when a session's lane opens and `turns_changed` when one closes."""
 
     def __init__(
         self,
@@ -91,13 +110,24 @@ class Memory:
         plan: Plan,
         lease: Lease | None = None,
         plan_for: PlanFor | None = None,
+        *,
+        session_busy: Busy = _never_busy,
+        agent_busy: Busy = _never_busy,
     ) -> None:
         self.store = store
         self.plan = plan
         self.plan_for: PlanFor = plan_for or (lambda key: plan)
         self.lease = lease  # the session's agent, for its model's summaries
         self.calibration = Calibration()
+        self.session_busy = session_busy
+        self.agent_busy = agent_busy
         self._tasks: dict[str, asyncio.Task[Condensed]] = {}
+        # Background summaries by session key (a turn's arrival cancels its session's
+        # round at the model), and the sessions whose round is at the model now.
+        self._background: dict[str, str] = {}
+        self._at_model: set[str] = set()
+        self._turns_changed = asyncio.Event()
+        self._yielding = 0  # background rounds waiting on `_turns_changed`
         self._slots = asyncio.Semaphore(MAX_CONCURRENT)
         self._closed = False
 
@@ -255,22 +285,49 @@ class Memory:
         """Start a background summary of the session unless one runs (or too many wait)."""
         if self._closed or session_id in self._tasks or len(self._tasks) >= MAX_SCHEDULED:
             return False
-        self._spawn(session_id, self._summarize(key, session_id, system_tokens))
+        self._background[key] = session_id
+        self._spawn(session_id, self._summarize(key, session_id, system_tokens, background=True))
         return True
 
     async def compress(self, key: str, session_id: str, focus: str | None) -> Condensed | None:
-        """/compress: condense every unsummarized message now (after a running summary of
-        the session). None when the gateway stopped it."""
+        """/compress: condense every unsummarized message now. It runs in the session's
+        lane, so a background summary of the session is only waiting for the lane to
+        free: it is cancelled (this condenses everything it would). None when the
+        gateway stopped it; cancelling the caller (/stop) cancels the summary too."""
         while (running := self._tasks.get(session_id)) is not None:
+            if self._background.get(key) == session_id:
+                running.cancel()
             await asyncio.wait([running])
         if self._closed:
             return None
         task = self._spawn(session_id, self._summarize(key, session_id, 0, focus, everything=True))
-        await asyncio.wait([task])
+        try:
+            await asyncio.wait([task])
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
         return None if task.cancelled() else task.result()
 
     def running(self, session_id: str) -> bool:
         return session_id in self._tasks
+
+    def turn_arrived(self, key: str) -> None:
+        """A turn (or lane command) of the session waits now: its background summary's
+        round at the model, if any, is cancelled (its checkpoints so far stay; the
+        turn's end asks for a summary again). A round still waiting keeps waiting."""
+        session_id = self._background.get(key)
+        if session_id is not None and session_id in self._at_model:
+            task = self._tasks.get(session_id)
+            if task is not None:
+                log.info("summary_yielded", session_id=session_id)
+                task.cancel()
+
+    def turns_changed(self) -> None:
+        """A session's lane closed: waiting summaries look again. (Every turn's end calls
+        this: with no summary waiting it changes nothing.)"""
+        if self._yielding:
+            self._turns_changed.set()
+            self._turns_changed = asyncio.Event()
 
     async def close(self) -> None:
         """Cancel the summaries in flight (a checkpoint is all or nothing: none is half
@@ -290,8 +347,45 @@ class Memory:
     def _finished(self, session_id: str, task: asyncio.Task[Condensed]) -> None:
         if self._tasks.get(session_id) is task:
             del self._tasks[session_id]
+            self._at_model.discard(session_id)
+            for key in [k for k, s in self._background.items() if s == session_id]:
+                del self._background[key]
         if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("summary_failed", session_id=session_id, error=repr(exc))
+
+    async def _slot(self, key: str, session_id: str, background: bool) -> None:
+        """Take a summary slot for one round. A background round first waits until no
+        turn of its session waits or runs, and none of its agent's either (at most
+        `YIELD_SECONDS` for those), and looks again once it holds the slot."""
+        if not background:
+            await self._slots.acquire()
+            return
+        deadline = time.monotonic() + YIELD_SECONDS
+        while True:
+            while (left := self._yields(key, deadline)) is not False:
+                changed = self._turns_changed
+                self._yielding += 1
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        async with asyncio.timeout(left):
+                            await changed.wait()
+                finally:
+                    self._yielding -= 1
+            await self._slots.acquire()
+            if self._yields(key, deadline) is False:
+                self._at_model.add(session_id)
+                return
+            self._slots.release()
+
+    def _yields(self, key: str, deadline: float) -> float | bool | None:
+        """Does a background round still yield: False (it may go), the seconds left of
+        its wait for other sessions' turns, or None (until its own session's are done)."""
+        if self.session_busy(key):
+            return None
+        if not self.agent_busy(key):
+            return False
+        left = deadline - time.monotonic()
+        return left if left > 0 else False
 
     async def _summarize(
         self,
@@ -301,11 +395,13 @@ class Memory:
         focus: str | None = None,
         *,
         everything: bool = False,
+        background: bool = False,
     ) -> Condensed:
         condensed = chars = 0
         plan = self.plan_for(key)
-        async with self._slots:
-            for round_ in range(MAX_ROUNDS):
+        for round_ in range(MAX_ROUNDS):
+            await self._slot(key, session_id, background)
+            try:
                 work = await self.store.read(
                     lambda conn: summary_checkpoints.unsummarized(conn, session_id, CHUNK_ROWS)
                 )
@@ -317,6 +413,8 @@ class Memory:
                 text = await self._condense(
                     plan, key, session_id, previous, work.messages[:count], focus, system_tokens
                 )
+                # Past the model: a turn arriving now does not cancel the round's write.
+                self._at_model.discard(session_id)
                 epoch = checkpoint.epoch if checkpoint is not None else 0
                 before = checkpoint.messages if checkpoint is not None and previous else 0
                 covered = work.ids[count - 1]
@@ -334,19 +432,22 @@ class Memory:
                     ),
                     dirty=False,
                 )
-                if not written:
-                    log.info("summary_discarded", session_id=session_id, reason="epoch moved")
-                    return Condensed(condensed, chars, stale=True)
-                condensed += count
-                chars = len(text)
-                log.info(
-                    "summary_written",
-                    session_id=session_id,
-                    condensed=count,
-                    covered_up_to=covered,
-                    chars=chars,
-                    epoch=epoch + 1,
-                )
+            finally:
+                self._at_model.discard(session_id)
+                self._slots.release()
+            if not written:
+                log.info("summary_discarded", session_id=session_id, reason="epoch moved")
+                return Condensed(condensed, chars, stale=True)
+            condensed += count
+            chars = len(text)
+            log.info(
+                "summary_written",
+                session_id=session_id,
+                condensed=count,
+                covered_up_to=covered,
+                chars=chars,
+                epoch=epoch + 1,
+            )
         return Condensed(condensed, chars)
 
     def _pick(

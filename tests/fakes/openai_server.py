@@ -4,12 +4,18 @@ Speaks the real wire format (``POST /v1/chat/completions``, ``chat.completion`` 
 OpenAI-style ``{"error": {...}}`` bodies) and records every request. Faults are queued
 and each applies to one request: ``fail_next``, ``delay_next``, ``malformed_next``,
 ``stall_next`` (headers, then silence: mid-stream, or where the body should be).
-``hold(predicate)`` keeps the requests it matches waiting until its event is set, and
-``usage`` may be a function of the request (a stand-in tokenizer counting the prompt;
-``counted_usage`` reports ``prompt_tokens(body)``). With ``n_ctx``, like a llama.cpp
-server started with that context size, a request whose ``prompt_tokens(body)`` exceeds
-it is refused with 400 (and recorded in ``over_window``). ``on_request``, if set, is
-awaited with each chat request's body before it is answered.
+``hold(predicate)`` keeps the requests it matches waiting until its event is set (a
+client that gives up meanwhile ends its request), and ``usage`` may be a function of
+the request (a stand-in tokenizer counting the prompt; ``counted_usage`` reports
+``prompt_tokens(body)``). With ``n_ctx``, like a llama.cpp server started with that
+context size, a request whose ``prompt_tokens(body)`` exceeds it is refused with 400
+(and recorded in ``over_window``). ``on_request``, if set, is awaited with each chat
+request's body before it is answered.
+
+Concurrency: with ``label(body)`` (e.g. "summary" or "turn", and whose), every chat
+request is recorded in ``spans`` with its label and when it arrived and ended, on a
+counter of events rather than a clock; ``overlaps()`` lists the pairs that were at the
+server at the same time.
 
 Function calling: an answer is a text, or a message dict (``tool_calls(...)`` builds one
 that calls tools). ``script(*answers)`` queues answers, one per request; without one,
@@ -43,6 +49,22 @@ from typing import Any
 from aiohttp import web
 
 _RECORDED_HEADERS = ("Authorization", "Content-Type")
+
+
+@dataclass(slots=True)
+class Span:
+    """One chat request at the server: its label, and the event counter's value when it
+    arrived and when it was answered (or its client went away); `end` None: still open."""
+
+    label: str
+    start: int
+    end: int | None = None
+    gone: bool = False  # the client went away before the answer
+
+    def overlaps(self, other: Span) -> bool:
+        return self.start < (other.end if other.end is not None else 1 << 62) and (
+            other.start < (self.end if self.end is not None else 1 << 62)
+        )
 
 
 @dataclass(slots=True)
@@ -142,8 +164,12 @@ class FakeOpenAI:
         usage: dict[str, Any] | Callable[[dict[str, Any]], dict[str, Any]] | None = None,
         check_pairing: bool = False,
         n_ctx: int | None = None,
+        label: Callable[[dict[str, Any]], str] | None = None,
     ) -> None:
         self.expected_key = expected_key
+        self.label = label
+        self.spans: list[Span] = []
+        self._events = itertools.count(1)
         self.check_pairing = check_pairing
         self.n_ctx = n_ctx
         self.over_window: list[dict[str, Any]] = []  # bodies refused for exceeding n_ctx
@@ -182,7 +208,11 @@ class FakeOpenAI:
         app.router.add_post("/v1/chat/completions", self._chat_completions)
         app.router.add_post("/v1/embeddings", self._embeddings)
         app.router.add_post("/v1/audio/transcriptions", self._transcriptions)
-        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        # As a real server stops work for a client that hung up (a request it cancelled):
+        # the handler is cancelled at once, and its span ends then.
+        self._runner = web.AppRunner(
+            app, access_log=None, shutdown_timeout=0.1, handler_cancellation=True
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -240,6 +270,19 @@ class FakeOpenAI:
         release = asyncio.Event()
         self._holds.append((path, predicate, release))
         return release
+
+    def overlaps(self) -> list[tuple[str, str]]:
+        """The labels of every two chat requests that were at the server at once."""
+        return [
+            (a.label, b.label)
+            for i, a in enumerate(self.spans)
+            for b in self.spans[i + 1 :]
+            if a.overlaps(b)
+        ]
+
+    def order(self) -> list[str]:
+        """The labels of the chat requests in the order they arrived."""
+        return [span.label for span in self.spans]
 
     # --- handler -------------------------------------------------------------------------
 
@@ -311,15 +354,30 @@ class FakeOpenAI:
                 "headers": {h: request.headers.get(h) for h in _RECORDED_HEADERS},
             }
         )
-        for path, predicate, release in self._holds:
-            if (
-                path == request.path
-                and isinstance(body, dict)
-                and predicate(body)
-                and not release.is_set()
-            ):
-                self.held.append(body)
-                await release.wait()
+        span = None
+        if self.label is not None and isinstance(body, dict):
+            span = Span(self.label(body), next(self._events))
+            self.spans.append(span)
+        try:
+            for path, predicate, release in self._holds:
+                if (
+                    path == request.path
+                    and isinstance(body, dict)
+                    and predicate(body)
+                    and not release.is_set()
+                ):
+                    self.held.append(body)
+                    await release.wait()
+            return await self._answer(request, body)
+        except asyncio.CancelledError:
+            if span is not None:
+                span.gone = True
+            raise
+        finally:
+            if span is not None:
+                span.end = next(self._events)
+
+    async def _answer(self, request: web.Request, body: Any) -> web.StreamResponse:
         fault = self._faults.popleft() if self._faults else _Fault()
         if fault.delay:
             await asyncio.sleep(fault.delay)

@@ -555,13 +555,16 @@ class Recall:
             async with self._noted_lock:
                 at = self._noted_at
                 if at is None or time.monotonic() - at > NOTED_TTL_SECONDS:
-                    self._noted_at = time.monotonic()
+                    asked = time.monotonic()
                     before = set(self._noted)
                     rows = await self.store.read(
                         lambda conn: conn.execute("SELECT DISTINCT namespace FROM notes").fetchall()
                     )
                     # A save while the query ran may be missing from its answer.
                     self._noted = {row[0] for row in rows} | (self._noted - before)
+                    # Fresh only once answered: a turn meanwhile waits on the lock for
+                    # the answer (in its order) rather than reading the set unrefreshed.
+                    self._noted_at = asked
         return str(ns) in self._noted
 
     async def for_turn(self, ns: Namespace, text: str) -> list[Hit]:

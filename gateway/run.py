@@ -160,6 +160,7 @@ class GatewayRunner(SessionOps):
         # Background summaries yield to turns: of their own session always, of their
         # agent's other sessions for a bounded time (`gateway.memory.summaries`).
         self._lanes_per_agent: dict[str, int] = {}
+        self._default_prompts: dict[str, str] = {}  # agent id -> its default system prompt
         self.memory = Memory(
             self.store,
             main.plan,
@@ -1087,9 +1088,11 @@ class GatewayRunner(SessionOps):
         block = build_session_context_prompt(context, redact_pii=agent.config.redact_pii)
         custom = agent.config.system_prompt
         if custom is None:
+            custom = self._default_prompts.get(agent.agent_id)
+        if custom is None:  # an agent's tools are fixed at start: built once per agent
             toolbox = self.toolbox_for(agent.agent_id)
             names = ", ".join(toolbox.tools) if toolbox is not None else ""
-            custom = (
+            custom = self._default_prompts[agent.agent_id] = (
                 f"Agent {agent.agent_id!r} of hermes-gateway: an AI assistant answering"
                 " people in chats.\n"
                 + (f"Tools you may call: {names}." if names else "You have no tools.")

@@ -117,11 +117,50 @@ def check_runnable(config: GatewayConfig) -> list[PlatformAdapter]:
 
     `check-config` calls this too, so the two commands accept and refuse the same
     configs. Raises ConfigError (exit 78) naming the key."""
-    Roster(config)
+    roster = Roster(config)
     problem = local_model_problem(config)  # memory.embedding: local's library and model
     if problem is not None:
         raise ConfigError(problem)
+    problem = window_problem(config, roster)
+    if problem is not None:
+        raise ConfigError(problem)
     return build_adapters(config)
+
+
+# Estimated tokens a turn needs besides the tools and a configured prompt: the default
+# prompt's two lines, the session-context block and a short message.
+MESSAGE_ROOM = 256
+
+
+def window_problem(config: GatewayConfig, roster: Roster) -> str | None:
+    """An agent whose tool specs and configured system prompt leave no `MESSAGE_ROOM` in
+    its context window (less the reply's reserve) could answer nothing: every message
+    would be refused as too large. Counted as a session's first turn counts them (the estimate
+    with its margin, `UNCALIBRATED_FACTOR`): a first turn refused never reaches the model,
+    so no count of the model's could ever bring the estimate down."""
+    from gateway.context.tokens import UNCALIBRATED_FACTOR, text_tokens
+    from gateway.tools import BUILTIN_TOOLS
+    from gateway.tools.registry import Toolbox
+
+    for spec in roster:
+        agent = spec.config
+        if agent.backend == "echo" or not agent.tools:
+            continue  # the echo agent calls no model and carries no tools
+        tools = Toolbox(BUILTIN_TOOLS, agent.tools).spec_tokens
+        fixed = int((tools + text_tokens(agent.system_prompt or "")) * UNCALIBRATED_FACTOR)
+        if fixed + MESSAGE_ROOM > spec.plan.budget:
+            where = f"agents.{spec.agent_id}" if spec.agent_id in config.agents else "agent"
+            return (
+                f"{where}.context.window_tokens: {agent.context.window_tokens} leaves no"
+                f" room for a message (about {MESSAGE_ROOM} tokens with the session's"
+                f" context): the {len(agent.tools)} tools' specs"
+                + (" and the system prompt" if agent.system_prompt else "")
+                + f" alone take about {fixed:,} of its {spec.plan.budget:,} tokens (estimated"
+                " with a margin until the model reports its count; the rest is the reply's"
+                " reserve); raise it to the model's context size, or list fewer in"
+                f" {where}.tools"
+            )
+    return None
 
 
 async def serve(config: GatewayConfig, home: Path) -> int:

@@ -434,3 +434,24 @@ def test_status_shows_each_adapters_reconnects_errors_and_refusals(tmp_path: Pat
     assert result.returncode == 0, result.stdout + result.stderr
     assert "  http: running, refused while busy: 7\n" in result.stdout
     assert "  discord: reconnecting, reconnects 2, last error: socket closed\n" in result.stdout
+
+
+def test_a_window_the_tools_alone_fill_is_refused_at_start_naming_the_key(
+    tmp_path: Path,
+) -> None:
+    """Every message to such an agent would be refused as too large: `check-config` and
+    `run` say so at once (exit 78), and a window with room, or fewer tools, is accepted."""
+    agent = "agent:\n  backend: openai\n  base_url: http://127.0.0.1:9/v1\n  model: m\n"
+    (tmp_path / "hermes.yaml").write_text(agent + "  context: {window_tokens: 1024}\n")
+    for command in ("check-config", "run"):
+        result = cli(tmp_path, command)
+        assert result.returncode == 78, result.stderr
+        assert "agent.context.window_tokens: 1024 leaves no room" in result.stderr
+        assert "agent.tools" in result.stderr and "Traceback" not in result.stderr
+    for fits in (
+        "  context: {window_tokens: 4096}\n",
+        "  context: {window_tokens: 1024}\n  tools: [memory_save]\n",
+    ):
+        (tmp_path / "hermes.yaml").write_text(agent + fits)
+        result = cli(tmp_path, "check-config")
+        assert result.returncode == 0, result.stderr

@@ -244,7 +244,7 @@ class GatewayHandle(Protocol):
         ...
 
     async def last_reply_seq(self, platform: str, chat_id: str) -> int:
-        """The newest reply's seq (delivery id) in one chat, 0 when none (issue 18)."""
+        """The newest reply's seq (delivery id) in one chat, 0 when none."""
         ...
 
     def health(self) -> dict[str, Any]: ...
@@ -431,7 +431,7 @@ class PlatformAdapter(ABC):
     async def send_typing(self, target: SessionSource) -> None:  # noqa: B027 (optional)
         """Show a typing indicator; platforms without one ignore it."""
 
-    # --- streamed replies (issue 18) ----------------------------------------------------------
+    # --- streamed replies ---------------------------------------------------------------------
 
     #: how a streamed reply reaches the chat: "edit" (a message sent, then edited in
     #: place: `send_draft`, `edit`, `delete`), "push" (text deltas to listeners:

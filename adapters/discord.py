@@ -139,7 +139,7 @@ class DiscordAdapter(PlatformAdapter):
         return True  # one gateway session per bot (more would get every event twice)
 
     platform = Platform.DISCORD
-    stream_mode = "edit"  # a message, then message edits (issue 18)
+    stream_mode = "edit"  # a message, then message edits
     max_message_length = 2000  # Discord counts Unicode code points, as len() does
 
     def __init__(
@@ -497,7 +497,7 @@ class DiscordAdapter(PlatformAdapter):
         )
         return SendResult(message_id=str(message.id))
 
-    # --- streamed replies (issue 18) --------------------------------------------------------
+    # --- streamed replies -------------------------------------------------------------------
 
     async def send_draft(
         self, target: SessionSource, text: str, reply_to: str | None = None

@@ -144,7 +144,7 @@ class HttpAdapter(PlatformAdapter):
     """
 
     platform = Platform.HTTP
-    stream_mode = "push"  # deltas to GET /v1/chats/{chat_id}/stream listeners (issue 18)
+    stream_mode = "push"  # deltas to GET /v1/chats/{chat_id}/stream listeners
     # Clients get whole replies; split only beyond this generous cap (characters).
     max_message_length = 65536
 
@@ -158,7 +158,7 @@ class HttpAdapter(PlatformAdapter):
         # Long-pollers waiting per chat; present only while someone waits, so GETs for
         # unknown chats cost no memory beyond the request itself.
         self._waiters: dict[str, set[asyncio.Future[None]]] = {}
-        # Several replicas (issue 19): tells the others a chat has a new reply.
+        # Several replicas: tells the others a chat has a new reply.
         self.publish: Callable[[str], object] | None = None
         # Stream listeners per chat, each a queue of ("delta", text) / ("final", "") /
         # ("stop", ""); present only while someone listens.

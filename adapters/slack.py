@@ -141,7 +141,7 @@ class SlackAdapter(PlatformAdapter):
         return self.config.mode == "socket"  # one Socket Mode connection per app
 
     platform = Platform.SLACK
-    stream_mode = "edit"  # chat.postMessage, then chat.update (issue 18)
+    stream_mode = "edit"  # chat.postMessage, then chat.update
     max_message_length = 40000  # chat.postMessage truncates text beyond this
     length_fn = staticmethod(slack_len)
 
@@ -470,7 +470,7 @@ class SlackAdapter(PlatformAdapter):
         )
         return SendResult(message_id=response.get("ts"))
 
-    # --- streamed replies (issue 18) --------------------------------------------------------
+    # --- streamed replies -------------------------------------------------------------------
 
     async def send_draft(
         self, target: SessionSource, text: str, reply_to: str | None = None

@@ -110,7 +110,7 @@ class TelegramAdapter(PlatformAdapter):
     platform = Platform.TELEGRAM
     max_message_length = 4096
     length_fn = staticmethod(utf16_len)  # Telegram counts UTF-16 code units
-    stream_mode = "edit"  # sendMessage, then editMessageText (issue 18)
+    stream_mode = "edit"  # sendMessage, then editMessageText
 
     def __init__(self, config: TelegramConfig) -> None:
         super().__init__(config)
@@ -560,7 +560,7 @@ class TelegramAdapter(PlatformAdapter):
                     raise
                 await self.retry_pause("send", attempts, backoff.delay(), self._describe(exc))
 
-    # --- streamed replies (issue 18) --------------------------------------------------------
+    # --- streamed replies -------------------------------------------------------------------
 
     async def send_draft(
         self, target: SessionSource, text: str, reply_to: str | None = None

@@ -162,7 +162,7 @@ class AgentConfig(BaseModel):
         )
 
 
-# --- several agents (issue 16) ----------------------------------------------------------
+# --- several agents ---------------------------------------------------------------------
 
 MAIN_AGENT = "main"  # the id of `agent:`, and where a message no route matches goes
 # Agent ids go into session keys (`agent:{id}:...`), file names and log lines: a short,
@@ -222,7 +222,7 @@ class PlatformConfig(BaseModel):
     enabled: bool = False
     session_reset: SessionResetPolicy | None = None  # beats reset_by_type and session_reset
     home_channel: str | None = None  # where scheduled deliveries go when no chat is implied
-    # Streamed replies (issue 18): the reply is shown as the model writes it, one message
+    # Streamed replies: the reply is shown as the model writes it, one message
     # edited in place (the HTTP API: `GET /v1/chats/{chat_id}/stream`), at most one send
     # or edit per `edit_interval` seconds per chat. Off: the whole reply once, as before.
     streaming: bool = True

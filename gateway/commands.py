@@ -1,5 +1,5 @@
 """Chat commands: /new /reset /stop /queue /status /resume /retry /undo /help, and the
-session memory commands /title /search /forget /compress (issue 15).
+session memory commands /title /search /forget /compress.
 
 Each handler gets the runner and the event and returns the text to send back (or None
 when the command answers through a turn of its own, like /retry). Which `/words` are

@@ -1,9 +1,9 @@
 """Turn deadlines: `agent.gateway_timeout` (each agent's own) for every running turn,
 with one timer.
 
-`asyncio.timeout` per turn made a Timeout object and a timer handle for every turn, about
-6 µs of a turn that costs under 200 (issue 14). Here a turn's deadline is a dict entry,
-and one timer, running only while some turn has a deadline, cancels the turns whose time
+`asyncio.timeout` per turn would make a Timeout object and a timer handle for every
+turn, a cost the turn's path notices. Here a turn's deadline is a dict entry, and one
+timer, running only while some turn has a deadline, cancels the turns whose time
 is up. A deadline is therefore met up to a tick late: a quarter of the limit, at most a
 second, which a limit of minutes cannot tell apart.
 """

@@ -6,7 +6,7 @@ marked sent once the platform acknowledged it. A chunk that fails stays pending 
 the rest behind it, and `resend_pending` (the next start, housekeeping passes) sends it:
 a restart never sends what was acknowledged again.
 
-A streamed reply's chunks (issue 18) carry the platform message they replace: each is
+A streamed reply's chunks carry the platform message they replace: each is
 delivered as an edit of it, when the chat's flood wait ends (a wait longer than
 `streaming.max_flood_wait` sends it as a new message instead and deletes the partial).
 
@@ -97,7 +97,7 @@ class Delivery:
 
         A chunk that fails stays pending in the ledger (and the rest with it, to keep the
         order); the next start or housekeeping pass sends it. `edits[i]`: the streamed
-        message chunk i replaces (issue 18).
+        message chunk i replaces.
         """
         slot = self.slots.get(target)  # a streamed reply in this chat: take turns with it
         # By delivery id, not position: rows already being sent elsewhere are left out

@@ -5,7 +5,7 @@ Inactive unless the environment variable `HERMES_CRASH_AT` is set, e.g.
 process kills itself with SIGKILL, exactly as `kill -9` would, in the middle of the
 persistence step. Points: after_turn_begin, after_transcript_write,
 before_ledger_mark, mid_sessions_json_write, after_schedule_claim (a scheduled run claimed
-and its turn begun, issue 17).
+and its turn begun).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""One replica of several on a shared PostgreSQL store (issue 19): which replica runs a
+"""One replica of several on a shared PostgreSQL store: which replica runs a
 session, and what moves when a replica dies or loses the database.
 
 Rule: a replica touches a session's turns only while it holds the session's lease

@@ -6,7 +6,7 @@ goes to the main agent. The agent id becomes the second part of the session key
 (`agent:{id}:...`, `gateway.session.build_session_key`), which is what keeps agents
 apart: sessions, transcripts, search and recall are all found by key.
 
-Matching is on the turn's path (issue 14 counts microseconds there): a config without
+Matching is on the turn's path (a microsecond there counts): a config without
 routes to another agent gets a constant function, and otherwise each route is a tuple
 compared field by field, no dict or model touched per message.
 """

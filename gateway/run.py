@@ -142,7 +142,7 @@ class GatewayRunner(SessionOps):
             self.store, history_limit=main.config.history_limit, plan=main.plan, plan_for=plan_for
         )
         self.recovery = Recovery(self)
-        # Several replicas on one PostgreSQL store (issue 19): a session runs where its
+        # Several replicas on one PostgreSQL store: a session runs where its
         # lease is; on SQLite this process is the only one and holds everything.
         self.cluster: Replica | None = None
         if self.store.postgres:
@@ -171,13 +171,13 @@ class GatewayRunner(SessionOps):
         )
         # Long-term memory: notes and hybrid recall (the memory tools, `hermes-gateway memory`).
         self.recall = Recall(self.store, config)
-        # Scheduled jobs (issue 17): the book (commands, tools) and the loop that fires them.
+        # Scheduled jobs: the book (commands, tools) and the loop that fires them.
         self.schedule_book = ScheduleBook(
             self.store, config, platforms=lambda: [p.value for p in self.adapters]
         )
         self.scheduler = Scheduler(self, self.schedule_book)
         self.metrics = Metrics(gauges=self._metric_gauges)  # its own registry
-        # Streamed replies (issue 18): a turn's Stream takes its chat's slot only once
+        # Streamed replies: a turn's Stream takes its chat's slot only once
         # the agent streams text, so other turns spend nothing on them.
         self.streams = Streams(self.adapters, config, self.turnlog.save_stream)
         self.delivery = Delivery(
@@ -187,7 +187,7 @@ class GatewayRunner(SessionOps):
             self.streams.slots,
             config.streaming.max_flood_wait,
         )
-        self.media = MediaIntake(self.home, config.media)  # files users send (issue 18)
+        self.media = MediaIntake(self.home, config.media)  # files users send
         self.finalize_hooks: list[FinalizeHook] = []
         self.restart_requested = asyncio.Event()
         # Each agent's tools; None for the echo backend (no model calls tools) and for

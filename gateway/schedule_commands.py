@@ -1,4 +1,4 @@
-"""The chat commands of scheduled jobs (issue 17): /schedule and /sethome.
+"""The chat commands of scheduled jobs: /schedule and /sethome.
 
     /schedule add [--home] WHEN PROMPT   WHEN: in 30 minutes | at 09:00 | every 2 hours |
                                          every 6 months | "0 9 * * 1-5" (see

@@ -1,4 +1,4 @@
-"""What the runner offers on stored sessions besides turns (issue 15): list with titles,
+"""What the runner offers on stored sessions besides turns: list with titles,
 search transcripts, read one session, delete one. The HTTP API reaches these through
 `adapters.base.GatewayHandle`; the chat commands /search and /forget through the runner.
 

@@ -1,4 +1,4 @@
-"""Streamed replies (issue 18): the reply shown in the chat while the model writes it.
+"""Streamed replies: the reply shown in the chat while the model writes it.
 
     agent --on_text(text so far)--> Stream.update --(its pump task)--> send_draft / edit
     turn end: Stream.finish() -> the final reply is recorded with the stream's message

@@ -6,7 +6,7 @@ the user may read about is an `AgentError`. An agent backed by a model may also 
 ``async summarize(SummaryRequest) -> str`` (`Summarizing`): the rolling summaries of the
 summary context strategy are then written by that model, else extracted without one.
 
-Streaming (issue 18): an agent may also offer
+Streaming: an agent may also offer
 ``async stream_turn(TurnRequest, on_text) -> TurnResult`` (`Streaming`), calling
 ``on_text(text)`` with its reply so far as the model writes it (a new tool round starts
 over from ""); the runner uses it when the reply's chat shows streamed text. The result

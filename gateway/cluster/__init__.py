@@ -1,4 +1,4 @@
-"""Several gateway replicas on one PostgreSQL database (issue 19).
+"""Several gateway replicas on one PostgreSQL database.
 
 The database is the only arbiter: leases (`leases`) say which replica owns a named
 thing until when, by the database's clock; `LeaderRole` holds one such lease for a

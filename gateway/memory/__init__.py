@@ -1,1 +1,1 @@
-"""The memory layer: rolling summaries of long sessions (issue 15)."""
+"""The memory layer: rolling summaries of long sessions."""

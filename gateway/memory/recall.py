@@ -1,4 +1,4 @@
-"""Long-term recall (issue 16): notes per user and agent, and hybrid search over them and
+"""Long-term recall: notes per user and agent, and hybrid search over them and
 the user's past transcripts. `runner.recall` is a `Recall`; the agent's memory tools
 and the operator's `hermes-gateway memory` commands call it.
 
@@ -661,7 +661,7 @@ class Recall:
                         gone.sessions += 1
                 except purge.SessionBusy:
                     busy.append(session_id)
-            # Their schedules (issue 17), with their runs and their sessions.
+            # Their schedules, with their runs and their sessions.
             for agent, schedule_id in schedules.delete_for_user(conn, platform, user_id, agent_id):
                 gone.schedules += 1
                 key = schedule_session_key(agent, schedule_id)

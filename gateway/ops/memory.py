@@ -1,5 +1,5 @@
 """`hermes-gateway memory list | delete | export --user PLATFORM:USER_ID [--agent A]`:
-the operator's view of a user's long-term memory (issue 16).
+the operator's view of a user's long-term memory.
 
 Works beside a running daemon or without one, like `sessions`: state.db's writes are
 serialised by SQLite (WAL), and memory.db is brought up to date before the command

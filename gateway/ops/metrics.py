@@ -38,7 +38,7 @@ class Metrics:
     commands_total: int = 0
     replies_sent_total: int = 0
     send_errors_total: int = 0
-    stream_edits_total: int = 0  # interim edits of streamed replies (issue 18)
+    stream_edits_total: int = 0  # interim edits of streamed replies
     stream_flood_waits_total: int = 0  # 429s that made a stream skip its edits
     latency_counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
     latency_sum: float = 0.0

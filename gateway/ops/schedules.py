@@ -1,5 +1,5 @@
 """`hermes-gateway schedules list | add | remove | pause | resume | runs`: the operator's
-view of scheduled jobs (issue 17).
+view of scheduled jobs.
 
 Works beside a running daemon or without one, like `sessions`: state.db's writes are
 serialised by SQLite (WAL), and the daemon sees a schedule added here within a second

@@ -1,5 +1,5 @@
 """`hermes-gateway sessions search | export | delete`: the operator's view of every
-session's transcript (issue 15). `list` and `show` live in `gateway.cli`.
+session's transcript. `list` and `show` live in `gateway.cli`.
 
 These open the store like `sessions list` does, beside a running daemon or without one:
 SQLite serialises the writes, and a delete is refused while a turn marker (`turns`)

@@ -1,5 +1,5 @@
 """`hermes-gateway storage migrate --to postgresql://...`: copy a home's state.db into an
-empty PostgreSQL database (issue 19), then say what to change in hermes.yaml.
+empty PostgreSQL database, then say what to change in hermes.yaml.
 
 Offline only: it holds the home's lock (`gateway.store.homelock`) while it copies, so no
 gateway runs on the home meanwhile. The target gets the baseline schema

@@ -75,7 +75,7 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         VALUES ('delete', old.id, old.content);
     END;
     """,
-    # Durability (issue 4): every accepted inbound message, the in-flight turn markers and
+    # Durability: every accepted inbound message, the in-flight turn markers and
     # the outbound delivery ledger.
     2: """
     CREATE TABLE inbox (
@@ -296,7 +296,7 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         updated_at REAL NOT NULL
     ) WITHOUT ROWID;
     """,
-    # Streamed replies (issue 18): `streams` holds the platform messages a running turn
+    # Streamed replies: `streams` holds the platform messages a running turn
     # is editing in place (written when the first is sent, gone with the turn's end), so
     # a turn re-run after a crash edits them instead of sending a second reply; a reply
     # chunk with `edit_message_id` is delivered as an edit of that message.

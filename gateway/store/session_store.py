@@ -325,7 +325,7 @@ class SessionStore:
         suspended or expired); a session that continues is not written here."""
         policy = self.config.get_reset_policy(source.platform, source.chat_type)
         if schedule_id_of_key(key) is not None:
-            # A scheduled job's session keeps its context from run to run (issue 17).
+            # A scheduled job's session keeps its context from run to run.
             policy = NEVER_RESET
         active = self._has_active_processes(key)
         tz = self._tz
@@ -667,7 +667,7 @@ class SessionStore:
         """Soft-delete the last `n` user turns; `{rewound_count, turns_undone, target_text}`."""
         if not 1 <= n <= MAX_REWIND:
             raise ValueError(f"n must be between 1 and {MAX_REWIND}")
-        # The summary checkpoint follows in the same transaction (issue 15).
+        # The summary checkpoint follows in the same transaction.
         return await self._write(
             lambda conn: summary_checkpoints.rewind(conn, session_id, n), dirty=False
         )

@@ -108,7 +108,7 @@ class TurnLog:
         """`accept` and `begin` in one transaction, for a message to an idle session: one
         commit (and one wait) fewer per turn. None when the message is a redelivery.
 
-        `claim` (a scheduled run's claim, issue 17) runs first in the same transaction;
+        `claim` (a scheduled run's claim) runs first in the same transaction;
         False from it (the run was not claimed) writes nothing and returns None: a run
         claimed is a turn begun, or neither. `claim_fences`: the claim is what takes the
         session's lease on a replica, so the turn's own fence would only repeat it."""
@@ -198,7 +198,7 @@ class TurnLog:
             loaded = turn_context.load(conn, entry.session_id, plan, factor)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)
             if not loaded.messages:
-                # The session's first user message titles it (issue 15): decided from the
+                # The session's first user message titles it: decided from the
                 # history this transaction read anyway, so a turn that continues a session
                 # costs no statement; the UPDATE keeps a title already set (/title).
                 titles.set_first_title(conn, entry.session_id, text)
@@ -244,9 +244,9 @@ class TurnLog:
         wrote commit together, or (a crash before this) not at all.
         `then` (an accepted event waiting behind this turn, and its text as stored) is
         begun in the same transaction: a queued message's turn costs no transaction of
-        its own (issue 14: at most two awaited transactions per turn). `settles` run
-        whether the turn succeeded or not (a scheduled run's outcome, issue 17).
-        `edits` (a streamed reply, issue 18: the platform messages it was shown in, or []
+        its own (at most two awaited transactions per turn). `settles` run
+        whether the turn succeeded or not (a scheduled run's outcome).
+        `edits` (a streamed reply: the platform messages it was shown in, or []
         when none was sent) ends the key's stream row here, and chunk i is delivered as an
         edit of `edits[i]`; None (no stream) touches no stream row.
         `attachments` (the reply's files, `Attachment.to_dict()`) are recorded after the
@@ -507,7 +507,7 @@ class TurnLog:
         return lambda conn: journal.mark_sent(conn, delivery_id, platform_message_id, now)
 
     def save_stream(self, session_key: str, message_ids: Sequence[str]) -> asyncio.Future[None]:
-        """Remember the messages a streamed reply is shown in (issue 18), in the next
+        """Remember the messages a streamed reply is shown in, in the next
         group commit: a turn re-run after a crash edits them instead of sending anew."""
         now, ids = time.time(), list(message_ids)
         saved = self.store.write_soon(

@@ -1,7 +1,7 @@
-"""The agent's built-in tools (issue 16): what they do (`gateway.tools.builtin`), and the
+"""The agent's built-in tools: what they do (`gateway.tools.builtin`), and the
 registry that validates a call's arguments and turns every failure into a result for
 the model (`gateway.tools.registry`). README "Tools" is the user's description. The
-schedule tools (issue 17) are `gateway.tools.schedules`."""
+schedule tools are `gateway.tools.schedules`."""
 
 from gateway.tools.builtin import SESSION_TOOLS
 from gateway.tools.notes import NOTE_TOOLS

@@ -146,7 +146,7 @@ class TurnTools:
 
 
 def agent_id_of(session_key: str) -> str:
-    """The agent id of an ``agent:{id}:...`` session key (issue 16: notes are per agent)."""
+    """The agent id of an ``agent:{id}:...`` session key (notes are per agent)."""
     prefix, _, rest = session_key.partition(":")
     agent_id = rest.partition(":")[0]
     if prefix != "agent" or not agent_id:

@@ -1,4 +1,4 @@
-"""The schedule tools: `schedule_create`, `schedule_list`, `schedule_delete` (issue 17), so
+"""The schedule tools: `schedule_create`, `schedule_list`, `schedule_delete`, so
 "remind me tomorrow at 9 to call Bob" works through the model.
 
 The same book and validation as `/schedule` (gateway.schedules.book), scoped the same

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
-import secrets
 import shutil
 import sys
 import tempfile
@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import GatewayConfig
 from gateway.memory.recall import Namespace, Recall
 from gateway.store.session_store import SessionStore
+from scripts.bench_replicas import pg_schema
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "recall_paraphrases.json"
 USER = Namespace("main", "telegram", "bench-user")
@@ -114,28 +115,21 @@ def memory_config(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Score]:
-    import psycopg
-    from psycopg.conninfo import make_conninfo
-
     home = Path(tempfile.mkdtemp(prefix="bench-recall-quality-"))
-    schema = f"bench_{secrets.token_hex(4)}"
-    storage: dict[str, Any] = {}
-    if args.postgres:
-        with psycopg.connect(args.postgres, autocommit=True) as conn:
-            conn.execute(f"CREATE SCHEMA {schema}")
-        dsn = make_conninfo(args.postgres, options=f"-c search_path={schema}")
-        storage = {"backend": "postgres", "dsn": dsn}
-    config = GatewayConfig.model_validate({"memory": memory_config(args), "storage": storage})
     try:
-        result = asyncio.run(quality(home / "sessions", config))
-        if args.cost:
-            args.cost_figures = asyncio.run(auto_recall_cost(home / "cost", config))
-        return result
+        with contextlib.ExitStack() as stack:
+            storage: dict[str, Any] = {}
+            if args.postgres:
+                dsn = stack.enter_context(pg_schema(args.postgres))
+                storage = {"backend": "postgres", "dsn": dsn}
+            memory = memory_config(args)
+            config = GatewayConfig.model_validate({"memory": memory, "storage": storage})
+            result = asyncio.run(quality(home / "sessions", config))
+            if args.cost:
+                args.cost_figures = asyncio.run(auto_recall_cost(home / "cost", config))
+            return result
     finally:
         shutil.rmtree(home, ignore_errors=True)
-        if args.postgres:
-            with psycopg.connect(args.postgres, autocommit=True) as conn:
-                conn.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -53,8 +53,8 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
 from config import AGENT_ID_PATTERN, HttpConfig
-from gateway import command_syntax
-from gateway.session import (
+from gateway.domain import command_syntax
+from gateway.domain.session import (
     CHAT_TYPES,
     Platform,
     SessionSource,

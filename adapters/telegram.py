@@ -65,7 +65,7 @@ from adapters.base import (
     utf16_len,
 )
 from adapters.markdown import markdown_v2_len, to_markdown_v2
-from gateway import command_syntax
+from gateway.domain import command_syntax
 
 __all__ = ["COMMANDS", "TelegramAdapter"]
 

@@ -178,7 +178,7 @@ GATEWAY_WIDE_AGENT_FIELDS = (
     "cache_max_size",
     "cache_idle_ttl_seconds",
 )
-# The platforms a route may name (`gateway.session.Platform`'s values; config cannot
+# The platforms a route may name (`gateway.domain.session.Platform`'s values; config cannot
 # import the domain, a test keeps the two in step).
 RoutePlatform = Literal[
     "telegram", "discord", "slack", "http", "local", "whatsapp", "signal", "matrix"

@@ -35,6 +35,7 @@ from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
 from config.envfile import EnvFileError, load_env_file
 from gateway.agents.roster import Roster
+from gateway.domain.session import agent_id_of_key, listing_cursor, listing_cursor_key
 from gateway.memory.embeddings import local_model_problem
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
@@ -46,7 +47,6 @@ from gateway.ops.sessions import add_sessions_subcommands, agent_id, run_session
 from gateway.ops.status import add_status_parser
 from gateway.ops.storage import add_storage_parser
 from gateway.pairing import add_pairing_parser
-from gateway.session import agent_id_of_key, listing_cursor, listing_cursor_key
 from gateway.store.db import DatabaseError, DatabaseUnreachable
 from gateway.store.entries import load_session_row
 from gateway.store.homelock import HomeInUse, HomeLock, HomeUnusable

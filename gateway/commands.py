@@ -3,7 +3,7 @@ session memory commands /title /search /forget /compress.
 
 Each handler gets the runner and the event and returns the text to send back (or None
 when the command answers through a turn of its own, like /retry). Which `/words` are
-commands, and how a message is taken, is `gateway.command_syntax`. Most answer inline
+commands, and how a message is taken, is `gateway.domain.command_syntax`. Most answer inline
 (`dispatch`, on the intake path: reads or one transaction each); one that calls a model
 (`command_syntax.LANE_COMMANDS`) is queued in its session's lane and run by the
 session's worker (`reply_of`), as a turn is.
@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from adapters.base import Accepted, AcceptStatus, MessageEvent
-from gateway.command_syntax import NAMES, Command
-from gateway.policy import next_reset_at
+from gateway.domain.command_syntax import NAMES, Command
+from gateway.domain.events import Accepted, AcceptStatus, MessageEvent
+from gateway.domain.policy import next_reset_at
+from gateway.domain.session import agent_id_of_key
 from gateway.schedule_commands import cmd_schedule, cmd_sethome, next_run_line
-from gateway.session import agent_id_of_key
 from gateway.store import titles
 from gateway.store.session_store import MAX_REWIND
 

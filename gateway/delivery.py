@@ -24,12 +24,13 @@ from typing import TypeVar
 
 import structlog
 
-from adapters.base import Attachment, FloodWait, PlatformAdapter, SendResult
-from gateway.faults import crash_point
+from adapters.base import FloodWait, PlatformAdapter, SendResult
+from gateway.domain.attachments import Attachment
+from gateway.domain.session import Platform, SessionSource
 from gateway.ops.metrics import Metrics
-from gateway.session import Platform, SessionSource
 from gateway.store.turnlog import TurnLog
 from gateway.streaming import ChatSlot, ChatSlots
+from gateway.util.faults import crash_point
 
 #: tries of a final edit that the platform answers with a flood wait
 FINAL_EDIT_ATTEMPTS = 3

@@ -30,9 +30,12 @@ from typing import Any
 import aiohttp
 import structlog
 
-from adapters.base import InboundMedia, MediaTooLarge, MessageEvent, PlatformAdapter, SessionSource
+from adapters.base import PlatformAdapter
 from config import MediaConfig, TranscriptionConfig
 from gateway.agents.protocol import ImageInput
+from gateway.domain.attachments import InboundMedia, MediaTooLarge
+from gateway.domain.events import MessageEvent
+from gateway.domain.session import SessionSource
 from gateway.store import transcript
 from gateway.store.media_files import session_media_dir
 

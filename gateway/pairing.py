@@ -30,7 +30,7 @@ from typing import Any
 import structlog
 
 from config import ChatPlatformConfig, GatewayConfig, PlatformsConfig, hermes_home
-from gateway.session import SessionSource
+from gateway.domain.session import SessionSource
 from gateway.store import codec, journal
 from gateway.store.homelock import held_by
 from gateway.store.session_store import SessionStore

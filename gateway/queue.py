@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, replace
 
-from adapters.base import MessageEvent
-from gateway.command_syntax import Command
+from gateway.domain.command_syntax import Command
+from gateway.domain.events import MessageEvent
 
 
 @dataclass(frozen=True, slots=True)

@@ -31,10 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from adapters.base import MessageEvent
-from gateway.fsutil import atomic_write_bytes
-from gateway.session import schedule_id_of_key
+from gateway.domain.events import MessageEvent
+from gateway.domain.session import schedule_id_of_key
 from gateway.store import journal
+from gateway.util.fsutil import atomic_write_bytes
 
 if TYPE_CHECKING:
     from gateway.run import GatewayRunner

@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, Any
 import structlog
 from psycopg import errors as pg_errors
 
-from adapters.base import MessageEvent
 from gateway.cluster import leases
 from gateway.cluster.heartbeat import Heartbeat
 from gateway.cluster.leader import LeaderRole
 from gateway.cluster.notify import Listener, notify
+from gateway.domain.events import MessageEvent
 from gateway.housekeeping import RESEND_AFTER_SECONDS
 from gateway.recovery import STUCK_LOOP_THRESHOLD, stuck_notice
 from gateway.store import codec, journal, schedules

@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from adapters.base import Accepted, AcceptStatus, Attachment, MessageEvent, PlatformAdapter
+from adapters.base import PlatformAdapter
 from config import GatewayConfig, hermes_home
-from gateway import command_syntax, commands
+from gateway import commands
 from gateway.agents.cache import AgentCache
 from gateway.agents.protocol import (
     AgentError,
@@ -47,20 +47,11 @@ from gateway.agents.roster import AgentSpec, Roster
 from gateway.context.strategy import too_large_text
 from gateway.deadlines import Deadlines
 from gateway.delivery import Delivery
-from gateway.housekeeping import Housekeeper
-from gateway.media import MediaIntake
-from gateway.memory.recall import Namespace, Recall, notes_prompt
-from gateway.memory.summaries import Memory
-from gateway.ops.logs import TurnLine
-from gateway.ops.metrics import Metrics
-from gateway.ops.status import keep_status, write_status
-from gateway.pairing import Pairing
-from gateway.policy import reset_notice
-from gateway.queue import Job, LaneCommand, QueueFull, SessionQueue
-from gateway.recovery import Recovery
-from gateway.schedules.book import ScheduleBook, iso
-from gateway.schedules.loop import Scheduler
-from gateway.session import (
+from gateway.domain import command_syntax
+from gateway.domain.attachments import Attachment
+from gateway.domain.events import Accepted, AcceptStatus, MessageEvent
+from gateway.domain.policy import reset_notice
+from gateway.domain.session import (
     Platform,
     SessionContext,
     SessionEntry,
@@ -73,6 +64,18 @@ from gateway.session import (
     validate_chat_id,
     validate_id,
 )
+from gateway.housekeeping import Housekeeper
+from gateway.media import MediaIntake
+from gateway.memory.recall import Namespace, Recall, notes_prompt
+from gateway.memory.summaries import Memory
+from gateway.ops.logs import TurnLine
+from gateway.ops.metrics import Metrics
+from gateway.ops.status import keep_status, write_status
+from gateway.pairing import Pairing
+from gateway.queue import Job, LaneCommand, QueueFull, SessionQueue
+from gateway.recovery import Recovery
+from gateway.schedules.book import ScheduleBook, iso
+from gateway.schedules.loop import Scheduler
 from gateway.session_ops import SessionOps
 from gateway.store.outage import StoreUnwritable
 from gateway.store.session_store import SessionStore

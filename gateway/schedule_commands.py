@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from adapters.base import MessageEvent
-from gateway.command_syntax import Command
+from gateway.domain.command_syntax import Command
+from gateway.domain.events import MessageEvent
+from gateway.domain.session import agent_id_of_key
 from gateway.schedules.book import Asker, ScheduleError, next_fire_text, shown
 from gateway.schedules.cadence import CadenceError, local_time, split_when
-from gateway.session import agent_id_of_key
 
 if TYPE_CHECKING:
     from gateway.run import GatewayRunner

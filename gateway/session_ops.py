@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.session import SessionEntry, agent_id_of_key
+from gateway.domain.session import SessionEntry, agent_id_of_key
 from gateway.store import archive, media_files, purge, search, titles
 from gateway.store.pg import driver_errors
 

@@ -27,7 +27,7 @@ import structlog
 
 from adapters.base import FloodWait, PlatformAdapter
 from config import GatewayConfig
-from gateway.session import Platform, SessionSource
+from gateway.domain.session import Platform, SessionSource
 
 log = structlog.get_logger("gateway.streaming")
 

@@ -68,11 +68,11 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.fsutil import atomic_write_bytes
 from gateway.recovery import CLEAN_SHUTDOWN
 from gateway.session import SessionSource
 from gateway.store import entries
 from gateway.store.session_store import SESSIONS_JSON, SessionStore
+from gateway.util.fsutil import atomic_write_bytes
 from scripts.bench_floor import measure_floor
 from scripts.gateway_driver import (
     USER_TEXT,

@@ -10,7 +10,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from config import SessionResetPolicy
-from gateway.policy import last_daily_boundary, next_daily_boundary, next_reset_at, reset_reason
+from gateway.domain.policy import (
+    last_daily_boundary,
+    next_daily_boundary,
+    next_reset_at,
+    reset_reason,
+)
 
 NY = ZoneInfo("America/New_York")
 

@@ -982,7 +982,7 @@ def test_prompt_includes_channel_topic(config: GatewayConfig) -> None:
 # --- SessionStore re-export --------------------------------------------------------------
 
 
-def test_session_store_is_lazily_re_exported() -> None:
+def test_session_store_is_re_exported() -> None:
     from gateway.session import SessionStore
     from gateway.store.session_store import SessionStore as StoreSessionStore
 

@@ -24,7 +24,7 @@ from config import EXIT_CONFIG, ConfigError, GatewayConfig, RouteMatch, load_con
 from gateway.agents.protocol import AgentError
 from gateway.agents.roster import Roster
 from gateway.cli import check_runnable
-from gateway.routing import Router
+from gateway.domain.routing import Router
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource, agent_id_of_key
 from tests.commandline import cli

@@ -6,7 +6,7 @@ import asyncio
 from typing import Any
 
 from gateway.agents.protocol import TurnRequest, TurnResult
-from gateway.session import TokenUsage
+from gateway.domain.session import TokenUsage
 
 
 def _word_count(content: Any) -> int:

@@ -34,7 +34,7 @@ import structlog
 from gateway.agents.protocol import AgentError, SummaryRequest, Tools, TurnRequest, TurnResult
 from gateway.context.condense import clip_at_boundary, transcript_text
 from gateway.context.tokens import token_chars
-from gateway.session import TokenUsage
+from gateway.domain.session import TokenUsage
 
 log = structlog.get_logger(__name__)
 

@@ -33,8 +33,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from gateway.attachments import Attachment
-from gateway.session import SessionSource, TokenUsage
+from gateway.domain.attachments import Attachment
+from gateway.domain.session import SessionSource, TokenUsage
 
 __all__ = [
     "Agent",

@@ -17,7 +17,7 @@ from config import MAIN_AGENT, AgentConfig, GatewayConfig
 from gateway.agents.backends import agent_signature, build_agent_factory, describe_backend
 from gateway.agents.protocol import Agent, AgentError, AgentFactory
 from gateway.context.strategy import Plan
-from gateway.session import agent_id_of_key
+from gateway.domain.session import agent_id_of_key
 
 __all__ = ["AgentSpec", "Roster"]
 

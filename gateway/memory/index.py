@@ -39,8 +39,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gateway.domain.session import SessionSource, is_shared_multi_user_session
 from gateway.memory.chunking import chunk_text, content_hash
-from gateway.session import SessionSource, is_shared_multi_user_session
 from gateway.store import codec
 from gateway.store.fts import connect_index
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 
+from gateway.domain.session import SessionSource, schedule_session_key
 from gateway.memory import index
 from gateway.memory.chunking import normalize_tags
 from gateway.memory.embeddings import EmbeddingError, HashEmbedder, build_embedder
@@ -39,7 +40,6 @@ from gateway.memory.retrieval import (
     hybrid,
     tags_of,
 )
-from gateway.session import SessionSource, schedule_session_key
 from gateway.store import codec, purge, schedules
 from gateway.store.background import ThreadedSqliteTask
 from gateway.store.fts import is_damaged, set_index_aside

@@ -61,7 +61,7 @@ from gateway.context.tokens import (
     size_tokens,
     text_tokens,
 )
-from gateway.session import TokenUsage
+from gateway.domain.session import TokenUsage
 from gateway.store import summary_checkpoints
 from gateway.store.session_store import SessionStore
 

@@ -31,13 +31,12 @@ from pathlib import Path
 from typing import Any
 
 from config import GatewayConfig, hermes_home
-from gateway.fsutil import fsync_dir, set_aside
+from gateway.domain.session import SessionEntry
 from gateway.memory.embeddings import local_model_problem
 from gateway.memory.index import MEMORY_DB
 from gateway.ops.service import ENV_FILE
 from gateway.ops.status import is_live, read_status
 from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
-from gateway.session import SessionEntry
 from gateway.store.fts import SEARCH_DB, index_damage, search_files, set_index_aside
 from gateway.store.homelock import LOCK_FILE, HomeInUse, HomeLock, HomeUnusable, held_by
 from gateway.store.migrations import SCHEMA_VERSION
@@ -46,6 +45,7 @@ from gateway.store.pg import health as pg_health
 from gateway.store.pg.dsn import redact
 from gateway.store.salvage import create_database, salvage
 from gateway.store.session_store import SESSIONS_JSON, STATE_DB
+from gateway.util.fsutil import fsync_dir, set_aside
 
 OK, WARN, ERROR = "ok", "warn", "error"
 INDEX_DBS = (SEARCH_DB, MEMORY_DB)

@@ -19,7 +19,7 @@ import structlog
 
 from config import LoggingConfig
 from config.schema import LogLevel
-from gateway.session import TokenUsage
+from gateway.domain.session import TokenUsage
 from gateway.store import codec
 
 LOG_LEVELS: tuple[str, ...] = get_args(LogLevel)

@@ -17,9 +17,9 @@ import sys
 from typing import Any
 
 from config import MAIN_AGENT, GatewayConfig
+from gateway.domain.session import SessionSource
 from gateway.ops.cliargs import platform_pair
 from gateway.schedules.book import ScheduleBook, ScheduleError, next_fire_text, shown, shown_run
-from gateway.session import SessionSource
 from gateway.store.session_store import SessionStore
 
 RUNS_LISTED = 50

@@ -24,8 +24,8 @@ from pathlib import Path
 
 from config import EXIT_CONFIG, GatewayConfig, hermes_home
 from config.envfile import ENV_FILE
-from gateway.fsutil import atomic_write_bytes
 from gateway.ops.cliargs import EXIT_USAGE
+from gateway.util.fsutil import atomic_write_bytes
 
 UNIT_NAME = "hermes-gateway.service"
 # Secrets for the service, as NAME=value lines in the home (mode 0600, checked by

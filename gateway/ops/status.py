@@ -26,8 +26,8 @@ from typing import Any
 import structlog
 
 from config import GatewayConfig, hermes_home
-from gateway.fsutil import atomic_write_bytes, overwrite_in_place
 from gateway.store.outage import Outage
+from gateway.util.fsutil import atomic_write_bytes, overwrite_in_place
 
 log = structlog.get_logger("gateway.ops.status")
 

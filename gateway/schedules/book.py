@@ -17,6 +17,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from config import GatewayConfig
+from gateway.domain.session import SessionSource, schedule_session_key
 from gateway.schedules.cadence import (
     Cadence,
     CadenceError,
@@ -25,7 +26,6 @@ from gateway.schedules.cadence import (
     parse_when,
     zone_name,
 )
-from gateway.session import SessionSource, schedule_session_key
 from gateway.store import codec
 from gateway.store import schedules as rows
 from gateway.store.session_store import SessionStore

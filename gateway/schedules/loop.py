@@ -28,13 +28,18 @@ from typing import TYPE_CHECKING, Any
 
 import structlog
 
-from adapters.base import MessageEvent
-from gateway.faults import crash_point
+from gateway.domain.events import MessageEvent
+from gateway.domain.session import (
+    SessionSource,
+    TokenUsage,
+    schedule_id_of_key,
+    schedule_session_key,
+)
 from gateway.schedules.book import ScheduleBook, home_target
 from gateway.schedules.cadence import Cadence, CadenceError, local_time, missed_fire_times
-from gateway.session import SessionSource, TokenUsage, schedule_id_of_key, schedule_session_key
 from gateway.store import codec, journal
 from gateway.store import schedules as rows
+from gateway.util.faults import crash_point
 
 if TYPE_CHECKING:
     from gateway.run import GatewayRunner

@@ -43,11 +43,11 @@ from typing import Any, TypeVar
 import aiosqlite
 import structlog
 
-from gateway.fsutil import fsync_dir
 from gateway.store.batch import Outcome, commit_batch, probe, refusal
 from gateway.store.checkpoint import SAFETY_NET_PAGES, WAL_SIZE_LIMIT, Checkpointer
 from gateway.store.migrations import migrate
 from gateway.store.outage import Outage, StoreUnwritable
+from gateway.util.fsutil import fsync_dir
 
 T = TypeVar("T")
 WriteFn = Callable[[sqlite3.Connection], Any]

@@ -13,7 +13,7 @@ import sqlite3
 from datetime import UTC, datetime
 from typing import Any
 
-from gateway.session import Platform, SessionEntry, SessionSource, TokenUsage
+from gateway.domain.session import Platform, SessionEntry, SessionSource, TokenUsage
 from gateway.store import codec
 
 #: token and cost counters, in the column order of the `sessions` table

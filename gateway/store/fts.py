@@ -30,10 +30,10 @@ from urllib.parse import quote
 
 import structlog
 
-from gateway.fsutil import set_aside
 from gateway.store.background import ThreadedSqliteTask
 from gateway.store.db import create_private_file
 from gateway.store.outage import Outage, StoreUnwritable
+from gateway.util.fsutil import set_aside
 
 if TYPE_CHECKING:
     from gateway.store.db import Database

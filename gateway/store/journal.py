@@ -18,7 +18,7 @@ import sqlite3
 from collections.abc import Sequence
 from typing import Any
 
-from gateway.session import SessionSource
+from gateway.domain.session import SessionSource
 from gateway.store import codec
 
 ACCEPTED, DONE, DROPPED = "accepted", "done", "dropped"

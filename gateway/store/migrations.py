@@ -12,7 +12,7 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from gateway.session import SessionEntry
+from gateway.domain.session import SessionEntry
 from gateway.store import codec
 
 SCHEMA_VERSION = 16

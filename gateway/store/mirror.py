@@ -18,10 +18,10 @@ from typing import Any, BinaryIO
 
 import structlog
 
-from gateway.faults import crash_point
-from gateway.fsutil import atomic_write, set_aside
-from gateway.session import SessionEntry
+from gateway.domain.session import SessionEntry
 from gateway.store.outage import Outage
+from gateway.util.faults import crash_point
+from gateway.util.fsutil import atomic_write, set_aside
 
 log = structlog.get_logger(__name__)
 

@@ -15,7 +15,7 @@ import sqlite3
 from datetime import UTC, datetime
 from pathlib import Path
 
-from gateway.session import SessionEntry, SessionSource
+from gateway.domain.session import SessionEntry, SessionSource
 from gateway.store import entries
 from gateway.store.db import Database
 

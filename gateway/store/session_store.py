@@ -21,9 +21,9 @@ from typing import Any
 import structlog
 
 from config import GatewayConfig, SessionResetPolicy
-from gateway.policy import last_daily_boundary, reset_reason
-from gateway.routing import Router
-from gateway.session import (
+from gateway.domain.policy import last_daily_boundary, reset_reason
+from gateway.domain.routing import Router
+from gateway.domain.session import (
     Platform,
     SessionEntry,
     SessionSource,

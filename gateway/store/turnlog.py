@@ -22,12 +22,12 @@ from typing import Any
 
 import structlog
 
-from adapters.base import MessageEvent
 from gateway.context.strategy import NOTHING_LOADED, Loaded, Plan
-from gateway.faults import crash_point
-from gateway.session import SessionEntry, SessionSource, TokenUsage
+from gateway.domain.events import MessageEvent
+from gateway.domain.session import SessionEntry, SessionSource, TokenUsage
 from gateway.store import entries, journal, titles, transcript, turn_context
 from gateway.store.session_store import SessionStore
+from gateway.util.faults import crash_point
 
 log = structlog.get_logger("gateway.store.turnlog")
 

@@ -26,7 +26,7 @@ import structlog
 from pydantic import BaseModel, ValidationError
 
 from gateway.context.tokens import json_tokens
-from gateway.session import SessionSource
+from gateway.domain.session import SessionSource
 from gateway.store import scratchpad
 from gateway.store.session_store import SessionStore
 

@@ -3,7 +3,7 @@
 A route is `{match: {platform?, chat_id?, chat_type?, user_id?}, agent: ID}`; the first
 route whose every given field equals the message's wins, and a message no route matches
 goes to the main agent. The agent id becomes the second part of the session key
-(`agent:{id}:...`, `gateway.session.build_session_key`), which is what keeps agents
+(`agent:{id}:...`, `gateway.domain.session.build_session_key`), which is what keeps agents
 apart: sessions, transcripts, search and recall are all found by key.
 
 Matching is on the turn's path (a microsecond there counts): a config without
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from config import MAIN_AGENT, RouteConfig
 
 if TYPE_CHECKING:
-    from gateway.session import SessionSource
+    from gateway.domain.session import SessionSource
 
 __all__ = ["Router"]
 

@@ -1,0 +1,1 @@
+"""Small helpers with no gateway knowledge: durable file writes and crash-point faults."""

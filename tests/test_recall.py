@@ -24,7 +24,7 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
-from gateway.memory import index
+from gateway.memory import sqlite_index
 from gateway.memory.chunking import chunk_text, content_hash, normalize_tags
 from gateway.memory.index import MEMORY_DB
 from gateway.memory.recall import Namespace, Recall
@@ -117,14 +117,14 @@ def test_a_sparse_query_scores_exactly_as_the_full_product() -> None:
 
 def test_a_text_query_keeps_the_rare_words_of_a_bounded_prefix(tmp_path: Path) -> None:
     sqlite3.connect(tmp_path / "state.db").close()
-    conn = index.connect(tmp_path / MEMORY_DB, tmp_path / "state.db")
+    conn = sqlite_index.connect(tmp_path / MEMORY_DB, tmp_path / "state.db")
     try:
         conn.executemany(
             "INSERT INTO chunks (id, namespace, kind, hash, text, created_at, updated_at)"
             " VALUES (?, 'ns', 'note', 'h', ?, 0, 0)",
             [(i, f"common word{i}") for i in range(1, MAX_POSTINGS + 2)],
         )
-        index._add_words(conn, 0)
+        sqlite_index.SQLITE_INDEX.add_words(conn, 0)
         # "common" is in more chunks than a search may rank: only the rarer words stay
         assert text_query(conn, "Common word7 word9") == '"word7" OR "word9"'
         assert text_query(conn, "common") is None
@@ -138,7 +138,7 @@ def test_the_vector_cache_grows_with_new_vectors_and_reloads_after_a_delete(
     tmp_path: Path,
 ) -> None:
     sqlite3.connect(tmp_path / "state.db").close()
-    conn = index.connect(tmp_path / MEMORY_DB, tmp_path / "state.db")
+    conn = sqlite_index.connect(tmp_path / MEMORY_DB, tmp_path / "state.db")
     cache = VectorCache()
     rng = np.random.default_rng(3)
     vectors = rng.standard_normal((150, 16)).astype(np.float32)
@@ -149,7 +149,7 @@ def test_the_vector_cache_grows_with_new_vectors_and_reloads_after_a_delete(
             " VALUES (?, 'ns', 'note', 'h', 't', 0, 0)",
             [(i,) for i in range(first, last)],
         )
-        index.store_vectors(conn, list(range(first, last)), vectors[first:last], "m")
+        sqlite_index.INDEX.store_vectors(conn, list(range(first, last)), vectors[first:last], "m")
 
     try:
         add(0, 10)
@@ -476,7 +476,7 @@ def test_an_older_memory_db_loses_its_full_text_triggers(tmp_path: Path) -> None
         " END;"
     )
     old.close()
-    conn = index.connect(tmp_path / MEMORY_DB, state)
+    conn = sqlite_index.connect(tmp_path / MEMORY_DB, state)
     try:
         triggers = {
             row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'trigger'")
@@ -486,9 +486,9 @@ def test_an_older_memory_db_loses_its_full_text_triggers(tmp_path: Path) -> None
             "INSERT INTO chunks (namespace, kind, hash, text, created_at, updated_at)"
             " VALUES ('memory:main:http:alice', 'note', 'h', 'quince jelly', 0, 0)"
         )
-        index._add_words(conn, 0)
+        sqlite_index.SQLITE_INDEX.add_words(conn, 0)
         assert conn.execute("SELECT count(*) FROM chunks_fts_docsize").fetchone()[0] == 1
-        assert index._delete_chunks(conn, "kind = 'note'") == 1
+        assert sqlite_index.SQLITE_INDEX.delete_chunks(conn, "kind = 'note'") == 1
         conn.execute("INSERT INTO chunks_fts(chunks_fts) VALUES ('integrity-check')")
         assert conn.execute("SELECT count(*) FROM chunks_fts_docsize").fetchone()[0] == 0
     finally:

@@ -1,10 +1,11 @@
 """The memory index in a PostgreSQL store: memory.db's tables as `memory_*` tables of the
-store's own database (gateway.store.pg.schema), so every replica shares one index, and
-the same rounds as gateway.memory.index, written for PostgreSQL.
+store's own database (gateway.store.pg.schema), so every replica shares one index; the
+SQL of the indexer (`PgIndexSql`, for gateway.memory.index) and of recall
+(`PgRecallSql`, for gateway.memory.retrieval) on this engine.
 
-What is shared with SQLite (written once, in gateway.memory.index and .retrieval):
-chunking, the namespace of a transcript, embeddings, the vector cache, scoring,
-normalization and merging. What differs is SQL and transactions:
+What is shared with SQLite (written once, in gateway.memory.index and .retrieval): a
+round's shape, chunking, the namespace of a transcript, embeddings, the vector cache,
+scoring, normalization and merging. What differs is SQL and transactions:
 
 - The log is consumed, not followed by number. On SQLite one writer hands out the log's
   sequence numbers in commit order, so "everything up to N" is a fact. On PostgreSQL
@@ -36,27 +37,25 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
 import psycopg
 import structlog
 
-from gateway.memory.chunking import chunk_text, content_hash
 from gateway.memory.index import (
     INDEXED_ROLES,
-    INLINE_VECTORS,
     LOG_READER,
     MESSAGE_PAGE,
     NOTE_PAGE,
-    IndexSettings,
-    NamespaceCache,
-    RoundResult,
-    SyncEmbedder,
+    ChunkLink,
+    LogPage,
+    MemoryIndex,
+    TranscriptChunk,
 )
 from gateway.memory.retrieval import CANDIDATES, MAX_POSTINGS, Recent
-from gateway.store import codec
 from gateway.store.pg.db import connect as connect_store
 
 log = structlog.get_logger("gateway.memory.pg_index")
@@ -86,350 +85,6 @@ def vector_path(conn: psycopg.Connection[Any]) -> str:
     if found:
         return "bytea+numpy (pgvector is installed, not used yet)"
     return "bytea+numpy (no pgvector)"
-
-
-def _lock(conn: psycopg.Connection[Any], wait: bool) -> bool:
-    if wait:
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
-        return True
-    row = conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (LOCK_KEY,)).fetchone()
-    return bool(row and row[0])
-
-
-def _meta(conn: psycopg.Connection[Any], key: str) -> str | None:
-    row = conn.execute("SELECT value FROM memory_meta WHERE key = %s", (key,)).fetchone()
-    return row[0] if row else None
-
-
-def _set_meta(conn: psycopg.Connection[Any], key: str, value: object) -> None:
-    if value is None:
-        conn.execute("DELETE FROM memory_meta WHERE key = %s", (key,))
-    else:
-        conn.execute(
-            "INSERT INTO memory_meta (key, value) VALUES (%s, %s)"
-            " ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
-            (key, str(value)),
-        )
-
-
-def apply_logs(
-    conn: psycopg.Connection[Any],
-    settings: IndexSettings,
-    namespaces: NamespaceCache | None = None,
-    embedder: SyncEmbedder | None = None,
-    wait: bool = True,
-) -> RoundResult:
-    """One round (the module docstring), in one transaction; with `wait` False, no
-    round at all (work 0) while another replica's round holds the lock."""
-    with conn.transaction():
-        if not _lock(conn, wait):
-            return RoundResult(0, None, 0, False, skipped=True)
-        notes, note_seq, notes_more = _apply_notes(conn, settings)
-        if settings.index_transcripts:
-            messages, message_seq, messages_more = _apply_messages(
-                conn, settings, namespaces or PgNamespaceCache()
-            )
-        else:
-            messages, messages_more = _drop_transcripts(conn)
-            message_seq = None
-        if embedder is not None:
-            _embed_waiting(conn, embedder, INLINE_VECTORS)
-    return RoundResult(notes + messages, message_seq, note_seq, notes_more or messages_more)
-
-
-def _take(conn: psycopg.Connection[Any], table: str, column: str, limit: int) -> list[Any]:
-    """The oldest `limit` visible entries of a log, deleted: (seq, id) each."""
-    return conn.execute(
-        f"DELETE FROM {table} WHERE seq IN (SELECT seq FROM {table} ORDER BY seq LIMIT %s)"
-        f" RETURNING seq, {column}",
-        (limit,),
-    ).fetchall()
-
-
-def _apply_notes(conn: psycopg.Connection[Any], settings: IndexSettings) -> tuple[int, int, bool]:
-    if _meta(conn, "notes_built") is None:
-        _delete_chunks(conn, "kind = 'note'")
-        conn.execute("DELETE FROM note_log")  # what it names is read whole below
-        ids = [row[0] for row in conn.execute("SELECT note_id FROM notes")]
-        _set_meta(conn, "notes_built", 1)
-        taken: list[Any] = []
-    else:
-        taken = _take(conn, "note_log", "note_id", NOTE_PAGE)
-        ids = list(dict.fromkeys(row[1] for row in taken))
-    for note_id in ids:
-        _index_note(conn, note_id, settings)
-    return len(ids), max((row[0] for row in taken), default=0), len(taken) == NOTE_PAGE
-
-
-def _index_note(conn: psycopg.Connection[Any], note_id: str, settings: IndexSettings) -> None:
-    _delete_chunks(conn, "note_id = %s", (note_id,))
-    row = conn.execute(
-        "SELECT namespace, content, tags, created_at, updated_at FROM notes WHERE note_id = %s",
-        (note_id,),
-    ).fetchone()
-    if row is None:
-        return
-    namespace, content, tags, created, updated = row
-    tag_list = codec.loads(tags)
-    for text in chunk_text(content, settings.chunk_size, settings.chunk_overlap):
-        chunk = conn.execute(
-            "INSERT INTO memory_chunks (namespace, kind, note_id, hash, text, created_at,"
-            " updated_at) VALUES (%s, 'note', %s, %s, %s, %s, %s) RETURNING id",
-            (namespace, note_id, content_hash(text), text, created, updated),
-        ).fetchone()
-        assert chunk is not None
-        if tag_list:
-            conn.execute(
-                "INSERT INTO memory_chunk_tags (tag, chunk_id)"
-                " SELECT DISTINCT unnest(%s::text[]), %s ON CONFLICT DO NOTHING",
-                (tag_list, chunk[0]),
-            )
-
-
-def _delete_chunks(conn: psycopg.Connection[Any], where: str, params: Sequence[object] = ()) -> int:
-    """Delete the chunks `where` says; their tags, sources, vectors and queue entries
-    go by cascade, their words with the row."""
-    return conn.execute(f"DELETE FROM memory_chunks WHERE {where}", params).rowcount
-
-
-def _apply_messages(
-    conn: psycopg.Connection[Any], settings: IndexSettings, namespaces: NamespaceCache
-) -> tuple[int, int | None, bool]:
-    work = 0
-    if _meta(conn, "transcripts_built") is None:
-        work += _delete_chunks(conn, "kind = 'transcript'")
-        # Every message visible now is read by the rebuild's pages; one committed later
-        # (or not yet visible) keeps its log entry for a later round.
-        cleared = conn.execute(
-            "WITH gone AS (DELETE FROM fts_log RETURNING seq) SELECT max(seq) FROM gone"
-        ).fetchone()
-        _report_taken(conn, cleared[0] if cleared else None)
-        _set_meta(conn, "rebuild_after", 0)
-        _set_meta(conn, "transcripts_built", 1)
-    ids: list[int] = []
-    cursor = _meta(conn, "rebuild_after")
-    if cursor is not None:
-        ids = [
-            row[0]
-            for row in conn.execute(
-                "SELECT id FROM messages WHERE id > %s ORDER BY id LIMIT %s",
-                (int(cursor), MESSAGE_PAGE),
-            )
-        ]
-        _set_meta(conn, "rebuild_after", ids[-1] if len(ids) == MESSAGE_PAGE else None)
-    taken = _take(conn, "fts_log", "id", MESSAGE_PAGE)
-    ids += [row[1] for row in taken]
-    hi = max((row[0] for row in taken), default=None)
-    _report_taken(conn, hi)
-    work += _index_messages(conn, list(dict.fromkeys(ids)), settings, namespaces)
-    more = len(taken) == MESSAGE_PAGE or _meta(conn, "rebuild_after") is not None
-    return work, hi, more
-
-
-def _report_taken(conn: psycopg.Connection[Any], hi: int | None) -> None:
-    """Our row in `log_readers`: the highest fts_log entry taken so far."""
-    if hi is not None:
-        conn.execute(
-            "INSERT INTO log_readers (name, applied) VALUES (%s, %s) ON CONFLICT (name)"
-            " DO UPDATE SET applied = greatest(log_readers.applied, EXCLUDED.applied)",
-            (LOG_READER, hi),
-        )
-
-
-def _drop_transcripts(conn: psycopg.Connection[Any]) -> tuple[int, bool]:
-    """Transcript indexing is off: its chunks go (once), and nobody reads `fts_log`, so
-    its entries are dropped (a page a round; the next start with transcripts on
-    rebuilds them)."""
-    work = 0
-    if _meta(conn, "transcripts_built") is not None:
-        _set_meta(conn, "transcripts_built", None)
-        _set_meta(conn, "rebuild_after", None)
-        conn.execute("DELETE FROM log_readers WHERE name = %s", (LOG_READER,))
-        work = _delete_chunks(conn, "kind = 'transcript'")
-    dropped = len(_take(conn, "fts_log", "id", LOG_TRIM_PAGE))
-    return work + dropped, dropped == LOG_TRIM_PAGE
-
-
-_MESSAGES = (
-    "SELECT m.id, m.session_id, m.content, m.created_at FROM messages m"
-    " WHERE m.id = ANY(%s) AND m.active = 1 AND m.role IN ({})".format(
-        ", ".join(f"'{role}'" for role in INDEXED_ROLES)
-    )
-)
-_UPSERT_CHUNKS = (
-    "INSERT INTO memory_chunks (namespace, kind, session_id, hash, text, created_at, updated_at)"
-    " SELECT ns, 'transcript', sid, h, t, ts, ts"
-    " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::float8[])"
-    " AS j(ns, sid, h, t, ts)"
-    " ON CONFLICT (session_id, hash) WHERE session_id IS NOT NULL"
-    # the same text again in its session: one chunk, as recent as its latest message
-    " DO UPDATE SET updated_at = greatest(memory_chunks.updated_at, EXCLUDED.updated_at)"
-)
-_LINK = (
-    "INSERT INTO memory_chunk_sources (message_id, chunk_id)"
-    " SELECT j.mid, c.id FROM unnest(%s::bigint[], %s::text[], %s::text[]) AS j(mid, sid, h)"
-    " JOIN memory_chunks c ON c.session_id = j.sid AND c.hash = j.h ON CONFLICT DO NOTHING"
-)
-
-
-def _index_messages(
-    conn: psycopg.Connection[Any],
-    message_ids: list[int],
-    settings: IndexSettings,
-    namespaces: NamespaceCache,
-) -> int:
-    """gateway.memory.index._index_messages, set-based in PostgreSQL's spelling."""
-    if not message_ids:
-        return 0
-    unlinked = conn.execute(
-        "DELETE FROM memory_chunk_sources WHERE message_id = ANY(%s) RETURNING chunk_id",
-        (message_ids,),
-    ).fetchall()
-    rows = conn.execute(_MESSAGES, (message_ids,)).fetchall()
-    session_ns = namespaces.lookup(conn, {row[1] for row in rows}, settings)
-    # One row per (session, hash): an upsert may not touch a row twice in a statement.
-    chunks: dict[tuple[str, str], tuple[str, str, float]] = {}
-    links: list[tuple[int, str, str]] = []
-    size, overlap = settings.chunk_size, settings.chunk_overlap
-    for message_id, session_id, content, created in rows:
-        namespace = session_ns.get(session_id)
-        if namespace is None:
-            continue
-        for text in chunk_text(content, size, overlap):
-            digest = content_hash(text)
-            seen = chunks.get((session_id, digest))
-            if seen is None or seen[2] < created:
-                chunks[(session_id, digest)] = (namespace, text, created)
-            links.append((message_id, session_id, digest))
-    if chunks:
-        keys = list(chunks)
-        conn.execute(
-            _UPSERT_CHUNKS,
-            (
-                [chunks[key][0] for key in keys],
-                [key[0] for key in keys],
-                [key[1] for key in keys],
-                [chunks[key][1] for key in keys],
-                [chunks[key][2] for key in keys],
-            ),
-        )
-        conn.execute(
-            _LINK,
-            ([link[0] for link in links], [link[1] for link in links], [link[2] for link in links]),
-        )
-    if unlinked:
-        _delete_chunks(
-            conn,
-            "id = ANY(%s) AND kind = 'transcript' AND NOT EXISTS"
-            " (SELECT 1 FROM memory_chunk_sources s WHERE s.chunk_id = memory_chunks.id)",
-            (sorted({row[0] for row in unlinked}),),
-        )
-    return len(message_ids)
-
-
-class PgNamespaceCache(NamespaceCache):
-    """`NamespaceCache` reading the store's `sessions` table."""
-
-    def _origins(
-        self, conn: psycopg.Connection[Any], session_ids: list[str]
-    ) -> list[tuple[str, str, str | None]]:
-        return conn.execute(
-            "SELECT session_id, session_key, origin FROM sessions WHERE session_id = ANY(%s)",
-            (session_ids,),
-        ).fetchall()
-
-
-# --- vectors ---------------------------------------------------------------------------
-
-
-def requeue_other_models(conn: psycopg.Connection[Any], model_id: str) -> int:
-    """gateway.memory.index.requeue_other_models."""
-    with conn.transaction():
-        _lock(conn, wait=True)
-        if _meta(conn, "model") == model_id:
-            return 0
-        count = conn.execute(
-            "INSERT INTO memory_pending_vectors (chunk_id)"
-            " SELECT id FROM memory_chunks c WHERE NOT EXISTS"
-            " (SELECT 1 FROM memory_vectors v WHERE v.chunk_id = c.id AND v.model = %s)"
-            " ON CONFLICT DO NOTHING",
-            (model_id,),
-        ).rowcount
-        _set_meta(conn, "model", model_id)
-    return count
-
-
-def pending_chunks(
-    conn: psycopg.Connection[Any], limit: int, namespace: str | None = None
-) -> list[tuple[int, str]]:
-    sql = (
-        "SELECT c.id, c.text FROM memory_pending_vectors p"
-        " JOIN memory_chunks c ON c.id = p.chunk_id"
-    )
-    if namespace is None:
-        return conn.execute(f"{sql} ORDER BY p.chunk_id LIMIT %s", (limit,)).fetchall()
-    return conn.execute(
-        f"{sql} WHERE c.namespace = %s ORDER BY p.chunk_id LIMIT %s", (namespace, limit)
-    ).fetchall()
-
-
-def store_vectors(
-    conn: psycopg.Connection[Any], chunk_ids: list[int], vectors: np.ndarray, model_id: str
-) -> None:
-    """Vectors for chunks still there, in a transaction of their own (under the lock:
-    vectors commit in `seq` order)."""
-    with conn.transaction():
-        _lock(conn, wait=True)
-        _put_vectors(conn, chunk_ids, vectors, model_id)
-
-
-def _put_vectors(
-    conn: psycopg.Connection[Any], chunk_ids: list[int], vectors: np.ndarray, model_id: str
-) -> None:
-    data = np.ascontiguousarray(vectors, dtype="<f4")
-    if len(data) != len(chunk_ids):
-        raise ValueError(f"{len(chunk_ids)} chunks, {len(data)} vectors")
-    conn.execute("DELETE FROM memory_vectors WHERE chunk_id = ANY(%s)", (chunk_ids,))
-    conn.execute(
-        "INSERT INTO memory_vectors (chunk_id, namespace, model, vec)"
-        " SELECT c.id, c.namespace, %s, j.vec"
-        " FROM unnest(%s::bigint[], %s::bytea[]) WITH ORDINALITY AS j(id, vec, n)"
-        " JOIN memory_chunks c ON c.id = j.id ORDER BY j.n",
-        (model_id, chunk_ids, [row.tobytes() for row in data]),
-    )
-    conn.execute("DELETE FROM memory_pending_vectors WHERE chunk_id = ANY(%s)", (chunk_ids,))
-
-
-def _embed_waiting(conn: psycopg.Connection[Any], embedder: SyncEmbedder, limit: int) -> None:
-    waiting = pending_chunks(conn, limit)
-    if waiting:
-        vectors = embedder.embed_sync([row[1] for row in waiting])
-        _put_vectors(conn, [row[0] for row in waiting], vectors, embedder.model_id)
-
-
-# --- forgetting ------------------------------------------------------------------------
-
-
-def forget_namespaces(conn: psycopg.Connection[Any], namespaces: list[str]) -> int:
-    """Every chunk (with its words, tags, sources and vector) of these memories, now."""
-    with conn.transaction():
-        _lock(conn, wait=True)
-        return _delete_chunks(conn, "namespace = ANY(%s)", (namespaces,))
-
-
-def forget_all_agents(conn: psycopg.Connection[Any], platform: str, user_id: str) -> int:
-    """Chunks of the user under any agent (a namespace ends in `:{platform}:{user_id}`)."""
-    suffix = f":{platform}:{user_id}"
-    namespaces = [
-        row[0]
-        for row in conn.execute(
-            "SELECT DISTINCT namespace FROM memory_chunks WHERE right(namespace, %s) = %s",
-            (len(suffix), suffix),
-        )
-        # memory:AGENT + the suffix, where an agent id has no colon (a user id may)
-        if row[0][: -len(suffix)].count(":") == 1 and row[0].startswith("memory:")
-    ]
-    return forget_namespaces(conn, namespaces) if namespaces else 0
 
 
 # --- recall ----------------------------------------------------------------------------
@@ -606,4 +261,287 @@ def _tag_filter(tags: tuple[str, ...]) -> tuple[str, list[Any]]:
     )
 
 
-PG = PgRecallSql()
+# --- the indexer's SQL -----------------------------------------------------------------
+
+_MESSAGES = (
+    "SELECT m.id, m.session_id, m.content, m.created_at FROM messages m"
+    " WHERE m.id = ANY(%s) AND m.active = 1 AND m.role IN ({})".format(
+        ", ".join(f"'{role}'" for role in INDEXED_ROLES)
+    )
+)
+_UPSERT_CHUNKS = (
+    "INSERT INTO memory_chunks (namespace, kind, session_id, hash, text, created_at, updated_at)"
+    " SELECT ns, 'transcript', sid, h, t, ts, ts"
+    " FROM unnest(%s::text[], %s::text[], %s::text[], %s::text[], %s::float8[])"
+    " AS j(ns, sid, h, t, ts)"
+    " ON CONFLICT (session_id, hash) WHERE session_id IS NOT NULL"
+    # the same text again in its session: one chunk, as recent as its latest message
+    " DO UPDATE SET updated_at = greatest(memory_chunks.updated_at, EXCLUDED.updated_at)"
+)
+_LINK = (
+    "INSERT INTO memory_chunk_sources (message_id, chunk_id)"
+    " SELECT j.mid, c.id FROM unnest(%s::bigint[], %s::text[], %s::text[]) AS j(mid, sid, h)"
+    " JOIN memory_chunks c ON c.session_id = j.sid AND c.hash = j.h ON CONFLICT DO NOTHING"
+)
+
+
+class PgIndexSql(PgRecallSql):
+    """`IndexSql` (and `RecallSql`) on the store's `memory_*` tables."""
+
+    mark = "%s"
+
+    @contextmanager
+    def round(self, conn: psycopg.Connection[Any], wait: bool) -> Iterator[bool]:
+        """A transaction holding the index's advisory lock; without `wait`, it yields
+        False at once when another replica's round holds it."""
+        with conn.transaction():
+            yield self._lock(conn, wait)
+
+    @contextmanager
+    def writing(self, conn: psycopg.Connection[Any]) -> Iterator[None]:
+        """Under the same lock as the rounds: vectors commit in the order of `seq`."""
+        with conn.transaction():
+            self._lock(conn, wait=True)
+            yield
+
+    def _lock(self, conn: psycopg.Connection[Any], wait: bool) -> bool:
+        if wait:
+            conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+            return True
+        row = conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (LOCK_KEY,)).fetchone()
+        return bool(row and row[0])
+
+    def meta(self, conn: psycopg.Connection[Any], key: str) -> str | None:
+        row = conn.execute("SELECT value FROM memory_meta WHERE key = %s", (key,)).fetchone()
+        return row[0] if row else None
+
+    def set_meta(self, conn: psycopg.Connection[Any], key: str, value: object) -> None:
+        if value is None:
+            conn.execute("DELETE FROM memory_meta WHERE key = %s", (key,))
+        else:
+            conn.execute(
+                "INSERT INTO memory_meta (key, value) VALUES (%s, %s)"
+                " ON CONFLICT (key) DO UPDATE SET value = EXCLUDED.value",
+                (key, str(value)),
+            )
+
+    def _take(
+        self, conn: psycopg.Connection[Any], table: str, column: str, limit: int
+    ) -> list[Any]:
+        """The oldest `limit` visible entries of a log, deleted: (seq, id) each."""
+        return conn.execute(
+            f"DELETE FROM {table} WHERE seq IN (SELECT seq FROM {table} ORDER BY seq LIMIT %s)"
+            f" RETURNING seq, {column}",
+            (limit,),
+        ).fetchall()
+
+    def notes_to_apply(self, conn: psycopg.Connection[Any]) -> tuple[LogPage, bool]:
+        if self.meta(conn, "notes_built") is None:
+            conn.execute("DELETE FROM note_log")  # what it names is read whole below
+            ids = [row[0] for row in conn.execute("SELECT note_id FROM notes")]
+            self.set_meta(conn, "notes_built", 1)
+            return LogPage(ids, 0, False), True
+        taken = self._take(conn, "note_log", "note_id", NOTE_PAGE)
+        ids = list(dict.fromkeys(row[1] for row in taken))
+        seq = max((row[0] for row in taken), default=0)
+        return LogPage(ids, seq, len(taken) == NOTE_PAGE), False
+
+    def note(
+        self, conn: psycopg.Connection[Any], note_id: str
+    ) -> tuple[str, str, str, float, float] | None:
+        return conn.execute(
+            "SELECT namespace, content, tags, created_at, updated_at FROM notes WHERE note_id = %s",
+            (note_id,),
+        ).fetchone()
+
+    def add_note_chunks(
+        self,
+        conn: psycopg.Connection[Any],
+        namespace: str,
+        note_id: str,
+        chunks: list[tuple[str, str]],
+        created: float,
+        updated: float,
+        tags: list[str],
+    ) -> None:
+        for digest, text in chunks:
+            chunk = conn.execute(
+                "INSERT INTO memory_chunks (namespace, kind, note_id, hash, text, created_at,"
+                " updated_at) VALUES (%s, 'note', %s, %s, %s, %s, %s) RETURNING id",
+                (namespace, note_id, digest, text, created, updated),
+            ).fetchone()
+            assert chunk is not None
+            if tags:
+                conn.execute(
+                    "INSERT INTO memory_chunk_tags (tag, chunk_id)"
+                    " SELECT DISTINCT unnest(%s::text[]), %s ON CONFLICT DO NOTHING",
+                    (tags, chunk[0]),
+                )
+
+    def delete_chunks(
+        self, conn: psycopg.Connection[Any], where: str, params: Sequence[object] = ()
+    ) -> int:
+        """Their tags, sources, vectors and queue entries go by cascade, their words
+        with the row."""
+        return conn.execute(f"DELETE FROM memory_chunks WHERE {where}", params).rowcount
+
+    def start_transcripts(self, conn: psycopg.Connection[Any]) -> bool:
+        if self.meta(conn, "transcripts_built") is not None:
+            return False
+        # Every message visible now is read by the rebuild's pages; one committed later
+        # (or not yet visible) keeps its log entry for a later round.
+        cleared = conn.execute(
+            "WITH gone AS (DELETE FROM fts_log RETURNING seq) SELECT max(seq) FROM gone"
+        ).fetchone()
+        self._report_taken(conn, cleared[0] if cleared else None)
+        self.set_meta(conn, "transcripts_built", 1)
+        return True
+
+    def message_ids_after(self, conn: psycopg.Connection[Any], after: int, limit: int) -> list[int]:
+        return [
+            row[0]
+            for row in conn.execute(
+                "SELECT id FROM messages WHERE id > %s ORDER BY id LIMIT %s", (after, limit)
+            )
+        ]
+
+    def message_log_page(self, conn: psycopg.Connection[Any]) -> LogPage:
+        taken = self._take(conn, "fts_log", "id", MESSAGE_PAGE)
+        hi = max((row[0] for row in taken), default=None)
+        self._report_taken(conn, hi)
+        return LogPage([row[1] for row in taken], hi, len(taken) == MESSAGE_PAGE)
+
+    def _report_taken(self, conn: psycopg.Connection[Any], hi: int | None) -> None:
+        """Our row in `log_readers`: the highest fts_log entry taken so far."""
+        if hi is not None:
+            conn.execute(
+                "INSERT INTO log_readers (name, applied) VALUES (%s, %s) ON CONFLICT (name)"
+                " DO UPDATE SET applied = greatest(log_readers.applied, EXCLUDED.applied)",
+                (LOG_READER, hi),
+            )
+
+    def stop_transcripts(self, conn: psycopg.Connection[Any]) -> bool:
+        if self.meta(conn, "transcripts_built") is None:
+            return False
+        self.set_meta(conn, "transcripts_built", None)
+        conn.execute("DELETE FROM log_readers WHERE name = %s", (LOG_READER,))
+        return True
+
+    def trim_unfollowed_log(self, conn: psycopg.Connection[Any]) -> tuple[int, bool]:
+        """Nobody reads `fts_log` (there is no search indexer here): its entries are
+        dropped, a page a round; the next start with transcripts on rebuilds them."""
+        dropped = len(self._take(conn, "fts_log", "id", LOG_TRIM_PAGE))
+        return dropped, dropped == LOG_TRIM_PAGE
+
+    def unlink(
+        self, conn: psycopg.Connection[Any], message_ids: list[int]
+    ) -> list[tuple[int, int]]:
+        return conn.execute(
+            "DELETE FROM memory_chunk_sources WHERE message_id = ANY(%s)"
+            " RETURNING message_id, chunk_id",
+            (message_ids,),
+        ).fetchall()
+
+    def indexable_messages(
+        self, conn: psycopg.Connection[Any], message_ids: list[int]
+    ) -> list[tuple[int, str, str, float]]:
+        return conn.execute(_MESSAGES, (message_ids,)).fetchall()
+
+    def add_transcript_chunks(
+        self, conn: psycopg.Connection[Any], chunks: list[TranscriptChunk], links: list[ChunkLink]
+    ) -> None:
+        # One row per (session, hash), the latest: an upsert may not touch a row twice
+        # in a statement.
+        unique: dict[tuple[str, str], tuple[str, str, float]] = {}
+        for namespace, session_id, digest, text, created in chunks:
+            seen = unique.get((session_id, digest))
+            if seen is None or seen[2] < created:
+                unique[(session_id, digest)] = (namespace, text, created)
+        keys = list(unique)
+        conn.execute(
+            _UPSERT_CHUNKS,
+            (
+                [unique[key][0] for key in keys],
+                [key[0] for key in keys],
+                [key[1] for key in keys],
+                [unique[key][1] for key in keys],
+                [unique[key][2] for key in keys],
+            ),
+        )
+        conn.execute(
+            _LINK,
+            ([link[0] for link in links], [link[1] for link in links], [link[2] for link in links]),
+        )
+
+    def delete_orphans(self, conn: psycopg.Connection[Any], chunk_ids: list[int]) -> int:
+        return self.delete_chunks(
+            conn,
+            "id = ANY(%s) AND kind = 'transcript' AND NOT EXISTS"
+            " (SELECT 1 FROM memory_chunk_sources s WHERE s.chunk_id = memory_chunks.id)",
+            (chunk_ids,),
+        )
+
+    def note_purged(self, conn: psycopg.Connection[Any], message_ids: list[int]) -> None:
+        """Nothing to remember: a deleted row's words are gone with it at commit."""
+
+    def take_purged(self, conn: psycopg.Connection[Any]) -> bool:
+        return False
+
+    def forget_words(self, conn: psycopg.Connection[Any]) -> None:
+        """Nothing like FTS5's 'optimize' is needed (the module docstring)."""
+
+    def origins(
+        self, conn: psycopg.Connection[Any], session_ids: list[str]
+    ) -> list[tuple[str, str, str | None]]:
+        return conn.execute(
+            "SELECT session_id, session_key, origin FROM sessions WHERE session_id = ANY(%s)",
+            (session_ids,),
+        ).fetchall()
+
+    def requeue_missing(self, conn: psycopg.Connection[Any], model_id: str) -> int:
+        return conn.execute(
+            "INSERT INTO memory_pending_vectors (chunk_id)"
+            " SELECT id FROM memory_chunks c WHERE NOT EXISTS"
+            " (SELECT 1 FROM memory_vectors v WHERE v.chunk_id = c.id AND v.model = %s)"
+            " ON CONFLICT DO NOTHING",
+            (model_id,),
+        ).rowcount
+
+    def pending_chunks(
+        self, conn: psycopg.Connection[Any], limit: int, namespace: str | None = None
+    ) -> list[tuple[int, str]]:
+        sql = (
+            "SELECT c.id, c.text FROM memory_pending_vectors p"
+            " JOIN memory_chunks c ON c.id = p.chunk_id"
+        )
+        if namespace is None:
+            return conn.execute(f"{sql} ORDER BY p.chunk_id LIMIT %s", (limit,)).fetchall()
+        return conn.execute(
+            f"{sql} WHERE c.namespace = %s ORDER BY p.chunk_id LIMIT %s", (namespace, limit)
+        ).fetchall()
+
+    def put_vectors(
+        self, conn: psycopg.Connection[Any], chunk_ids: list[int], data: np.ndarray, model_id: str
+    ) -> None:
+        conn.execute("DELETE FROM memory_vectors WHERE chunk_id = ANY(%s)", (chunk_ids,))
+        conn.execute(
+            "INSERT INTO memory_vectors (chunk_id, namespace, model, vec)"
+            " SELECT c.id, c.namespace, %s, j.vec"
+            " FROM unnest(%s::bigint[], %s::bytea[]) WITH ORDINALITY AS j(id, vec, n)"
+            " JOIN memory_chunks c ON c.id = j.id ORDER BY j.n",
+            (model_id, chunk_ids, [row.tobytes() for row in data]),
+        )
+        conn.execute("DELETE FROM memory_pending_vectors WHERE chunk_id = ANY(%s)", (chunk_ids,))
+
+    def namespaces_ending(self, conn: psycopg.Connection[Any], suffix: str) -> list[str]:
+        return [
+            row[0]
+            for row in conn.execute(
+                "SELECT DISTINCT namespace FROM memory_chunks WHERE right(namespace, %s) = %s",
+                (len(suffix), suffix),
+            )
+        ]
+
+
+PG = PgIndexSql()
+INDEX = MemoryIndex(PG)

@@ -28,11 +28,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import structlog
 
 from gateway.domain.session import SessionSource, schedule_session_key
-from gateway.memory import index
+from gateway.memory import index, sqlite_index
 from gateway.memory.chunking import normalize_tags
 from gateway.memory.embeddings import EmbeddingError, HashEmbedder, build_embedder
 from gateway.memory.retrieval import (
-    SQLITE,
     RecallSql,
     Recent,
     Scored,
@@ -152,7 +151,8 @@ def _hit(scored: Scored) -> Hit:
 
 
 class MemoryIndexer(ThreadedSqliteTask):
-    """Keeps memory.db up with state.db's logs (rounds of `index.apply_logs`) and embeds
+    """Keeps the memory index up with the store's logs (rounds of
+    `index.MemoryIndex.apply_logs`, over the engine's SQL) and embeds
     the chunks waiting for a vector, on a worker thread, when the store committed since
     the last look or vectors are waiting.
 
@@ -176,9 +176,9 @@ class MemoryIndexer(ThreadedSqliteTask):
         # On PostgreSQL the index is the store's `memory_*` tables: the same rounds and
         # recall, in that backend's SQL (gateway.memory.pg_index).
         self.postgres = bool(getattr(store, "postgres", False))
-        self.ops: Any = _pg() if self.postgres else index
-        self.sql: RecallSql = _pg().PG if self.postgres else SQLITE
-        self.namespaces = _pg().PgNamespaceCache() if self.postgres else index.NamespaceCache()
+        self.ops: index.MemoryIndex = _pg().INDEX if self.postgres else sqlite_index.INDEX
+        self.sql: RecallSql = self.ops.sql
+        self.namespaces = index.NamespaceCache()
         # `hash` embeds on the worker thread inside each round; a remote one in batches
         # after it (it may be slow or down, and text recall must not wait for it).
         self.inline = embedder if isinstance(embedder, HashEmbedder) else None
@@ -199,7 +199,9 @@ class MemoryIndexer(ThreadedSqliteTask):
                     dsn = self.store.config.storage.dsn or ""
                     self._conn = await self._in_thread(_pg().connect, dsn)
                 else:
-                    self._conn = await self._in_thread(index.connect, self.path, self.store.db_path)
+                    self._conn = await self._in_thread(
+                        sqlite_index.connect, self.path, self.store.db_path
+                    )
             try:
                 return await self._in_thread(fn, self._conn, *args)
             except sqlite3.DatabaseError as exc:
@@ -208,7 +210,9 @@ class MemoryIndexer(ThreadedSqliteTask):
                 # Damage deeper in the file than opening it reads: memory.db is derived,
                 # so it is set aside and rebuilt, and the call runs once on the new one.
                 await self._set_aside(exc)
-                self._conn = await self._in_thread(index.connect, self.path, self.store.db_path)
+                self._conn = await self._in_thread(
+                    sqlite_index.connect, self.path, self.store.db_path
+                )
                 return await self._in_thread(fn, self._conn, *args)
 
     async def _set_aside(self, exc: sqlite3.DatabaseError) -> None:
@@ -244,9 +248,7 @@ class MemoryIndexer(ThreadedSqliteTask):
         recall works meanwhile and the chunks stay queued. On PostgreSQL, with `wait`
         False, a round another replica is running is left to it (the background loop)."""
         total = 0
-        apply = (
-            functools.partial(_pg().apply_logs, wait=wait) if self.postgres else index.apply_logs
-        )
+        apply = functools.partial(self.ops.apply_logs, wait=wait)
         while True:
             result = await self.run(apply, self.settings, self.namespaces, self.inline)
             total += result.work
@@ -687,11 +689,11 @@ class Recall:
         gone.index_entries = await self.indexer.run(self.indexer.ops.forget_namespaces, namespaces)
         await self._index()
         if agent_id is None:
-            forget_all = _pg().forget_all_agents if self.indexer.postgres else _forget_all_agents
+            forget_all = self.indexer.ops.forget_all_agents
             gone.index_entries += await self.indexer.run(forget_all, platform, user_id)
         self.indexer.cache.clear()
         if not self.indexer.postgres:
-            # search.db forgets the messages now, their words included (index.forget_tokens);
+            # search.db forgets the messages now, their words included (forget_words);
             # on PostgreSQL the deleted rows are gone with their GIN entries at commit.
             await self.store.search_index.query(_forget_search_tokens)
         if busy:
@@ -750,18 +752,3 @@ def notes_prompt(hits: Sequence[Hit]) -> str:
 
 def _forget_search_tokens(conn: sqlite3.Connection) -> None:
     conn.execute("INSERT INTO messages_fts(messages_fts) VALUES ('optimize')")
-
-
-def _forget_all_agents(conn: sqlite3.Connection, platform: str, user_id: str) -> int:
-    """Chunks of the user under any agent (a namespace ends in `:{platform}:{user_id}`)."""
-    suffix = f":{platform}:{user_id}"
-    namespaces = [
-        row[0]
-        for row in conn.execute(
-            "SELECT DISTINCT namespace FROM chunks WHERE substr(namespace, -?) = ?",
-            (len(suffix), suffix),
-        )
-        # memory:AGENT + the suffix, where an agent id has no colon (a user id may)
-        if row[0][: -len(suffix)].count(":") == 1 and row[0].startswith("memory:")
-    ]
-    return index.forget_namespaces(conn, namespaces)

@@ -324,15 +324,6 @@ async def test_reset_session(store: SessionStore, clock: Any) -> None:
     assert await store.reset_session("agent:main:telegram:dm:nobody") is None
 
 
-async def test_acknowledge_reset_consumes_flags(store: SessionStore) -> None:
-    first = await store.get_or_create_session(dm())
-    assert await store.acknowledge_reset(first.session_key) is None  # nothing to consume
-    await store.reset_session(first.session_key)
-    entry = await store.acknowledge_reset(first.session_key)
-    assert entry is not None and not entry.is_fresh_reset and not entry.was_auto_reset
-    assert not (await store.get_entry(first.session_key)).is_fresh_reset
-
-
 async def test_switch_session_back(store: SessionStore, clock: Any) -> None:
     first = await store.get_or_create_session(dm())
     key = first.session_key

@@ -461,17 +461,6 @@ class StoreMachine(RuleBasedStateMachine):
         if pending:
             expected.resume_pending, expected.resume_reason = False, None
 
-    @rule(data=st.data())
-    def acknowledge_reset(self, data: st.DataObject) -> None:
-        key = self.draw_key(data)
-        entry = self.run(self.store.acknowledge_reset(key))
-        expected = self.entries.get(key)
-        if expected is None or not (expected.was_auto_reset or expected.is_fresh_reset):
-            assert entry is None
-            return
-        expected.was_auto_reset = expected.is_fresh_reset = False
-        self.check_entry(key, entry)
-
     @rule(data=st.data(), display_name=st.none() | st.sampled_from(("Renamed", "Other")))
     def reset_session(self, data: st.DataObject, display_name: str | None) -> None:
         key = self.draw_key(data)

@@ -495,3 +495,12 @@ def replaced_by(conn: sqlite3.Connection, session_key: str, session_id: str) -> 
         (session_key, session_id, END_RESET),
     ).fetchone()
     return row[0] if row else None
+
+
+def import_entries(conn: sqlite3.Connection, imported: dict[str, SessionEntry]) -> int:
+    """Entries read from a legacy sessions.json, each with its session row."""
+    for key, entry in imported.items():
+        entry.session_key = key
+        start_session_row(conn, entry)
+        save_entry(conn, entry)
+    return len(imported)

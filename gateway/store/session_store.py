@@ -5,7 +5,7 @@ committed by the writer (`gateway.store.db`); a message touch is a single-row up
 a rewrite of all entries, so per-message cost does not grow with the number of sessions.
 `sessions.json` is a coalesced mirror for people and tools that read the seed format.
 
-State-machine priority in `get_or_create_session`:
+State-machine priority in `get_or_create_session` (gateway.store.session_routing):
 suspended > resume_pending > reset policy (idle / daily) > plain touch.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import structlog
 
 from config import GatewayConfig, SessionResetPolicy
-from gateway.domain.policy import last_daily_boundary, reset_reason
+from gateway.domain.policy import reset_reason
 from gateway.domain.routing import Router
 from gateway.domain.session import (
     Platform,
@@ -41,6 +41,7 @@ from gateway.store.mirror import (
     read_sessions_json,
 )
 from gateway.store.pg.search import PgSearchIndex
+from gateway.store.session_routing import ActiveCheck, expiry_cutoff, route_entry
 
 log = structlog.get_logger(__name__)
 NEVER_RESET = SessionResetPolicy(mode="none")
@@ -68,7 +69,7 @@ class SessionStore:
         self.sessions_dir = Path(sessions_dir)
         self.config = config
         self.has_active_processes_fn = has_active_processes_fn
-        self._active_check_failure: str | None = None  # the failing check's error type
+        self._active_check = ActiveCheck()
         self.db_path = self.sessions_dir / STATE_DB
         self.json_path = self.sessions_dir / SESSIONS_JSON
         # On PostgreSQL every replica shares the tables; search.db and sessions.json are
@@ -112,7 +113,7 @@ class SessionStore:
         if not await self.has_any_sessions():
             legacy = await asyncio.to_thread(read_sessions_json, self.json_path)
             if legacy:
-                await self._db.write(lambda conn: self._import_entries(conn, legacy))
+                await self._db.write(lambda conn: entries.import_entries(conn, legacy))
                 log_imported(self.json_path, len(legacy))
         elif not await asyncio.to_thread(check_sessions_json, self.json_path):
             self._mirror.mark_dirty()
@@ -148,14 +149,6 @@ class SessionStore:
         if not self.postgres:
             await self._mirror.flush()
 
-    @staticmethod
-    def _import_entries(conn: sqlite3.Connection, imported: dict[str, SessionEntry]) -> int:
-        for key, entry in imported.items():
-            entry.session_key = key
-            entries.start_session_row(conn, entry)
-            entries.save_entry(conn, entry)
-        return len(imported)
-
     # --- helpers -----------------------------------------------------------------------
 
     def session_key_for(self, source: SessionSource) -> str:
@@ -172,30 +165,8 @@ class SessionStore:
         )
 
     def _has_active_processes(self, session_key: str) -> bool:
-        """Whether the host says the session has work running (it is not reset then).
-
-        A check that raises counts as active and never fails the message: a wrong reset
-        cannot be taken back, a late one costs nothing. Logged when it starts failing
-        (or fails differently) and when it works again, not per message."""
-        fn = self.has_active_processes_fn
-        if fn is None:
-            return False
-        try:
-            active = bool(fn(session_key))
-        except Exception as exc:
-            if type(exc).__name__ != self._active_check_failure:
-                self._active_check_failure = type(exc).__name__
-                log.error(
-                    "has_active_processes_failed",
-                    error_type=type(exc).__name__,
-                    error=str(exc),
-                    effect="sessions count as active: no automatic reset until it works",
-                )
-            return True
-        if self._active_check_failure is not None:
-            self._active_check_failure = None
-            log.info("has_active_processes_recovered")
-        return active
+        """Whether the host says the session has work running (it is not reset then)."""
+        return self._active_check(self.has_active_processes_fn, session_key)
 
     def _policy_for(self, entry: SessionEntry) -> Any:
         return self.config.get_reset_policy(entry.platform or Platform.LOCAL, entry.chat_type)
@@ -320,9 +291,8 @@ class SessionStore:
     def _routing_tx(
         self, source: SessionSource, key: str, force_new: bool, now: datetime
     ) -> Callable[[sqlite3.Connection, SessionEntry | None], tuple[SessionEntry, bool]]:
-        """The state machine on a loaded entry (None: the key has none): the entry the
-        message belongs to, and whether a new session was written for it (new key, forced,
-        suspended or expired); a session that continues is not written here."""
+        """The state machine (gateway.store.session_routing) on a loaded entry (None:
+        the key has none), with this source's policy and the key's running processes."""
         policy = self.config.get_reset_policy(source.platform, source.chat_type)
         if schedule_id_of_key(key) is not None:
             # A scheduled job's session keeps its context from run to run.
@@ -331,38 +301,17 @@ class SessionStore:
         tz = self._tz
 
         def tx(conn: sqlite3.Connection, entry: SessionEntry | None) -> tuple[SessionEntry, bool]:
-            if entry is None:
-                new = entries.fresh_entry(key, source, now)
-                entries.start_session_row(conn, new)
-                entries.save_entry(conn, new)
-                return new, True
-            if force_new:
-                return entries.replace_session(conn, entry, source, now), True
-            if entry.suspended:
-                replaced = entries.replace_session(
-                    conn,
-                    entry,
-                    source,
-                    now,
-                    was_auto_reset=True,
-                    auto_reset_reason="suspended",
-                    reset_had_activity=entry.total_tokens > 0,
-                )
-                return replaced, True
-            if not entry.resume_pending and not active:
-                reason = reset_reason(entry.updated_at, policy, now, tz)
-                if reason is not None:
-                    replaced = entries.replace_session(
-                        conn,
-                        entry,
-                        source,
-                        now,
-                        was_auto_reset=True,
-                        auto_reset_reason=reason,
-                        reset_had_activity=entry.total_tokens > 0,
-                    )
-                    return replaced, True
-            return entry, False
+            return route_entry(
+                conn,
+                entry,
+                key=key,
+                source=source,
+                force_new=force_new,
+                now=now,
+                policy=policy,
+                active=active,
+                tz=tz,
+            )
 
         return tx
 
@@ -384,17 +333,6 @@ class SessionStore:
                 entry.last_prompt_tokens = last_prompt_tokens
             if usage is not None:
                 entry.add_usage(usage)
-            return True
-
-        return await self._modify(session_key, change)
-
-    async def acknowledge_reset(self, session_key: str) -> SessionEntry | None:
-        """Consume the one-shot `was_auto_reset` / `is_fresh_reset` flags after the notice."""
-
-        def change(entry: SessionEntry) -> bool:
-            if not (entry.was_auto_reset or entry.is_fresh_reset):
-                return False
-            entry.was_auto_reset = entry.is_fresh_reset = False
             return True
 
         return await self._modify(session_key, change)
@@ -553,7 +491,7 @@ class SessionStore:
         expire (mode none on one platform) cannot crowd out the ones that did.
         """
         now = _utcnow()
-        cutoff = self._expiry_cutoff(now)
+        cutoff = expiry_cutoff(self.config, now, self._tz)
         if cutoff is None:
             return []
 
@@ -571,19 +509,6 @@ class SessionStore:
                 break
             after = (rows[-1][0], rows[-1][1])
         return expired[:limit]
-
-    def _expiry_cutoff(self, now: datetime) -> datetime | None:
-        """The latest `updated_at` any configured policy could consider expired."""
-        cfg = self.config
-        policies = [cfg.session_reset, *(p for p in vars(cfg.reset_by_type).values() if p)]
-        policies += [p.session_reset for _, p in cfg.platforms if p.session_reset]
-        cutoffs: list[datetime] = []
-        for policy in policies:
-            if policy.mode in ("idle", "both"):
-                cutoffs.append(now - timedelta(minutes=policy.idle_minutes))
-            if policy.mode in ("daily", "both"):
-                cutoffs.append(last_daily_boundary(now, policy.at_hour, self._tz))
-        return max(cutoffs) if cutoffs else None
 
     async def list_sessions(
         self, active_minutes: float | None = None, agent_id: str | None = None
@@ -627,13 +552,11 @@ class SessionStore:
 
     async def list_session_history(self, session_key: str, limit: int = 10) -> list[dict[str, Any]]:
         """Earlier and current sessions of one key, newest first (for /resume)."""
-
         return await self._db.read(lambda conn: entries.session_history(conn, session_key, limit))
 
     async def session_replaced_by(self, session_key: str, session_id: str) -> str | None:
         """The session of this key that the reset starting `session_id` ended (for the
         reset's log line): the one a reset ended most recently."""
-
         return await self._db.read(lambda conn: entries.replaced_by(conn, session_key, session_id))
 
     # --- transcripts -------------------------------------------------------------------

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import re
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
@@ -30,6 +29,7 @@ from config import (
 from gateway.domain.attachments import Attachment, InboundMedia, MediaTooLarge
 from gateway.domain.events import Accepted, AcceptStatus, MessageEvent
 from gateway.domain.session import Platform, SessionSource, validate_id
+from gateway.util.backoff import Backoff
 
 __all__ = [
     "MAX_RETRY_AFTER_SECONDS",
@@ -368,36 +368,6 @@ class PlatformAdapter(ABC):
 
     def split(self, text: str) -> list[str]:
         return split_message(text, self.max_message_length, self.length_fn)
-
-
-# --- reconnecting ------------------------------------------------------------------------------
-
-
-class Backoff:
-    """Exponential backoff with jitter and a cap, for reconnect loops.
-
-    `delay()` gives the next wait (initial, x factor each time, at most `maximum`);
-    `reset()` after a connection that worked.
-    """
-
-    def __init__(
-        self, initial: float = 1.0, maximum: float = 60.0, factor: float = 2.0, jitter: float = 0.1
-    ) -> None:
-        self.initial, self.maximum, self.factor, self.jitter = initial, maximum, factor, jitter
-        self.attempt = 0
-
-    def delay(self) -> float:
-        base = min(self.maximum, self.initial * self.factor**self.attempt)
-        self.attempt += 1
-        return base * (1 + random.uniform(-self.jitter, self.jitter))
-
-    def reset(self) -> None:
-        self.attempt = 0
-
-    async def sleep(self) -> float:
-        seconds = self.delay()
-        await asyncio.sleep(seconds)
-        return seconds
 
 
 #: longest a platform's 429 `retry_after` is honoured before the send is given up

@@ -1,11 +1,10 @@
 """What the cluster's background tasks share: their own database connections (connect
-with a deadline, retry with a bounded, jittered backoff, close without waiting on a dead
-peer) and their callbacks, run one at a time in the order of the events."""
+with a deadline, close without waiting on a dead peer; they retry with
+gateway.util.backoff) and their callbacks, run one at a time in the order of the events."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -81,24 +80,6 @@ async def close_quietly(conn: psycopg.AsyncConnection[Any] | None) -> None:
             await conn.close()
     except Exception:
         pass  # a dead peer: the socket goes with the object
-
-
-class Backoff:
-    """Delays between reconnection attempts: doubling from `first` up to `cap`, each
-    jittered by +-20% so replicas that lost the database together do not retry in step."""
-
-    def __init__(self, first: float, cap: float) -> None:
-        self.first = first
-        self.cap = cap
-        self._next = first
-
-    def reset(self) -> None:
-        self._next = self.first
-
-    def next_delay(self) -> float:
-        delay = self._next
-        self._next = min(self.cap, self._next * 2)
-        return delay * random.uniform(0.8, 1.2)
 
 
 async def nothing() -> None:

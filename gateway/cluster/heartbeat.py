@@ -23,7 +23,6 @@ import structlog
 from gateway.cluster import leases
 from gateway.cluster._support import (
     CONNECTION_ERRORS,
-    Backoff,
     Callback,
     SerialCallbacks,
     bounded,
@@ -32,6 +31,7 @@ from gateway.cluster._support import (
     describe,
     nothing,
 )
+from gateway.util.backoff import Backoff
 
 log = structlog.get_logger("gateway.cluster.heartbeat")
 
@@ -90,7 +90,7 @@ class Heartbeat:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        backoff = Backoff(first=min(0.1, self.interval), cap=self.interval)
+        backoff = Backoff(initial=min(0.1, self.interval), maximum=self.interval, jitter=0.2)
         while True:
             try:
                 if self._conn is None:
@@ -103,7 +103,7 @@ class Heartbeat:
                 log.warning("heartbeat_failed", owner=self.owner, error=describe(exc))
                 await close_quietly(self._conn)
                 self._conn = None
-                await asyncio.sleep(backoff.next_delay())
+                await asyncio.sleep(backoff.delay())
                 continue
             backoff.reset()
             self.beats += 1

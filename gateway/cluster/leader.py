@@ -21,7 +21,6 @@ import structlog
 from gateway.cluster import leases
 from gateway.cluster._support import (
     CONNECTION_ERRORS,
-    Backoff,
     Callback,
     SerialCallbacks,
     bounded,
@@ -30,6 +29,7 @@ from gateway.cluster._support import (
     describe,
     nothing,
 )
+from gateway.util.backoff import Backoff
 
 log = structlog.get_logger("gateway.cluster.leader")
 
@@ -100,7 +100,7 @@ class LeaderRole:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        backoff = Backoff(first=min(0.1, self.period), cap=self.period)
+        backoff = Backoff(initial=min(0.1, self.period), maximum=self.period, jitter=0.2)
         while True:
             try:
                 if self._conn is None:
@@ -116,7 +116,7 @@ class LeaderRole:
                 log.warning("leader_db_unreachable", lease=self.name, error=describe(exc))
                 await close_quietly(self._conn)
                 self._conn = None
-                await asyncio.sleep(backoff.next_delay())
+                await asyncio.sleep(backoff.delay())
                 continue
             backoff.reset()
             if won:

@@ -21,7 +21,6 @@ from psycopg import sql
 
 from gateway.cluster._support import (
     CONNECTION_ERRORS,
-    Backoff,
     Callback,
     SerialCallbacks,
     bounded,
@@ -30,6 +29,7 @@ from gateway.cluster._support import (
     describe,
     nothing,
 )
+from gateway.util.backoff import Backoff
 
 log = structlog.get_logger("gateway.cluster.notify")
 
@@ -108,7 +108,7 @@ class Listener:
         self._conn = None
 
     async def _run(self) -> None:
-        backoff = Backoff(first=0.1, cap=self.backoff_cap)
+        backoff = Backoff(initial=0.1, maximum=self.backoff_cap, jitter=0.2)
         while True:
             try:
                 await self._connect_and_listen()
@@ -120,7 +120,7 @@ class Listener:
             self._listening.clear()
             await close_quietly(self._conn)
             self._conn = None
-            await asyncio.sleep(backoff.next_delay())
+            await asyncio.sleep(backoff.delay())
 
     async def _connect_and_listen(self) -> None:
         self._conn = await connect(

@@ -208,7 +208,7 @@ def run_turns(
     execute = conn.execute
     marks: list[int] = []
     duplicates = commits = 0
-    before = 2**62  # `transcript.load_recent` without a bound: the newest messages
+    before = 2**62  # no bound: the newest messages
     started, cpu_started = time.perf_counter(), time.process_time()
     for first in range(0, len(plan), batch):
         execute("BEGIN IMMEDIATE")

@@ -32,8 +32,9 @@ from gateway.memory.retrieval import (
     CANDIDATES,
     MAX_POSTINGS,
     MAX_QUERY_WORDS,
+    SQLITE,
     VectorCache,
-    text_query,
+    kept_words,
     vector_scores,
 )
 from gateway.run import GatewayRunner
@@ -49,6 +50,11 @@ from tests.waiting import wait_for
 
 ALICE = Namespace("main", "http", "alice")
 BOB = Namespace("main", "http", "bob")
+
+
+async def notes_of(recall: Recall, ns: Namespace) -> list[dict[str, Any]]:
+    """The namespace's notes, as `hermes-gateway memory list` reads them."""
+    return await recall.export(ns.platform, ns.user_id, ns.agent_id)
 
 
 def config_of(**memory: Any) -> GatewayConfig:
@@ -126,10 +132,10 @@ def test_a_text_query_keeps_the_rare_words_of_a_bounded_prefix(tmp_path: Path) -
         )
         sqlite_index.SQLITE_INDEX.add_words(conn, 0)
         # "common" is in more chunks than a search may rank: only the rarer words stay
-        assert text_query(conn, "Common word7 word9") == '"word7" OR "word9"'
-        assert text_query(conn, "common") is None
+        assert kept_words(conn, "Common word7 word9", SQLITE)[0] == ["word7", "word9"]
+        assert kept_words(conn, "common", SQLITE)[0] == []
         many = " ".join(f"w{i}" for i in range(3 * MAX_QUERY_WORDS))
-        assert (text_query(conn, many) or "").count(" OR ") == MAX_QUERY_WORDS - 1
+        assert len(kept_words(conn, many, SQLITE)[0]) == MAX_QUERY_WORDS
     finally:
         conn.close()
 
@@ -194,12 +200,12 @@ async def test_notes_belong_to_one_user_of_one_agent(recall: Recall) -> None:
     assert [h.text for h in await recall.search(other_agent, "cat")] == [
         "Alice's cat reviews pull requests"
     ]
-    assert [h.id for h in await recall.list_notes(ALICE)] == [mine]
+    assert [n["id"] for n in await notes_of(recall, ALICE)] == [mine]
     # Bob cannot touch Alice's note, nor learn it exists.
     assert await recall.delete(BOB, mine) is False
     with pytest.raises(ValueError, match="no note"):
         await recall.save(BOB, "stolen", note_id=mine)
-    assert [h.text for h in await recall.list_notes(ALICE)] == ["Alice's cat is called Mochi"]
+    assert [n["text"] for n in await notes_of(recall, ALICE)] == ["Alice's cat is called Mochi"]
 
 
 async def test_update_keeps_the_id_and_replaces_text_and_tags(recall: Recall) -> None:
@@ -239,7 +245,7 @@ async def test_bad_notes_are_refused_clearly(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         await recall.save(ALICE, content, tags)
-    assert await recall.list_notes(ALICE) == []
+    assert await notes_of(recall, ALICE) == []
 
 
 async def test_bad_searches_are_refused(recall: Recall) -> None:
@@ -570,7 +576,7 @@ async def test_forgetting_a_user_leaves_nothing_of_theirs_in_any_table(gateway: 
     assert index_count(backend, sessions, "chunks") == 3
     assert next(h.text for h in await recall.search(BOB, "wombat")).startswith("bob")
     assert await recall.search(ALICE, "wombat") == []
-    assert await recall.list_notes(ALICE) == []
+    assert await notes_of(recall, ALICE) == []
 
 
 async def test_forgetting_a_user_leaves_no_row_naming_them_and_twice_deletes_nothing(
@@ -667,7 +673,7 @@ async def test_memory_cli_lists_exports_and_forgets_a_user(gateway: Gateway) -> 
     assert _count(memory, "vectors") == _count(memory, "chunks") == 3  # Bob: note, 2 messages
     assert next(h.text for h in await recall.search(BOB, "wombat")).startswith("bob")
     assert await recall.search(ALICE, "wombat") == []
-    assert await recall.list_notes(ALICE) == []
+    assert await notes_of(recall, ALICE) == []
 
 
 @pytest.mark.sqlite_only
@@ -682,7 +688,7 @@ async def test_memory_cli_deletes_one_note(gateway: Gateway) -> None:
         cli, gateway.home, "memory", "delete", "--user", "http:alice", drop
     )
     assert done.returncode == 0, done.stderr
-    assert [h.id for h in await gateway.runner.recall.list_notes(ALICE)] == [keep]
+    assert [n["id"] for n in await notes_of(gateway.runner.recall, ALICE)] == [keep]
     assert await gateway.runner.recall.search(ALICE, "drop") == []
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
-from gateway.memory.recall import Namespace
+from gateway.memory.recall import Namespace, Recall
 from gateway.run import GatewayRunner
 from gateway.session import Platform, SessionSource
 from tests.fakes.openai_server import FakeOpenAI, tool_calls, tool_results
@@ -81,6 +81,11 @@ def alice(agent: str = "main") -> Any:
     return Namespace.of(agent, SessionSource(platform=Platform.HTTP, chat_id="x", user_id="alice"))
 
 
+async def notes_of(recall: Recall, ns: Namespace) -> list[dict[str, Any]]:
+    """The namespace's notes, as `hermes-gateway memory list` reads them."""
+    return await recall.export(ns.platform, ns.user_id, ns.agent_id)
+
+
 async def test_a_note_saved_in_one_session_is_found_in_a_later_one_by_its_user_only(
     gateway: Gateway,
 ) -> None:
@@ -140,13 +145,13 @@ async def test_update_and_delete_by_id_and_mistakes_are_results(gateway: Gateway
     assert missing == {"deleted": False}
     assert bad_k["error"].startswith("memory_search: bad arguments: k:")
     assert empty["error"].startswith("memory_save: bad arguments: content:")
-    (note,) = await gateway.runner.recall.list_notes(alice())
-    assert (note.id, note.text) == (note_id, "likes coffee now")
+    (note,) = await notes_of(gateway.runner.recall, alice())
+    assert (note["id"], note["text"]) == (note_id, "likes coffee now")
 
     delete = tool_calls(("memory_delete", {"note_id": note_id}))
     await gateway.ask("alice", "forget it", delete, "forgotten")
     assert gateway.results() == [{"deleted": True}]
-    assert await gateway.runner.recall.list_notes(alice()) == []
+    assert await notes_of(gateway.runner.recall, alice()) == []
 
 
 async def test_bob_cannot_delete_alices_note_by_its_id(gateway: Gateway) -> None:
@@ -154,7 +159,7 @@ async def test_bob_cannot_delete_alices_note_by_its_id(gateway: Gateway) -> None
     delete = tool_calls(("memory_delete", {"note_id": note_id}))
     await gateway.ask("bob", "delete that", delete, "tried")
     assert gateway.results() == [{"deleted": False}]
-    assert [n.id for n in await gateway.runner.recall.list_notes(alice())] == [note_id]
+    assert [n["id"] for n in await notes_of(gateway.runner.recall, alice())] == [note_id]
     rows = json.dumps([r["json"] for r in gateway.fake.requests])
     assert "alice's note" not in rows
 

@@ -5,7 +5,7 @@ replicas whose clocks disagree still agree on who holds what. Each function is o
 statement run on the caller's connection, inside the caller's transaction (or in
 autocommit), so a lease can be taken in the same transaction as the work it guards.
 
-A lease whose `expires_at` has passed is nobody's: `renew` no longer extends it and
+A lease whose `expires_at` has passed is nobody's: `arenew` no longer extends it and
 `try_acquire` hands it to the first replica that asks, its former owner included.
 
 The sync functions take a `psycopg.Connection`; the `a`-prefixed ones are the same
@@ -52,11 +52,6 @@ WHERE name IN (
 RELEASE_SQL = "DELETE FROM leases WHERE name = %s AND owner = %s"
 RELEASE_ALL_SQL = "DELETE FROM leases WHERE owner = %s"
 HOLDER_SQL = f"SELECT owner, expires_at - {NOW} FROM leases WHERE name = %s AND expires_at >= {NOW}"
-EXPIRED_SQL = f"""
-SELECT name FROM leases
-WHERE name LIKE %s ESCAPE '\\' AND expires_at < {NOW}
-ORDER BY expires_at LIMIT %s
-"""
 
 
 def make_owner_id() -> str:
@@ -65,20 +60,10 @@ def make_owner_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}"
 
 
-def _like_prefix(prefix: str) -> str:
-    escaped = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
-    return escaped + "%"
-
-
 def try_acquire(conn: psycopg.Connection[Any], name: str, owner: str, ttl: float) -> bool:
     """Take lease `name` for `ttl` seconds if it is free, expired or already `owner`'s
     (then it is renewed). True when `owner` holds it afterwards."""
     return conn.execute(ACQUIRE_SQL, (name, owner, ttl)).fetchone() is not None
-
-
-def renew(conn: psycopg.Connection[Any], owner: str, ttl: float) -> int:
-    """Extend every live lease of `owner` to `ttl` seconds from now; how many."""
-    return conn.execute(RENEW_SQL, (ttl, owner)).rowcount
 
 
 def release(conn: psycopg.Connection[Any], name: str, owner: str) -> bool:
@@ -95,13 +80,6 @@ def holder(conn: psycopg.Connection[Any], name: str) -> str | None:
     """The owner of lease `name` if it is live, else None."""
     row = conn.execute(HOLDER_SQL, (name,)).fetchone()
     return None if row is None else row[0]
-
-
-def expired_names(conn: psycopg.Connection[Any], prefix: str, limit: int) -> list[str]:
-    """Up to `limit` names starting with `prefix` (taken literally) whose lease has
-    expired, oldest expiry first: the work a dead replica left behind."""
-    rows = conn.execute(EXPIRED_SQL, (_like_prefix(prefix), limit)).fetchall()
-    return [row[0] for row in rows]
 
 
 async def atry_acquire(

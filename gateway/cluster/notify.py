@@ -35,9 +35,6 @@ log = structlog.get_logger("gateway.cluster.notify")
 
 Handler = Callable[[str], Awaitable[None] | None]
 
-# Postgres refuses a NOTIFY payload of 8000 bytes or more.
-MAX_PAYLOAD_BYTES = 7999
-
 
 def notify(conn: psycopg.Connection[Any], channel: str, payload: str = "") -> None:
     """Queue `payload` on `channel`, delivered to listeners when `conn`'s transaction
@@ -72,7 +69,6 @@ class Listener:
         # connection is busy waiting for notifications and is freed this often.
         self.poll_seconds = poll_seconds
         self.connections = 0
-        self.received = 0
         self._handlers: dict[str, list[Handler]] = {}
         self._listening: set[str] = set()
         self._synced = asyncio.Event()
@@ -147,7 +143,6 @@ class Listener:
         quiet_since = loop.time()
         while True:
             async for note in self._conn.notifies(timeout=self.poll_seconds):
-                self.received += 1
                 quiet_since = loop.time()
                 self._dispatch(note.channel, note.payload)
             await self._listen_missing()

@@ -72,7 +72,6 @@ class MemoryIndexer(ThreadedSqliteTask):
         # `hash` embeds on the worker thread inside each round; a remote one in batches
         # after it (it may be slow or down, and text recall must not wait for it).
         self.inline = embedder if isinstance(embedder, HashEmbedder) else None
-        self.embeddings_ok = True
         self._lock = asyncio.Lock()
         self._reported: int | None = None  # the fts_log number last told to state.db
         # PostgreSQL: the last round was left to another replica holding the lock; the

@@ -273,21 +273,6 @@ class Recall:
             await self._index()
         return bool(deleted)
 
-    async def list_notes(self, ns: Namespace) -> list[Hit]:
-        """Every note of the namespace, newest first (score 0)."""
-        namespace = str(ns)
-        rows = await self.store.read(
-            lambda conn: conn.execute(
-                "SELECT note_id, content, tags, created_at, updated_at FROM notes"
-                " WHERE namespace = ? ORDER BY updated_at DESC, note_id",
-                (namespace,),
-            ).fetchall()
-        )
-        return [
-            Hit(note_id, "note", content, tags_of(tags), 0.0, _utc(created), _utc(updated), None)
-            for note_id, content, tags, created, updated in rows
-        ]
-
     # --- recall ------------------------------------------------------------------------
 
     async def search(

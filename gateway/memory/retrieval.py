@@ -62,7 +62,7 @@ CANDIDATES = 64  # per signal, before the fusion
 # the list, and decides alone when the vector has no candidate.
 RRF_K = 0
 CACHE_BYTES = 512 * 1024 * 1024  # vectors held in memory across namespaces
-MAX_POSTINGS = 1_000  # chunks a text search may rank (see text_query)
+MAX_POSTINGS = 1_000  # chunks a text search may rank (see kept_words)
 COMMON_FLOOR = 5  # a word held by at most this many chunks is never "common"
 MAX_QUERY_WORDS = 64  # a query's first distinct words the text side looks at (one count each)
 _WORD = re.compile(r"\w+")
@@ -207,16 +207,6 @@ class Scored:
 def query_words(text: str) -> list[str]:
     """The query's words as the index's tokenizer (unicode61) sees them, once each."""
     return list(dict.fromkeys(_WORD.findall(unicodedata.normalize("NFKC", text).casefold())))
-
-
-def text_query(conn: sqlite3.Connection, text: str) -> str | None:
-    """The words worth ranking by (`kept_words`), as an FTS5 query that cannot be a
-    syntax error: each a quoted phrase, ORed (bm25 ranks chunks with more and rarer
-    words first). None: no word, or only words too common to say anything."""
-    kept = kept_words(conn, text, SQLITE)[0]
-    if not kept:
-        return None
-    return " OR ".join(_phrase(word) for word in kept)
 
 
 def kept_words(conn: Any, text: str, sql: RecallSql) -> tuple[list[str], dict[str, int]]:

@@ -50,9 +50,6 @@ class SystemdNotifier:
     def stopping(self) -> bool:
         return self.notify("STOPPING=1")
 
-    def reloading(self) -> bool:
-        return self.notify("RELOADING=1")
-
     def watchdog(self) -> bool:
         return self.notify("WATCHDOG=1")
 

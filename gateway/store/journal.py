@@ -24,7 +24,6 @@ from gateway.store import codec
 ACCEPTED, DONE, DROPPED = "accepted", "done", "dropped"
 #: a stuck turn's messages the guard gave up on: kept for /retry (`set_aside_rows`)
 SET_ASIDE = "set_aside"
-PENDING, SENT = "pending", "sent"
 
 
 # --- inbox ---------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import json
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 import structlog
 
@@ -280,6 +280,3 @@ class SessionsMirror:
             except (OSError, sqlite3.Error):
                 await asyncio.sleep(self.min_interval)  # logged in flush; retry later
                 self._changed.set()
-
-    def stats(self) -> dict[str, Any]:
-        return {"writes": self.writes, "dirty": self._dirty}

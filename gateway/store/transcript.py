@@ -77,23 +77,6 @@ def load(conn: sqlite3.Connection, session_id: str) -> list[dict[str, Any]]:
     return [codec.loads(message) for (message,) in rows]
 
 
-def load_recent(
-    conn: sqlite3.Connection, session_id: str, limit: int, before: int | None = None
-) -> list[dict[str, Any]]:
-    """The last `limit` active messages (before transcript row `before`), oldest first.
-
-    Read newest-first through the (session_id, active, id) index, so the cost is the
-    window, not the length of the conversation."""
-    if limit <= 0:
-        return []
-    rows = conn.execute(
-        "SELECT message FROM messages WHERE session_id = ? AND active = 1 AND id < ?"
-        " ORDER BY id DESC LIMIT ?",
-        (session_id, before if before is not None else 2**62, limit),
-    ).fetchall()
-    return [codec.loads(message) for (message,) in reversed(rows)]
-
-
 def load_row(conn: sqlite3.Connection, row_id: int) -> dict[str, Any] | None:
     row = conn.execute("SELECT message FROM messages WHERE id = ?", (row_id,)).fetchone()
     return codec.loads(row[0]) if row else None

@@ -47,31 +47,23 @@ def route_entry(
         return new, True
     if force_new:
         return entries.replace_session(conn, entry, source, now), True
+    reason = None
     if entry.suspended:
-        replaced = entries.replace_session(
-            conn,
-            entry,
-            source,
-            now,
-            was_auto_reset=True,
-            auto_reset_reason="suspended",
-            reset_had_activity=entry.total_tokens > 0,
-        )
-        return replaced, True
-    if not entry.resume_pending and not active:
+        reason = "suspended"
+    elif not entry.resume_pending and not active:
         reason = reset_reason(entry.updated_at, policy, now, tz)
-        if reason is not None:
-            replaced = entries.replace_session(
-                conn,
-                entry,
-                source,
-                now,
-                was_auto_reset=True,
-                auto_reset_reason=reason,
-                reset_had_activity=entry.total_tokens > 0,
-            )
-            return replaced, True
-    return entry, False
+    if reason is None:
+        return entry, False
+    replaced = entries.replace_session(
+        conn,
+        entry,
+        source,
+        now,
+        was_auto_reset=True,
+        auto_reset_reason=reason,
+        reset_had_activity=entry.total_tokens > 0,
+    )
+    return replaced, True
 
 
 def expiry_cutoff(config: GatewayConfig, now: datetime, tz: tzinfo) -> datetime | None:

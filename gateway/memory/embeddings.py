@@ -49,6 +49,8 @@ class EmbeddingError(RuntimeError):
 
 
 class Embedder(Protocol):
+    """What recall and the indexer ask of a backend (`build_embedder` picks one)."""
+
     #: what the vectors are, stored beside each one: a change re-embeds in the background
     model_id: str
     #: cosine below which a vector match is no candidate (hash: shared-word noise)
@@ -248,7 +250,7 @@ def unit_rows(matrix: np.ndarray) -> np.ndarray:
     return np.divide(matrix, norms, out=np.zeros_like(matrix), where=norms > 0)
 
 
-def build_embedder(config: GatewayConfig) -> HashEmbedder | OpenAIEmbedder | LocalEmbedder:
+def build_embedder(config: GatewayConfig) -> Embedder:
     """The configured backend. Raises ConfigError (exit 78) when `local` cannot run."""
     memory = config.memory
     if memory.embedding == "hash":

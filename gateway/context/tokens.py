@@ -146,9 +146,6 @@ class Calibration:
             return None
         return factor
 
-    def forget(self, session_id: str) -> None:
-        self._factors.pop(session_id, None)
-
     def _put(self, session_id: str, factor: float) -> None:
         self._factors[session_id] = factor
         self._factors.move_to_end(session_id)

@@ -19,6 +19,7 @@ from gateway.store.background import ThreadedSqliteTask
 from gateway.store.fts import is_damaged, set_index_aside
 from gateway.store.outage import Outage, StoreUnwritable
 from gateway.store.pg import driver_errors
+from gateway.util.backoff import Backoff
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -190,7 +191,8 @@ class MemoryIndexer(ThreadedSqliteTask):
 
     async def _loop(self) -> None:
         failing = Outage(log, "memory_index_failed", path=str(self.path))
-        failures, seen = 0, -1
+        retry = Backoff(initial=2 * self.interval, maximum=60.0, jitter=0)
+        seen = -1
         while True:
             commits = self.store.commits
             try:
@@ -198,16 +200,14 @@ class MemoryIndexer(ThreadedSqliteTask):
                 if worked:
                     worked = bool(await self.catch_up(wait=False))
                     seen = -1 if self.skipped else commits
-                failures = 0
+                retry.reset()
                 failing.ended()
             except (sqlite3.Error, *driver_errors(), OSError, StoreUnwritable) as exc:
-                failures += 1
                 failing.failed(str(exc))
                 await self._reset()
-            if failures:
-                await asyncio.sleep(min(60.0, self.interval * 2**failures))
-            else:
-                await self._pause(worked)
+                await retry.sleep()
+                continue
+            await self._pause(worked)
 
     async def _reset(self) -> None:
         async with self._lock:

@@ -33,6 +33,7 @@ import structlog
 from gateway.store.background import ThreadedSqliteTask
 from gateway.store.db import create_private_file
 from gateway.store.outage import Outage, StoreUnwritable
+from gateway.util.backoff import Backoff
 from gateway.util.fsutil import set_aside
 
 if TYPE_CHECKING:
@@ -212,10 +213,10 @@ class FtsIndexer(ThreadedSqliteTask):
         self._start(self._run(), "fts-indexer")
 
     async def _run(self) -> None:
-        failures = 0
         # Searching is not worth a log line four times a second (a full disk): logged once
         # a minute, retried after 0.5 s, 1 s, 2 s, ... up to a minute.
         failing = Outage(log, "fts_index_failed", path=str(self.path))
+        retry = Backoff(initial=2 * self.interval, maximum=60.0, jitter=0)
         seen = -1  # the writer's commit count at the last round: none since, nothing new
         while True:
             commits = self.db.commits
@@ -223,16 +224,14 @@ class FtsIndexer(ThreadedSqliteTask):
                 if worked := commits != seen:
                     await self.catch_up()
                     seen = commits
-                failures = 0
+                retry.reset()
                 failing.ended()
             except (sqlite3.Error, OSError) as exc:
-                failures += 1
                 failing.failed(str(exc))
                 await self._reset()
-            if failures:
-                await asyncio.sleep(min(60.0, self.interval * 2**failures))
-            else:
-                await self._pause(worked)
+                await retry.sleep()
+                continue
+            await self._pause(worked)
 
     async def _round(self) -> tuple[int, bool]:
         async with self._lock:

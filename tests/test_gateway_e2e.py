@@ -185,9 +185,10 @@ async def test_queued_messages_each_get_their_own_turn_in_order(make_gateway: Ma
 async def test_a_waiting_turn_is_begun_in_the_last_transaction_of_the_turn_before(
     make_gateway: MakeGateway,
 ) -> None:
-    """Issue 14: at most two awaited transactions per turn. A message that waited behind
-    a turn is accepted on arrival; its turn begins in the running turn's finishing
-    transaction (never in one of its own), and its own finish ends it."""
+    """At most two awaited transactions per turn: each commit is a wait on the turn's
+    path. A message that waited behind a turn is accepted on arrival; its turn begins in
+    the running turn's finishing transaction (never in one of its own), and its own
+    finish ends it."""
     gw = await make_gateway()
     statements: list[str] = []
     gw.runner.store._db.trace_writes(statements.append)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import math
 import re
 import time
@@ -45,6 +44,7 @@ from discord.http import Route
 from adapters.base import (
     MAX_RETRY_AFTER_SECONDS,
     AcceptStatus,
+    AdapterLog,
     Attachment,
     Backoff,
     DiscordConfig,
@@ -60,7 +60,7 @@ from adapters.base import (
 __all__ = ["DiscordAdapter"]
 
 
-def _guard_parsers(client: discord.Client) -> None:
+def _guard_parsers(client: discord.Client, log: AdapterLog) -> None:
     """Make one unreadable gateway event cost only itself.
 
     discord.py calls its event parsers (`ConnectionState.parsers`, the dict its websocket
@@ -74,15 +74,13 @@ def _guard_parsers(client: discord.Client) -> None:
             try:
                 parse(data)
             except Exception as exc:
-                log.warning("discord: skipped a %s event discord.py could not read: %r", name, exc)
+                log.warning("discord_event_skipped", gateway_event=name, error=repr(exc))
 
         return parse_or_skip
 
     for name, parse in list(parsers.items()):
         parsers[name] = guarded(name, parse)
 
-
-log = logging.getLogger("adapters.discord")
 
 READY_TIMEOUT_SECONDS = 30.0
 THREAD_NAME_LENGTH = 80
@@ -124,7 +122,7 @@ class _Client(discord.Client):
         await self.adapter._on_message(message)
 
     async def on_error(self, event_method: str, /, *args: Any, **kwargs: Any) -> None:
-        log.exception("discord: the %s handler failed", event_method)
+        self.adapter.log.exception("discord_handler_failed", handler=event_method)
 
 
 class DiscordAdapter(PlatformAdapter):
@@ -156,6 +154,7 @@ class DiscordAdapter(PlatformAdapter):
             )
         super().__init__(config)
         self.config = config
+        self.log.hide(config.token)
         self.guild_ready_timeout = guild_ready_timeout
         self.ready_timeout = ready_timeout
         self.client: _Client | None = None
@@ -190,7 +189,7 @@ class DiscordAdapter(PlatformAdapter):
             max_ratelimit_timeout=MAX_RETRY_AFTER_SECONDS,
             guild_ready_timeout=self.guild_ready_timeout,
         )
-        _guard_parsers(self.client)
+        _guard_parsers(self.client, self.log)
         try:
             await self._connect()
         except BaseException as exc:
@@ -312,7 +311,7 @@ class DiscordAdapter(PlatformAdapter):
             try:
                 await ws.close(code=1000)
             except Exception as exc:  # already gone: nothing left to release
-                log.debug("discord: closing the ended socket failed: %s", exc)
+                self.log.debug("discord_socket_close_failed", error=str(exc))
 
     # --- inbound -------------------------------------------------------------------------
 
@@ -358,10 +357,12 @@ class DiscordAdapter(PlatformAdapter):
         self._lost_unlogged += 1
         now = time.monotonic()
         if self._lost_logged_at is None or now - self._lost_logged_at >= 60:
-            log.error(
-                "discord: %d message(s) lost, the gateway could not store them (%s)",
-                self._lost_unlogged,
-                why,
+            # Discord never resends: these messages are gone (`lost_total` in /healthz).
+            self.log.error(
+                "discord_messages_lost",
+                count=self._lost_unlogged,
+                lost_total=self.lost_total,
+                reason=why,
             )
             self._lost_logged_at, self._lost_unlogged = now, 0
 
@@ -372,7 +373,9 @@ class DiscordAdapter(PlatformAdapter):
             try:
                 channel = await self.client.fetch_channel(channel.id)
             except discord.HTTPException as exc:
-                log.warning("discord: cannot look up channel %s: %s", channel.id, exc)
+                self.log.warning(
+                    "discord_channel_lookup_failed", channel_id=channel.id, error=str(exc)
+                )
                 return None
         author = message.author
         common: dict[str, Any] = {
@@ -462,7 +465,7 @@ class DiscordAdapter(PlatformAdapter):
         except discord.HTTPException as exc:
             if exc.code == THREAD_ALREADY_CREATED:  # a redelivery: the thread exists, and
                 return str(message.id)  # a thread started on a message takes its id
-            log.warning("discord: cannot start a thread on message %s: %s", message.id, exc)
+            self.log.warning("discord_thread_not_started", message_id=message.id, error=str(exc))
             return None
         return str(thread.id)
 

@@ -44,7 +44,6 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
@@ -66,8 +65,6 @@ from gateway.domain.session import (
 )
 
 __all__ = ["HttpAdapter"]
-
-log = structlog.get_logger("adapters.http")
 
 MAX_WAIT_SECONDS = 60.0
 MAX_REPLIES_PER_POLL = 500
@@ -151,6 +148,7 @@ class HttpAdapter(PlatformAdapter):
     def __init__(self, config: HttpConfig) -> None:
         super().__init__(config)
         self.config = config
+        self.log.hide(config.token)
         self.host = config.host
         self.port = config.port
         self._runner: web.AppRunner | None = None
@@ -292,7 +290,7 @@ class HttpAdapter(PlatformAdapter):
             allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
             return _error(exc.status, exc.reason, **allow)
         except Exception:
-            log.exception("http_api_error", method=request.method, path=request.path)
+            self.log.exception("http_api_error", method=request.method, path=request.path)
             return _error(500, "internal error; see the gateway log")
 
     def _client_gone(self, request: web.Request, exc: Exception) -> None:
@@ -301,7 +299,7 @@ class HttpAdapter(PlatformAdapter):
         self.clients_gone_total += 1
         if not self._gone_log.due():
             return
-        log.info(
+        self.log.info(
             "http_client_gone",
             method=request.method,
             path=request.path,
@@ -329,7 +327,7 @@ class HttpAdapter(PlatformAdapter):
             return self._shed(busy)
         if self._shedding:
             self._shedding = False
-            log.info("http_api_shedding_ended", shed_total=self.shed_total)
+            self.log.info("http_api_shedding_ended", shed_total=self.shed_total)
         accepted = await self.gateway.handle_message(event)
         if accepted.status is AcceptStatus.UNAVAILABLE:  # logged by the store, once a minute
             return _retry_later(f"{accepted.detail}, send it again", STORE_RETRY_AFTER_SECONDS)
@@ -347,7 +345,7 @@ class HttpAdapter(PlatformAdapter):
         self.shed_total += 1
         if not self._shedding:
             self._shedding = True
-            log.warning(
+            self.log.warning(
                 "http_api_shedding", busy_sessions=busy, limit=self.config.max_busy_sessions
             )
         return _retry_later(

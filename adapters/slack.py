@@ -29,7 +29,6 @@ import asyncio
 import hashlib
 import hmac
 import json
-import logging
 import re
 import time
 import urllib.parse
@@ -74,8 +73,6 @@ from adapters.base import (
 from adapters.markdown import to_mrkdwn
 
 __all__ = ["SlackAdapter", "slack_len"]
-
-log = logging.getLogger("adapters.slack")
 
 API_TIMEOUT_SECONDS = 30.0  # one Web API request, connect to last byte
 CONNECT_TIMEOUT_SECONDS = 30.0  # start(): the first Socket Mode connection
@@ -149,6 +146,7 @@ class SlackAdapter(PlatformAdapter):
         super().__init__(config)
         self.config = config
         _check_config(config)
+        self.log.hide(config.bot_token, config.app_token, config.signing_secret)
         self.ping_interval = ping_interval
         self.bot_user_id: str | None = None
         self.port = config.port
@@ -292,12 +290,12 @@ class SlackAdapter(PlatformAdapter):
             try:
                 response = await app.async_dispatch(await to_bolt_request(request))
             except Exception as exc:  # a signed body of a shape bolt cannot read
-                log.warning("slack: could not handle a signed event body: %r", exc)
+                self.log.warning("slack_event_unprocessable", error=repr(exc))
                 return web.Response(status=400, text="unprocessable event body")
             if response.status == 503:  # our listener: the gateway could not store it
                 return await to_aiohttp_response(response)
             if response.status >= 500:  # bolt's own "could not process": a retry cannot help
-                log.warning("slack: bolt could not process a signed event body")
+                self.log.warning("slack_event_unprocessable", status=response.status)
                 return web.Response(status=400, text="unprocessable event body")
             return await to_aiohttp_response(response)
 
@@ -385,7 +383,7 @@ class SlackAdapter(PlatformAdapter):
     def _handled(self, handling: asyncio.Task[Any], event_id: str | None) -> None:
         self._handling.discard(handling)
         if not handling.cancelled() and (exc := handling.exception()) is not None:
-            log.error("slack_event_failed event_id=%s", event_id, exc_info=exc)
+            self.log.exception("slack_event_failed", exc, event_id=event_id)
 
     def _to_message_event(self, body: dict[str, Any], event: dict[str, Any]) -> MessageEvent | None:
         """The gateway's event for one Slack event, or None when it is not for us: bot
@@ -417,7 +415,7 @@ class SlackAdapter(PlatformAdapter):
             for name in ("chat_id", "user_id", "thread_id", "message_id"):
                 validate_id(name, getattr(source, name))
         except ValueError as exc:
-            log.warning("slack_event_dropped reason=%s", exc)
+            self.log.warning("slack_event_dropped", reason=str(exc))
             return None
         text = event.get("text") or ""
         mentioned = event.get("type") == "app_mention" or bool(self._mention.search(text))

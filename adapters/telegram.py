@@ -69,8 +69,6 @@ from gateway.domain import command_syntax
 
 __all__ = ["COMMANDS", "TelegramAdapter"]
 
-log = logging.getLogger("adapters.telegram")
-
 #: the gateway's chat commands, as shown in Telegram's command menu
 COMMANDS: tuple[tuple[str, str], ...] = (
     ("new", "Start a new session"),
@@ -117,7 +115,7 @@ class TelegramAdapter(PlatformAdapter):
         self.config: TelegramConfig = config
         # Checked when built, before the gateway touches its home: a missing token exits
         # 78 with nothing written. start() runs the same check to read the token.
-        self._check_config()
+        self.log.hide(self._check_config())
         self.webhook_port: int | None = None
         self._bot: telegram.Bot | None = None
         self._bot_id: int | None = None
@@ -218,7 +216,7 @@ class TelegramAdapter(PlatformAdapter):
         try:
             await bot.set_my_commands([telegram.BotCommand(n, d) for n, d in COMMANDS])
         except TelegramError as exc:  # the menu is a convenience; never fail on it
-            log.warning("telegram: could not set the command menu: %s", self._redact(str(exc)))
+            self.log.warning("telegram_command_menu_failed", error=self._describe(exc))
         if self.config.mode == "polling":
             await bot.delete_webhook(drop_pending_updates=False)
         else:
@@ -291,7 +289,7 @@ class TelegramAdapter(PlatformAdapter):
             except Exception:
                 # The gateway could not take an update; the offset did not move, so the
                 # next getUpdates brings it again.
-                log.exception("telegram: the gateway failed to accept an update; retrying")
+                self.log.exception("telegram_update_not_accepted", retrying=True)
                 await backoff.sleep()
                 continue
             if not accepted_all:
@@ -313,8 +311,9 @@ class TelegramAdapter(PlatformAdapter):
             return [(update.update_id, update) for update in updates]
         except TelegramError:
             raise
-        except Exception:
-            log.warning("telegram: python-telegram-bot could not read an update batch")
+        except Exception as exc:
+            # Read again one by one below; each unreadable update gets its own line there.
+            self.log.warning("telegram_update_batch_unreadable", error=self._describe(exc))
         # Fetch the same batch as raw JSON (no long poll) and read the updates one by one.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PTBUserWarning)  # "use Bot.get_updates"
@@ -327,7 +326,7 @@ class TelegramAdapter(PlatformAdapter):
             try:
                 batch.append((data["update_id"], telegram.Update.de_json(data, bot)))
             except Exception:
-                log.exception("telegram: skipping unreadable update %s", data.get("update_id"))
+                self.log.exception("telegram_update_skipped", update_id=data.get("update_id"))
                 batch.append((data["update_id"], None))
         return batch
 
@@ -348,7 +347,7 @@ class TelegramAdapter(PlatformAdapter):
             event = self._to_event(update)
         except Exception:
             # The same update would fail the same way on every redelivery: skip it.
-            log.exception("telegram: skipping update %s that could not be read", update.update_id)
+            self.log.exception("telegram_update_skipped", update_id=update.update_id)
             return True
         if event is None:
             return True
@@ -388,8 +387,11 @@ class TelegramAdapter(PlatformAdapter):
             ) from exc
         self._webhook_runner = runner
         self.webhook_port = runner.addresses[0][1]
-        log.info(
-            "telegram: webhook listening on %s:%s%s", self.config.listen, self.webhook_port, path
+        self.log.info(
+            "telegram_webhook_listening",
+            listen=self.config.listen,
+            port=self.webhook_port,
+            path=path,
         )
 
     async def _on_webhook(self, request: web.Request) -> web.Response:
@@ -407,12 +409,12 @@ class TelegramAdapter(PlatformAdapter):
             update = telegram.Update.de_json(data, self._require_bot())
         except Exception:
             # Refusing would make Telegram resend it forever, holding up later updates.
-            log.exception("telegram: skipping unreadable update %s", data["update_id"])
+            self.log.exception("telegram_update_skipped", update_id=data["update_id"])
             return web.Response(text="skipped")
         try:
             accepted = await self._accept_update(update)
         except Exception:
-            log.exception("telegram: the gateway failed to accept a webhook update")
+            self.log.exception("telegram_update_not_accepted", webhook=True)
             return web.Response(status=500, text="not accepted; retry")
         if not accepted:
             return web.Response(status=503, text="not accepted now; retry")
@@ -543,7 +545,7 @@ class TelegramAdapter(PlatformAdapter):
                 if not markdown:
                     raise
                 # Most likely our escaping and Telegram's parser disagree: plain text works.
-                log.info("telegram: MarkdownV2 refused (%s); sending as plain text", exc)
+                self.log.info("telegram_markdown_refused", error=str(exc), fallback="plain")
                 markdown = False
             except RetryAfter as exc:
                 if attempts >= MAX_SEND_ATTEMPTS:
@@ -605,7 +607,7 @@ class TelegramAdapter(PlatformAdapter):
                 except BadRequest as exc:
                     if "parse" not in str(exc).lower() and "entit" not in str(exc).lower():
                         raise
-                    log.info("telegram: MarkdownV2 refused (%s); plain text", exc)
+                    self.log.info("telegram_markdown_refused", error=str(exc), fallback="plain")
             return await call(text, None)
         except RetryAfter as exc:
             raise FloodWait(_retry_after_seconds(exc)) from exc

@@ -44,7 +44,6 @@ from discord.http import Route
 from adapters.base import (
     MAX_RETRY_AFTER_SECONDS,
     AcceptStatus,
-    AdapterLog,
     Attachment,
     Backoff,
     DiscordConfig,
@@ -56,31 +55,9 @@ from adapters.base import (
     SendResult,
     SessionSource,
 )
+from adapters.discord.connection import FATAL_CLOSE, describe_ending, guard_parsers, refusal
 
 __all__ = ["DiscordAdapter"]
-
-
-def _guard_parsers(client: discord.Client, log: AdapterLog) -> None:
-    """Make one unreadable gateway event cost only itself.
-
-    discord.py calls its event parsers (`ConnectionState.parsers`, the dict its websocket
-    dispatches through) without a guard, so a payload it cannot read ends the whole
-    connection loop. Each parser is wrapped to log and skip such an event instead.
-    """
-    parsers = client._connection.parsers
-
-    def guarded(name: str, parse: Any) -> Any:
-        def parse_or_skip(data: Any) -> None:
-            try:
-                parse(data)
-            except Exception as exc:
-                log.warning("discord_event_skipped", gateway_event=name, error=repr(exc))
-
-        return parse_or_skip
-
-    for name, parse in list(parsers.items()):
-        parsers[name] = guarded(name, parse)
-
 
 READY_TIMEOUT_SECONDS = 30.0
 THREAD_NAME_LENGTH = 80
@@ -90,15 +67,6 @@ THREAD_ALREADY_CREATED = 160004
 ALLOWED_MENTIONS = discord.AllowedMentions(
     everyone=False, roles=False, users=True, replied_user=False
 )
-#: gateway close codes discord.py does not retry, and what the operator can do about them
-_FATAL_CLOSE = {
-    4004: "Discord rejected the bot token; check platforms.discord.token",
-    4013: "the gateway refused the intents this adapter asks for",
-    4014: (
-        "the MESSAGE CONTENT intent is not enabled for this bot; turn it on in the "
-        "Developer Portal (Bot -> Privileged Gateway Intents)"
-    ),
-}
 _ANSWERED_TYPES = (discord.MessageType.default, discord.MessageType.reply)
 
 
@@ -189,7 +157,7 @@ class DiscordAdapter(PlatformAdapter):
             max_ratelimit_timeout=MAX_RETRY_AFTER_SECONDS,
             guild_ready_timeout=self.guild_ready_timeout,
         )
-        _guard_parsers(self.client, self.log)
+        guard_parsers(self.client, self.log)
         try:
             await self._connect()
         except BaseException as exc:
@@ -206,7 +174,7 @@ class DiscordAdapter(PlatformAdapter):
             # the gateway (Discord's /gateway/bot answer unless the config names one).
             url = self.config.gateway_url or (await self.client.http.get_bot_gateway())[1]
         except discord.LoginFailure:
-            raise ValueError(_FATAL_CLOSE[4004]) from None
+            raise ValueError(FATAL_CLOSE[4004]) from None
         except (discord.HTTPException, discord.GatewayNotFound) as exc:
             raise ConnectionError(f"the Discord API at {Route.BASE} failed: {exc}") from None
         DiscordWebSocket.DEFAULT_GATEWAY = type(DiscordWebSocket.DEFAULT_GATEWAY)(url)
@@ -221,10 +189,10 @@ class DiscordAdapter(PlatformAdapter):
         )
         ready.cancel()
         if self._connection in done:
-            refused = _refusal(self._connection.exception())
+            refused = refusal(self._connection.exception())
             if refused is not None:
                 raise ValueError(refused)
-            why = _describe(self._connection)
+            why = describe_ending(self._connection)
             raise ConnectionError(f"the Discord gateway {url} closed before READY: {why}")
         if not done:
             raise ConnectionError(
@@ -279,9 +247,9 @@ class DiscordAdapter(PlatformAdapter):
     def _connection_ended(self, task: asyncio.Task[None]) -> None:
         if self._stopping or task.cancelled():
             return
-        error = _describe(task)
+        error = describe_ending(task)
         exc = task.exception()
-        if _refusal(exc) is not None:  # a bad token or missing intent: retrying cannot help
+        if refusal(exc) is not None:  # a bad token or missing intent: retrying cannot help
             self.set_state("failed", error=error, action="fix the config and restart")
             return
         # Anything else (a payload discord.py could not parse ends its connect() loop) is
@@ -592,27 +560,3 @@ def _media_of(attachment: discord.Attachment) -> InboundMedia:
     elif mime is not None and mime.startswith("audio/"):
         kind = "audio"
     return InboundMedia(kind, attachment.url, attachment.filename, mime, attachment.size)
-
-
-def _refusal(exc: BaseException | None) -> str | None:
-    """What to fix, when the gateway closed for a reason retrying cannot cure."""
-    if isinstance(exc, discord.PrivilegedIntentsRequired):
-        return _FATAL_CLOSE[4014]
-    return _FATAL_CLOSE.get(getattr(exc, "code", None))
-
-
-def _describe(task: asyncio.Task[None]) -> str:
-    """Why discord.py's connection loop ended, for health and the log."""
-    if task.cancelled():
-        return "cancelled"
-    exc = task.exception()
-    if exc is None:
-        return "the connection closed"
-    refused = _refusal(exc)
-    if refused is not None:
-        return refused
-    text = f"{type(exc).__name__}: {exc}"
-    # discord.py 2.7 cannot retry a first connection that failed: it trips over its missing
-    # websocket (AttributeError) while handling the real error, so name that one too.
-    context = exc.__cause__ or exc.__context__
-    return f"{text} (while handling {type(context).__name__}: {context})" if context else text

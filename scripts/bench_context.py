@@ -1,4 +1,4 @@
-"""Benchmark issue 15's context loading: one turn's context from a 10,000-message session.
+"""Benchmark the context loading: one turn's context from a 10,000-message session.
 
 On a fresh store (production settings, WAL) one session gets --messages transcript
 messages (user/assistant pairs, ~200 characters each); then, inside a write transaction

@@ -1,7 +1,7 @@
 """The floor of our own: the least SQL a durable turn can be, on plain `sqlite3`.
 
 A gateway turn's cost is compared with this floor (`cpu_us / floor_us`), not with a
-turns/s target: a ratio holds across machines that differ threefold in speed (issue 14).
+turns/s target: a ratio holds across machines that differ threefold in speed.
 
 The database is the production one: created and opened through the gateway's own path
 (`create_database_file` + `_open_writer`: WAL, synchronous=NORMAL, foreign keys, the

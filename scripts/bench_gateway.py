@@ -18,7 +18,7 @@ Per size N, on a fresh HERMES home:
    sessions.json on every message (capped by time);
 5. the floor (scripts/bench_floor.py, in this process): the least SQL a durable turn
    can be, on plain sqlite3 with the gateway's own schema and pragmas. `cpu/floor` =
-   `cpu_us / floor_us` is the figure that holds across machines (issue 14).
+   `cpu_us / floor_us` is the figure that holds across machines.
 
 The floor is made to do what the closed loop does: the same number of sessions (N),
 the same number of turns (--messages) on keys drawn at random, every session starting
@@ -34,9 +34,9 @@ closed loop's chats); it neither decodes what it reads nor runs an agent.
     .venv/bin/python scripts/bench_gateway.py --split          # also: where a turn's time goes
     .venv/bin/python scripts/bench_gateway.py --cold           # start-up as after a boot (root)
     .venv/bin/python scripts/bench_gateway.py --strategy window  # the window context strategy
-    .venv/bin/python scripts/bench_gateway.py --schedules 10000  # the scheduler (issue 17)
-    .venv/bin/python scripts/bench_gateway.py --stream  # streamed replies (issue 18)
-    .venv/bin/python scripts/bench_gateway.py --backend postgres --replicas 1,2,3  # issue 19
+    .venv/bin/python scripts/bench_gateway.py --schedules 10000  # the scheduler
+    .venv/bin/python scripts/bench_gateway.py --stream  # streamed replies
+    .venv/bin/python scripts/bench_gateway.py --backend postgres --replicas 1,2,3  # replicas
 
 Keys are random among the N sessions; a key with a message in flight is not picked again
 until its reply arrived, so every message gets its own turn and its own reply (two
@@ -542,7 +542,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def recall_section(args: argparse.Namespace) -> int:
-    """Long-term memory (issue 16): recall latency, and what indexing costs a turn."""
+    """Long-term memory: recall latency, and what indexing costs a turn."""
     from scripts import bench_recall
 
     recall_args = bench_recall.parse_args(["--chunks", str(args.recall_chunks)])
@@ -573,7 +573,7 @@ def recall_section(args: argparse.Namespace) -> int:
 
 
 def schedules_section(args: argparse.Namespace) -> int:
-    """Scheduled jobs (issue 17): idle CPU at N schedules, fire time -> turn begun."""
+    """Scheduled jobs: idle CPU at N schedules, fire time -> turn begun."""
     from scripts import bench_schedules
 
     options = ["--schedules", str(args.schedules)]
@@ -586,7 +586,7 @@ def schedules_section(args: argparse.Namespace) -> int:
 
 
 def stream_section(args: argparse.Namespace) -> int:
-    """Streamed replies (issue 18): edits per reply, first token -> first visible text."""
+    """Streamed replies: edits per reply, first token -> first visible text."""
     from scripts import bench_stream
 
     stream_args = bench_stream.parse_args(["--quick"] if args.quick else [])
@@ -596,7 +596,7 @@ def stream_section(args: argparse.Namespace) -> int:
 
 
 def replicas_section(args: argparse.Namespace) -> int:
-    """Replicas on PostgreSQL (issue 19): closed-loop turns/s and reply latency over the
+    """Replicas on PostgreSQL: closed-loop turns/s and reply latency over the
     HTTP API, SQLite on one node first."""
     from scripts import bench_replicas
 

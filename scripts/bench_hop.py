@@ -1,7 +1,7 @@
 """Measure one round trip from the event loop to aiosqlite's worker thread and back.
 
-Every store read pays this hop (until round three every write did too; writes now run on
-the event loop's own thread). On a VM a wake-up across CPUs can cost several times more
+Every store read pays this hop (writes do not: they run on the event loop's own thread,
+where this hop would cost each statement). On a VM a wake-up across CPUs can cost several times more
 than on one CPU. Compare:
 
     .venv/bin/python scripts/bench_hop.py

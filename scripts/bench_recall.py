@@ -1,4 +1,4 @@
-"""Recall latency over one user's 100,000 transcript chunks (issue 16).
+"""Recall latency over one user's 100,000 transcript chunks.
 
 A fresh HERMES home gets one user's DM sessions (--sessions x --per-session messages,
 each about 40 words drawn Zipf-like from a 20,000-word vocabulary, so every message is

@@ -1,4 +1,4 @@
-"""Several gateway replicas on one PostgreSQL (issue 19), beside one node on SQLite:
+"""Several gateway replicas on one PostgreSQL, beside one node on SQLite:
 closed-loop turns/s and reply latency over the real daemons' HTTP APIs.
 
     .venv/bin/python scripts/bench_replicas.py --backend postgres --replicas 3

@@ -1,4 +1,4 @@
-"""Benchmark the scheduler (issue 17): the daemon's idle CPU with N schedules, and the
+"""Benchmark the scheduler: the daemon's idle CPU with N schedules, and the
 delay from a fire time to its run's turn begun.
 
 On a fresh home, N schedules (`every 1h`, fire times spread over the hour after the

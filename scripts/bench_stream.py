@@ -1,4 +1,4 @@
-"""Benchmark streamed replies (issue 18): edits per reply, and the time from the model's
+"""Benchmark streamed replies: edits per reply, and the time from the model's
 first token to the first text the user sees.
 
 The real daemon (`python -m gateway.cli run`, the `openai` backend, Telegram on) talks to

@@ -117,7 +117,7 @@ def test_bench_gateway_stream_reports_edits_and_first_visible_text() -> None:
 
 @pytest.mark.timeout(60)
 def test_bench_gateway_replicas_prints_sqlite_then_each_postgres_count() -> None:
-    """`--backend postgres --replicas N,...` (scripts/bench_replicas.py, issue 19) in its
+    """`--backend postgres --replicas N,...` (scripts/bench_replicas.py) in its
     quickest form: a row for SQLite on one node, then two daemons on one PostgreSQL
     schema in a closed loop over both HTTP APIs; every message answered once (read back
     through the other replica) at a positive rate."""

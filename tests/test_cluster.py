@@ -1,4 +1,4 @@
-"""Three replicas on one PostgreSQL store (issue 19), as real subprocesses on 127.0.0.1
+"""Three replicas on one PostgreSQL store, as real subprocesses on 127.0.0.1
 ports, with an agent that records when each turn starts and ends. A load goes to all three
 HTTP APIs, the housekeeping leader is killed with SIGKILL while it runs turns, and the
 load goes on to the two left. Then, from the replies and the agent's record:

@@ -1,4 +1,4 @@
-"""Leases, leader roles, the heartbeat and LISTEN/NOTIFY on a real PostgreSQL (issue 19).
+"""Leases, leader roles, the heartbeat and LISTEN/NOTIFY on a real PostgreSQL.
 
 Each test gets a schema of its own with the `leases` table; the server is the one at
 HERMES_TEST_PG_DSN. Faults are real: backends killed with `pg_terminate_backend`, a

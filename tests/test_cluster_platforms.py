@@ -1,4 +1,4 @@
-"""Single-connection platforms on several replicas (issue 19): Telegram long polling runs
+"""Single-connection platforms on several replicas: Telegram long polling runs
 on exactly one replica, the holder of `leader:telegram`, and moves to the other when the
 holder stops. Two gateways in one event loop on one PostgreSQL schema, against the fake
 Bot API."""

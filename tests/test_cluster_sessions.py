@@ -1,4 +1,4 @@
-"""Sessions across two replicas in one event loop on one PostgreSQL schema (issue 19):
+"""Sessions across two replicas in one event loop on one PostgreSQL schema:
 messages and commands that reach the replica not running the session are handed to the
 one that does, and a replica holds a session's lease only while something runs there."""
 

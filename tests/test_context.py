@@ -1,4 +1,4 @@
-"""The pure parts of issue 15: config of agent.context, token calibration, the
+"""The pure parts of the context strategies: config of agent.context, token calibration, the
 extractive condensed-turns summary."""
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from config.envfile import EnvFileError, load_env_file, read_env_file
 from tests.commandline import cli, finish, spawn, wait_ready
 
 SECRET = "s3cr3t-value-never-shown"
-# Telegram enabled with its token from the environment: what the README's service
+# Telegram enabled with its token from the environment: what docs/cli.md's service
 # section recommends. Nothing here connects to Telegram.
 TELEGRAM_FROM_ENV = "platforms:\n  telegram:\n    enabled: true\n    token: ${HERMES_TEST_TG}\n"
 

@@ -1,4 +1,4 @@
-"""Properties of build_session_key over generated sources (DESIGN.md "Session keys").
+"""Properties of build_session_key over generated sources (docs/design.md, "Session keys").
 
 The rules, restated here as the oracle `lane()`: a key is
 `agent:{agent_id}:{platform}:{chat_type}` followed by the lane's ids, each with ':' and

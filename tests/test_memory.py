@@ -1,4 +1,4 @@
-"""Issue 15, memory part 1: context strategies, rolling summaries, /compress.
+"""What a turn sends the model: context strategies, rolling summaries, /compress.
 
 The real runner with the real HTTP adapter and store; the model is either the fake
 OpenAI-compatible server (tests/fakes/openai_server.py, which records every request and

@@ -1,4 +1,4 @@
-"""Issue 19: long-term memory with the store on PostgreSQL, where the index is the store's
+"""Long-term memory with the store on PostgreSQL, where the index is the store's
 `memory_*` tables (gateway.memory.pg_index) shared by every replica. What only that
 backend has: several replicas indexing one database, log entries that commit out of
 their sequence order, the advisory lock, and `fts_log` kept trimmed without a search

@@ -1,4 +1,4 @@
-"""Issue 15, items 4-6: titles, transcript search, export and delete, through the real
+"""Titles, transcript search, export and delete, through the real
 runner, the real HTTP adapter (aiohttp client), real SQLite files and the command line
 as a subprocess. The runner's tests run on both store backends (`store_backend`);
 `sqlite_only` ones say why."""

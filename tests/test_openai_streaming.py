@@ -1,4 +1,4 @@
-"""The `openai` backend's streaming (issue 18) against the fake server's server-sent
+"""The `openai` backend's streaming against the fake server's server-sent
 events: the reply handed over as it grows, usage from the last chunk, tool calls
 assembled from their deltas, retries before the first byte."""
 

@@ -1,9 +1,9 @@
-"""Issue 16, items 1, 2 and 5: notes, hybrid recall over notes and past transcripts,
+"""Notes, hybrid recall over notes and past transcripts,
 embeddings (hash; openai through the fake server), background indexing, forgetting.
 Real SQLite files, the real runner with the HTTP adapter, the fake OpenAI-compatible
 server on 127.0.0.1, and the command line as a subprocess.
 
-Tests about behaviour take `store_backend` and run on both store backends (issue 19: on
+Tests about behaviour take `store_backend` and run on both store backends (on
 PostgreSQL the index is the store's `memory_*` tables); those about memory.db's files
 and FTS5 are `sqlite_only`."""
 

@@ -1,4 +1,4 @@
-"""Issue 17 at unit level: the WHEN syntax, next fire times in a time zone across DST
+"""Scheduled jobs at unit level: the WHEN syntax, next fire times in a time zone across DST
 changes, grace, and what a due schedule does after downtime (`plan_fire`). The clock is
 set with time_machine; the runner's view of the same rules is tests/test_schedules*.py.
 """

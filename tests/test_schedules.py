@@ -1,4 +1,4 @@
-"""Issue 17, scheduled jobs, through the real runner: /schedule and /sethome in chat, the
+"""Scheduled jobs through the real runner: /schedule and /sethome in chat, the
 schedule tools through the fake model, runs in their own session delivered through the
 ledger, pausing after failures, /status and /metrics, deleting a user's data.
 

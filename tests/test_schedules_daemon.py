@@ -1,4 +1,4 @@
-"""Issue 17 against the real daemon (a subprocess, the HTTP API as the chat platform):
+"""Scheduled jobs against the real daemon (a subprocess, the HTTP API as the chat platform):
 an `in 2s` reminder delivered once, the CLI beside the running daemon (picked up within a
 second), and kill -9 right after a run was claimed: never two replies.
 

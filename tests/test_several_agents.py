@@ -1,4 +1,4 @@
-"""Issue 16, item 4: several agents side by side (`agents:`, `routes:`).
+"""Several agents side by side (`agents:`, `routes:`).
 
 The config rules (ids, `agent:` vs `agents.main`, gateway-wide keys, route targets) and
 the router in isolation; then the real runner, the real HTTP adapter and real SQLite

@@ -1,4 +1,4 @@
-"""Streamed replies (issue 18) through the real platform libraries against the wire
+"""Streamed replies through the real platform libraries against the wire
 fakes: one message edited in place to the final text, no more often than the interval,
 flood waits skipped, the final never lost; the HTTP API's stream of deltas and finals."""
 

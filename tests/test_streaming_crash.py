@@ -1,4 +1,4 @@
-"""kill -9 in the middle of a streamed reply (issue 18): the real daemon as a subprocess,
+"""kill -9 in the middle of a streamed reply: the real daemon as a subprocess,
 the fake Telegram Bot API and the fake model (streaming slowly) on a thread of this
 process. After the restart the chat holds exactly one message, the complete reply: the
 streamed message edited to the final text, never a partial plus a second reply."""

@@ -1,4 +1,4 @@
-"""Streamed replies (issue 18) on Discord (discord.py, message edits) and Slack
+"""Streamed replies on Discord (discord.py, message edits) and Slack
 (slack-bolt's client, chat.update) against their wire fakes: one message edited to the
 final text no more often than the interval; a 429 skips interim edits and the final
 still arrives."""

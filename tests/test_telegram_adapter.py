@@ -261,7 +261,7 @@ async def test_only_new_text_messages_and_captions_are_read(
         tg.push_raw(update)
     await wait_for(lambda: len(tg.sent) == 1)
     await settle()
-    # The photo is read too (issue 18); the echo agent sees the line that stands for it.
+    # The photo reaches the agent too: the echo agent sees the line that stands for it.
     assert texts(tg) == [
         "echo: look at this\n\n[photo: photo-102.jpg (this model cannot see images)]"
     ]

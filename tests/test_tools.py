@@ -1,4 +1,4 @@
-"""Issue 16, the agent's tools: the openai backend's bounded function-calling loop, the
+"""The agent's tools: the openai backend's bounded function-calling loop, the
 built-in tools, tool rounds in the transcript, /stop mid-loop, and the same tools for a
 module:factory agent.
 

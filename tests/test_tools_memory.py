@@ -1,4 +1,4 @@
-"""Issue 16, the note tools (memory_save, memory_search, memory_delete) through the real
+"""The note tools (memory_save, memory_search, memory_delete) through the real
 daemon: the fake OpenAI-compatible server scripts the model's calls, the runner's
 recall store (`gateway.memory.recall`, hash embeddings: the zero-config default) keeps
 the notes. Scopes: the asking user's notes under the asking agent, nobody else's."""
@@ -41,7 +41,7 @@ class Gateway:
 
 @pytest.fixture
 async def gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterator[Gateway]:
-    """The runner on either store backend (issue 19: the notes and their index on
+    """The runner on either store backend (the notes and their index live on
     PostgreSQL too)."""
     async with started(tmp_path, store_backend) as gw:
         yield gw

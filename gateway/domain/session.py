@@ -251,7 +251,7 @@ def build_session_key(
     thread_sessions_per_user: bool = False,
     agent_id: str = "main",
 ) -> str:
-    """The deterministic conversation-lane key (format and rules in DESIGN.md)."""
+    """The deterministic conversation-lane key (format and rules in docs/design.md)."""
     validate_id("agent_id", agent_id)
     if not agent_id or ":" in agent_id:
         raise ValueError("agent_id must be non-empty and must not contain ':'")

@@ -68,7 +68,7 @@ def named(session_key: str, options: dict[str, object]) -> NamedAgent:
 
 
 class StreamingAgent(ScriptedAgent):
-    """`ScriptedAgent` that also streams (issue 18): its reply comes word by word, one
+    """`ScriptedAgent` that also streams: its reply comes word by word, one
     every `step` seconds, through `on_text` (the reply so far)."""
 
     step: ClassVar[float] = 0.02
@@ -108,7 +108,7 @@ def attaching(session_key: str, options: dict[str, object]) -> AttachingAgent:
 
 
 class RecordingAgent:
-    """`tests.fakes.agents:recording` (the cluster test, issue 19): answers `done: <text>`
+    """`tests.fakes.agents:recording` (for tests/test_cluster.py): answers `done: <text>`
     after `delay` seconds, and appends a JSON line to the file `path` when each turn starts
     and ends (event, session key, text, pid, wall time), so a test can check from outside
     that no two turns of one session overlapped across processes."""

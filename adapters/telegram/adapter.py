@@ -170,7 +170,7 @@ class TelegramAdapter(PlatformAdapter):
                 "Telegram rejected the bot token (platforms.telegram.token); "
                 "check it with @BotFather (/token)"
             )
-        return f"Telegram refused to set the bot up: {self._redact(str(exc))}"
+        return f"Telegram refused to set the bot up: {self.log.redact(str(exc))}"
 
     def _check_config(self) -> str:
         if not self.config.token:
@@ -345,7 +345,7 @@ class TelegramAdapter(PlatformAdapter):
         self.set_state("failed", self._describe(exc), action="fix the config and restart")
 
     def _describe(self, exc: BaseException) -> str:
-        return self._redact(f"{type(exc).__name__}: {exc}")
+        return self.log.redact(f"{type(exc).__name__}: {exc}")
 
     # --- inbound -------------------------------------------------------------------------
 
@@ -575,10 +575,6 @@ class TelegramAdapter(PlatformAdapter):
         if self._bot is None:
             raise RuntimeError("the Telegram adapter is not started")
         return self._bot
-
-    def _redact(self, text: str) -> str:
-        token = self.config.token
-        return text.replace(token, "<token>") if token else text
 
     def _install_log_filter(self, token: str) -> None:
         # httpx logs every request URL at INFO and PTB its base URL at DEBUG; the Bot API

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import sys
+import traceback
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ __all__ = [
     "MAX_RETRY_AFTER_SECONDS",
     "AcceptStatus",
     "Accepted",
+    "AdapterLog",
     "Attachment",
     "Backoff",
     "ChatPlatformConfig",
@@ -54,8 +57,6 @@ __all__ = [
     "utf16_len",
     "validate_id",
 ]
-
-log = structlog.get_logger("adapters")
 
 #: the log line of each connection state an adapter enters (see `set_state`)
 _STATE_EVENTS = {
@@ -179,6 +180,8 @@ class PlatformAdapter(ABC):
 
     def __init__(self, config: PlatformConfig | None = None) -> None:
         self.config = config
+        #: this adapter's log lines (each with `platform`); a subclass `hide()`s its secrets
+        self.log = AdapterLog(f"adapters.{self.platform.value}", self.platform.value)
         self.gateway: GatewayHandle | None = None
         self.state = "stopped"
         self.state_since = datetime.now(UTC)
@@ -205,22 +208,21 @@ class PlatformAdapter(ABC):
         event = _STATE_EVENTS.get(state)
         if event is None or state == previous:
             return
-        fields: dict[str, Any] = {"platform": self.platform.value, **details}
+        log = self.log
         if state == "running" and previous == "reconnecting":
-            log.info("adapter_reconnected", reconnects=self.reconnects, **fields)
+            log.info("adapter_reconnected", reconnects=self.reconnects, **details)
         elif state == "running" or state == "stopped":
-            log.info(event, **fields)
+            log.info(event, **details)
         elif state == "reconnecting":
-            log.warning(event, error=error, reconnecting=True, **fields)
+            log.warning(event, error=error, reconnecting=True, **details)
         else:
-            log.error(event, error=error, **fields)
+            log.error(event, error=error, **details)
 
     async def retry_pause(self, operation: str, attempt: int, delay: float, error: str) -> None:
         """Wait `delay` seconds before retrying a platform call that failed, with one log
         line per attempt (no traceback: the error message says what went wrong)."""
-        log.warning(
+        self.log.warning(
             "platform_retry",
-            platform=self.platform.value,
             operation=operation,
             attempt=attempt,
             delay_seconds=round(delay, 2),
@@ -278,9 +280,8 @@ class PlatformAdapter(ABC):
 
     def _log_denied(self, src: SessionSource, action: str) -> None:
         """One line per denied message (never its text): who, where, and what followed."""
-        log.info(
+        self.log.info(
             "access_denied",
-            platform=self.platform.value,
             user_id=src.user_id,
             chat_id=src.chat_id,
             chat_type=src.chat_type,
@@ -400,6 +401,58 @@ class RedactSecret(logging.Filter):
         if self.secret in message:
             record.msg, record.args = message.replace(self.secret, "<token>"), None
         return True
+
+
+class AdapterLog:
+    """An adapter's structlog logger: every line carries the `platform`, and no secret
+    the adapter `hide()`s (a bot token) reaches a field. String fields have it replaced by
+    `<token>`; other values but numbers, booleans and None are logged as their text,
+    replaced the same way; `exception()` logs the traceback as such text, because a
+    platform library's error can quote a request URL and Telegram's carry the token."""
+
+    _PLAIN = (int, float, bool, type(None))
+
+    def __init__(self, name: str, platform: str) -> None:
+        self._log = structlog.get_logger(name)
+        self.platform = platform
+        self._secrets: tuple[str, ...] = ()
+
+    def hide(self, *secrets: str | None) -> None:
+        """Keep these out of every line from now on (None and empty ones are ignored)."""
+        known = {*self._secrets, *(secret for secret in secrets if secret)}
+        # Longest first, so a secret that contains another is replaced whole.
+        self._secrets = tuple(sorted(known, key=len, reverse=True))
+
+    def redact(self, text: str) -> str:
+        for secret in self._secrets:
+            text = text.replace(secret, "<token>")
+        return text
+
+    def _fields(self, fields: dict[str, Any]) -> dict[str, Any]:
+        clean: dict[str, Any] = {"platform": self.platform}
+        for key, value in fields.items():
+            clean[key] = value if isinstance(value, self._PLAIN) else self.redact(str(value))
+        return clean
+
+    def debug(self, event: str, **fields: Any) -> None:
+        self._log.debug(event, **self._fields(fields))
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._log.info(event, **self._fields(fields))
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._log.warning(event, **self._fields(fields))
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._log.error(event, **self._fields(fields))
+
+    def exception(self, event: str, exc: BaseException | None = None, **fields: Any) -> None:
+        """An error line with the traceback of `exc` (by default, the exception being
+        handled) in its `exception` field."""
+        exc = exc if exc is not None else sys.exc_info()[1]
+        if exc is not None:
+            fields["exception"] = "".join(traceback.format_exception(exc)).rstrip()
+        self._log.error(event, **self._fields(fields))
 
 
 # --- splitting ------------------------------------------------------------------------------

@@ -8,9 +8,9 @@ Pure text, no platform library: a helper the platform adapters share, like
 
 from __future__ import annotations
 
-import logging
 import re
 
+import structlog
 import telegramify_markdown
 from md2mrkdwn import convert as convert_to_mrkdwn
 
@@ -18,7 +18,7 @@ from adapters.base import utf16_len
 
 __all__ = ["escaped_markdown_v2", "markdown_v2_len", "to_markdown_v2", "to_mrkdwn"]
 
-log = logging.getLogger("adapters.markdown")
+log = structlog.get_logger("adapters.markdown")
 
 
 def to_mrkdwn(text: str) -> str:
@@ -36,7 +36,9 @@ def to_mrkdwn(text: str) -> str:
         # The converter trims the ends; a chunk of a split reply keeps them.
         return escaped[:start] + convert_to_mrkdwn(core) + escaped[start + len(core) :]
     except Exception as exc:  # a converter bug must not cost the reply
-        log.warning("slack: mrkdwn conversion failed (%s); sending plain text", exc)
+        log.warning(
+            "markdown_conversion_failed", platform="slack", fallback="plain", error=repr(exc)
+        )
         return escaped
 
 
@@ -62,7 +64,9 @@ def to_markdown_v2(text: str) -> str:
         converted = telegramify_markdown.markdownify(core).strip()
         return text[:start] + converted + text[start + len(core) :]
     except Exception as exc:  # a converter bug must not cost the reply
-        log.warning("telegram: MarkdownV2 conversion failed (%s); escaping instead", exc)
+        log.warning(
+            "markdown_conversion_failed", platform="telegram", fallback="escaped", error=repr(exc)
+        )
         return escaped_markdown_v2(text)
 
 

@@ -1,33 +1,36 @@
 """Typed gateway configuration: the hermes.yaml schema and its loader."""
 
-from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
-from config.schema import (
+from config.agents import (
     AGENT_ID_PATTERN,
     MAIN_AGENT,
     TOOL_NAMES,
     AgentConfig,
-    ChatPlatformConfig,
     ContextConfig,
+    RouteConfig,
+    RouteMatch,
+)
+from config.base import ResetByType, SessionResetPolicy
+from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
+from config.platforms import (
+    ChatPlatformConfig,
     DiscordConfig,
+    HttpConfig,
+    PlatformConfig,
+    PlatformsConfig,
+    SlackConfig,
+    TelegramConfig,
+)
+from config.schema import (
     GatewayConfig,
     HousekeepingConfig,
-    HttpConfig,
     LoggingConfig,
     MediaConfig,
     MemoryConfig,
     MemoryWeights,
-    PlatformConfig,
-    PlatformsConfig,
     QueueConfig,
-    ResetByType,
-    RouteConfig,
-    RouteMatch,
     SchedulesConfig,
-    SessionResetPolicy,
-    SlackConfig,
     StorageConfig,
     StreamingConfig,
-    TelegramConfig,
     TranscriptionConfig,
     resolve_timezone,
 )

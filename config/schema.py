@@ -1,4 +1,6 @@
-"""Typed schema of hermes.yaml: pydantic v2 models, their defaults and limits.
+"""Typed schema of hermes.yaml: pydantic v2 models, their defaults and limits. Here the
+whole (`GatewayConfig`) and its sections; the agents and routes in `config.agents`, the
+platforms in `config.platforms`, the shared ground and the reset policy in `config.base`.
 
 Every model is strict (``"yes"`` is not a bool, ``"4"`` is not an int), forbids unknown
 keys (a typo is an error, not a silently ignored setting) and is frozen (config is read
@@ -10,313 +12,36 @@ from __future__ import annotations
 import datetime as dt
 import functools
 import os
-import re
 import zoneinfo
 from enum import Enum
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
-_MODEL_CONFIG = ConfigDict(extra="forbid", strict=True, frozen=True)
-
-ChatType = Literal["dm", "group", "channel", "thread"]
-
-
-class SessionResetPolicy(BaseModel):
-    """When a session starts over: after ``idle_minutes`` of silence, daily at ``at_hour``
-    (local time in the configured timezone), both (whichever comes first) or never."""
-
-    model_config = _MODEL_CONFIG
-
-    mode: Literal["none", "idle", "daily", "both"] = "both"
-    at_hour: int = Field(default=4, ge=0, le=23)
-    idle_minutes: int = Field(default=1440, ge=1)
-    notify: bool = True  # tell the user when their session was reset
-
-
-class ResetByType(BaseModel):
-    """Per chat type overrides of the global reset policy; ``None`` means "inherit"."""
-
-    model_config = _MODEL_CONFIG
-
-    dm: SessionResetPolicy | None = None
-    group: SessionResetPolicy | None = None
-    channel: SessionResetPolicy | None = None
-    thread: SessionResetPolicy | None = None
-
-
-class ContextConfig(BaseModel):
-    """What a turn sends the model of its session's transcript (`agent.context`).
-
-    The transcript keeps every message; the strategy decides what is loaded. ``window``:
-    the newest messages that fit the token budget, at most ``max_messages``. ``summary``:
-    the session's latest rolling summary (one system message) plus the messages after
-    it, newest first as they fit; a summary is rewritten in the background when the
-    unsummarized part passes ``trigger_ratio`` of the budget, condensing the oldest
-    messages until it is at most ``target_ratio``. Either way `agent.history_limit` is
-    the hard cap on transcript rows a turn reads."""
-
-    model_config = _MODEL_CONFIG
-
-    strategy: Literal["window", "summary"] = "summary"
-    # The model's context size in tokens (estimated: about 4 characters a token,
-    # calibrated per session by the prompt_tokens the model reports).
-    window_tokens: int = Field(default=32000, ge=512)
-    max_messages: int = Field(default=40, ge=1)  # window strategy: at most this many
-    min_messages: int = Field(default=4, ge=1)  # summary: unsummarized messages to start
-    trigger_ratio: float = Field(default=0.80, gt=0, le=1)
-    target_ratio: float = Field(default=0.50, gt=0, lt=1)
-
-    @field_validator("target_ratio")
-    @classmethod
-    def _below_trigger(cls, value: float, info: ValidationInfo) -> float:
-        trigger = info.data.get("trigger_ratio")
-        if trigger is not None and value >= trigger:
-            raise ValueError(f"must be below trigger_ratio ({trigger:g})")
-        return value
-
-
-_FACTORY_PATTERN = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
-
-# The built-in tools an agent may be given (`agent.tools`; gateway.tools implements them,
-# and a test keeps the two lists equal). Named here so a typo is a config error (78).
-TOOL_NAMES = (
-    "memory_save",
-    "memory_search",
-    "memory_delete",
-    "session_search",
-    "read_session",
-    "scratchpad_read",
-    "scratchpad_write",
-    "scratchpad_clear",
-    "schedule_create",
-    "schedule_list",
-    "schedule_delete",
+from config.agents import (
+    AGENT_ID_PATTERN,
+    GATEWAY_WIDE_AGENT_FIELDS,
+    MAIN_AGENT,
+    AgentConfig,
+    RouteConfig,
 )
-
-
-class AgentConfig(BaseModel):
-    """The LLM backend and the limits of one agent turn. Times are in seconds."""
-
-    model_config = _MODEL_CONFIG
-
-    backend: str = "echo"
-    gateway_timeout: float = Field(default=1800.0, gt=0)
-    # `openai` backend: a model that sends no byte for this long (no headers, no body, no
-    # stream event) has stalled; the request fails and is retried as a 5xx is.
-    idle_timeout_seconds: float = Field(default=60.0, gt=0)
-    gateway_auto_continue_freshness: int = Field(default=3600, ge=0)
-    restart_drain_timeout: float = Field(default=60.0, ge=0)
-    max_concurrent_turns: int = Field(default=16, ge=1)
-    delay_seconds: float = Field(default=0.0, ge=0)  # echo backend: simulated model latency
-    base_url: str = "https://api.openai.com/v1"
-    model: str = "gpt-4o-mini"
-    # Plain str rather than SecretStr so backends need no unwrapping; repr=False keeps
-    # the key out of logs and tracebacks that print the config.
-    api_key: str | None = Field(default=None, repr=False)
-    system_prompt: str | None = None
-    redact_pii: bool = False
-    # Free-form keyword arguments for a module:factory backend; that backend checks them.
-    options: dict[str, Any] = Field(default_factory=dict)
-    # How many of the latest transcript messages a turn hands the agent as history; the
-    # whole transcript stays stored. Bounds the per-turn cost of long conversations.
-    # It is the hard cap whatever `context.strategy` says (window: min(max_messages, it)).
-    history_limit: int = Field(default=100, ge=0)
-    context: ContextConfig = ContextConfig()
-    # Per-session agent instances are cached (LRU) to keep prompt caches warm.
-    cache_max_size: int = Field(default=128, ge=1)
-    cache_idle_ttl_seconds: float = Field(default=3600.0, gt=0)
-    # Tools (README "Tools"): the built-in tools the model may call (default: all; [] for
-    # none), and how many rounds of tool calls one turn may make before it must answer.
-    tools: tuple[str, ...] = TOOL_NAMES
-    max_tool_rounds: int = Field(default=8, ge=1, le=64)
-    # Media in (README "Media"): photos go to the model as image parts only when it can
-    # see them; otherwise it gets a one-line note that a photo was sent.
-    vision: bool = False
-
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _list_to_tuple(cls, value: Any) -> Any:
-        # YAML gives a list; strict mode would refuse it for a tuple.
-        return tuple(value) if isinstance(value, list) else value
-
-    @field_validator("tools")
-    @classmethod
-    def _known_tools(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        unknown = [name for name in value if name not in TOOL_NAMES]
-        if unknown:
-            raise ValueError(
-                f"unknown tool {', '.join(map(repr, unknown))}; known: {', '.join(TOOL_NAMES)}"
-            )
-        return tuple(dict.fromkeys(value))  # a name listed twice is one tool
-
-    @field_validator("backend")
-    @classmethod
-    def _check_backend(cls, value: str) -> str:
-        if value in ("echo", "openai") or _FACTORY_PATTERN.match(value):
-            return value
-        raise ValueError(
-            "must be 'echo', 'openai' or 'module.path:factory' "
-            "(a Python module and the name of a callable in it)"
-        )
-
-
-# --- several agents ---------------------------------------------------------------------
-
-MAIN_AGENT = "main"  # the id of `agent:`, and where a message no route matches goes
-# Agent ids go into session keys (`agent:{id}:...`), file names and log lines: a short,
-# lower-case name with no separator or path character.
-AGENT_ID_PATTERN = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")  # fullmatch it
-# `agent:` settings that belong to the whole gateway, not one agent: read from the main
-# agent only, so another agent setting them (to another value) would be silently
-# ignored; refused instead.
-GATEWAY_WIDE_AGENT_FIELDS = (
-    "gateway_auto_continue_freshness",
-    "restart_drain_timeout",
-    "max_concurrent_turns",
-    "cache_max_size",
-    "cache_idle_ttl_seconds",
-)
-# The platforms a route may name (`gateway.domain.session.Platform`'s values; config cannot
-# import the domain, a test keeps the two in step).
-RoutePlatform = Literal[
-    "telegram", "discord", "slack", "http", "local", "whatsapp", "signal", "matrix"
-]
-
-
-class RouteMatch(BaseModel):
-    """What a message must have for its route to apply; a field left out matches
-    anything, so an empty match catches every message."""
-
-    model_config = _MODEL_CONFIG
-
-    platform: RoutePlatform | None = None
-    chat_id: str | None = None  # as the platform sends it, as a string
-    chat_type: ChatType | None = None
-    user_id: str | None = None
-
-
-class RouteConfig(BaseModel):
-    """One entry of `routes:`: messages that `match` go to `agent` (first match wins)."""
-
-    model_config = _MODEL_CONFIG
-
-    match: RouteMatch = RouteMatch()
-    agent: str
+from config.base import MODEL_CONFIG, ResetByType, SessionResetPolicy
+from config.platforms import PlatformConfig, PlatformsConfig
 
 
 class QueueConfig(BaseModel):
     """Per-session FIFO of messages sent with ``/queue`` while a turn runs."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     max_depth: int = Field(default=32, ge=1)
-
-
-class PlatformConfig(BaseModel):
-    """Settings every platform adapter shares, the HTTP API included."""
-
-    model_config = _MODEL_CONFIG
-
-    enabled: bool = False
-    session_reset: SessionResetPolicy | None = None  # beats reset_by_type and session_reset
-    home_channel: str | None = None  # where scheduled deliveries go when no chat is implied
-    # Streamed replies: the reply is shown as the model writes it, one message
-    # edited in place (the HTTP API: `GET /v1/chats/{chat_id}/stream`), at most one send
-    # or edit per `edit_interval` seconds per chat. Off: the whole reply once, as before.
-    streaming: bool = True
-    edit_interval: float = Field(default=1.0, ge=0, le=60)
-
-
-class ChatPlatformConfig(PlatformConfig):
-    """Access and addressing rules of a chat platform (Telegram, Discord, Slack).
-
-    Access is denied by default: a sender must be in `allowed_users`, write in a chat of
-    `allowed_chats`, be paired, or the platform must set `allow_all_users`."""
-
-    allowed_users: list[str] = Field(default_factory=list)  # platform user ids, as strings
-    allowed_chats: list[str] = Field(default_factory=list)  # chat/channel ids, as strings
-    allow_all_users: bool = False
-    # An unknown user writing a DM: "pair" sends them a code to hand to the operator
-    # (`hermes-gateway pairing approve`), "ignore" stays silent.
-    unauthorized_dm_behavior: Literal["pair", "ignore"] = "pair"
-    # In groups and channels, answer only when mentioned or replied to ...
-    require_mention: bool = True
-    # ... except in these chats/channels (ids as strings), where every message counts.
-    free_response_channels: list[str] = Field(default_factory=list)
-
-
-class TelegramConfig(ChatPlatformConfig):
-    token: str | None = Field(default=None, repr=False)
-    # The token is appended to this, as python-telegram-bot does (a Bot API proxy works).
-    base_url: str = "https://api.telegram.org/bot"
-    mode: Literal["polling", "webhook"] = "polling"
-    poll_timeout: int = Field(default=30, ge=0, le=50)  # getUpdates long-poll seconds
-    webhook_url: str | None = None  # public https URL Telegram posts updates to
-    webhook_secret: str | None = Field(default=None, repr=False)
-    listen: str = "127.0.0.1"  # webhook server address (put a TLS proxy in front)
-    port: int = Field(default=8443, ge=0, le=65535)
-
-
-class DiscordConfig(ChatPlatformConfig):
-    edit_interval: float = Field(default=0.8, ge=0, le=60)
-    token: str | None = Field(default=None, repr=False)
-    api_base_url: str = "https://discord.com/api/v10"
-    gateway_url: str | None = None  # None: the gateway Discord announces
-    auto_thread: bool = False  # answer a channel mention in a new thread
-
-
-class SlackConfig(ChatPlatformConfig):
-    bot_token: str | None = Field(default=None, repr=False)  # xoxb-...
-    app_token: str | None = Field(default=None, repr=False)  # xapp-..., Socket Mode
-    signing_secret: str | None = Field(default=None, repr=False)  # HTTP mode
-    mode: Literal["socket", "http"] = "socket"
-    listen: str = "127.0.0.1"  # HTTP mode server address
-    port: int = Field(default=3000, ge=0, le=65535)
-    path: str = "/slack/events"
-    api_base_url: str = "https://slack.com/api/"
-
-
-class HttpConfig(PlatformConfig):
-    """The local HTTP API; ``token`` is the bearer token clients must send."""
-
-    host: str = "127.0.0.1"
-    port: int = Field(default=8642, ge=0, le=65535)  # 0: any free port (tests)
-    token: str | None = Field(default=None, repr=False)
-    max_body_bytes: int = Field(default=65536, ge=1024)
-    # Delta events to `GET /v1/chats/{chat_id}/stream` listeners, at most this often.
-    edit_interval: float = Field(default=0.25, ge=0, le=60)
-    # Backpressure: while this many sessions (on every platform) have a turn running or
-    # waiting, a POST /v1/messages that would start a turn gets 503 with Retry-After.
-    max_busy_sessions: int = Field(default=1024, ge=1)
-
-    @field_validator("token")
-    @classmethod
-    def _check_token(cls, value: str | None) -> str | None:
-        # Only an absent token means "no auth": an empty one is almost always a
-        # ${VAR:-} whose variable is unset or empty, and must not open the API to all.
-        if value is not None and not value.strip():
-            raise ValueError(
-                "is empty; set it (check the environment variable it refers to), "
-                "or remove the key to serve the API without a token"
-            )
-        return value
-
-
-class PlatformsConfig(BaseModel):
-    model_config = _MODEL_CONFIG
-
-    telegram: TelegramConfig = TelegramConfig()
-    discord: DiscordConfig = DiscordConfig()
-    slack: SlackConfig = SlackConfig()
-    http: HttpConfig = HttpConfig()
 
 
 class MemoryWeights(BaseModel):
     """How hybrid recall fuses its two signals' rankings (weighted reciprocal rank)."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     vector: float = Field(default=0.7, ge=0, le=1)
     text: float = Field(default=0.3, ge=0, le=1)
@@ -344,7 +69,7 @@ class MemoryConfig(BaseModel):
     ``auto_recall``: before each turn, the asking user's this many best-matching notes
     (for the turn's text) go into the system prompt; 0 turns it off."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     embedding: Literal["hash", "openai", "local"] = "hash"
     base_url: str | None = None  # openai: None uses agent.base_url
@@ -398,7 +123,7 @@ class SchedulesConfig(BaseModel):
     less than its grace (half the period, 2 min..2 h) runs ``once``, or with ``skip`` is
     only recorded as missed. ``keep_runs``: run history kept per schedule."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     min_interval: float = Field(default=300.0, gt=0)
     max_per_user: int = Field(default=50, ge=1)
@@ -410,7 +135,7 @@ class StreamingConfig(BaseModel):
     """Gateway-wide knobs of streamed replies (each platform's `streaming` and
     `edit_interval` say whether and how often)."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     # An interim edit waits for this many new characters (less churn, no flicker).
     min_chars: int = Field(default=24, ge=1)
@@ -425,7 +150,7 @@ class TranscriptionConfig(BaseModel):
     """Voice and audio to text through an OpenAI-compatible
     ``POST {base_url}/audio/transcriptions`` (OpenAI, a local whisper server)."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     base_url: str
     model: str = "whisper-1"
@@ -437,7 +162,7 @@ class MediaConfig(BaseModel):
     """Files users send (photos, voice, audio, documents): downloaded up to ``max_bytes``
     into ``$HERMES_HOME/media/<session_id>/``, deleted with their session."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     max_bytes: int = Field(default=20 * 1024 * 1024, ge=1)
     # Text documents (txt, md, csv, json, code) up to this many characters are given to
@@ -451,7 +176,7 @@ class StorageConfig(BaseModel):
     database at `dsn`, shared by every replica; `hermes-gateway storage migrate` moves an
     existing home there)."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     # Upper bound on how often sessions.json is rewritten, so a burst of messages
     # costs one write rather than one per message.
@@ -479,7 +204,7 @@ class StorageConfig(BaseModel):
 class ClusterConfig(BaseModel):
     """Several replicas on one PostgreSQL store (README, "Running several replicas")."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     # How long a dead replica's sessions and leader roles (Telegram polling, the Discord
     # gateway, Slack Socket Mode, housekeeping) wait before another replica takes them:
@@ -490,7 +215,7 @@ class ClusterConfig(BaseModel):
 class HousekeepingConfig(BaseModel):
     """The background watcher: expiry finalization, idle-agent sweep, pruning."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     expiry_interval_seconds: float = Field(default=300.0, gt=0)
     prune_interval_seconds: float = Field(default=3600.0, gt=0)
@@ -503,7 +228,7 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 class LoggingConfig(BaseModel):
     """What `run` logs and how. `--log-level` and `--log-json` on the command line win."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     level: LogLevel = "info"
     # auto: JSON lines when stderr is not a terminal (systemd, pipes), console otherwise.
@@ -516,7 +241,7 @@ class LoggingConfig(BaseModel):
 class GatewayConfig(BaseModel):
     """The whole of hermes.yaml. ``GatewayConfig()`` is the zero-config default."""
 
-    model_config = _MODEL_CONFIG
+    model_config = MODEL_CONFIG
 
     timezone: str | None = None  # IANA name; None means the host's zone
     group_sessions_per_user: bool = True

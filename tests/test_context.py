@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from config import AgentConfig, ConfigError, load_config
-from config.schema import TOOL_NAMES
+from config import TOOL_NAMES, AgentConfig, ConfigError, load_config
 from gateway.context import condense
 from gateway.context.strategy import SUMMARY_PREFIX, Loaded, Plan, prepare, too_large_text
 from gateway.context.tokens import (

@@ -18,8 +18,7 @@ from typing import Any
 import pytest
 
 from adapters.http import HttpAdapter
-from config import GatewayConfig
-from config.schema import TOOL_NAMES
+from config import TOOL_NAMES, GatewayConfig
 from gateway.context import condense
 from gateway.context.strategy import SUMMARY_PREFIX
 from gateway.context.tokens import MAX_FACTOR

@@ -391,26 +391,28 @@ def telegram_settings(tg: FakeTelegram, **extra: Any) -> dict[str, Any]:
 
 
 async def test_telegram_update_is_not_confirmed_until_stored_then_answered_once(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
 ) -> None:
     async with (
         FakeTelegram(token=TOKEN) as tg,
         chat_gateway(tmp_path, "telegram", TelegramAdapter, **telegram_settings(tg)) as gw,
     ):
         disk = SimulatedFullDisk(gw.store._db)
-        disk.fill()
-        # 4,000 characters (Telegram's limit is 4,096): too long for the room left.
-        update_id = tg.push_message(tg.private_chat(ADA), ADA, "x" * 4000)
+        with capture_logs() as logs:
+            disk.fill()
+            # 4,000 characters (Telegram's limit is 4,096): too long for the room left.
+            update_id = tg.push_message(tg.private_chat(ADA), ADA, "x" * 4000)
 
-        await wait_for(lambda: tg.deliveries[update_id] >= 2)  # Telegram sent it again
-        offsets = [p.get("offset") for m, p in tg.requests if m == "getUpdates"]
-        assert all(o is None or o <= update_id for o in offsets)  # never confirmed
-        assert tg.sent == []
-        # Small writes that still fit (the memory index's report) may clear the state
-        # between two refused redeliveries; each refusal sets it again.
-        await wait_for(lambda: gw.health()["store"]["state"] == "unwritable")
+            await wait_for(lambda: tg.deliveries[update_id] >= 2)  # Telegram sent it again
+            offsets = [p.get("offset") for m, p in tg.requests if m == "getUpdates"]
+            assert all(o is None or o <= update_id for o in offsets)  # never confirmed
+            assert tg.sent == []
+            # Small writes that still fit (the memory index's report) may clear the state
+            # between two refused redeliveries; each refusal sets it again.
+            await wait_for(lambda: gw.health()["store"]["state"] == "unwritable")
         # Each retry is quiet: the store says it once a minute, not the adapter per retry.
-        assert [r for r in caplog.records if r.name == "adapters.telegram"] == []
+        assert [e for e in logs if e.get("platform") == "telegram"] == []
+        assert any(e["event"] == "store_unwritable" for e in logs)  # the capture worked
 
         disk.free()
         await wait_for(lambda: len(tg.sent) == 1)
@@ -517,9 +519,7 @@ async def test_slack_http_mode_answers_503_for_an_event_it_cannot_store(tmp_path
         assert [m["text"] for m in slack.posted] == [f"echo: {'x' * 20}"]
 
 
-async def test_discord_counts_and_logs_messages_lost_to_a_full_disk(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+async def test_discord_counts_and_logs_messages_lost_to_a_full_disk(tmp_path: Path) -> None:
     base, gateway_url = Route.BASE, DiscordWebSocket.DEFAULT_GATEWAY  # process-wide in discord.py
     try:
         async with FakeDiscord(token="MTEwMA.fake.Zq7Xk9") as discord_api:
@@ -536,15 +536,15 @@ async def test_discord_counts_and_logs_messages_lost_to_a_full_disk(
                 assert isinstance(adapter, DiscordAdapter)
                 disk = SimulatedFullDisk(gw.store._db)
                 disk.fill()
-                caplog.set_level("ERROR", logger="adapters.discord")
-                for _ in range(3):
-                    await discord_api.dm("42", "x" * 2000)
-                await wait_for(lambda: adapter.health().get("lost_total") == 3)
-                lost = [r for r in caplog.records if "lost" in r.getMessage()]
+                with capture_logs() as logs:
+                    for _ in range(3):
+                        await discord_api.dm("42", "x" * 2000)
+                    await wait_for(lambda: adapter.health().get("lost_total") == 3)
+                lost = [e for e in logs if e["event"] == "discord_messages_lost"]
                 assert len(lost) == 1  # once a minute, not per message
-                assert "could not store them (the store cannot write (disk full" in (
-                    lost[0].getMessage()
-                )
+                assert lost[0]["log_level"] == "error" and lost[0]["platform"] == "discord"
+                assert lost[0]["count"] == 1 and lost[0]["lost_total"] == 1
+                assert lost[0]["reason"].startswith("the store cannot write (disk full")
                 disk.free()
                 await discord_api.dm("42", "back")
                 channel = discord_api.dm_channel("42")

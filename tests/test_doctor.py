@@ -1,4 +1,4 @@
-"""`hermes-gateway doctor` (gateway/ops/doctor.py) on real homes built by a real SessionStore."""
+"""`hermes-gateway doctor` (gateway/ops/doctor/) on real homes built by a real SessionStore."""
 
 from __future__ import annotations
 

@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import structlog
 
@@ -380,3 +381,32 @@ async def test_clients_that_drop_a_post_mid_body_log_one_info_line_a_minute(
     [_, later] = events(lines, "http_client_gone")
     assert later["unlogged"] == 39 and later["clients_gone_total"] == 41
     assert gateway.events == []  # nothing half-sent reached the gateway
+
+
+# --- adapters' own lines ----------------------------------------------------------------
+
+
+def test_an_adapter_line_never_carries_its_token_in_a_field_or_a_traceback() -> None:
+    """A platform library's error can quote a request URL, and Telegram's hold the token:
+    the adapter's logger replaces it wherever it appears, exceptions included."""
+    adapter = TelegramAdapter(
+        GatewayConfig.model_validate(
+            {"platforms": {"telegram": {"enabled": True, "token": TOKEN}}}
+        ).platforms.telegram
+    )
+    url = f"https://api.telegram.org/bot{TOKEN}/getUpdates"
+    with structlog.testing.capture_logs() as captured:
+        # A URL object is no string, but its text shows the token all the same.
+        adapter.log.warning("telegram_probe", error=f"ConnectError: {url}", url=httpx.URL(url))
+        try:
+            raise ConnectionError(f"cannot reach {url}")
+        except ConnectionError:
+            adapter.log.exception("telegram_probe_failed", attempt=2)
+    warning, failed = captured
+    assert warning["platform"] == "telegram" and warning["log_level"] == "warning"
+    assert warning["error"] == "ConnectError: https://api.telegram.org/bot<token>/getUpdates"
+    assert warning["url"] == "https://api.telegram.org/bot<token>/getUpdates"
+    assert failed["log_level"] == "error" and failed["attempt"] == 2
+    assert "ConnectionError: cannot reach" in failed["exception"]
+    assert "Traceback" in failed["exception"]
+    assert TOKEN not in json.dumps(captured)

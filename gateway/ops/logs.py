@@ -1,6 +1,6 @@
 """Logging setup: structlog, JSON lines for services, a readable console for people.
 
-Records from the standard `logging` module (adapters, platform libraries) go through the
+Records from the standard `logging` module (the platform libraries) go through the
 same renderer, so a service's log is one JSON object per line whoever wrote it.
 """
 
@@ -113,7 +113,7 @@ def configure_logging(json_output: bool | None = None, level: str = "INFO") -> N
     """JSON when stderr is not a TTY (systemd, pipes) or when asked; console otherwise.
 
     Our own events go straight from structlog to stderr, filtered by level before any
-    work is done; records of the `logging` module (platform libraries, adapters) go
+    work is done; records of the `logging` module (the platform libraries) go
     through a handler with the same renderer. The stdlib route cost a turn's one log
     line about 30 µs (two LogRecords, a stack walk for the caller), the direct one 8."""
     if json_output is None:

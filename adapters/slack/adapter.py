@@ -26,13 +26,7 @@ event_ids: the first one seen is handled, the other is dropped by its (channel, 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
-import json
-import logging
 import re
-import time
-import urllib.parse
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -72,10 +66,15 @@ from adapters.base import (
     validate_id,
 )
 from adapters.markdown import to_mrkdwn
+from adapters.slack.events import (
+    malformed_events_body,
+    media_of,
+    signed_by_slack,
+    unescape,
+    user_name,
+)
 
 __all__ = ["SlackAdapter", "slack_len"]
-
-log = logging.getLogger("adapters.slack")
 
 API_TIMEOUT_SECONDS = 30.0  # one Web API request, connect to last byte
 CONNECT_TIMEOUT_SECONDS = 30.0  # start(): the first Socket Mode connection
@@ -98,10 +97,6 @@ def _escape(text: str) -> str:
     # Slack reads <...> as links and mentions (<!channel> pings everyone); a reply's
     # text is shown as written instead.
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-def _unescape(text: str) -> str:
-    return text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
 
 
 class _RateLimitRetry(AsyncRateLimitErrorRetryHandler):
@@ -149,6 +144,7 @@ class SlackAdapter(PlatformAdapter):
         super().__init__(config)
         self.config = config
         _check_config(config)
+        self.log.hide(config.bot_token, config.app_token, config.signing_secret)
         self.ping_interval = ping_interval
         self.bot_user_id: str | None = None
         self.port = config.port
@@ -282,9 +278,9 @@ class SlackAdapter(PlatformAdapter):
                 body = await request.read()
             except RequestPayloadError:
                 return web.Response(status=400, text="unreadable body")
-            if not _signed_by_slack(secret, body, request.headers):
+            if not signed_by_slack(secret, body, request.headers):
                 return web.Response(status=401, text="invalid signature")
-            problem = _malformed_events_body(body, request.content_type)
+            problem = malformed_events_body(body, request.content_type)
             if problem is not None:
                 return web.Response(status=400, text=problem)
             # Bolt answers url_verification, acks events and runs our listener in a task
@@ -292,12 +288,12 @@ class SlackAdapter(PlatformAdapter):
             try:
                 response = await app.async_dispatch(await to_bolt_request(request))
             except Exception as exc:  # a signed body of a shape bolt cannot read
-                log.warning("slack: could not handle a signed event body: %r", exc)
+                self.log.warning("slack_event_unprocessable", error=repr(exc))
                 return web.Response(status=400, text="unprocessable event body")
             if response.status == 503:  # our listener: the gateway could not store it
                 return await to_aiohttp_response(response)
             if response.status >= 500:  # bolt's own "could not process": a retry cannot help
-                log.warning("slack: bolt could not process a signed event body")
+                self.log.warning("slack_event_unprocessable", status=response.status)
                 return web.Response(status=400, text="unprocessable event body")
             return await to_aiohttp_response(response)
 
@@ -385,7 +381,7 @@ class SlackAdapter(PlatformAdapter):
     def _handled(self, handling: asyncio.Task[Any], event_id: str | None) -> None:
         self._handling.discard(handling)
         if not handling.cancelled() and (exc := handling.exception()) is not None:
-            log.error("slack_event_failed event_id=%s", event_id, exc_info=exc)
+            self.log.exception("slack_event_failed", exc, event_id=event_id)
 
     def _to_message_event(self, body: dict[str, Any], event: dict[str, Any]) -> MessageEvent | None:
         """The gateway's event for one Slack event, or None when it is not for us: bot
@@ -408,7 +404,7 @@ class SlackAdapter(PlatformAdapter):
             chat_id=channel,
             chat_type="dm" if event.get("channel_type") == "im" else "channel",
             user_id=user,
-            user_name=_user_name(event) or user,
+            user_name=user_name(event) or user,
             thread_id=thread_ts if thread_ts and thread_ts != ts else None,
             guild_id=event.get("team") or body.get("team_id"),
             message_id=ts,
@@ -417,20 +413,20 @@ class SlackAdapter(PlatformAdapter):
             for name in ("chat_id", "user_id", "thread_id", "message_id"):
                 validate_id(name, getattr(source, name))
         except ValueError as exc:
-            log.warning("slack_event_dropped reason=%s", exc)
+            self.log.warning("slack_event_dropped", reason=str(exc))
             return None
         text = event.get("text") or ""
         mentioned = event.get("type") == "app_mention" or bool(self._mention.search(text))
         if not self.addressed_to_bot(source, mentioned=mentioned, replied_to_bot=False):
             return None
-        media = tuple(_media_of(f) for f in event.get("files") or () if f.get("url_private"))
+        media = tuple(media_of(f) for f in event.get("files") or () if f.get("url_private"))
         if not text.strip() and not media:
             return None
         if self._already_handled(channel, ts):
             return None
         return MessageEvent(
             source=source,
-            text=_unescape(self._mention.sub(" ", text)).strip(),
+            text=unescape(self._mention.sub(" ", text)).strip(),
             message_id=body.get("event_id"),
             media=media,
         )
@@ -560,78 +556,6 @@ class SlackAdapter(PlatformAdapter):
 
     async def send_typing(self, target: SessionSource) -> None:
         """Slack has no typing indicator for bots (only the legacy RTM API had one)."""
-
-
-def _media_of(file: dict[str, Any]) -> InboundMedia:
-    """A shared file as the turn fetches it: an image, a voice clip, audio or a file."""
-    mime = file.get("mimetype")
-    kind = "document"
-    if isinstance(mime, str) and mime.startswith("image/"):
-        kind = "photo"
-    elif file.get("subtype") == "slack_audio":  # a voice clip recorded in Slack
-        kind = "voice"
-    elif isinstance(mime, str) and mime.startswith("audio/"):
-        kind = "audio"
-    size = file.get("size")
-    return InboundMedia(
-        kind,
-        str(file["url_private"]),
-        str(file.get("name") or file.get("id") or "file"),
-        mime if isinstance(mime, str) else None,
-        size if isinstance(size, int) else None,
-    )
-
-
-def _user_name(event: dict[str, Any]) -> str | None:
-    # Some message events carry the sender's profile; asking users.info per message
-    # would cost a rate-limited call each time, so without it the id stands in.
-    profile = event.get("user_profile") or {}
-    return profile.get("display_name") or profile.get("real_name") or profile.get("name")
-
-
-SIGNATURE_MAX_AGE_SECONDS = 300
-
-
-def _signed_by_slack(secret: bytes, body: bytes, headers: Any) -> bool:
-    """Slack's v0 request signature over the raw bytes, with a fresh timestamp."""
-    timestamp = headers.get("X-Slack-Request-Timestamp", "")
-    signature = headers.get("X-Slack-Signature", "")
-    try:
-        if abs(time.time() - int(timestamp)) > SIGNATURE_MAX_AGE_SECONDS:
-            return False
-    except ValueError:
-        return False
-    base = b"v0:" + timestamp.encode() + b":" + body
-    expected = "v0=" + hmac.new(secret, base, hashlib.sha256).hexdigest()
-    return hmac.compare_digest(expected.encode(), signature.encode("utf-8", "surrogateescape"))
-
-
-def _malformed_events_body(body: bytes, content_type: str) -> str | None:
-    """Why bolt could not handle this (signed) Events API body, or None when it can."""
-    try:
-        text = body.decode("utf-8")
-        if content_type == "application/x-www-form-urlencoded":
-            payload = urllib.parse.parse_qs(text).get("payload", ["{}"])[0]
-            data = json.loads(payload)
-        else:
-            data = json.loads(text)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return "body is not UTF-8 JSON"
-    if not isinstance(data, dict):
-        return "body is not a JSON object"
-    if data.get("type") == "event_callback" or "event" in data:
-        event = data.get("event")
-        if not isinstance(event, dict):
-            return "an event that is not an object"
-        for key in ("user", "channel", "ts", "text", "channel_type", "thread_ts"):
-            if key in event and event[key] is not None and not isinstance(event[key], str):
-                return f"event.{key} is not a string"
-    authorizations = data.get("authorizations")
-    if authorizations is not None and (
-        not isinstance(authorizations, list) or not all(isinstance(a, dict) for a in authorizations)
-    ):
-        return "authorizations is not a list of objects"
-    return None
 
 
 def _check_config(config: SlackConfig) -> None:

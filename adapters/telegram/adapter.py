@@ -1,41 +1,20 @@
-"""Telegram: python-telegram-bot's `Bot` for the Bot API, with our own update loop.
-
-    polling:  getUpdates(offset) -> for each update, in order: convert -> gateway.handle_message
-              (durable, dedup by update_id) -> only then offset = update_id + 1
-    webhook:  POST from Telegram -> secret header checked -> same conversion and handoff ->
-              200 only after the gateway accepted it (else Telegram retries)
-    replies:  sendMessage in MarkdownV2 (text escaped, `code` and ``` blocks kept), plain
-              text when that cannot work; 429 retry_after honoured; into the forum topic
-    media:    photo, voice, audio and document messages carry their file_id (and declared
-              size); the turn downloads them (getFile, then the file URL, streamed);
-              attachments go out as sendPhoto / sendDocument / sendVoice
-
-A crash between accepting an update and moving the offset makes Telegram deliver the
-update again; the gateway's inbound dedup drops the copy, so nothing is lost or doubled.
-An update the gateway cannot store (disk full) is not confirmed either: polling asks for
-it again every second, and a webhook delivery gets a 503 that Telegram retries.
-"""
+"""The Telegram adapter: python-telegram-bot's `Bot` with our own update loop (polling or
+the webhook), replies in MarkdownV2, files in and out. The flow: `adapters.telegram`."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import re
 import warnings
 from collections.abc import AsyncIterator
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import telegram
-from aiohttp import web
-from aiohttp.web_protocol import RequestPayloadError
-from telegram.constants import ChatAction, MessageEntityType, ParseMode
+from telegram.constants import ChatAction, ParseMode
 from telegram.error import (
     BadRequest,
     ChatMigrated,
@@ -45,7 +24,7 @@ from telegram.error import (
     TelegramError,
 )
 from telegram.request import HTTPXRequest
-from telegram.warnings import PTBDeprecationWarning, PTBUserWarning
+from telegram.warnings import PTBUserWarning
 
 from adapters.base import (
     MAX_RETRY_AFTER_SECONDS,
@@ -65,28 +44,24 @@ from adapters.base import (
     utf16_len,
 )
 from adapters.markdown import markdown_v2_len, to_markdown_v2
-from gateway.domain import command_syntax
-
-__all__ = ["COMMANDS", "TelegramAdapter"]
-
-log = logging.getLogger("adapters.telegram")
-
-#: the gateway's chat commands, as shown in Telegram's command menu
-COMMANDS: tuple[tuple[str, str], ...] = (
-    ("new", "Start a new session"),
-    ("reset", "Start a new session (same as /new)"),
-    ("stop", "Cancel the running reply and clear the queue"),
-    ("queue", "Run a message as its own turn after the current one"),
-    ("status", "Session id, age, messages, tokens, next reset"),
-    ("resume", "List earlier sessions or switch back to one"),
-    ("retry", "Re-run your last message"),
-    ("undo", "Take back your last message and its reply"),
-    ("help", "List the commands"),
+from adapters.telegram.botapi import (
+    COMMANDS,
+    is_transient,
+    retry_after_seconds,
+    send_options,
 )
+from adapters.telegram.inbound import (
+    CHAT_TYPES,
+    is_reply_to_bot,
+    media_of,
+    mentions_bot,
+    strip_mention,
+)
+from adapters.telegram.webhook import WebhookServer
 
-_CHAT_TYPES = {"private": "dm", "group": "group", "supergroup": "group", "channel": "channel"}
+__all__ = ["TelegramAdapter"]
+
 _ALLOWED_UPDATES = ("message",)
-SECRET_HEADER = "X-Telegram-Bot-Api-Secret-Token"
 _SECRET_CHARS = re.compile(r"[A-Za-z0-9_-]{1,256}")  # what setWebhook accepts
 
 #: sendMessage tries per chunk (429 waits included); of them, at most this many network errors
@@ -94,10 +69,8 @@ MAX_SEND_ATTEMPTS = 5
 MAX_NETWORK_ATTEMPTS = 3
 #: extra read time for getUpdates beyond the long-poll itself (PTB adds poll_timeout to it)
 POLL_READ_GRACE_SECONDS = 10.0
-WEBHOOK_MAX_BODY_BYTES = 1 << 20
 # Loggers that print URLs with the bot token in them (filtered: see RedactSecret).
 _TOKEN_LOGGERS = ("httpx", "telegram.Bot")
-_COMMAND = re.compile(r"^/([A-Za-z0-9_]+)(?:@(\w+))?")
 
 
 class TelegramAdapter(PlatformAdapter):
@@ -117,14 +90,14 @@ class TelegramAdapter(PlatformAdapter):
         self.config: TelegramConfig = config
         # Checked when built, before the gateway touches its home: a missing token exits
         # 78 with nothing written. start() runs the same check to read the token.
-        self._check_config()
+        self.log.hide(self._check_config())
         self.webhook_port: int | None = None
         self._bot: telegram.Bot | None = None
         self._bot_id: int | None = None
         self._offset: int | None = None  # next getUpdates offset: all below are accepted
         self._connected = False
         self._task: asyncio.Task[None] | None = None
-        self._webhook_runner: web.AppRunner | None = None
+        self._webhook: WebhookServer | None = None
         self._log_filter: RedactSecret | None = None
 
     @property
@@ -163,10 +136,14 @@ class TelegramAdapter(PlatformAdapter):
         )
         try:
             if self.config.mode == "webhook":
-                await self._start_webhook_server()
+                self._webhook = WebhookServer(
+                    self.config, self._require_bot, self._accept_update, self.log
+                )
+                await self._webhook.start()
+                self.webhook_port = self._webhook.port
             await self._connect()
         except TelegramError as exc:
-            if not _is_transient(exc):
+            if not is_transient(exc):
                 await self._close()
                 raise RuntimeError(self._refusal(exc)) from None
             self._connection_lost(exc)
@@ -193,7 +170,7 @@ class TelegramAdapter(PlatformAdapter):
                 "Telegram rejected the bot token (platforms.telegram.token); "
                 "check it with @BotFather (/token)"
             )
-        return f"Telegram refused to set the bot up: {self._redact(str(exc))}"
+        return f"Telegram refused to set the bot up: {self.log.redact(str(exc))}"
 
     def _check_config(self) -> str:
         if not self.config.token:
@@ -218,7 +195,7 @@ class TelegramAdapter(PlatformAdapter):
         try:
             await bot.set_my_commands([telegram.BotCommand(n, d) for n, d in COMMANDS])
         except TelegramError as exc:  # the menu is a convenience; never fail on it
-            log.warning("telegram: could not set the command menu: %s", self._redact(str(exc)))
+            self.log.warning("telegram_command_menu_failed", error=self._describe(exc))
         if self.config.mode == "polling":
             await bot.delete_webhook(drop_pending_updates=False)
         else:
@@ -239,7 +216,7 @@ class TelegramAdapter(PlatformAdapter):
             try:
                 await self._connect()
             except Exception as exc:
-                if isinstance(exc, TelegramError) and not _is_transient(exc):
+                if isinstance(exc, TelegramError) and not is_transient(exc):
                     self._failed(exc)
                     return
                 self._connection_lost(exc)
@@ -247,9 +224,9 @@ class TelegramAdapter(PlatformAdapter):
             await self._poll_forever()
 
     async def _close(self) -> None:
-        runner, self._webhook_runner = self._webhook_runner, None
-        if runner is not None:
-            await runner.cleanup()
+        webhook, self._webhook = self._webhook, None
+        if webhook is not None:
+            await webhook.stop()
         bot, self._bot = self._bot, None
         if bot is not None:
             if self.config.mode == "polling" and self._connected and self._offset is not None:
@@ -271,7 +248,7 @@ class TelegramAdapter(PlatformAdapter):
                 batch = await self._fetch_updates()
             except RetryAfter as exc:
                 failures += 1
-                delay = min(_retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS)
+                delay = min(retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS)
                 await self.retry_pause("poll", failures, delay, self._connection_lost(exc))
                 continue
             except InvalidToken as exc:  # revoked while running: retrying cannot help
@@ -291,7 +268,7 @@ class TelegramAdapter(PlatformAdapter):
             except Exception:
                 # The gateway could not take an update; the offset did not move, so the
                 # next getUpdates brings it again.
-                log.exception("telegram: the gateway failed to accept an update; retrying")
+                self.log.exception("telegram_update_not_accepted", retrying=True)
                 await backoff.sleep()
                 continue
             if not accepted_all:
@@ -313,8 +290,9 @@ class TelegramAdapter(PlatformAdapter):
             return [(update.update_id, update) for update in updates]
         except TelegramError:
             raise
-        except Exception:
-            log.warning("telegram: python-telegram-bot could not read an update batch")
+        except Exception as exc:
+            # Read again one by one below; each unreadable update gets its own line there.
+            self.log.warning("telegram_update_batch_unreadable", error=self._describe(exc))
         # Fetch the same batch as raw JSON (no long poll) and read the updates one by one.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PTBUserWarning)  # "use Bot.get_updates"
@@ -327,7 +305,7 @@ class TelegramAdapter(PlatformAdapter):
             try:
                 batch.append((data["update_id"], telegram.Update.de_json(data, bot)))
             except Exception:
-                log.exception("telegram: skipping unreadable update %s", data.get("update_id"))
+                self.log.exception("telegram_update_skipped", update_id=data.get("update_id"))
                 batch.append((data["update_id"], None))
         return batch
 
@@ -348,7 +326,7 @@ class TelegramAdapter(PlatformAdapter):
             event = self._to_event(update)
         except Exception:
             # The same update would fail the same way on every redelivery: skip it.
-            log.exception("telegram: skipping update %s that could not be read", update.update_id)
+            self.log.exception("telegram_update_skipped", update_id=update.update_id)
             return True
         if event is None:
             return True
@@ -367,56 +345,7 @@ class TelegramAdapter(PlatformAdapter):
         self.set_state("failed", self._describe(exc), action="fix the config and restart")
 
     def _describe(self, exc: BaseException) -> str:
-        return self._redact(f"{type(exc).__name__}: {exc}")
-
-    # --- webhook -------------------------------------------------------------------------
-
-    async def _start_webhook_server(self) -> None:
-        path = urlsplit(str(self.config.webhook_url)).path or "/"
-        app = web.Application(client_max_size=WEBHOOK_MAX_BODY_BYTES)
-        app.router.add_post(path, self._on_webhook)
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, self.config.listen, self.config.port).start()
-        except OSError as exc:
-            await runner.cleanup()
-            raise OSError(
-                exc.errno,
-                f"Telegram webhook cannot listen on {self.config.listen}:{self.config.port} "
-                f"({exc.strerror}); change platforms.telegram.port in hermes.yaml",
-            ) from exc
-        self._webhook_runner = runner
-        self.webhook_port = runner.addresses[0][1]
-        log.info(
-            "telegram: webhook listening on %s:%s%s", self.config.listen, self.webhook_port, path
-        )
-
-    async def _on_webhook(self, request: web.Request) -> web.Response:
-        expected = str(self.config.webhook_secret).encode()
-        given = request.headers.get(SECRET_HEADER, "").encode("utf-8", "surrogateescape")
-        if not hmac.compare_digest(given, expected):
-            return web.Response(status=403, text="wrong or missing secret token")
-        try:
-            data = json.loads(await request.read())
-            if not isinstance(data, dict) or not isinstance(data.get("update_id"), int):
-                raise ValueError("not an Update object")
-        except (ValueError, RecursionError, RequestPayloadError) as exc:  # bad UTF-8 too
-            return web.Response(status=400, text=f"malformed update: {type(exc).__name__}")
-        try:
-            update = telegram.Update.de_json(data, self._require_bot())
-        except Exception:
-            # Refusing would make Telegram resend it forever, holding up later updates.
-            log.exception("telegram: skipping unreadable update %s", data["update_id"])
-            return web.Response(text="skipped")
-        try:
-            accepted = await self._accept_update(update)
-        except Exception:
-            log.exception("telegram: the gateway failed to accept a webhook update")
-            return web.Response(status=500, text="not accepted; retry")
-        if not accepted:
-            return web.Response(status=503, text="not accepted now; retry")
-        return web.Response(text="ok")
+        return self.log.redact(f"{type(exc).__name__}: {exc}")
 
     # --- inbound -------------------------------------------------------------------------
 
@@ -427,8 +356,8 @@ class TelegramAdapter(PlatformAdapter):
         if message is None or message.from_user is None or message.from_user.is_bot:
             return None
         text = message.text if message.text is not None else message.caption
-        chat_type = _CHAT_TYPES.get(message.chat.type)
-        media = _media_of(message)
+        chat_type = CHAT_TYPES.get(message.chat.type)
+        media = media_of(message)
         if not (text or media) or chat_type is None:
             return None
         text = text or ""
@@ -449,54 +378,16 @@ class TelegramAdapter(PlatformAdapter):
         )
         if not self.addressed_to_bot(
             source,
-            mentioned=self._mentions_bot(message, text),
-            replied_to_bot=self._is_reply_to_bot(message),
+            mentioned=mentions_bot(message, text, self.bot_username, self._bot_id),
+            replied_to_bot=is_reply_to_bot(message, self._bot_id),
         ):
             return None
         return MessageEvent(
             source=source,
-            text=self._strip_mention(text),
+            text=strip_mention(text, self.bot_username),
             message_id=str(update.update_id),
             media=media,
         )
-
-    def _mentions_bot(self, message: telegram.Message, text: str) -> bool:
-        name = self.bot_username
-        if name is None:
-            return False
-        if re.search(rf"(?<![\w@])@{re.escape(name)}(?!\w)", text, re.IGNORECASE):
-            return True
-        command = _COMMAND.match(text)
-        if command is not None:
-            addressee = command.group(2)
-            if addressee is None:
-                # A bare command of ours (menu or not) counts as addressed to us in a group:
-                # Telegram's privacy mode delivers commands to every bot.
-                return command.group(1).lower() in command_syntax.NAMES
-            return addressee.lower() == name.lower()
-        kinds = [MessageEntityType.TEXT_MENTION]
-        entities = (
-            message.parse_entities(kinds)
-            if message.text is not None
-            else message.parse_caption_entities(kinds)
-        )
-        return any(e.user is not None and e.user.id == self._bot_id for e in entities)
-
-    def _is_reply_to_bot(self, message: telegram.Message) -> bool:
-        replied = message.reply_to_message
-        # In a forum every topic message "replies" to the topic's creation notice.
-        return (
-            replied is not None
-            and replied.forum_topic_created is None
-            and replied.from_user is not None
-            and replied.from_user.id == self._bot_id
-        )
-
-    def _strip_mention(self, text: str) -> str:
-        if self.bot_username is None:
-            return text
-        pattern = rf"^\s*@{re.escape(self.bot_username)}(?!\w)[\s,:]*"
-        return re.sub(pattern, "", text, count=1, flags=re.IGNORECASE)
 
     # --- outbound ------------------------------------------------------------------------
 
@@ -526,7 +417,7 @@ class TelegramAdapter(PlatformAdapter):
         chat_id: int | str = target.chat_id
         formatted = to_markdown_v2(text)
         markdown = utf16_len(formatted) <= self.max_message_length
-        options = _send_options(target, reply_to)
+        options = send_options(target, reply_to)
         backoff = Backoff(initial=0.5, maximum=5.0)
         attempts = network_errors = 0
         while True:
@@ -543,12 +434,12 @@ class TelegramAdapter(PlatformAdapter):
                 if not markdown:
                     raise
                 # Most likely our escaping and Telegram's parser disagree: plain text works.
-                log.info("telegram: MarkdownV2 refused (%s); sending as plain text", exc)
+                self.log.info("telegram_markdown_refused", error=str(exc), fallback="plain")
                 markdown = False
             except RetryAfter as exc:
                 if attempts >= MAX_SEND_ATTEMPTS:
                     raise
-                delay = min(_retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS)
+                delay = min(retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS)
                 await self.retry_pause("send", attempts, delay, self._describe(exc))
             except ChatMigrated as exc:  # a group became a supergroup: same chat, new id
                 if attempts >= MAX_SEND_ATTEMPTS:
@@ -566,7 +457,7 @@ class TelegramAdapter(PlatformAdapter):
         self, target: SessionSource, text: str, reply_to: str | None = None
     ) -> SendResult:
         """The first message of a streamed reply: one try, a flood wait raised."""
-        options = _send_options(target, reply_to)
+        options = send_options(target, reply_to)
         bot = self._require_bot()
         message = await self._formatted(
             lambda text, mode: bot.send_message(
@@ -605,10 +496,10 @@ class TelegramAdapter(PlatformAdapter):
                 except BadRequest as exc:
                     if "parse" not in str(exc).lower() and "entit" not in str(exc).lower():
                         raise
-                    log.info("telegram: MarkdownV2 refused (%s); plain text", exc)
+                    self.log.info("telegram_markdown_refused", error=str(exc), fallback="plain")
             return await call(text, None)
         except RetryAfter as exc:
-            raise FloodWait(_retry_after_seconds(exc)) from exc
+            raise FloodWait(retry_after_seconds(exc)) from exc
 
     async def open_media(self, media: InboundMedia) -> AsyncIterator[bytes]:
         """getFile, then the file streamed from its URL (which holds the token: errors
@@ -648,7 +539,7 @@ class TelegramAdapter(PlatformAdapter):
         """sendPhoto, sendDocument or sendVoice (a URL is passed for Telegram to fetch,
         a path uploaded); the caption as plain text. 429 retry_after is waited out."""
         bot = self._require_bot()
-        options: dict[str, Any] = {"chat_id": target.chat_id, **_send_options(target, reply_to)}
+        options: dict[str, Any] = {"chat_id": target.chat_id, **send_options(target, reply_to)}
         if attachment.caption:
             options["caption"] = attachment.caption[:1024]  # Telegram's caption limit
         method = {
@@ -666,7 +557,7 @@ class TelegramAdapter(PlatformAdapter):
             except RetryAfter as exc:
                 if attempts >= MAX_SEND_ATTEMPTS:
                     raise
-                delay = min(_retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS)
+                delay = min(retry_after_seconds(exc), MAX_RETRY_AFTER_SECONDS)
                 await self.retry_pause("send_file", attempts, delay, self._describe(exc))
 
     async def send_typing(self, target: SessionSource) -> None:
@@ -685,10 +576,6 @@ class TelegramAdapter(PlatformAdapter):
             raise RuntimeError("the Telegram adapter is not started")
         return self._bot
 
-    def _redact(self, text: str) -> str:
-        token = self.config.token
-        return text.replace(token, "<token>") if token else text
-
     def _install_log_filter(self, token: str) -> None:
         # httpx logs every request URL at INFO and PTB its base URL at DEBUG; the Bot API
         # puts the token in both.
@@ -702,58 +589,3 @@ class TelegramAdapter(PlatformAdapter):
         if self._log_filter is not None:
             self._log_filter.remove()
             self._log_filter = None
-
-
-def _media_of(message: telegram.Message) -> tuple[InboundMedia, ...]:
-    """The files of a message (the largest size of a photo), with declared sizes."""
-    found: list[InboundMedia] = []
-    stamp = message.message_id
-    if message.photo:
-        photo = message.photo[-1]  # Telegram lists the sizes smallest first
-        found.append(
-            InboundMedia(
-                "photo", photo.file_id, f"photo-{stamp}.jpg", "image/jpeg", photo.file_size
-            )
-        )
-    if message.voice is not None:
-        voice = message.voice
-        mime = voice.mime_type or "audio/ogg"
-        found.append(
-            InboundMedia("voice", voice.file_id, f"voice-{stamp}.ogg", mime, voice.file_size)
-        )
-    if message.audio is not None:
-        audio = message.audio
-        name = audio.file_name or f"audio-{stamp}.mp3"
-        found.append(InboundMedia("audio", audio.file_id, name, audio.mime_type, audio.file_size))
-    if message.document is not None:
-        doc = message.document
-        name = doc.file_name or f"document-{stamp}"
-        found.append(InboundMedia("document", doc.file_id, name, doc.mime_type, doc.file_size))
-    return tuple(found)
-
-
-def _send_options(target: SessionSource, reply_to: str | None) -> dict[str, Any]:
-    """sendMessage's forum topic and reply-to parameters for `target`."""
-    options: dict[str, Any] = {}
-    if target.thread_id:
-        options["message_thread_id"] = int(target.thread_id)
-    if reply_to is not None and reply_to.isdigit():
-        options["reply_parameters"] = telegram.ReplyParameters(
-            message_id=int(reply_to), allow_sending_without_reply=True
-        )
-    return options
-
-
-def _is_transient(exc: TelegramError) -> bool:
-    """Worth retrying later: the network, a timeout, flood control (not a refusal)."""
-    if isinstance(exc, RetryAfter):
-        return True
-    return isinstance(exc, NetworkError) and not isinstance(exc, BadRequest)
-
-
-def _retry_after_seconds(exc: RetryAfter) -> float:
-    with warnings.catch_warnings():
-        # PTB 22.2+ warns that retry_after becomes a timedelta; accept either form.
-        warnings.simplefilter("ignore", PTBDeprecationWarning)
-        value: int | float | timedelta = exc.retry_after
-    return value.total_seconds() if isinstance(value, timedelta) else float(value)

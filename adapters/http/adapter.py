@@ -38,67 +38,50 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import math
-import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import structlog
 from aiohttp import web
 from aiohttp.typedefs import Handler
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
-from config import AGENT_ID_PATTERN, HttpConfig
+from adapters.base import AcceptStatus, PlatformAdapter, SendResult
+from adapters.http.inputs import (
+    BadRequest,
+    ClientGone,
+    agent_param,
+    check_id,
+    int_param,
+    is_encodable,
+    parse_message,
+    query_value,
+    shown,
+    wait_param,
+)
+from config import HttpConfig
 from gateway.domain import command_syntax
 from gateway.domain.session import (
-    CHAT_TYPES,
     Platform,
     SessionSource,
-    coerce_id,
     listing_cursor,
     listing_cursor_key,
-    validate_chat_id,
-    validate_id,
 )
 
 __all__ = ["HttpAdapter"]
 
-log = structlog.get_logger("adapters.http")
-
-MAX_WAIT_SECONDS = 60.0
 MAX_REPLIES_PER_POLL = 500
 MAX_SEQ = 2**63 - 1  # reply numbers are SQLite integers: 64-bit signed
 SEARCH_LIMIT, MAX_SEARCH_LIMIT = 20, 100
 SESSION_PAGE, MAX_SESSION_PAGE = 100, 500
 LISTING_PAGE, MAX_LISTING_PAGE = 100, 1000  # GET /v1/sessions
-_MESSAGE_FIELDS = (
-    "chat_id",
-    "user_id",
-    "text",
-    "chat_type",
-    "thread_id",
-    "message_id",
-    "user_name",
-)
-_ID_FIELDS = ("chat_id", "user_id", "thread_id", "message_id")
 _PUBLIC_ROUTES = frozenset({"/healthz"})  # probes must work without the token
 _PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 RETRY_AFTER_SECONDS = 1
 STREAM_KEEPALIVE_SECONDS = 15.0
 STORE_RETRY_AFTER_SECONDS = 5  # a full disk is not freed in a second
-
-
-class BadRequest(Exception):
-    """Invalid client input; the message names the field and becomes a 400 body."""
-
-
-class ClientGone(Exception):
-    """The client closed its connection before its request was read whole: nobody is
-    left to answer, and nothing on the gateway's side went wrong."""
 
 
 class RepeatLimit:
@@ -151,6 +134,7 @@ class HttpAdapter(PlatformAdapter):
     def __init__(self, config: HttpConfig) -> None:
         super().__init__(config)
         self.config = config
+        self.log.hide(config.token)
         self.host = config.host
         self.port = config.port
         self._runner: web.AppRunner | None = None
@@ -292,7 +276,7 @@ class HttpAdapter(PlatformAdapter):
             allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
             return _error(exc.status, exc.reason, **allow)
         except Exception:
-            log.exception("http_api_error", method=request.method, path=request.path)
+            self.log.exception("http_api_error", method=request.method, path=request.path)
             return _error(500, "internal error; see the gateway log")
 
     def _client_gone(self, request: web.Request, exc: Exception) -> None:
@@ -301,7 +285,7 @@ class HttpAdapter(PlatformAdapter):
         self.clients_gone_total += 1
         if not self._gone_log.due():
             return
-        log.info(
+        self.log.info(
             "http_client_gone",
             method=request.method,
             path=request.path,
@@ -323,13 +307,13 @@ class HttpAdapter(PlatformAdapter):
             return _error(413, f"request body is larger than {limit} bytes")
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
-        event = _parse_message(body)
+        event = parse_message(body)
         busy = self.gateway.busy_sessions()
         if busy >= self.config.max_busy_sessions and command_syntax.starts_work(event.text):
             return self._shed(busy)
         if self._shedding:
             self._shedding = False
-            log.info("http_api_shedding_ended", shed_total=self.shed_total)
+            self.log.info("http_api_shedding_ended", shed_total=self.shed_total)
         accepted = await self.gateway.handle_message(event)
         if accepted.status is AcceptStatus.UNAVAILABLE:  # logged by the store, once a minute
             return _retry_later(f"{accepted.detail}, send it again", STORE_RETRY_AFTER_SECONDS)
@@ -347,7 +331,7 @@ class HttpAdapter(PlatformAdapter):
         self.shed_total += 1
         if not self._shedding:
             self._shedding = True
-            log.warning(
+            self.log.warning(
                 "http_api_shedding", busy_sessions=busy, limit=self.config.max_busy_sessions
             )
         return _retry_later(
@@ -377,10 +361,10 @@ class HttpAdapter(PlatformAdapter):
         """Up to `limit` replies (1-500, default 500) after `after` (0 to 2**63-1), waiting
         up to `wait` seconds (0-60) for the first; each in plain ASCII digits."""
         chat_id = request.match_info["chat_id"]
-        _check_id("chat_id", chat_id)
-        after = _int_param(request, "after", 0, 0, MAX_SEQ)
-        limit = _int_param(request, "limit", MAX_REPLIES_PER_POLL, 1, MAX_REPLIES_PER_POLL)
-        wait = _wait_param(request)
+        check_id("chat_id", chat_id)
+        after = int_param(request, "after", 0, 0, MAX_SEQ)
+        limit = int_param(request, "limit", MAX_REPLIES_PER_POLL, 1, MAX_REPLIES_PER_POLL)
+        wait = wait_param(request)
         assert self.gateway is not None
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
@@ -411,8 +395,8 @@ class HttpAdapter(PlatformAdapter):
         comment every `STREAM_KEEPALIVE_SECONDS`. With `after`, the finals after it are
         sent first (a reconnecting client loses none); without, only new ones."""
         chat_id = request.match_info["chat_id"]
-        _check_id("chat_id", chat_id)
-        after = _int_param(request, "after", -1, 0, MAX_SEQ) if "after" in request.query else None
+        check_id("chat_id", chat_id)
+        after = int_param(request, "after", -1, 0, MAX_SEQ) if "after" in request.query else None
         assert self.gateway is not None
         queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
         response = web.StreamResponse(
@@ -455,9 +439,9 @@ class HttpAdapter(PlatformAdapter):
     async def _get_sessions(self, request: web.Request) -> web.Response:
         """A page of the session entries: up to `limit` (1-1000, default 100) after the
         cursor `after`; `next` is the cursor of the following page, null on the last."""
-        agent = _agent_param(request)
-        limit = _int_param(request, "limit", LISTING_PAGE, 1, MAX_LISTING_PAGE)
-        cursor = _query_value(request, "after")
+        agent = agent_param(request)
+        limit = int_param(request, "limit", LISTING_PAGE, 1, MAX_LISTING_PAGE)
+        cursor = query_value(request, "after")
         after = None
         if cursor is not None:
             try:
@@ -465,7 +449,7 @@ class HttpAdapter(PlatformAdapter):
             except ValueError:
                 raise BadRequest(
                     f"query parameter after must be a `next` cursor of this listing, "
-                    f"got {_shown(cursor)}"
+                    f"got {shown(cursor)}"
                 ) from None
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
@@ -477,9 +461,9 @@ class HttpAdapter(PlatformAdapter):
         """A session and up to `limit` (1-500, default 100) of its messages after transcript
         id `after`; `next` is the `after` of the following page."""
         session_id = request.match_info["session_id"]
-        _check_id("session_id", session_id)
-        after = _int_param(request, "after", 0, 0, MAX_SEQ)
-        limit = _int_param(request, "limit", SESSION_PAGE, 1, MAX_SESSION_PAGE)
+        check_id("session_id", session_id)
+        after = int_param(request, "after", 0, 0, MAX_SEQ)
+        limit = int_param(request, "limit", SESSION_PAGE, 1, MAX_SESSION_PAGE)
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
         session = await self.gateway.get_session(session_id, after, limit)
@@ -491,7 +475,7 @@ class HttpAdapter(PlatformAdapter):
 
     async def _delete_session(self, request: web.Request) -> web.Response:
         session_id = request.match_info["session_id"]
-        _check_id("session_id", session_id)
+        check_id("session_id", session_id)
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
         done = await self.gateway.delete_session(session_id)
@@ -506,16 +490,16 @@ class HttpAdapter(PlatformAdapter):
     async def _search(self, request: web.Request) -> web.Response:
         """Transcript search: `q` (any text), `chat_id` (one HTTP chat's sessions), `agent`
         (one agent's sessions), `limit` (1-100, default 20)."""
-        query = _query_value(request, "q")
+        query = query_value(request, "q")
         if query is None:
             raise BadRequest("query parameter q is required")
-        if not _is_encodable(query):
+        if not is_encodable(query):
             raise BadRequest("query parameter q contains an unpaired surrogate")
-        chat_id = _query_value(request, "chat_id")
+        chat_id = query_value(request, "chat_id")
         if chat_id is not None:
-            _check_id("chat_id", chat_id)
-        agent = _agent_param(request)
-        limit = _int_param(request, "limit", SEARCH_LIMIT, 1, MAX_SEARCH_LIMIT)
+            check_id("chat_id", chat_id)
+        agent = agent_param(request)
+        limit = int_param(request, "limit", SEARCH_LIMIT, 1, MAX_SEARCH_LIMIT)
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
         results = await self.gateway.search_sessions(
@@ -561,152 +545,6 @@ class _Families:
         self.collect = collect
 
 
-# --- input validation --------------------------------------------------------------------
-
-
 def _event(name: str, data: dict[str, Any]) -> bytes:
     """One server-sent event (JSON on one data line: JSON escapes every newline)."""
     return f"event: {name}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
-
-
-def _parse_message(body: bytes) -> MessageEvent:
-    """Validate a POST /v1/messages body and build its event; BadRequest names the field."""
-    try:
-        data = json.loads(body.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        raise BadRequest("request body must be UTF-8 encoded JSON") from exc
-    except (ValueError, RecursionError) as exc:
-        raise BadRequest(f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(data, dict):
-        raise BadRequest(f"request body must be a JSON object, got {_json_type(data)}")
-    unknown = sorted(set(data) - set(_MESSAGE_FIELDS))
-    if unknown:
-        raise BadRequest(
-            f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(_MESSAGE_FIELDS)}"
-        )
-    for name in ("chat_id", "user_id", "text"):
-        if name not in data:
-            raise BadRequest(f"{name} is required")
-    for name in _ID_FIELDS:  # a JSON number is taken as its digits, as from any JSON
-        try:
-            data[name] = coerce_id(name, data.get(name))
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
-    for name in ("chat_id", "user_id", "text"):
-        if not isinstance(data[name], str):
-            raise BadRequest(f"{name} must be a string, got {_json_type(data[name])}")
-    for name in ("chat_id", "user_id"):
-        if not data[name].strip():
-            raise BadRequest(f"{name} must not be empty or blank")
-    chat_type = data.get("chat_type", "dm")
-    if chat_type not in CHAT_TYPES:
-        raise BadRequest(f"chat_type must be one of {', '.join(CHAT_TYPES)}")
-    user_name = data.get("user_name")
-    if user_name is not None and not isinstance(user_name, str):
-        raise BadRequest(f"user_name must be a string or null, got {_json_type(user_name)}")
-    for name in _MESSAGE_FIELDS:
-        value = data.get(name)
-        if isinstance(value, str) and not _is_encodable(value):
-            raise BadRequest(f"{name} contains an unpaired surrogate (\\ud800-\\udfff escape)")
-    for name in _ID_FIELDS:
-        _check_id(name, data.get(name))
-    source = SessionSource(
-        platform=Platform.HTTP,
-        chat_id=data["chat_id"],
-        chat_type=chat_type,
-        user_id=data["user_id"],
-        user_name=data.get("user_name"),
-        thread_id=data.get("thread_id"),
-        message_id=data.get("message_id"),
-    )
-    return MessageEvent(source=source, text=data["text"], message_id=data.get("message_id"))
-
-
-def _check_id(name: str, value: str | None) -> None:
-    try:
-        # The chat is the one id a message cannot do without: blank is refused too.
-        validate_chat_id(value) if name == "chat_id" else validate_id(name, value)
-    except ValueError as exc:
-        raise BadRequest(str(exc)) from exc
-
-
-def _agent_param(request: web.Request) -> str | None:
-    """The `agent` filter: an agent id (`agents:` in hermes.yaml), or None."""
-    agent = _query_value(request, "agent")
-    if agent is not None and not AGENT_ID_PATTERN.fullmatch(agent):
-        raise BadRequest(
-            f"query parameter agent must be an agent id (1-32 of a-z, 0-9, - and _), "
-            f"got {_shown(agent)}"
-        )
-    return agent
-
-
-def _is_encodable(value: str) -> bool:
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, int | float):
-        return "a number"
-    if isinstance(value, list):
-        return "an array"
-    if isinstance(value, dict):
-        return "an object"
-    return "a string"
-
-
-#: ASCII digits only: int() and float() would also take "+1", " 1", "1_0", "1e3" or "٣"
-_DIGITS = re.compile(r"[0-9]+")
-_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]+)?")
-
-
-def _query_value(request: web.Request, name: str) -> str | None:
-    values = request.query.getall(name, [])
-    if len(values) > 1:
-        raise BadRequest(f"query parameter {name} is given more than once")
-    return values[0] if values else None
-
-
-def _shown(raw: str) -> str:
-    return repr(raw if len(raw) <= 40 else raw[:40] + "...")
-
-
-def _int_param(request: web.Request, name: str, default: int, minimum: int, maximum: int) -> int:
-    """A whole number in ASCII digits within [minimum, maximum]; BadRequest otherwise."""
-    raw = _query_value(request, name)
-    if raw is None:
-        return default
-    if not _DIGITS.fullmatch(raw):
-        raise BadRequest(
-            f"query parameter {name} must be a whole number in digits 0-9, got {_shown(raw)}"
-        )
-    digits = raw.lstrip("0") or "0"
-    # Compared by length first: int() refuses strings of more than 4,300 digits.
-    value = int(digits) if len(digits) <= len(str(maximum)) else maximum + 1
-    if not minimum <= value <= maximum:
-        raise BadRequest(
-            f"query parameter {name} must be between {minimum} and {maximum}, got {_shown(raw)}"
-        )
-    return value
-
-
-def _wait_param(request: web.Request) -> float:
-    """Seconds in ASCII digits, with an optional decimal fraction, 0 to MAX_WAIT_SECONDS."""
-    raw = _query_value(request, "wait")
-    if raw is None:
-        return 0.0
-    wait = float(raw) if _DECIMAL.fullmatch(raw) else math.nan
-    if not 0 <= wait <= MAX_WAIT_SECONDS:  # also false for nan
-        raise BadRequest(
-            f"query parameter wait must be a number of seconds from 0 to {MAX_WAIT_SECONDS:g} "
-            f"in digits 0-9 (a decimal fraction such as 2.5 is allowed), got {_shown(raw)}"
-        )
-    return wait

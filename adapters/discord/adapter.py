@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import math
 import re
 import time
@@ -56,33 +55,9 @@ from adapters.base import (
     SendResult,
     SessionSource,
 )
+from adapters.discord.connection import FATAL_CLOSE, describe_ending, guard_parsers, refusal
 
 __all__ = ["DiscordAdapter"]
-
-
-def _guard_parsers(client: discord.Client) -> None:
-    """Make one unreadable gateway event cost only itself.
-
-    discord.py calls its event parsers (`ConnectionState.parsers`, the dict its websocket
-    dispatches through) without a guard, so a payload it cannot read ends the whole
-    connection loop. Each parser is wrapped to log and skip such an event instead.
-    """
-    parsers = client._connection.parsers
-
-    def guarded(name: str, parse: Any) -> Any:
-        def parse_or_skip(data: Any) -> None:
-            try:
-                parse(data)
-            except Exception as exc:
-                log.warning("discord: skipped a %s event discord.py could not read: %r", name, exc)
-
-        return parse_or_skip
-
-    for name, parse in list(parsers.items()):
-        parsers[name] = guarded(name, parse)
-
-
-log = logging.getLogger("adapters.discord")
 
 READY_TIMEOUT_SECONDS = 30.0
 THREAD_NAME_LENGTH = 80
@@ -92,15 +67,6 @@ THREAD_ALREADY_CREATED = 160004
 ALLOWED_MENTIONS = discord.AllowedMentions(
     everyone=False, roles=False, users=True, replied_user=False
 )
-#: gateway close codes discord.py does not retry, and what the operator can do about them
-_FATAL_CLOSE = {
-    4004: "Discord rejected the bot token; check platforms.discord.token",
-    4013: "the gateway refused the intents this adapter asks for",
-    4014: (
-        "the MESSAGE CONTENT intent is not enabled for this bot; turn it on in the "
-        "Developer Portal (Bot -> Privileged Gateway Intents)"
-    ),
-}
 _ANSWERED_TYPES = (discord.MessageType.default, discord.MessageType.reply)
 
 
@@ -124,7 +90,7 @@ class _Client(discord.Client):
         await self.adapter._on_message(message)
 
     async def on_error(self, event_method: str, /, *args: Any, **kwargs: Any) -> None:
-        log.exception("discord: the %s handler failed", event_method)
+        self.adapter.log.exception("discord_handler_failed", handler=event_method)
 
 
 class DiscordAdapter(PlatformAdapter):
@@ -156,6 +122,7 @@ class DiscordAdapter(PlatformAdapter):
             )
         super().__init__(config)
         self.config = config
+        self.log.hide(config.token)
         self.guild_ready_timeout = guild_ready_timeout
         self.ready_timeout = ready_timeout
         self.client: _Client | None = None
@@ -190,7 +157,7 @@ class DiscordAdapter(PlatformAdapter):
             max_ratelimit_timeout=MAX_RETRY_AFTER_SECONDS,
             guild_ready_timeout=self.guild_ready_timeout,
         )
-        _guard_parsers(self.client)
+        guard_parsers(self.client, self.log)
         try:
             await self._connect()
         except BaseException as exc:
@@ -207,7 +174,7 @@ class DiscordAdapter(PlatformAdapter):
             # the gateway (Discord's /gateway/bot answer unless the config names one).
             url = self.config.gateway_url or (await self.client.http.get_bot_gateway())[1]
         except discord.LoginFailure:
-            raise ValueError(_FATAL_CLOSE[4004]) from None
+            raise ValueError(FATAL_CLOSE[4004]) from None
         except (discord.HTTPException, discord.GatewayNotFound) as exc:
             raise ConnectionError(f"the Discord API at {Route.BASE} failed: {exc}") from None
         DiscordWebSocket.DEFAULT_GATEWAY = type(DiscordWebSocket.DEFAULT_GATEWAY)(url)
@@ -222,10 +189,10 @@ class DiscordAdapter(PlatformAdapter):
         )
         ready.cancel()
         if self._connection in done:
-            refused = _refusal(self._connection.exception())
+            refused = refusal(self._connection.exception())
             if refused is not None:
                 raise ValueError(refused)
-            why = _describe(self._connection)
+            why = describe_ending(self._connection)
             raise ConnectionError(f"the Discord gateway {url} closed before READY: {why}")
         if not done:
             raise ConnectionError(
@@ -280,9 +247,9 @@ class DiscordAdapter(PlatformAdapter):
     def _connection_ended(self, task: asyncio.Task[None]) -> None:
         if self._stopping or task.cancelled():
             return
-        error = _describe(task)
+        error = describe_ending(task)
         exc = task.exception()
-        if _refusal(exc) is not None:  # a bad token or missing intent: retrying cannot help
+        if refusal(exc) is not None:  # a bad token or missing intent: retrying cannot help
             self.set_state("failed", error=error, action="fix the config and restart")
             return
         # Anything else (a payload discord.py could not parse ends its connect() loop) is
@@ -312,7 +279,7 @@ class DiscordAdapter(PlatformAdapter):
             try:
                 await ws.close(code=1000)
             except Exception as exc:  # already gone: nothing left to release
-                log.debug("discord: closing the ended socket failed: %s", exc)
+                self.log.debug("discord_socket_close_failed", error=str(exc))
 
     # --- inbound -------------------------------------------------------------------------
 
@@ -358,10 +325,12 @@ class DiscordAdapter(PlatformAdapter):
         self._lost_unlogged += 1
         now = time.monotonic()
         if self._lost_logged_at is None or now - self._lost_logged_at >= 60:
-            log.error(
-                "discord: %d message(s) lost, the gateway could not store them (%s)",
-                self._lost_unlogged,
-                why,
+            # Discord never resends: these messages are gone (`lost_total` in /healthz).
+            self.log.error(
+                "discord_messages_lost",
+                count=self._lost_unlogged,
+                lost_total=self.lost_total,
+                reason=why,
             )
             self._lost_logged_at, self._lost_unlogged = now, 0
 
@@ -372,7 +341,9 @@ class DiscordAdapter(PlatformAdapter):
             try:
                 channel = await self.client.fetch_channel(channel.id)
             except discord.HTTPException as exc:
-                log.warning("discord: cannot look up channel %s: %s", channel.id, exc)
+                self.log.warning(
+                    "discord_channel_lookup_failed", channel_id=channel.id, error=str(exc)
+                )
                 return None
         author = message.author
         common: dict[str, Any] = {
@@ -462,7 +433,7 @@ class DiscordAdapter(PlatformAdapter):
         except discord.HTTPException as exc:
             if exc.code == THREAD_ALREADY_CREATED:  # a redelivery: the thread exists, and
                 return str(message.id)  # a thread started on a message takes its id
-            log.warning("discord: cannot start a thread on message %s: %s", message.id, exc)
+            self.log.warning("discord_thread_not_started", message_id=message.id, error=str(exc))
             return None
         return str(thread.id)
 
@@ -589,27 +560,3 @@ def _media_of(attachment: discord.Attachment) -> InboundMedia:
     elif mime is not None and mime.startswith("audio/"):
         kind = "audio"
     return InboundMedia(kind, attachment.url, attachment.filename, mime, attachment.size)
-
-
-def _refusal(exc: BaseException | None) -> str | None:
-    """What to fix, when the gateway closed for a reason retrying cannot cure."""
-    if isinstance(exc, discord.PrivilegedIntentsRequired):
-        return _FATAL_CLOSE[4014]
-    return _FATAL_CLOSE.get(getattr(exc, "code", None))
-
-
-def _describe(task: asyncio.Task[None]) -> str:
-    """Why discord.py's connection loop ended, for health and the log."""
-    if task.cancelled():
-        return "cancelled"
-    exc = task.exception()
-    if exc is None:
-        return "the connection closed"
-    refused = _refusal(exc)
-    if refused is not None:
-        return refused
-    text = f"{type(exc).__name__}: {exc}"
-    # discord.py 2.7 cannot retry a first connection that failed: it trips over its missing
-    # websocket (AttributeError) while handling the real error, so name that one too.
-    context = exc.__cause__ or exc.__context__
-    return f"{text} (while handling {type(context).__name__}: {context})" if context else text

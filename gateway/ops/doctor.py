@@ -36,7 +36,7 @@ from gateway.memory.embeddings import local_model_problem
 from gateway.memory.index import MEMORY_DB
 from gateway.ops.service import ENV_FILE
 from gateway.ops.status import is_live, read_status
-from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
+from gateway.runner.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
 from gateway.store.fts import SEARCH_DB, index_damage, search_files, set_index_aside
 from gateway.store.homelock import LOCK_FILE, HomeInUse, HomeLock, HomeUnusable, held_by
 from gateway.store.migrations import SCHEMA_VERSION

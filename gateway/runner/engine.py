@@ -8,7 +8,7 @@
              queue is empty (its turns and lane commands, one at a time)
     turn:    begin (session, user message, marker) -> agent (`AgentCall`) -> finish
              (reply, counters, ledger; the next waiting turn begun in the same
-             transaction) -> send the recorded chunks (`Delivery`)
+             transaction, `finish_turn`) -> send the recorded chunks (`TurnRunner`)
 
 One turn runs per session key at a time; different keys run concurrently, at most
 `agent.max_concurrent_turns` agent calls at once. Every step that matters after a crash

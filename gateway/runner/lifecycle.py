@@ -68,6 +68,8 @@ class GatewayRunner:
     """The gateway's runner: `await start()`, `await handle_message(event)`, `await
     stop()`. Implements `adapters.base.GatewayHandle` and the parts' ports."""
 
+    engine: TurnEngine  # built after the parts whose callbacks reach it
+
     def __init__(
         self,
         config: GatewayConfig,

@@ -111,8 +111,12 @@ class ReplicaHost(Turns, Outbox, Protocol):
     store: SessionStore
     turnlog: TurnLog
     scheduler: Scheduler
-    delivery: RecordedSender
-    adapters: Mapping[Platform, PlatformAdapter]
+
+    @property
+    def delivery(self) -> RecordedSender: ...
+
+    @property
+    def adapters(self) -> Mapping[Platform, PlatformAdapter]: ...
 
     @property
     def accepting(self) -> bool:

@@ -78,9 +78,15 @@ class SchedulerHost(Protocol):
 
     config: GatewayConfig
     store: SessionStore
-    metrics: ScheduleMetrics
-    delivery: RecordedSender
-    adapters: Mapping[Platform, Any]
+
+    @property
+    def metrics(self) -> ScheduleMetrics: ...
+
+    @property
+    def delivery(self) -> RecordedSender: ...
+
+    @property
+    def adapters(self) -> Mapping[Platform, Any]: ...
 
     def is_busy(self, key: str) -> bool: ...
 

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import gc
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -333,7 +333,9 @@ class GatewayRunner:
         a session): queued as it was on arrival."""
         await self.engine.requeue(key, event, kind)
 
-    async def start_scheduled(self, key: str, event: MessageEvent, text: str, claim: Any) -> bool:
+    async def start_scheduled(
+        self, key: str, event: MessageEvent, text: str, claim: Callable[[Any], bool]
+    ) -> bool:
         """A scheduled run (`gateway.schedules.loop`): claim it and begin its turn in the
         schedule's session in one transaction. False: the session is busy, the gateway
         stopping, or the claim refused (nothing was written)."""

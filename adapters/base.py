@@ -175,7 +175,7 @@ class PlatformAdapter(ABC):
     @property
     def single_connection(self) -> bool:
         """One connection per bot (long polling, a gateway socket): with several replicas
-        only the leader runs it (gateway.replica). False: every replica may serve it."""
+        only the leader runs it (gateway.runner.replica). False: every replica may serve it."""
         return False
 
     def __init__(self, config: PlatformConfig | None = None) -> None:
@@ -190,6 +190,19 @@ class PlatformAdapter(ABC):
 
     def bind(self, gateway: GatewayHandle) -> None:
         self.gateway = gateway
+
+    # --- several replicas --------------------------------------------------------------------
+
+    def publish_replies(self, publish: Callable[[str], object]) -> None:
+        """Several replicas: `publish(chat_id)` tells the other replicas that a reply for
+        the chat was recorded. An adapter whose clients may wait for replies on any
+        replica (the HTTP API's long polls) keeps it; one that pushes replies ignores it."""
+        return None
+
+    def wake(self, chat_id: str) -> None:
+        """Another replica recorded a reply for `chat_id` (its `publish`): clients waiting
+        here for that chat's replies read them now. Nothing waits on a pushing platform."""
+        return None
 
     # --- health ----------------------------------------------------------------------------
 

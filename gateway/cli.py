@@ -46,7 +46,7 @@ from gateway.ops.service import add_service_parser
 from gateway.ops.sessions import add_sessions_subcommands, agent_id, run_sessions_command
 from gateway.ops.status import add_status_parser
 from gateway.ops.storage import add_storage_parser
-from gateway.pairing import add_pairing_parser
+from gateway.runner.pairing import add_pairing_parser
 from gateway.store.db import DatabaseError, DatabaseUnreachable
 from gateway.store.entries import load_session_row
 from gateway.store.homelock import HomeInUse, HomeLock, HomeUnusable

@@ -68,7 +68,7 @@ from typing import Any
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.recovery import CLEAN_SHUTDOWN
+from gateway.runner.recovery import CLEAN_SHUTDOWN
 from gateway.session import SessionSource
 from gateway.store import entries
 from gateway.store.session_store import SESSIONS_JSON, SessionStore

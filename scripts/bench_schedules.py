@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from config import GatewayConfig
-from gateway.recovery import CLEAN_SHUTDOWN
+from gateway.runner.recovery import CLEAN_SHUTDOWN
 from gateway.schedules.cadence import Cadence
 from gateway.session import SessionSource
 from gateway.store import codec

@@ -31,7 +31,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a file: make the repo root importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gateway.recovery import STUCK_NOTICE_START
+from gateway.runner.recovery import STUCK_NOTICE_START
 from gateway.util.faults import POINTS
 from scripts.harness import Daemon, is_connection_error
 

@@ -19,7 +19,7 @@ import time_machine
 
 from adapters.base import Backoff, MessageEvent, PlatformAdapter, SendResult
 from config import GatewayConfig, TelegramConfig
-from gateway.pairing import (
+from gateway.runner.pairing import (
     ALPHABET,
     APPROVED_NOTICE,
     CODE_LENGTH,

@@ -15,8 +15,8 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
-from gateway.recovery import stuck_notice
 from gateway.run import GatewayRunner
+from gateway.runner.recovery import stuck_notice
 from tests.gateway_client import GatewayClient
 from tests.pg_support import fresh_schema
 from tests.waiting import wait_for

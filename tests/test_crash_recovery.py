@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.recovery import stuck_notice
+from gateway.runner.recovery import stuck_notice
 from scripts.harness import Daemon
 
 pytestmark = pytest.mark.timeout(120)

@@ -1,4 +1,4 @@
-"""Turn deadlines with one shared timer (gateway.deadlines)."""
+"""Turn deadlines with one shared timer (gateway.runner.deadlines)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from gateway.deadlines import Deadlines
+from gateway.runner.deadlines import Deadlines
 
 
 async def guarded(deadlines: Deadlines, seconds: float) -> str:

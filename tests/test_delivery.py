@@ -1,4 +1,4 @@
-"""The delivery of recorded reply chunks (gateway.delivery), on a real SQLite store, with
+"""The delivery of recorded reply chunks (gateway.runner.delivery), on a real SQLite store, with
 a platform stand-in that records what it was asked to send or edit."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from structlog.testing import capture_logs
 
 from adapters.base import PlatformAdapter, SendResult
 from config import GatewayConfig
-from gateway.delivery import Delivery
 from gateway.ops.metrics import Metrics
+from gateway.runner.delivery import Delivery
 from gateway.session import Platform, SessionSource
 from gateway.store import journal
 from gateway.store.session_store import SessionStore

@@ -19,8 +19,8 @@ from structlog.testing import capture_logs
 
 from adapters.discord import DiscordAdapter
 from config import DiscordConfig, GatewayConfig
-from gateway.pairing import Pairing
 from gateway.run import GatewayRunner
+from gateway.runner.pairing import Pairing
 from gateway.session import Platform, SessionSource
 from tests.discord_support import restore_discord_globals  # noqa: F401 (autouse)
 from tests.fakes.agents import scripted

@@ -76,7 +76,7 @@ MakeGateway = Callable[..., Awaitable[Gateway]]
 @pytest.fixture
 async def make_gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterator[MakeGateway]:
     """Gateways on the backend under test (`store_backend`): on PostgreSQL each runs as a
-    replica (gateway.replica), alone on its schema."""
+    replica (gateway.runner.replica), alone on its schema."""
     made: list[Gateway] = []
 
     async def make(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adapters.base import MessageEvent
-from gateway.queue import QueueFull, SessionQueue
+from gateway.runner.queue import QueueFull, SessionQueue
 from gateway.session import Platform, SessionSource
 
 SOURCE = SessionSource(platform=Platform.HTTP, chat_id="c1", user_id="u1")

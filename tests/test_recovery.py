@@ -11,8 +11,8 @@ from pathlib import Path
 from adapters.base import AcceptStatus, MessageEvent, PlatformAdapter, SendResult
 from config import GatewayConfig
 from gateway.agents.protocol import TurnRequest, TurnResult
-from gateway.recovery import RESTART_COUNTS, stuck_notice
 from gateway.run import GatewayRunner
+from gateway.runner.recovery import RESTART_COUNTS, stuck_notice
 from gateway.session import Platform, SessionSource, schedule_session_key
 from gateway.store.session_store import SessionStore
 from tests.waiting import wait_for
@@ -70,10 +70,8 @@ def event(text: str, message_id: str) -> MessageEvent:
 
 async def crash(runner: GatewayRunner) -> None:
     """Stop a runner the way kill -9 would leave its files: no drain, no clean marker."""
-    for task in list(runner._workers.values()):
-        task.cancel()
-    await asyncio.gather(*runner._workers.values(), return_exceptions=True)
-    await runner._housekeeper.stop()
+    await runner.cancel_all_turns()  # writes nothing: the markers stay, as after kill -9
+    await runner.housekeeper.stop()
     await runner.store.close()
 
 
@@ -95,7 +93,7 @@ async def test_messages_arriving_during_recovery_wait_for_the_resumed_turn(
     first = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
     await first.start()
     await first.handle_message(event("block me", "m1"))
-    await wait_for(lambda: bool(first._running))
+    await wait_for(lambda: bool(first.engine.running))
     await asyncio.sleep(0.1)  # the turn marker is committed before the agent runs
     await crash(first)
 
@@ -134,7 +132,7 @@ async def test_stop_drops_queued_messages_for_good(tmp_path: Path) -> None:
     first = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
     await first.start()
     await first.handle_message(event("block", "m1"))
-    await wait_for(lambda: bool(first._running))
+    await wait_for(lambda: bool(first.engine.running))
     assert (await first.handle_message(event("/queue later", "m2"))).status == AcceptStatus.QUEUED
     await first.handle_message(event("/stop", "m3"))
     await crash(first)
@@ -154,7 +152,7 @@ async def test_stop_while_a_first_message_is_accepted_drops_it(tmp_path: Path) -
     await first.start()
     handling = asyncio.create_task(first.handle_message(event("block", "m1")))
     await asyncio.sleep(0)  # its worker is registered, its transaction queued for commit
-    assert first.is_busy(KEY) and not first._running
+    assert first.is_busy(KEY) and not first.engine.running
     assert await first.cancel_session_work(KEY)  # what /stop does, inside that window
     assert (await handling).status == AcceptStatus.STARTED
     assert await first.turnlog.open_inbox() == []
@@ -174,7 +172,7 @@ async def test_a_redelivered_first_message_is_a_duplicate_and_the_queue_still_ru
     await runner.start()
     try:
         assert (await runner.handle_message(event("one", "m1"))).status == AcceptStatus.STARTED
-        await wait_for(lambda: probe.sent == ["echo: one"] and not runner._workers)
+        await wait_for(lambda: probe.sent == ["echo: one"] and not runner.busy_sessions())
         # The same platform id again, to the now idle session, with a new message right
         # behind it: the redelivery is refused, the new one still gets its turn.
         again, after = await asyncio.gather(
@@ -195,7 +193,7 @@ async def test_a_crash_right_after_the_stuck_loop_guard_still_tells_the_user(
     first = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
     await first.start()
     await first.handle_message(event("block forever", "m1"))
-    await wait_for(lambda: bool(first._running))
+    await wait_for(lambda: bool(first.engine.running))
     [marker] = await first.turnlog.open_turns()
     await crash(first)
     # Two unclean starts already found this same turn in flight: the next one is the third.
@@ -227,7 +225,7 @@ async def test_a_resumed_shared_group_turn_asks_the_stored_message(tmp_path: Pat
     first = GatewayRunner(config, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
     await first.start()
     await first.handle_message(MessageEvent(source=source, text="block me", message_id="m1"))
-    await wait_for(lambda: bool(first._running))
+    await wait_for(lambda: bool(first.engine.running))
     await asyncio.sleep(0.1)
     await crash(first)
 
@@ -289,7 +287,7 @@ async def test_a_start_that_fails_marks_nothing(tmp_path: Path) -> None:
     first = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Echo, home=tmp_path)
     await first.start()
     await first.handle_message(event("block forever", "m1"))
-    await wait_for(lambda: bool(first._running))
+    await wait_for(lambda: bool(first.engine.running))
     [marker] = await first.turnlog.open_turns()
     await crash(first)
     counts = {KEY: {"turn": marker["user_message_id"], "count": 2}}
@@ -324,7 +322,7 @@ async def test_a_turn_that_fails_inside_the_gateway_still_answers(
     """An unexpected error in the turn path (not the agent's: a bug, the store) answers
     the message with an error notice at once and settles it, instead of leaving it
     unanswered until some later restart; the session goes on working."""
-    from gateway.run import INTERNAL_ERROR_TEXT
+    from gateway.runner.turn import INTERNAL_ERROR_TEXT
 
     probe = ProbeAdapter()
     runner = GatewayRunner(CONFIG, [probe], agent_factory=Echo, home=tmp_path)
@@ -377,7 +375,7 @@ async def test_the_stuck_loop_notice_names_each_set_aside_message_and_retry_runs
     first = GatewayRunner(CONFIG, [ProbeAdapter()], agent_factory=Gated, home=tmp_path)
     await first.start()
     await first.handle_message(event("first", "m1"))
-    await wait_for(lambda: bool(first._running))
+    await wait_for(lambda: bool(first.engine.running))
     for text, message_id in (("summarise the report", "m2"), (LONG, "m3")):
         assert (await first.handle_message(event(text, message_id))).status == (
             AcceptStatus.PENDING
@@ -438,7 +436,7 @@ async def test_a_turn_that_only_waited_at_each_crash_is_not_counted(tmp_path: Pa
     runner = GatewayRunner(config, [probe], agent_factory=Echo, home=tmp_path)
     await runner.start()
     await runner.handle_message(event("block forever", "m1"))
-    await wait_for(lambda: bool(runner._running))
+    await wait_for(lambda: bool(runner.engine.running))
     await runner.handle_message(MessageEvent(source=other, text="block too", message_id="n1"))
 
     async def c1_runs_and_c2_waits() -> bool:
@@ -459,7 +457,7 @@ async def test_a_turn_that_only_waited_at_each_crash_is_not_counted(tmp_path: Pa
             assert counts[KEY]["count"] == start
     try:
         assert probe.sent == [BLOCKED_NOTICE]  # c1's, and none for c2
-        await wait_for(lambda: runner.is_busy(other_key) and bool(runner._running))
+        await wait_for(lambda: runner.is_busy(other_key) and bool(runner.engine.running))
         [turn] = await runner.turnlog.open_turns()
         assert turn["session_key"] == other_key
         await wait_for(lambda: _running_marker(runner, other_key))

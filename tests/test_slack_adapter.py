@@ -16,8 +16,8 @@ import pytest
 
 from adapters.slack import SlackAdapter
 from config import GatewayConfig
-from gateway.pairing import Pairing
 from gateway.run import GatewayRunner
+from gateway.runner.pairing import Pairing
 from tests.fakes.agents import scripted
 from tests.fakes.slack_api import (
     FakeSlack,

@@ -16,7 +16,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from config import GatewayConfig
 from gateway.memory.recall import Namespace, Recall
-from gateway.pairing import Pairing
+from gateway.runner.pairing import Pairing
 from gateway.schedules.book import ScheduleBook
 from gateway.session import Platform, SessionSource
 from gateway.store import journal, schedules, scratchpad, summary_checkpoints

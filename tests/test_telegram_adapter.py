@@ -18,8 +18,8 @@ from adapters.base import utf16_len
 from adapters.markdown import escaped_markdown_v2, to_markdown_v2
 from adapters.telegram import COMMANDS, TelegramAdapter
 from config import GatewayConfig
-from gateway.pairing import Pairing
 from gateway.run import GatewayRunner
+from gateway.runner.pairing import Pairing
 from gateway.session import Platform, SessionSource
 from tests.fakes.agents import scripted
 from tests.fakes.telegram_api import BOT_USER, FakeTelegram, parse_markdown_v2

@@ -231,8 +231,11 @@ class HttpAdapter(PlatformAdapter):
             self.publish(target.chat_id)  # the chat's long-pollers on other replicas
         return SendResult(message_id=str(delivery_id) if delivery_id is not None else None)
 
+    def publish_replies(self, publish: Callable[[str], object]) -> None:
+        self.publish = publish
+
     def wake(self, chat_id: str) -> None:
-        """A reply for `chat_id` was recorded by another replica (gateway.replica)."""
+        """A reply for `chat_id` was recorded by another replica (gateway.runner.replica)."""
         self._wake(chat_id)
 
     def _wake(self, chat_id: str) -> None:

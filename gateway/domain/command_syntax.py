@@ -1,6 +1,6 @@
 """Chat commands as text: which `/words` are commands, and how a message is taken.
 
-Pure parsing, no I/O: the runner (`gateway.commands` runs the handlers) and an adapter
+Pure parsing, no I/O: the runner (`gateway.runner.commands` runs the handlers) and an adapter
 that must judge a message before it reaches the runner (the HTTP API sheds load by it)
 read a message the same way. Unknown `/words` are not commands: they go to the agent.
 """
@@ -8,8 +8,9 @@ read a message the same way. Unknown `/words` are not commands: they go to the a
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
-#: every command word the gateway answers (`gateway.commands.HANDLERS` has one each)
+#: every command word the gateway answers (`gateway.runner.commands.HANDLERS` has one each)
 NAMES = frozenset(
     {
         *("new", "reset", "stop", "queue", "q", "status", "resume", "retry", "undo", "help"),
@@ -24,6 +25,14 @@ TURN_COMMANDS = frozenset({"retry"})
 #: model): accepted at once and answered when done, never on the intake path. The
 #: README's command table says why each other command stays inline.
 LANE_COMMANDS = frozenset({"compress"})
+
+
+class MessageKind(StrEnum):
+    """How the runner takes a message (the inbox's `kind` column stores the value)."""
+
+    TURN = "turn"  # plain text: a turn, merged with others waiting behind a busy one
+    QUEUE = "queue"  # `/queue TEXT`: a turn of its own, in order, after the current one
+    COMMAND = "command"  # a chat command
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,21 +55,20 @@ def parse_command(text: str, bot_username: str | None = None) -> Command | None:
     return Command(name=name, args=args.strip())
 
 
-def classify(text: str, bot_username: str | None = None) -> tuple[str, Command | None]:
-    """How the runner takes a (stripped) message: `turn` (plain text), `queue`
-    (`/queue TEXT`: a turn of its own later) or `command`, with the parsed command."""
+def classify(text: str, bot_username: str | None = None) -> tuple[MessageKind, Command | None]:
+    """How the runner takes a (stripped) message, with the parsed command."""
     command = parse_command(text, bot_username)
     if command is None:
-        return "turn", None
+        return MessageKind.TURN, None
     if command.name in QUEUE_COMMANDS and command.args:
-        return "queue", command
-    return "command", command
+        return MessageKind.QUEUE, command
+    return MessageKind.COMMAND, command
 
 
 def starts_work(text: str, bot_username: str | None = None) -> bool:
     """Would this message start or queue an agent turn, or work like one (plain text,
     /queue TEXT, /retry, a lane command)?"""
     kind, command = classify(text.strip(), bot_username)
-    return kind != "command" or (
+    return kind != MessageKind.COMMAND or (
         command is not None and command.name in TURN_COMMANDS | LANE_COMMANDS
     )

@@ -33,7 +33,7 @@ class MessageEvent:
     inbox_ids: tuple[int, ...] = ()
     #: re-run of a turn interrupted by a restart (its user message is already stored)
     resume: bool = False
-    #: files sent with the message (downloaded by the turn, see `gateway.media`)
+    #: files sent with the message (downloaded by the turn, see `gateway.runner.media`)
     media: tuple[InboundMedia, ...] = ()
 
     def __post_init__(self) -> None:

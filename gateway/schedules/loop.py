@@ -5,7 +5,7 @@
             (`PRAGMA data_version`: no read unless it did), or when a command changed one
     fire:   plan (on time; after downtime: within grace, once; older: one `missed` row
             and one line to the user) -> claim + begin the turn in one transaction
-            (`GatewayRunner.start_scheduled`) -> the turn runs in the schedule's own
+            (`SchedulerHost.start_scheduled`) -> the turn runs in the schedule's own
             session (`agent:{id}:cron:{schedule_id}`) and its reply goes through the
             delivery ledger
     settle: in the turn's finish transaction (`settle_turn`): ok or failed, the first
@@ -13,7 +13,7 @@
     start:  a run claimed before a crash is resumed by the turn's marker like any
             interrupted turn; one whose marker is gone is recorded `interrupted`
 
-The scheduler is handed the runner (as housekeeping is) and uses its public parts.
+The scheduler is handed the runner typed as `SchedulerHost`: exactly what it calls.
 """
 
 from __future__ import annotations
@@ -22,14 +22,16 @@ import asyncio
 import contextlib
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import structlog
 
+from config import GatewayConfig
 from gateway.domain.events import MessageEvent
 from gateway.domain.session import (
+    Platform,
     SessionSource,
     TokenUsage,
     schedule_id_of_key,
@@ -39,10 +41,8 @@ from gateway.schedules.book import ScheduleBook, home_target
 from gateway.schedules.cadence import Cadence, CadenceError, local_time, missed_fire_times
 from gateway.store import codec, journal
 from gateway.store import schedules as rows
+from gateway.store.session_store import SessionStore
 from gateway.util.faults import crash_point
-
-if TYPE_CHECKING:
-    from gateway.run import GatewayRunner
 
 log = structlog.get_logger("gateway.schedules")
 
@@ -53,6 +53,48 @@ LATE_SECONDS = 60.0  # a fire time later than this is planned off the event loop
 INTERRUPTED_NOTICE = (
     "Scheduled task {id} was interrupted by a restart while it ran ({due}); it was not run again."
 )
+
+
+class RecordedSender(Protocol):
+    """Sends reply chunks already recorded in the delivery ledger (`Delivery`)."""
+
+    async def send_recorded(
+        self,
+        target: SessionSource,
+        chunks: list[tuple[int, str]],
+        reply_to: str | None,
+    ) -> int: ...
+
+
+class ScheduleMetrics(Protocol):
+    def observe_schedule_delay(self, seconds: float) -> None: ...
+
+    def count_schedule_run(self, status: str) -> None: ...
+
+
+class SchedulerHost(Protocol):
+    """What the scheduler reaches in the runner: the store, the session lanes (a run is
+    a turn), the reply path and its counters."""
+
+    config: GatewayConfig
+    store: SessionStore
+
+    @property
+    def metrics(self) -> ScheduleMetrics: ...
+
+    @property
+    def delivery(self) -> RecordedSender: ...
+
+    @property
+    def adapters(self) -> Mapping[Platform, Any]: ...
+
+    def is_busy(self, key: str) -> bool: ...
+
+    def split_reply(self, target: SessionSource, text: str) -> list[str]: ...
+
+    async def start_scheduled(
+        self, key: str, event: MessageEvent, text: str, claim: Callable[[Any], bool]
+    ) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,7 +128,7 @@ def plan_fire(
 
 
 class Scheduler:
-    def __init__(self, runner: GatewayRunner, book: ScheduleBook) -> None:
+    def __init__(self, runner: SchedulerHost, book: ScheduleBook) -> None:
         self.runner = runner
         self.book = book
         self.settings = runner.config.schedules

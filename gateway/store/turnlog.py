@@ -64,7 +64,7 @@ class TurnLog:
         # session key its agent's plan (None: every key reads `plan`).
         self.plan = plan or Plan.newest(history_limit)
         self.plan_for = plan_for
-        # Several replicas (gateway.replica): run first in a turn's begin and finish
+        # Several replicas (gateway.runner.replica): run first in a turn's begin and finish
         # transactions, it fails them when this replica no longer holds the session.
         self.fence: Callable[[Any, str], None] | None = None
 

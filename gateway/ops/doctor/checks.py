@@ -25,7 +25,7 @@ from gateway.ops.doctor.findings import (
 )
 from gateway.ops.service import ENV_FILE
 from gateway.ops.status import is_live, read_status
-from gateway.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
+from gateway.runner.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
 from gateway.store.fts import SEARCH_DB, index_damage
 from gateway.store.homelock import LOCK_FILE
 from gateway.store.migrations import SCHEMA_VERSION

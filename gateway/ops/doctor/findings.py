@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from gateway.domain.session import SessionEntry
-from gateway.recovery import RESTART_COUNTS
+from gateway.runner.recovery import RESTART_COUNTS
 from gateway.store.session_store import SESSIONS_JSON, STATE_DB
 
 OK, WARN, ERROR = "ok", "warn", "error"

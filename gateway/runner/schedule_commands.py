@@ -12,16 +12,12 @@ Each handler returns the text sent back. What a user sees is scoped by
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from gateway.domain.command_syntax import Command
 from gateway.domain.events import MessageEvent
 from gateway.domain.session import agent_id_of_key
+from gateway.runner.ports import CommandContext
 from gateway.schedules.book import Asker, ScheduleError, next_fire_text, shown
 from gateway.schedules.cadence import CadenceError, local_time, split_when
-
-if TYPE_CHECKING:
-    from gateway.run import GatewayRunner
 
 USAGE = (
     "Usage: /schedule add [--home] WHEN PROMPT, where WHEN is in 30 minutes, in 2h 30m,"
@@ -36,14 +32,14 @@ def asker_of(event: MessageEvent, key: str) -> Asker:
     return Asker(agent_id_of_key(key), source.platform.value, source.user_id, source.chat_id)
 
 
-async def cmd_schedule(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> str:
+async def cmd_schedule(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> str:
     action, _, rest = cmd.args.partition(" ")
     action, rest = action.lower(), rest.strip()
     asker = asker_of(event, key)
-    book = runner.schedule_book
+    book = ctx.schedule_book
     try:
         if action == "add":
-            return await _add(runner, event, asker, rest)
+            return await _add(ctx, event, asker, rest)
         if action in ("list", "ls", ""):
             return _listing(await book.list(asker))
         schedule_id = rest.split()[0] if rest else ""
@@ -62,16 +58,16 @@ async def cmd_schedule(runner: GatewayRunner, event: MessageEvent, key: str, cmd
             return f"Resumed {schedule_id}; next run {next_fire_text(row)}."
         if action == "run":
             row = await book.get(schedule_id, asker)
-            refused = await runner.scheduler.run_now(row)
+            refused = await ctx.scheduler.run_now(row)
             if refused is not None:
                 return f"{schedule_id} could not start now: {refused}."
             return f"Running {schedule_id} now."
-        return await _runs(runner, schedule_id, asker)
+        return await _runs(ctx, schedule_id, asker)
     except ScheduleError as exc:
         return f"Not done: {exc}"
 
 
-async def _add(runner: GatewayRunner, event: MessageEvent, asker: Asker, rest: str) -> str:
+async def _add(ctx: CommandContext, event: MessageEvent, asker: Asker, rest: str) -> str:
     deliver = "chat"
     flag, _, after = rest.partition(" ")
     if flag == "--home":
@@ -83,7 +79,7 @@ async def _add(runner: GatewayRunner, event: MessageEvent, asker: Asker, rest: s
     except CadenceError as exc:
         return f"Not scheduled: {exc}. {USAGE}"
     try:
-        row = await runner.schedule_book.add(
+        row = await ctx.schedule_book.add(
             agent_id=asker.agent_id,
             target=event.source,
             user_id=asker.user_id,
@@ -115,9 +111,9 @@ def _listing(found: list[dict]) -> str:
     return "\n".join(lines)
 
 
-async def _runs(runner: GatewayRunner, schedule_id: str, asker: Asker) -> str:
-    row = await runner.schedule_book.get(schedule_id, asker)
-    runs = await runner.schedule_book.runs(schedule_id, asker)
+async def _runs(ctx: CommandContext, schedule_id: str, asker: Asker) -> str:
+    row = await ctx.schedule_book.get(schedule_id, asker)
+    runs = await ctx.schedule_book.runs(schedule_id, asker)
     if not runs:
         return f"{schedule_id} has not run yet; next run {next_fire_text(row)}."
     timezone = shown(row)["timezone"]
@@ -128,10 +124,10 @@ async def _runs(runner: GatewayRunner, schedule_id: str, asker: Asker) -> str:
     return "\n".join(lines)
 
 
-async def cmd_sethome(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> str:
-    if runner.config.admins and not runner.is_admin(event.source):
+async def cmd_sethome(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> str:
+    if ctx.config.admins and not ctx.is_admin(event.source):
         return "Only an admin can set the home channel (see `admins` in hermes.yaml)."
-    await runner.schedule_book.set_home(event.source)
+    await ctx.schedule_book.set_home(event.source)
     platform = event.source.platform.value
     return (
         f"This chat is now the home channel on {platform}: scheduled tasks made with"
@@ -139,11 +135,11 @@ async def cmd_sethome(runner: GatewayRunner, event: MessageEvent, key: str, cmd:
     )
 
 
-async def next_run_line(runner: GatewayRunner, event: MessageEvent, key: str) -> str | None:
+async def next_run_line(ctx: CommandContext, event: MessageEvent, key: str) -> str | None:
     """/status's line: the asker's next scheduled run, if any."""
     upcoming = [
         row
-        for row in await runner.schedule_book.list(asker_of(event, key))
+        for row in await ctx.schedule_book.list(asker_of(event, key))
         if row["next_run_at"] is not None and row["status"] == "active"
     ]
     if not upcoming:

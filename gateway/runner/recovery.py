@@ -27,17 +27,16 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
+from gateway.domain.command_syntax import MessageKind
 from gateway.domain.events import MessageEvent
 from gateway.domain.session import schedule_id_of_key
+from gateway.runner.ports import RecoveryHost
 from gateway.store import journal
 from gateway.util.fsutil import atomic_write_bytes
-
-if TYPE_CHECKING:
-    from gateway.run import GatewayRunner
 
 log = structlog.get_logger("gateway.recovery")
 
@@ -87,7 +86,7 @@ def _quote(data: dict[str, Any]) -> str:
 
 
 class Recovery:
-    def __init__(self, runner: GatewayRunner) -> None:
+    def __init__(self, runner: RecoveryHost) -> None:
         self.runner = runner
         self.clean_marker = runner.home / CLEAN_SHUTDOWN
         self.counts_path = runner.home / RESTART_COUNTS
@@ -195,7 +194,7 @@ class Recovery:
             queued += 1
         for row in self._backlog:
             event = MessageEvent.from_dict(row["event"], inbox_ids=(row["id"],))
-            await runner.requeue(row["session_key"], event, row["kind"])
+            await runner.requeue(row["session_key"], event, MessageKind(row["kind"]))
             queued += 1
         if queued or self._stuck:
             log.info("recovery_resumed", turns=len(self._markers), queued=queued)

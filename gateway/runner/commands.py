@@ -1,7 +1,8 @@
 """Chat commands: /new /reset /stop /queue /status /resume /retry /undo /help, and the
 session memory commands /title /search /forget /compress.
 
-Each handler gets the runner and the event and returns the text to send back (or None
+Each handler gets the command context (`ports.CommandContext`: the runner, seen through
+what commands use) and the event and returns the text to send back (or None
 when the command answers through a turn of its own, like /retry). Which `/words` are
 commands, and how a message is taken, is `gateway.domain.command_syntax`. Most answer inline
 (`dispatch`, on the intake path: reads or one transaction each); one that calls a model
@@ -14,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
@@ -22,12 +23,10 @@ from gateway.domain.command_syntax import NAMES, Command
 from gateway.domain.events import Accepted, AcceptStatus, MessageEvent
 from gateway.domain.policy import next_reset_at
 from gateway.domain.session import agent_id_of_key
-from gateway.schedule_commands import cmd_schedule, cmd_sethome, next_run_line
+from gateway.runner.ports import CommandContext
+from gateway.runner.schedule_commands import cmd_schedule, cmd_sethome, next_run_line
 from gateway.store import titles
 from gateway.store.session_store import MAX_REWIND
-
-if TYPE_CHECKING:
-    from gateway.run import GatewayRunner
 
 log = structlog.get_logger("gateway.commands")
 
@@ -48,55 +47,55 @@ def _age(delta: timedelta) -> str:
 Reply = str | Accepted | None
 
 
-async def cmd_new(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
-    await runner.cancel_session_work(key)
-    entry = await runner.store.get_entry(key)
+async def cmd_new(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    await ctx.cancel_session_work(key)
+    entry = await ctx.store.get_entry(key)
     if entry is None:
-        entry = await runner.store.get_or_create_session(event.source)
+        entry = await ctx.store.get_or_create_session(event.source)
     else:
-        entry = await runner.store.reset_session(key)
+        entry = await ctx.store.reset_session(key)
     assert entry is not None
-    await runner.agents.evict(key)
+    await ctx.agents.evict(key)
     return f"Started a new session ({entry.session_id}). /resume lists earlier ones."
 
 
-async def cmd_stop(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
-    was_running = await runner.cancel_session_work(key)
-    await runner.store.suspend_session(key)
+async def cmd_stop(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    was_running = await ctx.cancel_session_work(key)
+    await ctx.store.suspend_session(key)
     if was_running:
         return "Stopped. Your next message starts a fresh session."
     return "Nothing was running. Your next message starts a fresh session."
 
 
-async def cmd_queue(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+async def cmd_queue(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
     # With TEXT the runner queues it directly (it is recorded as a queued turn on arrival).
     return "Usage: /queue TEXT (runs TEXT as its own turn after the current one)"
 
 
-async def cmd_restart(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
-    if not runner.is_admin(event.source):
+async def cmd_restart(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    if not ctx.is_admin(event.source):
         return "Only an admin can restart the gateway (see `admins` in hermes.yaml)."
-    runner.request_restart()
+    ctx.request_restart()
     return "Restarting: running replies finish first, then I am back."
 
 
-async def cmd_status(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
-    entry = await runner.store.get_entry(key)
+async def cmd_status(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    entry = await ctx.store.get_entry(key)
     if entry is None:
         return (
             f"No session yet for {key} (agent {agent_id_of_key(key)}). Say something to start one."
         )
     now = datetime.now(UTC)
-    messages = await runner.store.count_messages(entry.session_id)
-    policy = runner.config.get_reset_policy(event.source.platform, event.source.chat_type)
-    reset_at = next_reset_at(entry.updated_at, policy, runner.config.tzinfo())
+    messages = await ctx.store.count_messages(entry.session_id)
+    policy = ctx.config.get_reset_policy(event.source.platform, event.source.chat_type)
+    reset_at = next_reset_at(entry.updated_at, policy, ctx.config.tzinfo())
     if reset_at is None:
         reset_text = "never (reset mode none)"
     else:
-        local = reset_at.astimezone(runner.config.tzinfo())
+        local = reset_at.astimezone(ctx.config.tzinfo())
         reset_text = f"{local:%Y-%m-%d %H:%M %Z} (in {_age(max(reset_at - now, timedelta()))})"
     flags = [n for n in ("suspended", "resume_pending") if getattr(entry, n)]
-    title = await runner.store.read(lambda conn: titles.title_of(conn, entry.session_id))
+    title = await ctx.store.read(lambda conn: titles.title_of(conn, entry.session_id))
     lines = [
         f"Session: {entry.session_id}",
         f"Agent: {agent_id_of_key(key)}",
@@ -105,26 +104,26 @@ async def cmd_status(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
         f"Age: {_age(now - entry.created_at)} (last active {_age(now - entry.updated_at)} ago)",
         f"Messages: {messages}",
         f"Tokens: {entry.total_tokens} (in {entry.input_tokens}, out {entry.output_tokens})",
-        f"Running: {'yes' if runner.is_busy(key) else 'no'}; queued: {runner.queue_depth(key)}",
+        f"Running: {'yes' if ctx.is_busy(key) else 'no'}; queued: {ctx.queue_depth(key)}",
         f"Next reset: {reset_text}",
     ]
     if flags:
         lines.append(f"Flags: {', '.join(flags)}")
-    scheduled = await next_run_line(runner, event, key)
+    scheduled = await next_run_line(ctx, event, key)
     if scheduled is not None:
         lines.append(scheduled)
     return "\n".join(lines)
 
 
-async def cmd_resume(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+async def cmd_resume(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
     # A chat whose current session was deleted (/forget) has no entry, but may have
     # earlier sessions to go back to.
-    entry = await runner.store.get_entry(key)
+    entry = await ctx.store.get_entry(key)
     current = entry.session_id if entry is not None else None
     if not cmd.args:
         history = [
             h
-            for h in await runner.store.list_session_history(key, limit=10)
+            for h in await ctx.store.list_session_history(key, limit=10)
             if h["session_id"] != current
         ]
         if not history:
@@ -136,20 +135,20 @@ async def cmd_resume(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
                 f"  {h['message_count']} messages — {titles.shown(h['title'])}"
             )
         return "\n".join(lines)
-    if runner.is_busy(key):
+    if ctx.is_busy(key):
         return "A turn is running; /stop it first, then /resume."
     target = cmd.args.split()[0]
-    if not await runner.store.read(lambda conn: titles.is_session_of(conn, key, target)):
+    if not await ctx.store.read(lambda conn: titles.is_session_of(conn, key, target)):
         # Not a session id of this chat: a title, or the unique start of one.
-        found = await runner.store.read(lambda conn: titles.find(conn, key, cmd.args))
+        found = await ctx.store.read(lambda conn: titles.find(conn, key, cmd.args))
         if len(found) != 1:
             return _title_matches(cmd.args, found)
         target = found[0][0]
-    switched = await runner.store.switch_session(key, target, event.source)
+    switched = await ctx.store.switch_session(key, target, event.source)
     if switched is None:
         return f"No earlier session {target} in this chat. /resume lists them."
-    await runner.agents.evict(key)
-    count = await runner.store.count_messages(switched.session_id)
+    await ctx.agents.evict(key)
+    count = await ctx.store.count_messages(switched.session_id)
     return f"Resumed session {switched.session_id} ({count} messages)."
 
 
@@ -161,28 +160,28 @@ def _title_matches(asked: str, found: list[tuple[str, str]]) -> str:
     return "\n".join(lines)
 
 
-async def cmd_title(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
-    entry = await runner.store.get_entry(key)
+async def cmd_title(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    entry = await ctx.store.get_entry(key)
     if entry is None:
         return "No session yet. Say something to start one."
     if not cmd.args:
-        title = await runner.store.read(lambda conn: titles.title_of(conn, entry.session_id))
+        title = await ctx.store.read(lambda conn: titles.title_of(conn, entry.session_id))
         return f"Title: {titles.shown(title)}. /title TEXT renames this session."
     title = titles.clean_title(cmd.args)
     if not title:
         return "Usage: /title TEXT (a name for this session)"
-    await runner.store.write(lambda conn: titles.rename(conn, entry.session_id, title))
+    await ctx.store.write(lambda conn: titles.rename(conn, entry.session_id, title))
     return f"Renamed this session to {title!r}."
 
 
-async def cmd_search(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+async def cmd_search(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
     if not cmd.args:
         return "Usage: /search WORDS (searches this chat's sessions; WORD* finds by prefix)"
     # This chat's sessions only: the key scopes the search, never another chat or user.
-    hits = await runner.search_sessions(cmd.args, session_key=key, limit=5)
+    hits = await ctx.search_sessions(cmd.args, session_key=key, limit=5)
     if not hits:
         return f"Nothing found for {cmd.args!r} in this chat's sessions."
-    entry = await runner.store.get_entry(key)
+    entry = await ctx.store.get_entry(key)
     current = entry.session_id if entry else None
     lines = [f"Found in this chat ({len(hits)} newest):"]
     for n, hit in enumerate(hits, 1):
@@ -194,21 +193,21 @@ async def cmd_search(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
     return "\n".join(lines)
 
 
-async def cmd_forget(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
-    entry = await runner.store.get_entry(key)
+async def cmd_forget(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    entry = await ctx.store.get_entry(key)
     if entry is None:
         return "No session yet, nothing to forget."
-    if runner.is_busy(key):
+    if ctx.is_busy(key):
         return "A turn is running; /stop it first, then /forget."
     if cmd.args.lower() != "yes":
-        count = await runner.store.count_messages(entry.session_id)
-        title = await runner.store.read(lambda conn: titles.title_of(conn, entry.session_id))
+        count = await ctx.store.count_messages(entry.session_id)
+        title = await ctx.store.read(lambda conn: titles.title_of(conn, entry.session_id))
         return (
             f"This deletes the current session ({titles.shown(title)!r}, {count} messages) "
             "for good: its messages, search entries and everything else kept of it. "
             "Send /forget yes to do it."
         )
-    done = await runner.delete_session(entry.session_id)
+    done = await ctx.delete_session(entry.session_id)
     if done["status"] == "busy":
         return "A turn is running; /stop it first, then /forget."
     if done["status"] != "deleted":
@@ -220,22 +219,22 @@ async def cmd_forget(runner: GatewayRunner, event: MessageEvent, key: str, cmd: 
     )
 
 
-async def cmd_retry(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
-    if runner.is_busy(key):
+async def cmd_retry(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
+    if ctx.is_busy(key):
         return "A turn is running; wait for it or /stop it first."
-    aside = await runner.turnlog.set_aside_messages(key)
+    aside = await ctx.turnlog.set_aside_messages(key)
     if aside:
         # Messages the stuck-loop guard set aside: run again as one turn, whose end
         # settles them (a second /retry then finds none).
-        return await runner.submit(key, _rerun_of(aside))
-    entry = await runner.store.get_entry(key)
+        return await ctx.submit(key, _rerun_of(aside))
+    entry = await ctx.store.get_entry(key)
     if entry is None:
         return "Nothing to retry."
-    undone = await runner.store.rewind_session(entry.session_id, 1)
+    undone = await ctx.store.rewind_session(entry.session_id, 1)
     if not undone["turns_undone"]:
         return "Nothing to retry."
-    await runner.agents.evict(key)  # the agent's own context still holds the old answer
-    return await runner.submit(key, replace(event, text=undone["target_text"], synthetic=True))
+    await ctx.agents.evict(key)  # the agent's own context still holds the old answer
+    return await ctx.submit(key, replace(event, text=undone["target_text"], synthetic=True))
 
 
 def _rerun_of(aside: list[tuple[int, dict[str, Any]]]) -> MessageEvent:
@@ -251,40 +250,40 @@ def _rerun_of(aside: list[tuple[int, dict[str, Any]]]) -> MessageEvent:
     )
 
 
-async def cmd_undo(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+async def cmd_undo(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
     try:
         n = int(cmd.args) if cmd.args else 1
     except ValueError:
         return "Usage: /undo [N] (N = how many of your last messages to take back)"
     if not 1 <= n <= MAX_REWIND:
         return f"N is out of range: /undo [N] takes N from 1 to {MAX_REWIND:,}."
-    if runner.is_busy(key):
+    if ctx.is_busy(key):
         return "A turn is running; wait for it or /stop it first."
-    entry = await runner.store.get_entry(key)
+    entry = await ctx.store.get_entry(key)
     if entry is None:
         return "Nothing to undo."
-    undone = await runner.store.rewind_session(entry.session_id, n)
+    undone = await ctx.store.rewind_session(entry.session_id, n)
     if not undone["turns_undone"]:
         return "Nothing to undo."
-    await runner.agents.evict(key)
+    await ctx.agents.evict(key)
     return (
         f"Undid {undone['turns_undone']} turn(s) ({undone['rewound_count']} messages). "
         f"Last undone message: {undone['target_text']!r}"
     )
 
 
-async def cmd_compress(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+async def cmd_compress(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
     """Condense the session's unsummarized messages into its rolling summary now. It runs
     in the session's lane (`LANE_COMMANDS`): no turn of this session runs meanwhile."""
-    entry = await runner.store.get_entry(key)
+    entry = await ctx.store.get_entry(key)
     if entry is None:
         return "No session yet, nothing to compress."
-    if runner.roster.for_key(key).plan.strategy != "summary":  # this chat's agent's
+    if ctx.roster.for_key(key).plan.strategy != "summary":  # this chat's agent's
         return (
             "This agent sends the newest messages that fit (agent.context.strategy: window);"
             " /compress needs the summary strategy."
         )
-    done = await runner.memory.compress(key, entry.session_id, cmd.args or None)
+    done = await ctx.memory.compress(key, entry.session_id, cmd.args or None)
     if done is None:
         return "The gateway is stopping; nothing was condensed."
     if done.stale:
@@ -294,11 +293,11 @@ async def cmd_compress(runner: GatewayRunner, event: MessageEvent, key: str, cmd
     return f"Condensed {done.messages:,} messages into {done.chars:,} characters."
 
 
-async def cmd_help(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+async def cmd_help(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
     return HELP_TEXT
 
 
-Handler = Callable[["GatewayRunner", MessageEvent, str, Command], Awaitable[Reply]]
+Handler = Callable[[CommandContext, MessageEvent, str, Command], Awaitable[Reply]]
 
 HANDLERS: dict[str, Handler] = {
     "new": cmd_new,
@@ -340,24 +339,24 @@ HELP_TEXT = """Commands:
 Messages sent while a reply is running are combined into the next turn."""
 
 
-async def dispatch(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Accepted:
+async def dispatch(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Accepted:
     """Run an inline command and send its text reply; returns what the HTTP API reports.
 
     The command's message is recorded (its id taken) before it runs, so a command that
     fails unexpectedly is still answered: with a short error, the cause in the log."""
-    reply = await reply_of(runner, event, key, cmd)
+    reply = await reply_of(ctx, event, key, cmd)
     if isinstance(reply, Accepted):
         return reply
     if reply is not None:
-        await runner.deliver(event.source, reply, reply_to=event.reply_to)
+        await ctx.deliver(event.source, reply, reply_to=event.reply_to)
     return Accepted(AcceptStatus.COMMAND, session_key=key, detail=cmd.name)
 
 
-async def reply_of(runner: GatewayRunner, event: MessageEvent, key: str, cmd: Command) -> Reply:
+async def reply_of(ctx: CommandContext, event: MessageEvent, key: str, cmd: Command) -> Reply:
     """What the command answers (a lane command's too: the runner records and sends it);
     an unexpected failure is a short error, its cause logged."""
     try:
-        return await HANDLERS[cmd.name](runner, event, key, cmd)
+        return await HANDLERS[cmd.name](ctx, event, key, cmd)
     except Exception as exc:
         log.exception("command_failed", command=cmd.name, error_type=type(exc).__name__)
         return f"Sorry, /{cmd.name} failed. The error was logged."

@@ -28,8 +28,8 @@ from adapters.base import FloodWait, PlatformAdapter, SendResult
 from gateway.domain.attachments import Attachment
 from gateway.domain.session import Platform, SessionSource
 from gateway.ops.metrics import Metrics
+from gateway.runner.streaming import ChatSlot, ChatSlots
 from gateway.store.turnlog import TurnLog
-from gateway.streaming import ChatSlot, ChatSlots
 from gateway.util.faults import crash_point
 
 #: tries of a final edit that the platform answers with a flood wait

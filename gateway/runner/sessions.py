@@ -1,41 +1,44 @@
 """What the runner offers on stored sessions besides turns: list with titles,
 search transcripts, read one session, delete one. The HTTP API reaches these through
 `adapters.base.GatewayHandle`; the chat commands /search and /forget through the runner.
-
-A mixin of `GatewayRunner` (it needs the runner's store, busy sessions and agent cache)
-kept in a file of its own so the runner's file stays about turns.
 """
 
 from __future__ import annotations
 
 import contextlib
 import sqlite3
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from gateway.agents.cache import AgentCache
 from gateway.domain.session import SessionEntry, agent_id_of_key
+from gateway.memory.recall import Recall
 from gateway.store import archive, media_files, purge, search, titles
 from gateway.store.pg import driver_errors
-
-if TYPE_CHECKING:
-    from gateway.agents.cache import AgentCache
-    from gateway.memory.recall import Recall
-    from gateway.store.session_store import SessionStore
+from gateway.store.session_store import SessionStore
 
 SEARCH_DEFAULT_LIMIT = 5
 
 
-class SessionOps:
-    """Mixed into `GatewayRunner`; uses its `store`, `agents`, `home` and `is_busy`."""
+class SessionArchive:
+    """Stored sessions, read and deleted; `is_busy` says whether a turn runs in a key
+    (a running session is not deleted under its turn)."""
 
-    home: Path
-    store: SessionStore
-    agents: AgentCache
-    recall: Recall
-
-    def is_busy(self, key: str) -> bool:
-        raise NotImplementedError  # GatewayRunner's own
+    def __init__(
+        self,
+        home: Path,
+        store: SessionStore,
+        agents: AgentCache,
+        recall: Recall,
+        is_busy: Callable[[str], bool],
+    ) -> None:
+        self.home = home
+        self.store = store
+        self.agents = agents
+        self.recall = recall
+        self.is_busy = is_busy
 
     async def list_sessions(self, agent: str | None = None) -> list[dict[str, Any]]:
         """Every routing entry (`SessionEntry.to_dict()`) with its session's `title` and

@@ -32,8 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable
+from typing import Any
 
 import structlog
 from psycopg import errors as pg_errors
@@ -42,13 +42,12 @@ from gateway.cluster import leases
 from gateway.cluster.heartbeat import Heartbeat
 from gateway.cluster.leader import LeaderRole
 from gateway.cluster.notify import Listener, notify
+from gateway.domain.command_syntax import MessageKind
 from gateway.domain.events import MessageEvent
-from gateway.housekeeping import RESEND_AFTER_SECONDS
-from gateway.recovery import STUCK_LOOP_THRESHOLD, stuck_notice
+from gateway.runner.housekeeping import RESEND_AFTER_SECONDS
+from gateway.runner.ports import ReplicaHost
+from gateway.runner.recovery import STUCK_LOOP_THRESHOLD, stuck_notice
 from gateway.store import codec, journal, schedules
-
-if TYPE_CHECKING:
-    from gateway.run import GatewayRunner
 
 log = structlog.get_logger("gateway.replica")
 
@@ -123,7 +122,7 @@ class Replica:
     LEADER = LEADER
     LEASE_BUSY = LeaseBusy  # (the runner imports this module only for PostgreSQL)
 
-    def __init__(self, runner: GatewayRunner) -> None:
+    def __init__(self, runner: ReplicaHost) -> None:
         self.runner = runner
         settings = runner.config.cluster
         self.dsn = runner.config.storage.dsn or ""
@@ -257,7 +256,7 @@ class Replica:
         except LeaseBusy:
             return False
 
-    def took(self, key: str, inbox_ids: Any) -> None:
+    def took(self, key: str, inbox_ids: Iterable[int]) -> None:
         """This replica runs these messages of `key` (a pickup skips them)."""
         self._taken.setdefault(key, set()).update(inbox_ids)
 
@@ -267,7 +266,7 @@ class Replica:
         if conn.execute(_FENCE, (self.ttl, lease_name(key), self.owner)).rowcount != 1:
             raise LeaseLost(f"session {key} is run by another replica now")
 
-    async def forward(self, key: str, event: MessageEvent, kind: str) -> int | None:
+    async def forward(self, key: str, event: MessageEvent, kind: MessageKind) -> int | None:
         """Another replica runs `key`: journal the message for it and wake it."""
 
         def tx(conn: Any) -> int | None:
@@ -291,7 +290,7 @@ class Replica:
 
     def worker_ended(self, key: str) -> None:
         """The key's worker ran out of messages: give its lease back (in the background)."""
-        if self.runner._draining:
+        if self.runner.draining:
             return  # stop() gives every lease back at once
         task = asyncio.create_task(self._release(key), name=f"release:{key}")
         self._tasks.add(task)
@@ -344,7 +343,7 @@ class Replica:
                 continue
             taken.add(inbox_id)
             event = MessageEvent.from_dict(codec.loads(data), inbox_ids=(inbox_id,))
-            await runner.requeue(key, event, kind)
+            await runner.requeue(key, event, MessageKind(kind))
             queued += 1
         if not runner.is_busy(key):
             # Nothing left to run (commands only): give the lease back.
@@ -359,7 +358,7 @@ class Replica:
         """Run an interrupted turn again, or, when replicas died running it
         STUCK_LOOP_THRESHOLD times already (a message that kills each replica that runs
         it would otherwise take the fleet down one by one), set it aside, suspend the
-        session and tell the user, as one node's stuck-loop guard does (gateway.recovery).
+        session and tell the user, as one node's stuck-loop guard does (gateway.runner.recovery).
         A holder that died while the turn only waited (its marker's `running` unset) does
         not count against it. False when set aside."""
         runner = self.runner
@@ -410,7 +409,7 @@ class Replica:
                 async with asyncio.timeout(SWEEP_SECONDS):
                     await self._sweep_wake.wait()
             self._sweep_wake.clear()
-            if not self.healthy or not self.runner._accepting:
+            if not self.healthy or not self.runner.accepting:
                 continue
             rounds += 1
             try:
@@ -515,9 +514,7 @@ class Replica:
 
     def _on_reply(self, chat_id: str) -> None:
         for adapter in self.runner.adapters.values():
-            wake = getattr(adapter, "wake", None)
-            if wake is not None:
-                wake(chat_id)
+            adapter.wake(chat_id)
 
     def _spawn(self, work: Awaitable[Any]) -> None:
         async def run() -> None:

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import TYPE_CHECKING
 
 import structlog
 
+from gateway.runner.ports import HousekeeperHost
 from gateway.store import media_files
 from gateway.store.outage import StoreUnwritable
-
-if TYPE_CHECKING:
-    from gateway.run import GatewayRunner
 
 log = structlog.get_logger("gateway.housekeeping")
 
@@ -31,7 +28,7 @@ RESEND_AFTER_SECONDS = 30.0
 
 
 class Housekeeper:
-    def __init__(self, runner: GatewayRunner) -> None:
+    def __init__(self, runner: HousekeeperHost) -> None:
         self.runner = runner
         self.settings = runner.config.housekeeping
         self.passes = 0

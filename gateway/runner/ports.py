@@ -1,0 +1,144 @@
+"""The narrow ports of the runner's parts: each part is handed the runner typed as one of
+these Protocols, which name exactly what that part calls, and nothing else of it.
+
+    CommandContext  the chat commands (`commands`, `schedule_commands`)
+    RecoveryHost    start-up recovery (`recovery`)
+    HousekeeperHost the background housekeeper (`housekeeping`)
+    ReplicaHost     one replica of several (`replica`)
+    LaneHooks       what the turn engine tells its placement (`placement`) of a lane
+
+The scheduler's port is `gateway.schedules.loop.SchedulerHost` (the scheduler sits below
+the runner). `GatewayRunner` (`lifecycle`) implements them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
+
+from adapters.base import PlatformAdapter
+from config import GatewayConfig
+from gateway.agents.cache import AgentCache
+from gateway.agents.roster import Roster
+from gateway.domain.command_syntax import MessageKind
+from gateway.domain.events import Accepted, MessageEvent
+from gateway.domain.session import Platform, SessionEntry, SessionSource
+from gateway.memory.summaries import Memory
+from gateway.schedules.book import ScheduleBook
+from gateway.schedules.loop import RecordedSender, Scheduler
+from gateway.store.session_store import SessionStore
+from gateway.store.turnlog import TurnLog
+
+FinalizeHook = Callable[[SessionEntry], Awaitable[None]]
+
+
+class Turns(Protocol):
+    """Sessions' lanes as the parts see them: who is busy, and new work for a lane."""
+
+    def is_busy(self, key: str) -> bool: ...
+
+    async def submit(self, key: str, event: MessageEvent, *, fifo: bool = False) -> Accepted:
+        """Start a turn now, or park it behind the session's running one."""
+        ...
+
+
+class Outbox(Protocol):
+    """Replies split for a platform, and recorded replies sent."""
+
+    def split_reply(self, target: SessionSource, text: str) -> list[str]: ...
+
+    async def resend_pending(self, min_age_seconds: float = 0) -> int: ...
+
+
+class CommandContext(Turns, Protocol):
+    """What a chat command may use: the stores, the session's lane, and the reply path."""
+
+    config: GatewayConfig
+    store: SessionStore
+    agents: AgentCache
+    roster: Roster
+    memory: Memory
+    turnlog: TurnLog
+    schedule_book: ScheduleBook
+    scheduler: Scheduler
+
+    def queue_depth(self, key: str) -> int: ...
+
+    def is_admin(self, source: SessionSource) -> bool: ...
+
+    def request_restart(self) -> None: ...
+
+    async def cancel_session_work(self, key: str) -> bool: ...
+
+    async def search_sessions(
+        self, query: str, *, session_key: str | None = None, limit: int = 5
+    ) -> list[dict[str, Any]]: ...
+
+    async def delete_session(self, session_id: str) -> dict[str, Any]: ...
+
+    async def deliver(
+        self, target: SessionSource, text: str, reply_to: str | None = None
+    ) -> int: ...
+
+
+class RecoveryHost(Turns, Outbox, Protocol):
+    """What start-up recovery reads, writes and re-queues through."""
+
+    home: Path
+    store: SessionStore
+    turnlog: TurnLog
+
+    async def requeue(self, key: str, event: MessageEvent, kind: MessageKind) -> None: ...
+
+
+class HousekeeperHost(Outbox, Protocol):
+    """What the housekeeper's passes touch."""
+
+    config: GatewayConfig
+    store: SessionStore
+    turnlog: TurnLog
+    agents: AgentCache
+    finalize_hooks: list[FinalizeHook]
+
+    def is_busy(self, key: str) -> bool: ...
+
+
+class ReplicaHost(Turns, Outbox, Protocol):
+    """What one replica of several reaches in its runner."""
+
+    config: GatewayConfig
+    store: SessionStore
+    turnlog: TurnLog
+    scheduler: Scheduler
+
+    @property
+    def delivery(self) -> RecordedSender: ...
+
+    @property
+    def adapters(self) -> Mapping[Platform, PlatformAdapter]: ...
+
+    @property
+    def accepting(self) -> bool:
+        """Messages are taken (started, not stopping)."""
+        ...
+
+    @property
+    def draining(self) -> bool:
+        """A shutdown is under way."""
+        ...
+
+    def busy_sessions(self) -> int: ...
+
+    async def requeue(self, key: str, event: MessageEvent, kind: MessageKind) -> None: ...
+
+    async def cancel_all_turns(self) -> None: ...
+
+
+class LaneHooks(Protocol):
+    """What the turn engine tells its placement: which inbox messages a lane of this
+    process took, and that a lane ran out of work."""
+
+    def took(self, key: str, inbox_ids: Iterable[int]) -> None: ...
+
+    def lane_ended(self, key: str) -> None: ...

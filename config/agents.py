@@ -92,11 +92,11 @@ class AgentConfig(BaseModel):
     # Per-session agent instances are cached (LRU) to keep prompt caches warm.
     cache_max_size: int = Field(default=128, ge=1)
     cache_idle_ttl_seconds: float = Field(default=3600.0, gt=0)
-    # Tools (README "Tools"): the built-in tools the model may call (default: all; [] for
+    # Tools (docs/agents.md): the built-in tools the model may call (default: all; [] for
     # none), and how many rounds of tool calls one turn may make before it must answer.
     tools: tuple[str, ...] = TOOL_NAMES
     max_tool_rounds: int = Field(default=8, ge=1, le=64)
-    # Media in (README "Media"): photos go to the model as image parts only when it can
+    # Media in (docs/platforms.md): photos go to the model as image parts only when it can
     # see them; otherwise it gets a one-line note that a photo was sent.
     vision: bool = False
 

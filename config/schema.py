@@ -183,7 +183,7 @@ class StorageConfig(BaseModel):
     mirror_interval_seconds: float = Field(default=5.0, ge=0.05)
     inbound_dedup_days: int = Field(default=7, ge=1)
     # sqlite: state.db under $HERMES_HOME (zero-config). postgres: the tables in the
-    # database `dsn` names, shared by every replica (README, "Running several replicas").
+    # database `dsn` names, shared by every replica (docs/replicas.md).
     backend: Literal["sqlite", "postgres"] = "sqlite"
     # postgresql://user:${HERMES_PG_PASSWORD}@host:5432/db; never logged (repr=False).
     # Checked as a field (validate_default: also when absent) so the error names
@@ -202,7 +202,7 @@ class StorageConfig(BaseModel):
 
 
 class ClusterConfig(BaseModel):
-    """Several replicas on one PostgreSQL store (README, "Running several replicas")."""
+    """Several replicas on one PostgreSQL store (docs/replicas.md)."""
 
     model_config = MODEL_CONFIG
 
@@ -251,7 +251,7 @@ class GatewayConfig(BaseModel):
     reset_by_type: ResetByType = ResetByType()
     agent: AgentConfig = AgentConfig()  # the main agent (id "main"); also `agents.main`
     # More agents beside the main one, by id; each a full section of its own that
-    # inherits nothing (README "Several agents"). `routes` picks one per message.
+    # inherits nothing (docs/agents.md). `routes` picks one per message.
     agents: dict[str, AgentConfig] = Field(default_factory=dict)
     routes: list[RouteConfig] = Field(default_factory=list)
     queue: QueueConfig = QueueConfig()

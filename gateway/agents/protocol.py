@@ -10,7 +10,8 @@ Streaming: an agent may also offer
 ``async stream_turn(TurnRequest, on_text) -> TurnResult`` (`Streaming`), calling
 ``on_text(text)`` with its reply so far as the model writes it (a new tool round starts
 over from ""); the runner uses it when the reply's chat shows streamed text. The result
-is the same as `run_turn`'s, and only it is stored. An agent without it works as before.
+is the same as `run_turn`'s, and only it is stored. An agent without it answers in one
+piece through `run_turn`.
 
 Tools: a turn may carry `TurnRequest.tools` (`Tools`, None when the agent has none):
 ``tools.specs()`` lists them in OpenAI's function-calling format and

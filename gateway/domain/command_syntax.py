@@ -23,7 +23,7 @@ QUEUE_COMMANDS = frozenset({"queue", "q"})
 TURN_COMMANDS = frozenset({"retry"})
 #: The commands that run in their session's lane like a turn (they call the agent's
 #: model): accepted at once and answered when done, never on the intake path. The
-#: README's command table says why each other command stays inline.
+#: docs/commands.md's command table says why each other command stays inline.
 LANE_COMMANDS = frozenset({"compress"})
 
 

@@ -71,7 +71,7 @@ def connect(dsn: str) -> psycopg.Connection[Any]:
 
     Every statement planned with its values (`force_custom_plan`): psycopg prepares a
     statement run 5 times, and a generic plan of a word count cannot tell a rare word
-    (the GIN index: ~1 ms) from a common one (a sequential scan)."""
+    (the GIN index) from a common one (a sequential scan)."""
     conn = connect_store(dsn).raw
     conn.execute("SET plan_cache_mode = force_custom_plan")
     return conn
@@ -129,8 +129,8 @@ class PgRecallSql:
 
         A word ANALYZE found common (pg_stats' most_common_elems, times the table's
         estimated rows, above MAX_POSTINGS) is not counted at all: with statistics the
-        planner counts a common word by a sequential scan (92 ms a query at 20,000
-        chunks, against 3 ms through the GIN index). The rest are rare by those same
+        planner counts a common word by a sequential scan, far slower than through the
+        GIN index. The rest are rare by those same
         statistics, and counted through the index."""
         common = self._common_words(conn)
         known = {word: MAX_POSTINGS + 1 for word in words if word in common}
@@ -242,7 +242,7 @@ class PgRecallSql:
             " FROM memory_chunks c LEFT JOIN notes n ON n.note_id = c.note_id"
             " WHERE c.id = ANY(%s) AND CASE WHEN c.kind = 'note' THEN n.note_id IS NOT NULL"
             # uncorrelated, on the candidates only: the planner hashed the correlated
-            # EXISTS over every source and message (17 ms at 20,000 chunks; this: <1 ms)
+            # EXISTS over every source and message
             " ELSE c.id IN (SELECT s.chunk_id FROM memory_chunk_sources s"
             "   JOIN messages m ON m.id = s.message_id"
             "   WHERE s.chunk_id = ANY(%s) AND m.active = 1"

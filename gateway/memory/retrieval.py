@@ -18,13 +18,12 @@ candidate when the query has a rarer word.
 The vector math is numpy: one matrix-vector product over the namespace's vectors
 (exact cosine: vectors and query are unit length), held in memory per namespace
 (`VectorCache`), since reading 100,000 blobs from SQLite takes longer than scoring them.
-Measured (2 cores, 100,000 x 256 float32, 50 queries): numpy exact p50 8 ms / p99 16 ms;
-usearch exact 11 / 17 ms; usearch HNSW 0.5 / 0.8 ms but 57 s to build the index (5 min
-at 1,536 dimensions) and an approximate answer; sqlite-vec cannot be loaded by this
-Python's sqlite3. Exact numpy is always right and needs no second index kept in step
-with memory.db. The matrix is held dimension-major, so a sparse query (a hash embedding
-of a few words) multiplies only its own dimensions' rows: the same exact scores for
-0.6-0.7 ms instead of 6-9 ms at 100,000 chunks.
+Against the alternatives (BENCHMARKS.md): usearch exact is no faster; usearch HNSW is
+faster per query but takes minutes to build and answers approximately; sqlite-vec cannot
+be loaded by this Python's sqlite3. Exact numpy is always right and needs no second
+index kept in step with memory.db. The matrix is held dimension-major, so a sparse query
+(a hash embedding of a few words) multiplies only its own dimensions' rows: the same
+exact scores for a fraction of the work.
 
 A transcript chunk is shown only while a message it came from is still in state.db and
 active (an /undo takes a message back without a log entry); a note's text, tags and
@@ -247,8 +246,8 @@ def _phrase(word: str) -> str:
 
 def _postings(conn: sqlite3.Connection, word: str) -> int:
     """How many chunks hold `word`, counted up to MAX_POSTINGS + 1 only: walking a common
-    word's whole posting list (as fts5vocab's `doc` does) cost 5-18 ms a query at
-    100,000 chunks; stopping there costs under 1 ms, and says the same ("too many")."""
+    word's whole posting list (as fts5vocab's `doc` does) costs time in proportion to
+    the index; stopping there is bounded, and says the same ("too many")."""
     return conn.execute(
         "SELECT count(*) FROM (SELECT rowid FROM chunks_fts WHERE chunks_fts MATCH ? LIMIT ?)",
         (_phrase(word), MAX_POSTINGS + 1),

@@ -126,7 +126,7 @@ class AgentCall:
     ) -> TurnOutcome:
         """Run the agent; a failure becomes a short text for the user, never an exception.
         With a `stream`, an agent that can stream (`stream_turn`) shows its reply as it
-        writes it; one that cannot answers as before."""
+        writes it; one that cannot answers in one piece."""
         timeout = spec.config.gateway_timeout
         task = asyncio.current_task()
         assert task is not None

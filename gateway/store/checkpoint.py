@@ -1,17 +1,16 @@
 """WAL checkpoints off the writer's path.
 
 Left to itself, SQLite checkpoints inside the commit that crosses `wal_autocheckpoint`
-pages: that commit copies the WAL back into the database and fsyncs it (about 6 ms
-here), and every message waiting on the writer waits with it; under load that happened
-twenty times a second and set the gateway's p99. Instead a connection of its own runs a
-PASSIVE checkpoint every `interval` seconds on a worker thread (SQLite releases the GIL
-while it copies), which never blocks the writer, and copies a page rewritten many times
-once. The writer keeps a far larger autocheckpoint as a safety net (`SAFETY_NET_PAGES`)
-in case this task falls behind.
+pages: that commit copies the WAL back into the database and fsyncs it, and every
+message waiting on the writer waits with it; under load that sets the gateway's p99.
+Instead a connection of its own runs a PASSIVE checkpoint every `interval` seconds on a
+worker thread (SQLite releases the GIL while it copies), which never blocks the writer,
+and copies a page rewritten many times once. The writer keeps a far larger
+autocheckpoint as a safety net (`SAFETY_NET_PAGES`) in case this task falls behind.
 
 Every 0.1 s rather than less often: a checkpoint's copy and fsync slow the writer's own
-WAL I/O on this disk while they run, and smaller checkpoints stall it for less (at 1,000
-turns/s, p99 6.8-7.4 ms every 0.1 s, 7.3-14 ms every 0.25 s, 26-31 ms every 1 s).
+WAL I/O while they run, and smaller checkpoints stall it for less (BENCHMARKS.md has the
+p99 at each interval).
 """
 
 from __future__ import annotations

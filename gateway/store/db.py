@@ -404,10 +404,10 @@ def _read_ahead(path: Path) -> None:
     the integrity check, best effort.
 
     The check visits pages in B-tree order, which from a cold page cache (the first
-    start after a boot) is random I/O: 1.3 s for a 172 MB file of 100,000 sessions here,
-    against 0.06-0.24 s for one sequential pass, after which the check takes 0.2-0.3 s.
-    `sendfile` into /dev/null reads without copying into Python, in one call that holds
-    no GIL: 4 ms when the pages are cached already. Where it cannot (not Linux), plain
+    start after a boot) is random I/O, several times slower than one sequential pass,
+    after which the check reads from the cache. `sendfile` into /dev/null reads without
+    copying into Python, in one call that holds no GIL, and costs little when the pages
+    are cached already. Where it cannot (not Linux), plain
     reads do the same. A failing read is left for the check itself to report."""
     for name in (path, path.with_name(path.name + "-wal")):
         with contextlib.suppress(OSError), open(name, "rb", buffering=0) as file:

@@ -1,10 +1,10 @@
 """The transcript full-text index, in a database file of its own (`search.db`, beside
 `state.db`), kept up by a thread of its own.
 
-Why a file of its own: indexing costs 10-15 µs per message (tokenizing, writing FTS5
-segments). Inside state.db it held the one write lock every turn needs, 3-8 ms at a time
-four times a second at 1,000 turns/s, and that set the gateway's p99 (BENCHMARKS.md,
-"Round three"). In search.db it takes no lock a turn needs, and SQLite does the work
+Why a file of its own: indexing is work per message (tokenizing, writing FTS5
+segments). Inside state.db it would hold the one write lock every turn needs, for
+milliseconds at a time under load, and set the gateway's p99 (BENCHMARKS.md, "Round
+three"). In search.db it takes no lock a turn needs, and SQLite does the work
 with the GIL released, on the other core.
 
 How it stays exact: state.db logs every insert and delete of a message in `fts_log` (a

@@ -174,13 +174,13 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     6: """
     ALTER TABLE pairing_codes ADD COLUMN target TEXT;
     """,
-    # Issue 14: a turn no longer decodes and re-encodes the entry's JSON. What a turn reads
+    # A turn does not decode and re-encode the entry's JSON. What a turn reads
     # and changes (times, flags, counters) gets columns of its own in a narrow hot row;
     # what it never changes (origin, display name, platform, chat type) moves to a cold
     # table written only when one of those changes. Python, not SQL: SQLite's date
     # functions keep milliseconds, and the entries' ISO times carry microseconds.
     7: lambda conn: _split_entries(conn),
-    # Issue 15: titles. A turn titles its session from the first user message
+    # Titles. A turn titles its session from the first user message
     # (gateway.store.titles.make_title); sessions from before get theirs here, by the same
     # rule: the first 40 characters, CR dropped, LF a space, trimmed, "..." when cut.
     8: """
@@ -194,7 +194,7 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         WHERE t != ''
     ) WHERE title IS NULL;
     """,
-    # Issue 15: summary checkpoints. One per session (gateway.store.summary_checkpoints):
+    # Summary checkpoints. One per session (gateway.store.summary_checkpoints):
     # the rolling summary of its active messages up to covered_up_to, written by
     # compare-and-swap on epoch.
     9: """
@@ -207,7 +207,7 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         updated_at    REAL NOT NULL
     ) WITHOUT ROWID;
     """,
-    # Issue 16: long-term memory (gateway.memory). Notes are the user's data of record,
+    # Long-term memory (gateway.memory). Notes are the user's data of record,
     # here; their chunks, full-text index and vectors live in memory.db, an index rebuilt
     # from this file. `note_log` tells the indexer which notes changed (notes are written
     # by the memory tools and the CLI, never in a turn's transaction). `log_readers`: how
@@ -239,7 +239,7 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     END;
     CREATE TABLE log_readers (name TEXT PRIMARY KEY, applied INTEGER NOT NULL) WITHOUT ROWID;
     """,
-    # Issue 16: scratchpad. The model's working notes for one session
+    # Scratchpad. The model's working notes for one session
     # (gateway.store.scratchpad): its items as a JSON list, replaced whole by each write;
     # deleted with the session (gateway.store.purge finds it by its session_id).
     11: """
@@ -249,7 +249,7 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         updated_at REAL NOT NULL
     ) WITHOUT ROWID;
     """,
-    # Issue 17: scheduled jobs (gateway.store.schedules). The rows are the one source of
+    # Scheduled jobs (gateway.store.schedules). The rows are the one source of
     # truth: the scheduler sleeps until the earliest active `next_run_at` (a partial
     # index: finding it is one B-tree descent, whatever the number of schedules). A run
     # is claimed by its row, unique per fire time, in the transaction that advances
@@ -308,7 +308,7 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     ) WITHOUT ROWID;
     ALTER TABLE outbound ADD COLUMN edit_message_id TEXT;
     """,
-    # Issue 18: media out. A reply's attachment waits in the delivery ledger like a text
+    # Media out. A reply's attachment waits in the delivery ledger like a text
     # chunk: its row's `attachment` is the Attachment as JSON (path or URL, kind,
     # caption; `text` holds the caption), NULL for text.
     14: """

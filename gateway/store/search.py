@@ -83,10 +83,10 @@ def search(
     snippet, timestamp (UTC ISO 8601)}. `conn` is search.db with state.db as `st`.
 
     Newest first rather than by bm25 rank: ranking scores every match before it can
-    return one (0.2-0.9 s for a common word over 300,000 messages), while newest first
+    return one (seconds for a common word over a large index), while newest first
     stops at the `limit`th hit. A chat's search is driven from the chat's own messages
     (its key's sessions, then one index look-up per message), so its cost is the chat's
-    size, not the index's: 1.5-3 ms for a 60-message chat in a 300,000-message index."""
+    size, not the index's."""
     if is_postgres(conn):
         return _search_postgres(conn, text, scope, limit)
     query = fts_query(text)

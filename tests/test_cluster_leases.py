@@ -22,6 +22,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from gateway.cluster import Heartbeat, LeaderRole, Listener, leases, make_owner_id, notify
+from tests.pg_support import fresh_schema
 from tests.waiting import wait_for
 
 PG_DSN = os.environ.get("HERMES_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
@@ -451,15 +452,20 @@ async def test_listener_delivers_committed_notifies_and_rescans_after_reconnect(
 
     label = f"test-{secrets.token_hex(4)}"
     listener = Listener(dsn, on_reconnect=rescan, label=label)
+    marks: list[str] = []
     listener.add("replies", got.append)
     listener.add("replies", on_async)
+    listener.add("mark", marks.append)
     listener.start()
     try:
         await asyncio.wait_for(listener.subscribed(), 3)
-        with psycopg.connect(dsn) as writer:
+        with psycopg.connect(dsn) as writer, psycopg.connect(dsn, autocommit=True) as marker:
             with writer.transaction():
                 notify(writer, "replies", "s1:7")
-                await asyncio.sleep(0.3)
+                # Notifications arrive in commit order: a mark committed after it was
+                # sent, heard while the sender's transaction is open, proves it waits.
+                notify(marker, "mark", "after s1:7")
+                await wait_for(lambda: marks == ["after s1:7"], within=2)
                 assert got == []  # not before the sender's commit
             await wait_for(lambda: got == ["s1:7"] and got_async == ["s1:7"], within=2)
 
@@ -478,6 +484,28 @@ async def test_listener_delivers_committed_notifies_and_rescans_after_reconnect(
             writer.commit()
             await wait_for(lambda: other == [""], within=2)
             assert listener.connections == 2
+    finally:
+        await listener.stop()
+
+
+async def test_a_listener_hears_its_own_schemas_notifies_only(dsn: str) -> None:
+    """Channels are per database: a store in another schema of it (a parallel test
+    worker, another deployment) notifies on the same channel name unheard."""
+    got: list[str] = []
+    listener = Listener(dsn, label=f"test-{secrets.token_hex(4)}")
+    listener.add("replies", got.append)
+    listener.start()
+    try:
+        await asyncio.wait_for(listener.subscribed(), 3)
+        with (
+            fresh_schema() as other_dsn,
+            psycopg.connect(other_dsn, autocommit=True) as other,
+            psycopg.connect(dsn, autocommit=True) as own,
+        ):
+            notify(other, "replies", "theirs")
+            notify(own, "replies", "ours")  # delivered in commit order: after "theirs"
+            await wait_for(lambda: "ours" in got, within=2)
+        assert got == ["ours"]
     finally:
         await listener.stop()
 

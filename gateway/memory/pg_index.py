@@ -58,11 +58,12 @@ from gateway.memory.index import (
 from gateway.memory.retrieval import CANDIDATES, MAX_POSTINGS, Recent
 from gateway.store import codec
 from gateway.store.pg.db import connect as connect_store
+from gateway.util.pg_scope import LOCK_KEY_SQL
 
 log = structlog.get_logger("gateway.memory.pg_index")
 
 # pg_advisory_xact_lock's key for memory index writes: a fixed bigint no other code uses
-# ("hermesmi" in ASCII).
+# ("hermesmi" in ASCII), scoped to the store's schema (gateway.util.pg_scope).
 LOCK_KEY = 0x6865726D65736D69
 LOG_TRIM_PAGE = 20_000  # fts_log entries dropped per round while transcripts are off
 
@@ -90,9 +91,11 @@ def vector_path(conn: psycopg.Connection[Any]) -> str:
 
 def _lock(conn: psycopg.Connection[Any], wait: bool) -> bool:
     if wait:
-        conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
+        conn.execute(f"SELECT pg_advisory_xact_lock({LOCK_KEY_SQL})", {"key": LOCK_KEY})
         return True
-    row = conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (LOCK_KEY,)).fetchone()
+    row = conn.execute(
+        f"SELECT pg_try_advisory_xact_lock({LOCK_KEY_SQL})", {"key": LOCK_KEY}
+    ).fetchone()
     return bool(row and row[0])
 
 

@@ -215,6 +215,19 @@ class Daemon:
             conn.close()
         return [(role, content) for role, content in rows]
 
+    def sent_texts(self, chat_id: str) -> list[str]:
+        """The replies the ledger (`outbound`) records as sent to `chat_id`, in order.
+        Read once the daemon has stopped, this is every reply it ever sends there."""
+        conn = self.db()
+        try:
+            rows = conn.execute(
+                "SELECT text FROM outbound WHERE chat_id = ? AND state = 'sent' ORDER BY id",
+                (chat_id,),
+            ).fetchall()
+        finally:
+            conn.close()
+        return [text for (text,) in rows]
+
     def entry(self, session_key: str) -> dict | None:
         conn = self.db()
         try:

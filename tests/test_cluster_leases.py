@@ -339,7 +339,8 @@ async def test_a_partitioned_leader_steps_down_before_another_takes_over(
         await watch.stop()
         assert watch.both == []
         assert not a.is_leader and times["a_lost"] < times["b_gained"]
-        assert failover < 1.5 + 0.3, failover  # within the ttl, plus the poll's slack
+        # within the ttl, plus the poll's slack and a loaded machine's
+        assert failover < 1.5 + 1.0, failover
     finally:
         await relay.close()
 
@@ -356,7 +357,9 @@ async def test_a_dead_leaders_role_moves_within_the_ttl(dsn: str, roles: list[Le
     await wait_for(lambda: b.holder == "killed", within=1)
     await wait_for(lambda: b.is_leader, within=3)
     took = time.monotonic() - died
-    assert 1.4 < took < 1.5 + 0.2, took
+    # Never before the lease runs out; after it, at once (a second of slack for a loaded
+    # machine, well short of waiting another lease's life).
+    assert 1.4 < took < 1.5 + 1.0, took
 
 
 # -- heartbeat -----------------------------------------------------------------------------
@@ -403,9 +406,11 @@ async def test_heartbeat_survives_a_killed_backend_and_turns_unhealthy_when_cut_
         relay.freeze()
         cut = time.monotonic()
         await wait_for(lambda: not beat.healthy, within=2)
-        # at ttl - margin after the last beat, which was before the cut (+ the polling)
-        assert time.monotonic() - cut < 1.5 - 0.3 + 0.05
-        await asyncio.sleep(0.6)
+        # At ttl - margin after the last beat, which was before the cut: before its
+        # leases can lapse (the margin absorbs a loaded machine's late timer).
+        assert time.monotonic() - cut < 1.5
+        failed = beat.failures
+        await wait_for(lambda: beat.failures >= failed + 2, within=5)  # beats go on failing
         assert calls == ["unhealthy"]
         relay.thaw()
         await wait_for(lambda: beat.healthy, within=2)
@@ -428,8 +433,9 @@ async def test_heartbeat_on_a_closed_port_turns_unhealthy_once() -> None:
     try:
         await wait_for(lambda: not beat.healthy, within=2)
         assert 0.6 < time.monotonic() - started < 0.9  # at ttl - margin
-        await asyncio.sleep(0.5)
-        assert calls == ["unhealthy"] and beat.beats == 0 and beat.failures >= 3
+        failed = beat.failures
+        await wait_for(lambda: beat.failures >= max(failed + 2, 3), within=5)
+        assert calls == ["unhealthy"] and beat.beats == 0
     finally:
         await beat.stop()
 

@@ -4,8 +4,8 @@ LISTEN/NOTIFY channels and advisory locks are per database, not per schema: two 
 in schemas of one database (the test suite's parallel workers, two deployments sharing
 a server) would hear each other's notifications and queue on each other's locks. These
 SQL expressions scope a channel name or a lock key to `current_schema()` (the first
-schema of the connection's search_path) on the server, so every connection of one store
-agrees without a round trip of its own. The default schema, public, keeps the bare
+existing schema of the connection's search_path) on the server, so every connection of
+one store agrees without a round trip of its own. The default schema, public, keeps the bare
 channel name and lock key.
 
 Plain strings, no psycopg: the SQLite store imports this module too.

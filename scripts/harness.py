@@ -60,8 +60,10 @@ class Daemon:
 
     # --- process ---------------------------------------------------------------------------
 
+    # Start-up bounds are generous: a wait ends when the daemon is ready, so a long bound
+    # costs nothing then, and a loaded machine (a test suite on every core) starts slowly.
     def start(
-        self, timeout: float = 20.0, wait_ready: bool = True, env: dict[str, str] | None = None
+        self, timeout: float = 60.0, wait_ready: bool = True, env: dict[str, str] | None = None
     ) -> None:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
@@ -74,7 +76,7 @@ class Daemon:
         if wait_ready:
             self.wait_ready(timeout)
 
-    def wait_ready(self, timeout: float = 20.0, interval: float = 0.05) -> None:
+    def wait_ready(self, timeout: float = 60.0, interval: float = 0.05) -> None:
         """Until /healthz says accepting, asking every `interval` seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -120,7 +120,7 @@ def test_bench_gateway_stream_reports_edits_and_first_visible_text() -> None:
     assert first is not None, out
 
 
-@pytest.mark.timeout(60)
+@pytest.mark.timeout(180)
 def test_bench_gateway_replicas_prints_sqlite_then_each_postgres_count() -> None:
     """`--backend postgres --replicas N,...` (scripts/bench_replicas.py, issue 19) in its
     quickest form: a row for SQLite on one node, then two daemons on one PostgreSQL
@@ -132,7 +132,7 @@ def test_bench_gateway_replicas_prints_sqlite_then_each_postgres_count() -> None
     out = run_script(
         "bench_gateway.py",
         *("--backend", "postgres", "--replicas", "2", "--quick", "--concurrency", "4"),
-        timeout=50,
+        timeout=150,
     )
     rows = [
         line.split() for line in out.splitlines() if line.split()[:1] in (["sqlite"], ["postgres"])

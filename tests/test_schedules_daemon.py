@@ -110,8 +110,8 @@ def urlopen_text(daemon: Daemon, path: str) -> str:
         return resp.read().decode()
 
 
-# Some fifteen CLI runs, each an interpreter start: over a minute on a loaded machine.
-@pytest.mark.timeout(240)
+# Some fifteen CLI runs, each an interpreter start: minutes on a loaded machine.
+@pytest.mark.timeout(480)
 def test_the_cli_adds_lists_and_removes_beside_the_running_daemon(
     daemons: list[Daemon], tmp_path: Path
 ) -> None:

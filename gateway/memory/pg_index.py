@@ -90,13 +90,9 @@ def vector_path(conn: psycopg.Connection[Any]) -> str:
 
 
 def _lock(conn: psycopg.Connection[Any], wait: bool) -> bool:
-    if wait:
-        conn.execute(f"SELECT pg_advisory_xact_lock({LOCK_KEY_SQL})", {"key": LOCK_KEY})
-        return True
-    row = conn.execute(
-        f"SELECT pg_try_advisory_xact_lock({LOCK_KEY_SQL})", {"key": LOCK_KEY}
-    ).fetchone()
-    return bool(row and row[0])
+    take = "pg_advisory_xact_lock" if wait else "pg_try_advisory_xact_lock"
+    row = conn.execute(f"SELECT {take}({LOCK_KEY_SQL})", {"key": LOCK_KEY}).fetchone()
+    return wait or bool(row and row[0])  # the waiting form returns once it holds the lock
 
 
 def _meta(conn: psycopg.Connection[Any], key: str) -> str | None:

@@ -3,6 +3,10 @@ PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# `make test`'s pytest-xdist workers. More than the cores: most of the suite's wall time
+# is waiting (daemons starting, turns, long polls), not CPU. `make test TEST_WORKERS=0`
+# runs it in one process.
+TEST_WORKERS ?= 4
 
 .PHONY: run test lint bench soak clean
 
@@ -21,7 +25,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m ruff check .
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist worksteal
 
 lint: $(STAMP)
 	$(BIN)/python -m ruff check .

@@ -60,8 +60,10 @@ class Daemon:
 
     # --- process ---------------------------------------------------------------------------
 
+    # Start-up bounds are generous: a wait ends when the daemon is ready, so a long bound
+    # costs nothing then, and a loaded machine (a test suite on every core) starts slowly.
     def start(
-        self, timeout: float = 20.0, wait_ready: bool = True, env: dict[str, str] | None = None
+        self, timeout: float = 60.0, wait_ready: bool = True, env: dict[str, str] | None = None
     ) -> None:
         log = self.log_path.open("ab")
         self.proc = subprocess.Popen(
@@ -74,7 +76,7 @@ class Daemon:
         if wait_ready:
             self.wait_ready(timeout)
 
-    def wait_ready(self, timeout: float = 20.0, interval: float = 0.05) -> None:
+    def wait_ready(self, timeout: float = 60.0, interval: float = 0.05) -> None:
         """Until /healthz says accepting, asking every `interval` seconds."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -214,6 +216,19 @@ class Daemon:
         finally:
             conn.close()
         return [(role, content) for role, content in rows]
+
+    def sent_texts(self, chat_id: str) -> list[str]:
+        """The replies the ledger (`outbound`) records as sent to `chat_id`, in order.
+        Read once the daemon has stopped, this is every reply it ever sends there."""
+        conn = self.db()
+        try:
+            rows = conn.execute(
+                "SELECT text FROM outbound WHERE chat_id = ? AND state = 'sent' ORDER BY id",
+                (chat_id,),
+            ).fetchall()
+        finally:
+            conn.close()
+        return [text for (text,) in rows]
 
     def entry(self, session_key: str) -> dict | None:
         conn = self.db()

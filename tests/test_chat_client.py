@@ -321,7 +321,7 @@ class Terminal:
         self.output += data.decode("utf-8", "replace")
         return bool(data)
 
-    async def wait_for(self, predicate: Callable[[str], bool], seconds: float = 10) -> None:
+    async def wait_for(self, predicate: Callable[[str], bool], seconds: float = 30) -> None:
         deadline = time.monotonic() + seconds
         while not predicate(self.output):
             remaining = deadline - time.monotonic()

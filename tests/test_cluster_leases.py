@@ -22,6 +22,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from gateway.cluster import Heartbeat, LeaderRole, Listener, leases, make_owner_id, notify
+from tests.pg_support import fresh_schema
 from tests.waiting import wait_for
 
 PG_DSN = os.environ.get("HERMES_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
@@ -328,7 +329,8 @@ async def test_a_partitioned_leader_steps_down_before_another_takes_over(
         await watch.stop()
         assert watch.both == []
         assert not a.is_leader and times["a_lost"] < times["b_gained"]
-        assert failover < 1.5 + 0.3, failover  # within the ttl, plus the poll's slack
+        # within the ttl, plus the poll's slack and a loaded machine's
+        assert failover < 1.5 + 1.0, failover
     finally:
         await relay.close()
 
@@ -345,7 +347,9 @@ async def test_a_dead_leaders_role_moves_within_the_ttl(dsn: str, roles: list[Le
     await wait_for(lambda: b.holder == "killed", within=1)
     await wait_for(lambda: b.is_leader, within=3)
     took = time.monotonic() - died
-    assert 1.4 < took < 1.5 + 0.2, took
+    # Never before the lease runs out; after it, at once (a second of slack for a loaded
+    # machine, well short of waiting another lease's life).
+    assert 1.4 < took < 1.5 + 1.0, took
 
 
 # -- heartbeat -----------------------------------------------------------------------------
@@ -392,9 +396,11 @@ async def test_heartbeat_survives_a_killed_backend_and_turns_unhealthy_when_cut_
         relay.freeze()
         cut = time.monotonic()
         await wait_for(lambda: not beat.healthy, within=2)
-        # at ttl - margin after the last beat, which was before the cut (+ the polling)
-        assert time.monotonic() - cut < 1.5 - 0.3 + 0.05
-        await asyncio.sleep(0.6)
+        # At ttl - margin after the last beat, which was before the cut: before its
+        # leases can lapse (the margin absorbs a loaded machine's late timer).
+        assert time.monotonic() - cut < 1.5
+        failed = beat.failures
+        await wait_for(lambda: beat.failures >= failed + 2, within=5)  # beats go on failing
         assert calls == ["unhealthy"]
         relay.thaw()
         await wait_for(lambda: beat.healthy, within=2)
@@ -417,8 +423,9 @@ async def test_heartbeat_on_a_closed_port_turns_unhealthy_once() -> None:
     try:
         await wait_for(lambda: not beat.healthy, within=2)
         assert 0.6 < time.monotonic() - started < 0.9  # at ttl - margin
-        await asyncio.sleep(0.5)
-        assert calls == ["unhealthy"] and beat.beats == 0 and beat.failures >= 3
+        failed = beat.failures
+        await wait_for(lambda: beat.failures >= max(failed + 2, 3), within=5)
+        assert calls == ["unhealthy"] and beat.beats == 0
     finally:
         await beat.stop()
 
@@ -441,15 +448,20 @@ async def test_listener_delivers_committed_notifies_and_rescans_after_reconnect(
 
     label = f"test-{secrets.token_hex(4)}"
     listener = Listener(dsn, on_reconnect=rescan, label=label)
+    marks: list[str] = []
     listener.add("replies", got.append)
     listener.add("replies", on_async)
+    listener.add("mark", marks.append)
     listener.start()
     try:
         await asyncio.wait_for(listener.subscribed(), 3)
-        with psycopg.connect(dsn) as writer:
+        with psycopg.connect(dsn) as writer, psycopg.connect(dsn, autocommit=True) as marker:
             with writer.transaction():
                 notify(writer, "replies", "s1:7")
-                await asyncio.sleep(0.3)
+                # Notifications arrive in commit order: a mark committed after it was
+                # sent, heard while the sender's transaction is open, proves it waits.
+                notify(marker, "mark", "after s1:7")
+                await wait_for(lambda: marks == ["after s1:7"], within=2)
                 assert got == []  # not before the sender's commit
             await wait_for(lambda: got == ["s1:7"] and got_async == ["s1:7"], within=2)
 
@@ -468,6 +480,28 @@ async def test_listener_delivers_committed_notifies_and_rescans_after_reconnect(
             writer.commit()
             await wait_for(lambda: other == [""], within=2)
             assert listener.connections == 2
+    finally:
+        await listener.stop()
+
+
+async def test_a_listener_hears_its_own_schemas_notifies_only(dsn: str) -> None:
+    """Channels are per database: a store in another schema of it (a parallel test
+    worker, another deployment) notifies on the same channel name unheard."""
+    got: list[str] = []
+    listener = Listener(dsn, label=f"test-{secrets.token_hex(4)}")
+    listener.add("replies", got.append)
+    listener.start()
+    try:
+        await asyncio.wait_for(listener.subscribed(), 3)
+        with (
+            fresh_schema() as other_dsn,
+            psycopg.connect(other_dsn, autocommit=True) as other,
+            psycopg.connect(dsn, autocommit=True) as own,
+        ):
+            notify(other, "replies", "theirs")
+            notify(own, "replies", "ours")  # delivered in commit order: after "theirs"
+            await wait_for(lambda: "ours" in got, within=2)
+        assert got == ["ours"]
     finally:
         await listener.stop()
 

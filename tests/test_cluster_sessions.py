@@ -111,7 +111,7 @@ async def test_a_long_poll_on_one_replica_wakes_for_a_reply_made_on_the_other(
     a, b = pair
     b.client.cursors["c3"] = await b.runner.last_reply_seq("http", "c3")
     poll = asyncio.create_task(b.client.poll("c3", wait=20))
-    await asyncio.sleep(0.3)  # B's poller is waiting
+    await wait_for(lambda: "c3" in b.runner.adapters["http"]._waiters)  # B's poll waits
     started = time.monotonic()
     await a.client.post("c3", "wake the other one")
     replies = await asyncio.wait_for(poll, 10)

@@ -3,7 +3,6 @@ gateway websocket), a real GatewayRunner in-process with a scripted agent."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import re
@@ -110,8 +109,10 @@ async def test_a_dm_from_an_allowed_user_gets_one_reply_in_the_same_channel(
     message_id = await dc.dm(ALICE, "hello, slowly")
     dm = dc.dm_channel(ALICE)
     assert await replies(dc, dm, 1) == ["echo: hello, slowly"]
-    await asyncio.sleep(0.2)
-    assert len(dc.sent) == 1  # the bot's own echoed MESSAGE_CREATE is not answered
+    # The bot's own echoed MESSAGE_CREATE came before this one in the same session: an
+    # answer to it would come before this one's.
+    await dc.dm(ALICE, "next")
+    assert await replies(dc, dm, 2) == ["echo: hello, slowly", "echo: next"]
     body = dc.sent[0]
     assert body["allowed_mentions"] == {"parse": ["users"]}  # no @everyone, @here, roles
     assert body["message_reference"]["message_id"] == int(message_id)
@@ -160,9 +161,9 @@ async def test_a_429_on_send_is_waited_out_and_delivered_once(
     await dc.dm(ALICE, "are you there")
     dm = dc.dm_channel(ALICE)
     assert await replies(dc, dm, 1) == ["echo: are you there"]
-    await asyncio.sleep(0.2)
-    assert dc.sent_to(dm) == ["echo: are you there"]
-    refused, accepted = dc.send_attempts
+    await dc.dm(ALICE, "next")  # its reply comes after any second send of the first
+    assert await replies(dc, dm, 2) == ["echo: are you there", "echo: next"]
+    refused, accepted = dc.send_attempts[:2]
     assert accepted - refused >= 0.45  # retry_after honoured
 
 
@@ -175,9 +176,8 @@ async def test_the_same_message_delivered_twice_gets_one_reply(
     await replies(dc, dm, 1)
     await dc.redeliver(message_id)
     await dc.dm(ALICE, "after")
-    await replies(dc, dm, 2)
-    await asyncio.sleep(0.2)
-    assert dc.sent_to(dm) == ["echo: once", "echo: after"]
+    # A reply to the redelivery would come before the one to "after" (one session).
+    assert await replies(dc, dm, 2) == ["echo: once", "echo: after"]
 
 
 async def test_an_unknown_user_gets_a_pairing_code_then_replies_once_approved(
@@ -267,9 +267,11 @@ async def test_auto_thread_answers_a_channel_mention_in_a_new_thread(
         await dc.redeliver(asked)  # the thread exists already: same session, no second reply
         # The bot started this thread: no mention needed there.
         await dc.guild_message(dc.channel, ALICE, "follow-up", thread=asked)
-        await replies(dc, asked, 2)
-        await asyncio.sleep(0.2)
-    assert dc.sent_to(asked) == ["echo: [Alice] let's plan the release", "echo: [Alice] follow-up"]
+        # A reply to the redelivery would come before the follow-up's (one session).
+        assert await replies(dc, asked, 2) == [
+            "echo: [Alice] let's plan the release",
+            "echo: [Alice] follow-up",
+        ]
     assert len(dc.threads_created) == 1
     # Discord's 160004 was understood
     assert [e for e in logs if e["event"] == "discord_thread_not_started"] == []

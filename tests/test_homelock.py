@@ -20,8 +20,9 @@ import pytest
 from gateway.store.homelock import LOCK_FILE, HomeInUse, HomeLock, held_by
 from scripts.harness import Daemon
 from tests.commandline import cli
+from tests.waiting import wait_blocking
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)  # daemons and CLI runs: slow on a loaded machine
 
 KEY = "agent:main:http:dm:c1"
 SETTINGS = (
@@ -52,6 +53,33 @@ def files(home: Path) -> dict[str, bytes]:
         for path in sorted(home.rglob("*"))
         if path.is_file() and path.name != "daemon.log"
     }
+
+
+def process_state(pid: int) -> str:
+    """The state letter of /proc/PID/stat: "T" once a SIGSTOP has taken effect."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def freeze_between_writes(daemon: Daemon) -> dict[str, bytes]:
+    """SIGSTOP the daemon at a moment it is between writes: its files all there and no
+    atomic write's temp file in flight (else let it go on and try again). Its files."""
+    proc = daemon.proc
+    assert proc is not None
+    expected = {"status.json", "sessions/state.db", "sessions/sessions.json"}
+    frozen: dict[str, bytes] = {}
+
+    def stopped_between_writes() -> bool:
+        proc.send_signal(signal.SIGSTOP)
+        wait_blocking(lambda: process_state(proc.pid) == "T", within=5)
+        snapshot = files(daemon.home)
+        if expected <= set(snapshot) and not any(".tmp-" in name for name in snapshot):
+            frozen.update(snapshot)
+            return True
+        proc.send_signal(signal.SIGCONT)
+        return False
+
+    wait_blocking(stopped_between_writes, within=20)
+    return frozen
 
 
 def sessions_state(daemon: Daemon) -> dict[str, list[tuple[object, ...]]]:
@@ -139,20 +167,17 @@ def test_a_second_run_is_refused_at_once_and_changes_nothing(
     assert first.proc is not None
     # Frozen, the first writes nothing, so every byte of the home can be compared; it
     # still holds its lock and its port.
-    first.proc.send_signal(signal.SIGSTOP)
+    before = freeze_between_writes(first)
     try:
-        before = files(first.home)
-        assert {"status.json", "sessions/state.db", "sessions/sessions.json"} <= set(before)
-        started = time.monotonic()
-        second = cli(first.home, "run", "--log-json")
-        took = time.monotonic() - started
+        # A wait for the lock would never end (its holder is frozen): the refusal itself
+        # proves there was none, on a machine of any speed (the timeout only bounds it).
+        second = cli(first.home, "run", "--log-json", timeout=120)
         after = files(first.home)
     finally:
         first.proc.send_signal(signal.SIGCONT)
     assert second.returncode == 78, second.stderr
     assert len(second.stderr.strip().splitlines()) == 1
     assert f"pid {first.proc.pid}" in second.stderr and "in use" in second.stderr
-    assert took < 5  # interpreter start-up, then one look at the lock
     assert after == before  # status.json, state.db, -wal, sessions.json: byte for byte
 
     # The first never noticed: its turn ends with one reply, nothing marked.

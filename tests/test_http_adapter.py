@@ -18,6 +18,7 @@ from adapters.http import MAX_REPLIES_PER_POLL, HttpAdapter
 from config import HttpConfig
 from gateway.session import Platform, SessionSource
 from tests.fakes.ledger import FakeLedger
+from tests.waiting import wait_for
 
 TOKEN = "s3cret-token"
 
@@ -555,7 +556,7 @@ async def test_long_poll_returns_as_soon_as_a_reply_is_recorded_and_sent(api, cl
     adapter, gateway = api
 
     async def reply_later() -> None:
-        await asyncio.sleep(0.2)
+        await wait_for(lambda: "c1" in adapter._waiters)  # the poll waits
         await gateway.reply(adapter, source("c2"), "not for c1")  # must not end c1's poll
         await gateway.reply(adapter, source(), "here you are")
 
@@ -592,7 +593,7 @@ async def test_long_poll_times_out_empty(api, client):
 async def test_stop_wakes_a_pending_long_poll(api, client):
     adapter, _ = api
     poll = asyncio.create_task(get_replies(client, adapter, wait=30))
-    await asyncio.sleep(0.2)
+    await wait_for(lambda: "c1" in adapter._waiters)  # the poll waits
     started = time.monotonic()
     await adapter.stop()
     assert await asyncio.wait_for(poll, 2) == {"messages": [], "next": 0}

@@ -225,7 +225,7 @@ async def test_a_summary_that_waited_its_bound_goes_while_another_session_runs(
 ) -> None:
     monkeypatch.setattr(summaries, "YIELD_SECONDS", 0.2)
     gw = await make_gateway(**EAGER)
-    fake.hold(asks("[c2]"))  # never released
+    c2_turn = fake.hold(asks("[c2]"))
     await gw.client.post("c2", "[c2] a long one")
     await wait_for(lambda: fake.held)
     await gw.say("[c1] one")
@@ -233,3 +233,4 @@ async def test_a_summary_that_waited_its_bound_goes_while_another_session_runs(
     await wait_for(lambda: "summary:c1" in fake.order(), within=15)
     summary = next(s for s in fake.spans if s.label == "summary:c1")
     assert summary.overlaps(fake.spans[0])  # c2's turn was still at the model
+    c2_turn.set()  # so the gateway's stop drains it at once

@@ -36,7 +36,7 @@ from tests.fakes.agents import scripted
 from tests.fakes.telegram_api import FakeTelegram
 from tests.test_http_adapter import FakeGateway, http_config
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)  # daemons: slow to start on a loaded machine
 
 SECRET_WORDS = "marmalade-zeppelin-4417"  # appears nowhere but in the user's message
 KEY = "agent:main:http:dm:c1"

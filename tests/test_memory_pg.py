@@ -20,7 +20,9 @@ from gateway.memory import pg_index
 from gateway.memory.recall import Namespace, Recall
 from gateway.session import Platform, SessionSource
 from gateway.store.session_store import SessionStore
+from gateway.util.pg_scope import LOCK_KEY_SQL
 from tests.pg_support import fresh_schema
+from tests.waiting import wait_for
 
 ALICE = Namespace("main", "http", "alice")
 BOB = Namespace("main", "http", "bob")
@@ -111,6 +113,17 @@ async def test_a_log_entry_committed_after_a_later_one_is_not_lost(tmp_path: Any
         assert sorted(h.id for h in hits) == sorted([fast, "note-slow"])
 
 
+def lock_waiters(dsn: str, key: int) -> int:
+    """Backends waiting for the advisory lock `key` (a bigint: two 32-bit halves)."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND NOT granted"
+            " AND classid::bigint = %s AND objid::bigint = %s AND objsubid = 1",
+            ((key >> 32) & 0xFFFFFFFF, key & 0xFFFFFFFF),
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
 async def test_a_round_held_by_another_replica_is_skipped_by_the_loop_and_awaited_by_a_search(
     tmp_path: Any, dsn: str
 ) -> None:
@@ -118,7 +131,9 @@ async def test_a_round_held_by_another_replica_is_skipped_by_the_loop_and_awaite
         note = await recall.save(ALICE, "ibis migration dates")
         other = psycopg.connect(dsn)
         try:
-            other.execute("SELECT pg_advisory_xact_lock(%s)", (pg_index.LOCK_KEY,))
+            # The same schema's key: what another replica of this store takes.
+            lock = {"key": pg_index.LOCK_KEY}
+            other.execute(f"SELECT pg_advisory_xact_lock({LOCK_KEY_SQL})", lock)
             await recall.store.write(
                 lambda conn: conn.execute(
                     "UPDATE notes SET content = 'ibis and stork dates' WHERE note_id = ?", (note,)
@@ -129,7 +144,8 @@ async def test_a_round_held_by_another_replica_is_skipped_by_the_loop_and_awaite
             assert await recall.indexer.catch_up(wait=False, embed=False) == 0
             assert time.monotonic() - started < 2
             waiting = asyncio.ensure_future(recall.search(ALICE, "stork"))
-            await asyncio.sleep(0.3)
+            key = other.execute(f"SELECT {LOCK_KEY_SQL}", lock).fetchone()[0]
+            await wait_for(lambda: lock_waiters(dsn, key) == 1)
             assert not waiting.done()  # waits for the other replica's round
             other.commit()  # its round ends: the lock is released
             hits = await asyncio.wait_for(waiting, 10)

@@ -11,8 +11,9 @@ import pytest
 
 from gateway.store import migrations
 from gateway.store.pg import schema
-from gateway.store.pg.schema import BASELINE, migrate, schema_version
-from tests.pg_support import pg_schema_dsn
+from gateway.store.pg.schema import BASELINE, MIGRATION_LOCK_KEY, migrate, schema_version
+from gateway.util.pg_scope import CHANNEL_SQL, LOCK_KEY_SQL
+from tests.pg_support import fresh_schema, pg_available, pg_schema_dsn, schema_dsn
 
 __all__ = ["pg_schema_dsn"]  # the fixture, imported for pytest
 
@@ -145,6 +146,31 @@ def test_replicas_starting_together_migrate_once(pg_schema_dsn: str) -> None:
         assert conn.execute("SELECT version FROM hermes_schema").fetchall() == [
             (migrations.SCHEMA_VERSION,)
         ]
+
+
+def test_a_migration_waits_for_no_other_schemas_store(pg_schema_dsn: str) -> None:
+    """Advisory locks are per database: stores in two schemas of one (parallel test
+    workers, two deployments) each lock a key of their own."""
+    with fresh_schema() as other_dsn, psycopg.connect(other_dsn) as other:
+        other.execute(f"SELECT pg_advisory_xact_lock({LOCK_KEY_SQL})", {"key": MIGRATION_LOCK_KEY})
+        with psycopg.connect(pg_schema_dsn, autocommit=True) as conn:
+            conn.execute("SET lock_timeout = '5s'")  # a shared key: LockNotAvailable
+            migrate(conn)
+            assert schema_version(conn) == migrations.SCHEMA_VERSION
+        other.rollback()
+
+
+def test_the_default_schema_keeps_the_bare_lock_keys_and_channels() -> None:
+    """What one deployment in `public` uses is the key and channel name as written, so
+    replicas of another version of the gateway agree with it."""
+    if (reason := pg_available()) is not None:
+        pytest.skip(reason)
+    with psycopg.connect(schema_dsn("public")) as conn:
+        row = conn.execute(
+            f"SELECT {LOCK_KEY_SQL}, {CHANNEL_SQL}",
+            {"key": MIGRATION_LOCK_KEY, "channel": "hermes_inbox"},
+        ).fetchone()
+    assert row == (MIGRATION_LOCK_KEY, "hermes_inbox")
 
 
 def test_triggers_log_messages_and_notes_as_on_sqlite(pg_schema_dsn: str) -> None:

@@ -429,7 +429,9 @@ async def test_a_turn_that_only_waited_at_each_crash_is_not_counted(tmp_path: Pa
     """One agent slot: chat c1's turn runs (and kills the gateway, three times), chat
     c2's was begun too but waits for the slot at every crash. Only c1's counts: c1 is
     set aside at the third unclean start, c2 is resumed and runs."""
-    config = GatewayConfig.model_validate({"timezone": "UTC", "agent": {"max_concurrent_turns": 1}})
+    # A short drain: the last runner stops with c2's turn blocked for good.
+    agent = {"max_concurrent_turns": 1, "restart_drain_timeout": 0.5}
+    config = GatewayConfig.model_validate({"timezone": "UTC", "agent": agent})
     other = SessionSource(platform=Platform.LOCAL, chat_id="c2", user_id="u2")
     other_key = "agent:main:local:dm:c2"
     probe = ProbeAdapter()

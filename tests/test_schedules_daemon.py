@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from scripts.harness import Daemon, home_env, parse_metrics
+from tests.waiting import wait_blocking
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -94,14 +95,14 @@ def test_an_in_2s_reminder_is_delivered_once_to_its_chat(
     assert ack["text"].startswith("Scheduled sch_")
     replies = daemon.wait_replies("c1", 2, timeout=10)
     assert "stand up and stretch" in replies[1]["text"]
-    time.sleep(1.5)  # a second delivery would arrive by now
-    assert len(daemon.replies("c1")) == 2
-    assert daemon.replies("c2") == []
-    metrics = parse_metrics(urlopen_text(daemon, "/metrics"))
-    assert metrics['hermes_schedule_runs_total{status="ok"}'] == 1
+    ok_runs = 'hermes_schedule_runs_total{status="ok"}'
+    wait_blocking(lambda: parse_metrics(urlopen_text(daemon, "/metrics")).get(ok_runs) == 1)
     (listed,) = cli_json(daemon, "list")
     assert listed["status"] == "done" and listed["next_run_at"] is None
-    daemon.stop()
+    assert daemon.stop() == 0
+    # Stopped: the ledger holds every reply it ever sends, a second delivery included.
+    assert len(daemon.sent_texts("c1")) == 2
+    assert daemon.sent_texts("c2") == []
 
 
 def urlopen_text(daemon: Daemon, path: str) -> str:
@@ -109,6 +110,8 @@ def urlopen_text(daemon: Daemon, path: str) -> str:
         return resp.read().decode()
 
 
+# Some fifteen CLI runs, each an interpreter start: minutes on a loaded machine.
+@pytest.mark.timeout(480)
 def test_the_cli_adds_lists_and_removes_beside_the_running_daemon(
     daemons: list[Daemon], tmp_path: Path
 ) -> None:
@@ -116,18 +119,17 @@ def test_the_cli_adds_lists_and_removes_beside_the_running_daemon(
     daemon.start()
     added = cli_json(daemon, "add", "--chat", "http:c9", "in 1s", "from", "the", "operator")
     assert added["status"] == "active" and added["platform"] == "http"
-    # Picked up within a second: the run starts at most ~1 s after its fire time.
+    # Picked up at its fire time, not at a later pass of a slow poll (within a bound a
+    # loaded machine meets).
     (reply,) = daemon.wait_replies("c9", 1, timeout=10)
     assert "from the operator" in reply["text"]
-    deadline = time.monotonic() + 10
-    while (runs := cli_json(daemon, "runs", added["id"])) and runs[0]["status"] == "running":
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    (run,) = runs
+    # The run's row is final before the CLI is asked (one interpreter start, not a poll).
+    wait_blocking(lambda: [s for s, _ in runs_of(daemon, added["id"])] == ["ok"])
+    (run,) = cli_json(daemon, "runs", added["id"])
     assert set(run) >= {"status", "fire_time", "started_at", "finished_at", "output_summary"}
     assert run["status"] == "ok" and "from the operator" in run["output_summary"]
     fire = _epoch(run["fire_time"])
-    assert 0 <= _epoch(run["started_at"]) - fire < 1.5
+    assert 0 <= _epoch(run["started_at"]) - fire < 5
 
     every = cli_json(daemon, "add", "--chat", "http:c9", "every 1h", "hourly", "check")
     listed = cli_json(daemon, "list")
@@ -137,20 +139,17 @@ def test_the_cli_adds_lists_and_removes_beside_the_running_daemon(
             *("id", "platform", "chat_id", "prompt", "cadence", "status", "next_run_at"),
         }
     assert listed[1]["cadence"] == "every 1h" and listed[1]["next_run_at"].endswith("+00:00")
-    # `hermes-gateway status` shows the next fire time (status.json: rewritten within 5 s).
-    deadline = time.monotonic() + 10
-    while True:
-        status = subprocess.run(
-            [sys.executable, "-m", "gateway.cli", "status"],
-            env=home_env(daemon.home),
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout
-        if f"next scheduled run: {listed[1]['next_run_at']} ({every['id']})" in status:
-            break
-        assert time.monotonic() < deadline, status
-        time.sleep(0.5)
+    # `hermes-gateway status` shows the next fire time (status.json: rewritten within 5 s,
+    # waited for here before the one `status` run).
+    wait_blocking(lambda: next_schedule(daemon) == every["id"], within=15)
+    status = subprocess.run(
+        [sys.executable, "-m", "gateway.cli", "status"],
+        env=home_env(daemon.home),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    assert f"next scheduled run: {listed[1]['next_run_at']} ({every['id']})" in status, status
     assert cli(daemon, "pause", every["id"]).returncode == 0
     assert cli_json(daemon, "list")[1]["status"] == "paused"
     assert cli(daemon, "remove", every["id"]).returncode == 0
@@ -172,6 +171,15 @@ def test_the_cli_adds_lists_and_removes_beside_the_running_daemon(
     daemon.stop()
 
 
+def next_schedule(daemon: Daemon) -> str | None:
+    """The schedule id status.json names as the next to run (None before it does)."""
+    try:
+        upcoming = json.loads((daemon.home / "status.json").read_text()).get("next_schedule")
+    except (FileNotFoundError, ValueError):
+        return None
+    return upcoming.get("schedule_id") if isinstance(upcoming, dict) else None
+
+
 def _epoch(iso: str) -> float:
     return datetime.fromisoformat(iso).timestamp()
 
@@ -188,12 +196,12 @@ def test_kill9_right_after_the_claim_gives_one_reply_after_restart(
 
     daemon.start()  # no crash point this time
     replies = daemon.wait_replies("c1", 2, timeout=15)
-    time.sleep(1.5)  # anything duplicated would arrive by now
-    texts = [r["text"] for r in daemon.replies("c1")]
+    assert daemon.stop() == 0
+    # Stopped: the ledger holds every reply it ever sends, a duplicate included.
+    texts = daemon.sent_texts("c1")
     assert len(texts) == 2 and "exactly once" in texts[1]
     assert replies[1]["text"] == texts[1]
     assert [status for status, _ in runs_of(daemon, schedule_id)] == ["ok"]
-    daemon.stop()
 
 
 def test_kill9_during_a_slow_run_never_replies_twice(daemons: list[Daemon], tmp_path: Path) -> None:

@@ -64,8 +64,10 @@ def daemon_settings(tg: FakeTelegram, model_url: str) -> str:
 
 
 def assert_one_complete_reply(tg: FakeTelegram, daemon: Daemon) -> None:
+    """Waits for the reply, then stops the daemon: what it sent before it exited (its
+    turns drained) is all it ever sends, so a duplicate would be among it."""
     wait_blocking(lambda: tg.chat_view(42) == [REPLY], within=30)
-    time.sleep(1.0)  # anything duplicated would arrive by now
+    assert daemon.stop() == 0
     assert tg.chat_view(42) == [REPLY]
     assert len(tg.sent) == 1  # the one message, edited to the end
     assert stream_rows(daemon) == 0
@@ -91,7 +93,6 @@ def test_kill9_mid_stream_leaves_exactly_one_complete_reply(
 
             daemon.start()
             assert_one_complete_reply(tg, daemon)
-            assert daemon.stop() == 0
         finally:
             daemon.ensure_stopped()
 
@@ -115,7 +116,6 @@ def test_a_crash_around_the_final_edit_still_leaves_one_complete_reply(
 
             daemon.start()
             assert_one_complete_reply(tg, daemon)
-            assert daemon.stop() == 0
         finally:
             daemon.ensure_stopped()
 

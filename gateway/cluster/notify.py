@@ -6,6 +6,10 @@ when it commits, never before. `Listener` holds one connection that LISTENs on e
 registered channel and hands each payload to that channel's callbacks. A notification
 sent while the listener was disconnected is lost: after every reconnection it calls
 `on_reconnect()`, for its owner to re-read what it may have missed from the tables.
+
+Channels are per database, not per schema: a channel's name on the server is scoped to
+the store's schema (gateway.util.pg_scope), so stores in two schemas of one database do
+not hear each other.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from gateway.cluster._support import (
     nothing,
 )
 from gateway.util.backoff import Backoff
+from gateway.util.pg_scope import CHANNEL_SQL, NOTIFY_SQL
 
 log = structlog.get_logger("gateway.cluster.notify")
 
@@ -39,7 +44,7 @@ Handler = Callable[[str], Awaitable[None] | None]
 def notify(conn: psycopg.Connection[Any], channel: str, payload: str = "") -> None:
     """Queue `payload` on `channel`, delivered to listeners when `conn`'s transaction
     commits (at once in autocommit). Keep payloads to ids: the rows are the truth."""
-    conn.execute("SELECT pg_notify(%s, %s)", (channel, payload))
+    conn.execute(NOTIFY_SQL, {"channel": channel, "payload": payload})
 
 
 class Listener:
@@ -71,6 +76,7 @@ class Listener:
         self.connections = 0
         self._handlers: dict[str, list[Handler]] = {}
         self._listening: set[str] = set()
+        self._names: dict[str, str] = {}  # a channel's scoped name on the server -> channel
         self._synced = asyncio.Event()
         self._conn: psycopg.AsyncConnection[Any] | None = None
         self._task: asyncio.Task[None] | None = None
@@ -131,11 +137,20 @@ class Listener:
     async def _listen_missing(self) -> None:
         assert self._conn is not None
         for channel in [c for c in self._handlers if c not in self._listening]:
-            listening = self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+            name = await bounded(self._conn, self._scoped(channel), self.ping_seconds)
+            listening = self._conn.execute(sql.SQL("LISTEN {}").format(sql.Identifier(name)))
             await bounded(self._conn, listening, self.ping_seconds)
+            self._names[name] = channel
             self._listening.add(channel)
         if all(c in self._listening for c in self._handlers):
             self._synced.set()
+
+    async def _scoped(self, channel: str) -> str:
+        assert self._conn is not None
+        cursor = await self._conn.execute(f"SELECT {CHANNEL_SQL}", {"channel": channel})
+        row = await cursor.fetchone()
+        assert row is not None
+        return str(row[0])
 
     async def _receive(self) -> None:
         assert self._conn is not None
@@ -144,7 +159,7 @@ class Listener:
         while True:
             async for note in self._conn.notifies(timeout=self.poll_seconds):
                 quiet_since = loop.time()
-                self._dispatch(note.channel, note.payload)
+                self._dispatch(self._names.get(note.channel, note.channel), note.payload)
             await self._listen_missing()
             if loop.time() - quiet_since >= self.ping_seconds:
                 # A peer that vanished without closing the socket shows here.

@@ -57,11 +57,12 @@ from gateway.memory.index import (
 )
 from gateway.memory.retrieval import CANDIDATES, MAX_POSTINGS, Recent
 from gateway.store.pg.db import connect as connect_store
+from gateway.util.pg_scope import LOCK_KEY_SQL
 
 log = structlog.get_logger("gateway.memory.pg_index")
 
 # pg_advisory_xact_lock's key for memory index writes: a fixed bigint no other code uses
-# ("hermesmi" in ASCII).
+# ("hermesmi" in ASCII), scoped to the store's schema (gateway.util.pg_scope).
 LOCK_KEY = 0x6865726D65736D69
 LOG_TRIM_PAGE = 20_000  # fts_log entries dropped per round while transcripts are off
 
@@ -305,11 +306,9 @@ class PgIndexSql(PgRecallSql):
             yield
 
     def _lock(self, conn: psycopg.Connection[Any], wait: bool) -> bool:
-        if wait:
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
-            return True
-        row = conn.execute("SELECT pg_try_advisory_xact_lock(%s)", (LOCK_KEY,)).fetchone()
-        return bool(row and row[0])
+        take = "pg_advisory_xact_lock" if wait else "pg_try_advisory_xact_lock"
+        row = conn.execute(f"SELECT {take}({LOCK_KEY_SQL})", {"key": LOCK_KEY}).fetchone()
+        return wait or bool(row and row[0])  # the waiting form returns once it holds the lock
 
     def meta(self, conn: psycopg.Connection[Any], key: str) -> str | None:
         row = conn.execute("SELECT value FROM memory_meta WHERE key = %s", (key,)).fetchone()

@@ -20,6 +20,7 @@ from typing import Any
 
 from gateway.store import entries, purge
 from gateway.store.pg import is_postgres
+from gateway.util.pg_scope import NOTIFY_SQL
 
 ACTIVE, PAUSED, DONE = "active", "paused", "done"
 RUNNING, OK, FAILED, MISSED, INTERRUPTED = "running", "ok", "failed", "missed", "interrupted"
@@ -56,7 +57,7 @@ def _announce(conn: Any) -> None:
     """On SQLite the scheduler notices another process's commit by `data_version`."""
     if is_postgres(conn):
         # Not gateway.cluster.notify: importing it would load psycopg on SQLite too.
-        conn.raw.execute("SELECT pg_notify(%s, '')", (CHANNEL,))
+        conn.raw.execute(NOTIFY_SQL, {"channel": CHANNEL, "payload": ""})
 
 
 def insert(conn: sqlite3.Connection, row: dict[str, Any]) -> None:

@@ -23,10 +23,11 @@ from __future__ import annotations
 import psycopg
 
 from gateway.store.migrations import SCHEMA_VERSION
+from gateway.util.pg_scope import LOCK_KEY_SQL
 
 BASELINE = 14
 # pg_advisory_xact_lock's key for migrations: any fixed bigint no other code uses
-# ("hermesmg" in ASCII).
+# ("hermesmg" in ASCII), scoped to the store's schema (gateway.util.pg_scope).
 MIGRATION_LOCK_KEY = 0x6865726D65736D67
 
 BASELINE_DDL = """
@@ -419,7 +420,9 @@ def migrate(conn: psycopg.Connection) -> None:
     # Bounded: each pass either returns or moves the version up by at least one.
     for _ in range(SCHEMA_VERSION + 2):
         with conn.transaction():
-            conn.execute("SELECT pg_advisory_xact_lock(%s)", (MIGRATION_LOCK_KEY,))
+            conn.execute(
+                f"SELECT pg_advisory_xact_lock({LOCK_KEY_SQL})", {"key": MIGRATION_LOCK_KEY}
+            )
             current = schema_version(conn)
             if current > SCHEMA_VERSION:
                 raise psycopg.DatabaseError(

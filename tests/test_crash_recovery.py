@@ -325,8 +325,8 @@ def test_a_damaged_state_db_exits_78_naming_the_file(daemons: list[Daemon], tmp_
 def test_a_state_db_that_is_empty_or_not_a_database_exits_78_and_changes_nothing(
     daemons: list[Daemon], tmp_path: Path, content: bytes
 ) -> None:
-    # An empty file is an empty database to SQLite: the sessions.json mirror used to be
-    # imported over it, silently losing every transcript and the duplicate memory.
+    # An empty file is an empty database to SQLite: importing the sessions.json mirror over
+    # it would silently lose every transcript and the duplicate memory.
     daemon = stopped_after_one_answer(daemons, tmp_path / "home")
     sessions = daemon.home / "sessions"
     (sessions / "state.db").write_bytes(content)

@@ -601,7 +601,7 @@ async def test_stop_wakes_a_pending_long_poll(api, client):
 
 
 # Every spelling int() or float() would take but that is not plain ASCII digits, and
-# every value out of range. 2**63 used to reach SQLite and come back as a 500.
+# every value out of range. 2**63 must not reach SQLite (it would come back as a 500).
 MALFORMED = [
     "",
     " 1",

@@ -17,8 +17,8 @@ from gateway.ops.status import STATUS_FILE, is_live, keep_status, read_status, w
 from scripts.bench_idle import measure_idle, wait_settled
 from scripts.harness import Daemon
 
-# Longer than the status check (5 s), which used to rewrite status.json each time, and
-# than 20 rounds of the search indexer (0.25 s), which used to commit each time. Short of
+# Longer than the status check (5 s), which must not rewrite status.json each time, and
+# than 20 rounds of the search indexer (0.25 s), which must not commit each time. Short of
 # the status heartbeat (60 s after start-up), which touches the file's mtime.
 IDLE_WINDOW_SECONDS = 6.0
 # Idle starts this long after a message's effects landed: the log trim the index round

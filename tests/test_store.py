@@ -1208,7 +1208,7 @@ def test_file_modes_are_private_even_with_permissive_umask(tmp_path: Path) -> No
 
 async def test_close_while_the_mirror_is_writing(tmp_path: Path) -> None:
     # A fresh store writes sessions.json in the background right after open; closing at
-    # that moment used to race the final write for the temp file (FileNotFoundError).
+    # that moment must not race the final write for the temp file (FileNotFoundError).
     for i in range(40):
         store = SessionStore(tmp_path / str(i), make_config())
         await store.open()

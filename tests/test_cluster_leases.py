@@ -65,6 +65,14 @@ def conn(dsn: str) -> Iterator[psycopg.Connection]:
         yield c
 
 
+def lease_expiry(dsn: str, name: str) -> float:
+    """The lease's `expires_at` (database epoch seconds): each renewal moves it on."""
+    with psycopg.connect(dsn) as c:
+        row = c.execute("SELECT expires_at FROM leases WHERE name = %s", (name,)).fetchone()
+    assert row is not None, f"no lease {name}"
+    return float(row[0])
+
+
 def terminate(dsn: str, app_name_prefix: str) -> int:
     """Kill every backend whose application_name starts with the prefix; how many."""
     with psycopg.connect(dsn, autocommit=True) as c:
@@ -125,11 +133,11 @@ def test_expiry_ignores_the_replica_clock(conn: psycopg.Connection) -> None:
 async def test_renew_extends_every_live_lease_of_the_owner_only(
     dsn: str, conn: psycopg.Connection
 ) -> None:
-    leases.try_acquire(conn, "turn:1", "a", 0.5)
-    leases.try_acquire(conn, "turn:2", "a", 0.5)
+    leases.try_acquire(conn, "turn:1", "a", 10)
+    leases.try_acquire(conn, "turn:2", "a", 10)
     leases.try_acquire(conn, "turn:3", "a", 0.05)
-    leases.try_acquire(conn, "turn:4", "b", 0.5)
-    await asyncio.sleep(0.15)  # turn:3 runs out
+    leases.try_acquire(conn, "turn:4", "b", 10)
+    await wait_for(lambda: leases.holder(conn, "turn:3") is None)  # turn:3 runs out
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as heartbeat:
         assert await leases.arenew(heartbeat, "a", 30) == 2  # turn:3 is up for grabs now
     rows = dict(
@@ -138,7 +146,7 @@ async def test_renew_extends_every_live_lease_of_the_owner_only(
         ).fetchall()
     )
     assert rows["turn:1"] > 29 and rows["turn:2"] > 29
-    assert rows["turn:3"] < 0 and rows["turn:4"] < 0.5
+    assert rows["turn:3"] < 0 and rows["turn:4"] < 10
     assert leases.try_acquire(conn, "turn:3", "b", 5)
     assert leases.release_all(conn, "a") == 2
     assert leases.holder(conn, "turn:1") is None
@@ -233,7 +241,13 @@ async def test_two_roles_elect_exactly_one_and_stop_hands_over_at_once(
     b.start()
     watch = Overlap([a, b])
     await wait_for(lambda: a.is_leader or b.is_leader, within=3)
-    await asyncio.sleep(1.0)  # several renewals
+    expiries: set[float] = set()
+
+    def renewed_twice() -> bool:
+        expiries.add(lease_expiry(dsn, "leader:test"))
+        return len(expiries) >= 3 and watch.samples > 30
+
+    await wait_for(renewed_twice)
     await watch.stop()
     assert watch.both == [] and watch.samples > 30
     leader, standby = (a, b) if a.is_leader else (b, a)
@@ -289,9 +303,11 @@ async def test_a_leader_whose_backend_is_killed_keeps_or_hands_over_never_both(
     await wait_for(lambda: a.is_leader, within=3)
     b.start()
     watch = Overlap([a, b])
-    await asyncio.sleep(0.3)
+    await wait_for(lambda: b.holder == a.owner)  # B polls, as the standby
+    killed_expiry = lease_expiry(dsn, "leader:test")
     assert terminate(dsn, f"hermes leader:test {a.owner}") == 1
-    await asyncio.sleep(2.5)  # beyond the lease's 1.5 s
+    # Renewed past the expiry it had when killed: B never found the lease free.
+    await wait_for(lambda: lease_expiry(dsn, "leader:test") > killed_expiry + 1.5)
     await watch.stop()
     assert watch.both == []
     # It reconnected and renewed in time: the role never moved.
@@ -320,12 +336,11 @@ async def test_a_partitioned_leader_steps_down_before_another_takes_over(
         await wait_for(lambda: a.is_leader, within=3)
         b.start()
         watch = Overlap([a, b])
-        await asyncio.sleep(0.2)
+        await wait_for(lambda: b.holder == a.owner)  # B polls, as the standby
         relay.freeze()  # the leader's packets go nowhere, its socket stays open
         frozen = time.monotonic()
         await wait_for(lambda: b.is_leader, within=3)
         failover = time.monotonic() - frozen
-        await asyncio.sleep(0.3)
         await watch.stop()
         assert watch.both == []
         assert not a.is_leader and times["a_lost"] < times["b_gained"]
@@ -362,7 +377,8 @@ async def test_heartbeat_renews_all_leases_of_its_owner(dsn: str, conn: psycopg.
     beat = Heartbeat(dsn, "hb", ttl=1.5)
     beat.start()
     try:
-        await asyncio.sleep(2.2)
+        # turn:3, taken last and never renewed, runs out: turn:1 and turn:2 would too.
+        await wait_for(lambda: leases.holder(conn, "turn:3") is None)
         assert beat.healthy and beat.renewed == 2 and beat.failures == 0
         assert leases.holder(conn, "turn:1") == "hb" and leases.holder(conn, "turn:2") == "hb"
         assert leases.holder(conn, "turn:3") is None

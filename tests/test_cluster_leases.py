@@ -23,7 +23,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from gateway.cluster import Heartbeat, LeaderRole, Listener, leases, make_owner_id, notify
 from tests.pg_support import fresh_schema
-from tests.waiting import wait_for
+from tests.waiting import wait_blocking, wait_for
 
 PG_DSN = os.environ.get("HERMES_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -100,8 +100,7 @@ def test_a_lease_is_exclusive_until_it_expires(conn: psycopg.Connection) -> None
     assert leases.holder(conn, "turn:s1") == "a"
     assert leases.try_acquire(conn, "turn:s1", "a", 0.4)  # ours: renewed, not re-taken
     assert conn.execute("SELECT acquired_at FROM leases").fetchone()[0] == first_acquired
-    time.sleep(0.5)
-    assert leases.holder(conn, "turn:s1") is None
+    wait_blocking(lambda: leases.holder(conn, "turn:s1") is None)  # its 0.4 s ran out
     assert leases.try_acquire(conn, "turn:s1", "b", 10)
     assert leases.holder(conn, "turn:s1") == "b"
     assert conn.execute("SELECT acquired_at FROM leases").fetchone()[0] > first_acquired
@@ -115,8 +114,7 @@ def test_expiry_is_read_on_the_database_clock_inside_a_long_transaction(dsn: str
     with psycopg.connect(dsn) as conn, conn.transaction():
         assert leases.try_acquire(conn, "leader:x", "a", 0.3)
         assert leases.holder(conn, "leader:x") == "a"
-        time.sleep(0.4)
-        assert leases.holder(conn, "leader:x") is None
+        wait_blocking(lambda: leases.holder(conn, "leader:x") is None)  # its 0.3 s ran out
         assert leases.try_acquire(conn, "leader:x", "b", 5)
 
 
@@ -156,7 +154,7 @@ async def test_renew_extends_every_live_lease_of_the_owner_only(
 def test_racing_replicas_take_an_expired_lease_once(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as c:
         leases.try_acquire(c, "turn:race", "dead", 0.01)
-    time.sleep(0.05)
+        wait_blocking(lambda: leases.holder(c, "turn:race") is None)
     conns = [psycopg.connect(dsn, autocommit=True) for _ in range(8)]
     start = threading.Barrier(len(conns))
     won: list[str] = []

@@ -23,6 +23,7 @@ from gateway.agents.openai import OpenAIAgent
 from gateway.agents.protocol import AgentError, TurnRequest, TurnResult
 from gateway.session import TokenUsage
 from tests.fakes.openai_server import FakeOpenAI
+from tests.waiting import wait_for
 
 KEY = "sk-secret-0123456789abcdef"
 
@@ -37,12 +38,6 @@ def turn(text: str = "hello", history: tuple[dict[str, Any], ...] = (), system: 
     )
 
 
-async def settle() -> None:
-    """Let tasks scheduled by the code under test (background closes) run."""
-    for _ in range(5):
-        await asyncio.sleep(0)
-
-
 # --- echo ----------------------------------------------------------------------------------
 
 
@@ -55,7 +50,7 @@ async def test_echo_replies_exactly_echo_colon_text():
 async def test_echo_delay_is_cancellable_mid_sleep():
     agent = build_agent_factory(AgentConfig(delay_seconds=30.0))("k")
     task = asyncio.create_task(agent.run_turn(turn()))
-    await asyncio.sleep(0.01)
+    await asyncio.sleep(0)  # one loop step: without its delay the turn would be done
     assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
@@ -197,7 +192,7 @@ async def test_openai_connection_refused_is_an_agent_error(fake, openai_agent):
 async def test_openai_turn_is_cancellable_while_waiting_for_the_server(fake, openai_agent):
     fake.delay_next(30)
     task = asyncio.create_task(openai_agent().run_turn(turn()))
-    await asyncio.sleep(0.1)
+    await wait_for(lambda: fake.requests)  # at the server, which answers in 30 s
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(task, timeout=1.0)
@@ -381,8 +376,8 @@ async def test_cache_signature_change_mid_turn_closes_old_agent_after_release():
     assert new is not old and not old.closed
     cache.release("a")
     cache.release("a")
-    await settle()
-    assert old.closed and not new.closed
+    await wait_for(lambda: old.closed)  # closed in the background
+    assert not new.closed
 
 
 async def test_sweep_idle_evicts_only_idle_agents_past_the_ttl():
@@ -404,8 +399,8 @@ async def test_evict_while_in_use_is_deferred_until_release():
     assert await cache.evict("a") is False
     assert "a" in cache and not agent.closed
     cache.release("a")
-    await settle()
-    assert "a" not in cache and agent.closed
+    await wait_for(lambda: agent.closed)  # closed in the background
+    assert "a" not in cache
     assert await cache.evict("a") is False  # nothing left to evict
 
 

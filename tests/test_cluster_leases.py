@@ -23,7 +23,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from gateway.cluster import Heartbeat, LeaderRole, Listener, leases, make_owner_id, notify
 from tests.pg_support import fresh_schema
-from tests.waiting import wait_for
+from tests.waiting import wait_blocking, wait_for
 
 PG_DSN = os.environ.get("HERMES_TEST_PG_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -65,6 +65,14 @@ def conn(dsn: str) -> Iterator[psycopg.Connection]:
         yield c
 
 
+def lease_expiry(dsn: str, name: str) -> float:
+    """The lease's `expires_at` (database epoch seconds): each renewal moves it on."""
+    with psycopg.connect(dsn) as c:
+        row = c.execute("SELECT expires_at FROM leases WHERE name = %s", (name,)).fetchone()
+    assert row is not None, f"no lease {name}"
+    return float(row[0])
+
+
 def terminate(dsn: str, app_name_prefix: str) -> int:
     """Kill every backend whose application_name starts with the prefix; how many."""
     with psycopg.connect(dsn, autocommit=True) as c:
@@ -92,8 +100,7 @@ def test_a_lease_is_exclusive_until_it_expires(conn: psycopg.Connection) -> None
     assert leases.holder(conn, "turn:s1") == "a"
     assert leases.try_acquire(conn, "turn:s1", "a", 0.4)  # ours: renewed, not re-taken
     assert conn.execute("SELECT acquired_at FROM leases").fetchone()[0] == first_acquired
-    time.sleep(0.5)
-    assert leases.holder(conn, "turn:s1") is None
+    wait_blocking(lambda: leases.holder(conn, "turn:s1") is None)  # its 0.4 s ran out
     assert leases.try_acquire(conn, "turn:s1", "b", 10)
     assert leases.holder(conn, "turn:s1") == "b"
     assert conn.execute("SELECT acquired_at FROM leases").fetchone()[0] > first_acquired
@@ -107,8 +114,7 @@ def test_expiry_is_read_on_the_database_clock_inside_a_long_transaction(dsn: str
     with psycopg.connect(dsn) as conn, conn.transaction():
         assert leases.try_acquire(conn, "leader:x", "a", 0.3)
         assert leases.holder(conn, "leader:x") == "a"
-        time.sleep(0.4)
-        assert leases.holder(conn, "leader:x") is None
+        wait_blocking(lambda: leases.holder(conn, "leader:x") is None)  # its 0.3 s ran out
         assert leases.try_acquire(conn, "leader:x", "b", 5)
 
 
@@ -125,11 +131,11 @@ def test_expiry_ignores_the_replica_clock(conn: psycopg.Connection) -> None:
 async def test_renew_extends_every_live_lease_of_the_owner_only(
     dsn: str, conn: psycopg.Connection
 ) -> None:
-    leases.try_acquire(conn, "turn:1", "a", 0.5)
-    leases.try_acquire(conn, "turn:2", "a", 0.5)
+    leases.try_acquire(conn, "turn:1", "a", 10)
+    leases.try_acquire(conn, "turn:2", "a", 10)
     leases.try_acquire(conn, "turn:3", "a", 0.05)
-    leases.try_acquire(conn, "turn:4", "b", 0.5)
-    await asyncio.sleep(0.15)  # turn:3 runs out
+    leases.try_acquire(conn, "turn:4", "b", 10)
+    await wait_for(lambda: leases.holder(conn, "turn:3") is None)  # turn:3 runs out
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as heartbeat:
         assert await leases.arenew(heartbeat, "a", 30) == 2  # turn:3 is up for grabs now
     rows = dict(
@@ -138,7 +144,7 @@ async def test_renew_extends_every_live_lease_of_the_owner_only(
         ).fetchall()
     )
     assert rows["turn:1"] > 29 and rows["turn:2"] > 29
-    assert rows["turn:3"] < 0 and rows["turn:4"] < 0.5
+    assert rows["turn:3"] < 0 and rows["turn:4"] < 10
     assert leases.try_acquire(conn, "turn:3", "b", 5)
     assert leases.release_all(conn, "a") == 2
     assert leases.holder(conn, "turn:1") is None
@@ -148,7 +154,7 @@ async def test_renew_extends_every_live_lease_of_the_owner_only(
 def test_racing_replicas_take_an_expired_lease_once(dsn: str) -> None:
     with psycopg.connect(dsn, autocommit=True) as c:
         leases.try_acquire(c, "turn:race", "dead", 0.01)
-    time.sleep(0.05)
+        wait_blocking(lambda: leases.holder(c, "turn:race") is None)
     conns = [psycopg.connect(dsn, autocommit=True) for _ in range(8)]
     start = threading.Barrier(len(conns))
     won: list[str] = []
@@ -233,7 +239,13 @@ async def test_two_roles_elect_exactly_one_and_stop_hands_over_at_once(
     b.start()
     watch = Overlap([a, b])
     await wait_for(lambda: a.is_leader or b.is_leader, within=3)
-    await asyncio.sleep(1.0)  # several renewals
+    expiries: set[float] = set()
+
+    def renewed_twice() -> bool:
+        expiries.add(lease_expiry(dsn, "leader:test"))
+        return len(expiries) >= 3 and watch.samples > 30
+
+    await wait_for(renewed_twice)
     await watch.stop()
     assert watch.both == [] and watch.samples > 30
     leader, standby = (a, b) if a.is_leader else (b, a)
@@ -289,9 +301,11 @@ async def test_a_leader_whose_backend_is_killed_keeps_or_hands_over_never_both(
     await wait_for(lambda: a.is_leader, within=3)
     b.start()
     watch = Overlap([a, b])
-    await asyncio.sleep(0.3)
+    await wait_for(lambda: b.holder == a.owner)  # B polls, as the standby
+    killed_expiry = lease_expiry(dsn, "leader:test")
     assert terminate(dsn, f"hermes leader:test {a.owner}") == 1
-    await asyncio.sleep(2.5)  # beyond the lease's 1.5 s
+    # Renewed past the expiry it had when killed: B never found the lease free.
+    await wait_for(lambda: lease_expiry(dsn, "leader:test") > killed_expiry + 1.5)
     await watch.stop()
     assert watch.both == []
     # It reconnected and renewed in time: the role never moved.
@@ -320,12 +334,11 @@ async def test_a_partitioned_leader_steps_down_before_another_takes_over(
         await wait_for(lambda: a.is_leader, within=3)
         b.start()
         watch = Overlap([a, b])
-        await asyncio.sleep(0.2)
+        await wait_for(lambda: b.holder == a.owner)  # B polls, as the standby
         relay.freeze()  # the leader's packets go nowhere, its socket stays open
         frozen = time.monotonic()
         await wait_for(lambda: b.is_leader, within=3)
         failover = time.monotonic() - frozen
-        await asyncio.sleep(0.3)
         await watch.stop()
         assert watch.both == []
         assert not a.is_leader and times["a_lost"] < times["b_gained"]
@@ -362,7 +375,8 @@ async def test_heartbeat_renews_all_leases_of_its_owner(dsn: str, conn: psycopg.
     beat = Heartbeat(dsn, "hb", ttl=1.5)
     beat.start()
     try:
-        await asyncio.sleep(2.2)
+        # turn:3, taken last and never renewed, runs out: turn:1 and turn:2 would too.
+        await wait_for(lambda: leases.holder(conn, "turn:3") is None)
         assert beat.healthy and beat.renewed == 2 and beat.failures == 0
         assert leases.holder(conn, "turn:1") == "hb" and leases.holder(conn, "turn:2") == "hb"
         assert leases.holder(conn, "turn:3") is None

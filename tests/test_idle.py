@@ -16,6 +16,7 @@ import pytest
 from gateway.ops.status import STATUS_FILE, is_live, keep_status, read_status, write_status
 from scripts.bench_idle import measure_idle, wait_settled
 from scripts.harness import Daemon
+from tests.waiting import wait_for
 
 # Longer than the status check (5 s), which must not rewrite status.json each time, and
 # than 20 rounds of the search indexer (0.25 s), which must not commit each time. Short of
@@ -52,13 +53,6 @@ def _status_file(home: Path) -> dict[str, Any]:
     return json.loads((home / STATUS_FILE).read_text())
 
 
-async def _until(condition: Any, within: float = 5.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 async def test_status_is_rewritten_on_change_and_only_touched_otherwise(tmp_path: Path) -> None:
     turns = 0
     started = time.monotonic()
@@ -71,13 +65,13 @@ async def test_status_is_rewritten_on_change_and_only_touched_otherwise(tmp_path
     path = tmp_path / STATUS_FILE
     task = asyncio.create_task(keep_status(tmp_path, snapshot, interval=0.01, heartbeat=0.3))
     try:
-        await _until(path.exists)
+        await wait_for(path.exists)
         first = _status_file(tmp_path)
         mtime = path.stat().st_mtime_ns
-        await _until(lambda: path.stat().st_mtime_ns != mtime)  # the heartbeat
+        await wait_for(lambda: path.stat().st_mtime_ns != mtime)  # the heartbeat
         assert _status_file(tmp_path) == first  # touched, not rewritten
         turns = 1
-        await _until(lambda: _status_file(tmp_path)["active_turns"] == 1)
+        await wait_for(lambda: _status_file(tmp_path)["active_turns"] == 1)
         assert _status_file(tmp_path)["written_at"] > first["written_at"]
     finally:
         task.cancel()

@@ -68,6 +68,21 @@ def event(text: str, message_id: str) -> MessageEvent:
     return MessageEvent(source=SOURCE, text=text, message_id=message_id)
 
 
+async def running_marker(runner: GatewayRunner) -> bool:
+    """The turn's marker is committed and says its agent runs (what a kill leaves)."""
+    return any(turn["running"] for turn in await runner.turnlog.open_turns())
+
+
+async def answers_the_marker(runner: GatewayRunner, probe: ProbeAdapter) -> None:
+    """Send a marker message to the chat and wait for its answer, the first one sent. The
+    session's turns run in order: a resumed turn or a re-queued message would be
+    answered before it (a blocking one, never: the marker's answer would never come)."""
+    await runner.handle_message(event("marker", "m-marker"))
+    await wait_for(lambda: probe.sent)
+    (answer,) = probe.sent
+    assert answer.endswith("echo: marker"), answer
+
+
 async def crash(runner: GatewayRunner) -> None:
     """Stop a runner the way kill -9 would leave its files: no drain, no clean marker."""
     await runner.cancel_all_turns()  # writes nothing: the markers stay, as after kill -9
@@ -94,7 +109,7 @@ async def test_messages_arriving_during_recovery_wait_for_the_resumed_turn(
     await first.start()
     await first.handle_message(event("block me", "m1"))
     await wait_for(lambda: bool(first.engine.running))
-    await asyncio.sleep(0.1)  # the turn marker is committed before the agent runs
+    await wait_for(lambda: running_marker(first))  # its marker says it runs
     await crash(first)
 
     class Resumed(Echo):
@@ -118,7 +133,7 @@ async def test_unsent_chunks_are_sent_once_after_a_restart(tmp_path: Path) -> No
     await first.start()
     await first.handle_message(event("hello", "m1"))
     await wait_for(lambda: failing.fail_sends < 10)  # the send was tried and failed
-    await asyncio.sleep(0.05)
+    await wait_for(lambda: first.turnlog.pending_outbound())  # recorded, not acknowledged
     await crash(first)
 
     async with restarted(tmp_path) as (second, probe):
@@ -138,10 +153,9 @@ async def test_stop_drops_queued_messages_for_good(tmp_path: Path) -> None:
     await crash(first)
 
     async with restarted(tmp_path) as (second, probe):
-        await asyncio.sleep(0.3)
-        assert probe.sent == []  # neither the stopped turn nor its queue come back
         assert await second.turnlog.open_inbox() == []
         assert await second.turnlog.open_turns() == []
+        await answers_the_marker(second, probe)  # neither the stopped turn nor its queue
 
 
 async def test_stop_while_a_first_message_is_accepted_drops_it(tmp_path: Path) -> None:
@@ -159,9 +173,8 @@ async def test_stop_while_a_first_message_is_accepted_drops_it(tmp_path: Path) -
     assert await first.turnlog.open_turns() == []
     await crash(first)
 
-    async with restarted(tmp_path) as (_, probe):
-        await asyncio.sleep(0.3)
-        assert not any("block" in text for text in probe.sent)
+    async with restarted(tmp_path) as (second, probe):
+        await answers_the_marker(second, probe)  # the dropped message does not come back
 
 
 async def test_a_redelivered_first_message_is_a_duplicate_and_the_queue_still_runs(
@@ -226,7 +239,7 @@ async def test_a_resumed_shared_group_turn_asks_the_stored_message(tmp_path: Pat
     await first.start()
     await first.handle_message(MessageEvent(source=source, text="block me", message_id="m1"))
     await wait_for(lambda: bool(first.engine.running))
-    await asyncio.sleep(0.1)
+    await wait_for(lambda: running_marker(first))
     await crash(first)
 
     asked: list[str] = []

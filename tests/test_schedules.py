@@ -17,7 +17,7 @@ import re
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,9 @@ ID = re.compile(r"sch_[0-9a-f]{8}")
 
 @dataclass
 class Gateway(RunningGateway):
+    home: Path = field(kw_only=True)
+    backend: StorageBackend = field(kw_only=True)
+
     async def schedule(self, text: str, chat: str = "c1", user: str = "u1") -> str:
         reply = await self.say(f"/schedule add {text}", chat, user)
         found = ID.search(reply)
@@ -59,6 +62,30 @@ class Gateway(RunningGateway):
 
     async def row(self, schedule_id: str) -> dict[str, Any] | None:
         return await self.runner.store.read(lambda conn: rows.get(conn, schedule_id))
+
+    async def fire_marker(self, chat: str = "marker", when: str = "in 2s") -> None:
+        """Schedule a one-shot marker in a chat of its own and wait until it ran. The
+        scheduler fires due schedules in passes, in `next_run_at` order, and records a run
+        when it claims the fire: once the marker ran, every fire due before it has a row
+        in the run history (or never comes)."""
+        marker = await self.schedule(f"{when} marker", chat=chat)
+        (reply,) = await self.client.replies(chat, 1, within=15)
+        assert "marker" in reply, reply
+        await wait_for(lambda: _settled(self, marker))
+
+    async def sent_after_stop(self, chat: str) -> list[str]:
+        """Stop the gateway (stopping drains every turn), then read the replies the ledger
+        (`outbound`) holds for `chat`: every reply it ever sends there, a duplicate too."""
+        await self.stop()
+        sql = "SELECT text FROM outbound WHERE chat_id = ? ORDER BY id"
+        if self.backend.postgres:
+            with psycopg.connect(self.backend.dsn or "") as pg:
+                return [text for (text,) in pg.execute(translate(sql).sql, (chat,))]
+        conn = sqlite3.connect(self.home / "sessions" / "state.db")
+        try:
+            return [text for (text,) in conn.execute(sql, (chat,))]
+        finally:
+            conn.close()
 
 
 MakeGateway = Callable[..., Awaitable[Gateway]]
@@ -87,14 +114,10 @@ async def make_gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIt
         )
         config = store_backend.apply(config)
         adapter = HttpAdapter(config.platforms.http)
-        runner = GatewayRunner(
-            config,
-            [adapter],
-            agent_factory=agent_factory,
-            home=home or tmp_path / f"home{len(made)}",
-        )
+        home = home or tmp_path / f"home{len(made)}"
+        runner = GatewayRunner(config, [adapter], agent_factory=agent_factory, home=home)
         await runner.start()
-        gateway = Gateway(runner, GatewayClient(adapter.url))
+        gateway = Gateway(runner, GatewayClient(adapter.url), home=home, backend=store_backend)
         made.append(gateway)
         return gateway
 
@@ -113,10 +136,11 @@ async def test_an_in_1s_reminder_is_delivered_once_in_its_own_session(
     schedule_id = await gw.schedule("in 1s water the plants")
     (reply,) = await gw.client.replies("c1", 1, within=10)
     assert reply.startswith("echo: [Scheduled task") and "water the plants" in reply
-    assert await gw.client.no_more_replies("c1", settle=1.5) == []
+    await wait_for(lambda: _settled(gw, schedule_id))
     runs = await gw.runs(schedule_id)
     assert [r["status"] for r in runs] == ["ok"]
     assert "water the plants" in runs[0]["output_summary"]
+    # Done, with no next fire time: the scheduler never fires it again.
     row = await gw.row(schedule_id)
     assert row is not None and row["status"] == "done" and row["next_run_at"] is None
     # Its own session, never the chat's: the chat's transcript has only the command.
@@ -124,6 +148,9 @@ async def test_an_in_1s_reminder_is_delivered_once_in_its_own_session(
     assert await gw.runner.store.get_entry(key) is not None
     listed = await gw.say("/schedule list")
     assert schedule_id in listed and "[done]" in listed
+    # Delivered once: no second copy of the run's reply in the ledger.
+    sent = await gw.sent_after_stop("c1")
+    assert sent[1:] == [reply, listed] and sent[0].startswith(f"Scheduled {schedule_id}")
 
 
 async def test_an_every_schedule_fires_each_period_and_keeps_its_context(
@@ -136,6 +163,8 @@ async def test_an_every_schedule_fires_each_period_and_keeps_its_context(
             pass
 
         async def run_turn(self, request: TurnRequest) -> TurnResult:
+            if request.text.endswith("] marker"):
+                return TurnResult("marker")
             seen.append(request)
             return TurnResult(f"tick {len(seen)}")
 
@@ -150,8 +179,11 @@ async def test_an_every_schedule_fires_each_period_and_keeps_its_context(
         f"Paused {schedule_id}; /schedule resume {schedule_id} starts it again."
     )
     fired = len(seen)
-    assert await gw.client.no_more_replies("c1", settle=1.5) in ([], [f"tick {fired}"])
-    assert len(seen) <= fired + 1  # at most the run that was starting when it paused
+    # Due two periods after the pause: a schedule still firing would run twice before it.
+    await gw.fire_marker()
+    # At most the run that was starting when it paused.
+    assert len(await gw.runs(schedule_id)) <= fired + 1 and len(seen) <= fired + 1
+    assert [m["text"] for m in await gw.client.poll("c1")] in ([], [f"tick {fired}"])
     # One session for every run: the third run saw the first two in its history.
     key = schedule_session_key("main", schedule_id)
     assert {r.session_key for r in seen} == {key}
@@ -329,6 +361,8 @@ async def test_three_failures_in_a_row_pause_with_a_notice(make_gateway: MakeGat
             pass
 
         async def run_turn(self, request: TurnRequest) -> TurnResult:
+            if request.text.endswith("] marker"):
+                return TurnResult("marker")
             raise AgentError("the model is down")
 
         async def close(self) -> None:
@@ -339,7 +373,9 @@ async def test_three_failures_in_a_row_pause_with_a_notice(make_gateway: MakeGat
     replies = await gw.client.replies("c1", 3, within=10)
     assert all("the model is down" in r for r in replies)
     assert f"failed 3 times in a row and is paused; /schedule resume {schedule_id}" in replies[2]
-    assert await gw.client.no_more_replies("c1", settle=1.5) == []
+    # Due two periods later: a schedule still firing would run twice before it.
+    await gw.fire_marker()
+    assert await gw.client.poll("c1") == []
     row = await gw.row(schedule_id)
     assert row is not None and row["status"] == "paused" and row["consecutive_failures"] == 3
     assert [r["status"] for r in await gw.runs(schedule_id)] == ["failed"] * 3
@@ -389,7 +425,9 @@ async def test_sethome_takes_deliveries_made_for_the_home_channel(
     await gw.schedule("--home in 1s to the home room")
     (reply,) = await gw.client.replies("home-room", 1, within=10)
     assert "to the home room" in reply
-    assert await gw.client.no_more_replies("c1", settle=0.5) == []
+    # The run's turn drained: the chat that made it got the acknowledgement only.
+    (ack,) = await gw.sent_after_stop("c1")
+    assert ack.startswith("Scheduled sch_")
 
 
 async def test_sethome_is_for_admins_when_admins_are_set(make_gateway: MakeGateway) -> None:
@@ -607,12 +645,15 @@ async def test_three_hours_down_with_an_hourly_schedule(
     # On PostgreSQL the scheduler runs on the leader: a loaded machine may take the
     # lease's whole ttl to hand it over when the stopped gateway could not release it.
     replies = await gw.client.replies("c1", expected, within=30)
-    assert replies.pop(0).startswith(f"Scheduled {schedule_id}")
-    assert await gw.client.no_more_replies("c1", settle=1.0) == []
-    missed_line = [r for r in replies if "missed" in r]
-    assert len(missed_line) == 1
+    assert replies[0].startswith(f"Scheduled {schedule_id}")
     await wait_for(lambda: _settled(gw, schedule_id))
     runs = await gw.runs(schedule_id)
+    row = await gw.row(schedule_id)
+    # Next due in an hour; its turn drained: the ledger holds no reply beyond these.
+    assert await gw.sent_after_stop("c1") == replies
+    replies.pop(0)
+    missed_line = [r for r in replies if "missed" in r]
+    assert len(missed_line) == 1
     if catch_up == "once":
         assert "missed 2 runs due" in missed_line[0]
         assert sorted(r["status"] for r in runs) == ["missed", "ok"]
@@ -622,7 +663,6 @@ async def test_three_hours_down_with_an_hourly_schedule(
     else:
         assert "missed 3 runs due" in missed_line[0]
         assert [r["status"] for r in runs] == ["missed"]
-    row = await gw.row(schedule_id)
     assert row is not None and row["next_run_at"] == pytest.approx(anchor + 4 * 3600)
 
 
@@ -648,12 +688,13 @@ async def test_a_claimed_run_whose_turn_is_gone_is_recorded_interrupted(
     ack, notice = await gw.client.replies("c1", 2, within=10)
     assert ack.startswith(f"Scheduled {schedule_id}")
     assert notice.startswith(f"Scheduled task {schedule_id} was interrupted by a restart")
-    assert await gw.client.no_more_replies("c1", settle=0.5) == []
     (run,) = await gw.runs(schedule_id)
     assert run["status"] == "interrupted"
     assert gw.runner.metrics.schedule_runs["interrupted"] == 1
     row = await gw.row(schedule_id)
     assert row is not None and row["status"] == "active"  # a recurring job goes on
+    # Next due in an hour, and the interrupted run not run again: no reply beyond these.
+    assert await gw.sent_after_stop("c1") == [ack, notice]
 
 
 async def test_a_stored_cron_beyond_the_bounds_is_paused_not_retried(

@@ -77,9 +77,17 @@ async def test_a_streamed_reply_is_one_message_edited_to_the_final_text(
     tg: FakeTelegram, tmp_path: Path
 ) -> None:
     runner = await run_telegram(tg, tmp_path, "tell a story", streaming({"story": STORY}, 0.03))
+    stopped = False
     try:
         await wait_for(lambda: tg.chat_view(42) == [STORY], within=10)
-        await asyncio.sleep(INTERVAL * 2)  # nothing more comes
+        # The transcript keeps the final text only.
+        key = (await runner.store.list_sessions())[0].session_key
+        assert [m["content"] for m in await transcript(runner, key)] == [
+            "tell a story",
+            STORY,
+        ]
+        stopped = True
+        await runner.stop()  # its turn drained: every send and edit it makes is in
         assert len(tg.sent) == 1  # one message ...
         assert len(tg.edits) >= 2  # ... edited as the story was written
         assert tg.chat_view(42) == [STORY]
@@ -87,14 +95,9 @@ async def test_a_streamed_reply_is_one_message_edited_to_the_final_text(
         assert tg.sent[0]["text"] != STORY  # the first text was a partial
         edited = [params["text"] for params in tg.edits]
         assert all(a != b for a, b in itertools.pairwise(edited))  # never the same text twice
-        # The transcript keeps the final text only.
-        key = (await runner.store.list_sessions())[0].session_key
-        assert [m["content"] for m in await transcript(runner, key)] == [
-            "tell a story",
-            STORY,
-        ]
     finally:
-        await runner.stop()
+        if not stopped:
+            await runner.stop()
 
 
 async def test_a_long_streamed_reply_rolls_over_into_a_second_message(
@@ -102,18 +105,21 @@ async def test_a_long_streamed_reply_rolls_over_into_a_second_message(
 ) -> None:
     agent = streaming({"long": LONG}, 0.002)
     runner = await run_telegram(tg, tmp_path, "long please", agent, edit_interval=0.05)
+    stopped = False
     try:
         chunks = TelegramAdapter.split(runner.adapters[next(iter(runner.adapters))], LONG)
         assert len(chunks) == 2
         # as Telegram shows each: Markdown rendered ("0." paragraphs are a list, drawn tight)
         expected = [parse_markdown_v2(to_markdown_v2(chunk))[0] for chunk in chunks]
         await wait_for(lambda: tg.chat_view(42) == expected, within=20)
-        await asyncio.sleep(0.3)
+        stopped = True
+        await runner.stop()  # its turn drained: every send and edit it makes is in
         assert len(tg.sent) == 2
         assert tg.chat_view(42) == expected
         assert tg.chat_view(42)[0].rstrip().endswith(".")  # cut at a paragraph, not mid-word
     finally:
-        await runner.stop()
+        if not stopped:
+            await runner.stop()
 
 
 async def test_a_flood_wait_skips_interim_edits_and_the_final_still_arrives(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ from tests.fakes.openai_server import (
     tool_results,
 )
 from tests.gateway_client import GatewayClient, RunningGateway
-from tests.waiting import wait_for
+from tests.waiting import wait_blocking, wait_for
 
 KEY = "agent:main:http:dm:c1"
 
@@ -52,9 +51,9 @@ class Gateway(RunningGateway):
         assert entry is not None
         return entry.session_id
 
-    async def rows(self, key: str = KEY) -> list[dict[str, Any]]:
-        """The session's active transcript, oldest first."""
-        sid = await self.session_id(key)
+    async def rows(self, key: str = KEY, sid: str | None = None) -> list[dict[str, Any]]:
+        """The session's active transcript, oldest first (`sid`: of that session)."""
+        sid = sid or await self.session_id(key)
         rows = await self.runner.store.read(
             lambda conn: conn.execute(
                 "SELECT message FROM messages WHERE session_id = ? AND active = 1 ORDER BY id",
@@ -63,8 +62,8 @@ class Gateway(RunningGateway):
         )
         return [json.loads(message) for (message,) in rows]
 
-    async def pad(self, key: str = KEY) -> list[str]:
-        sid = await self.session_id(key)
+    async def pad(self, key: str = KEY, sid: str | None = None) -> list[str]:
+        sid = sid or await self.session_id(key)
         return await self.runner.store.read(lambda conn: scratchpad.read(conn, sid))
 
 
@@ -409,10 +408,11 @@ async def test_stop_between_tool_rounds_cancels_the_turn_and_keeps_nothing_of_it
     (stopped,) = await gw.client.replies("c1", 1)
     assert "stopped" in stopped.lower()
     release.set()
-    assert await gw.client.no_more_replies("c1") == []
-    assert roles(await gw.rows()) == ["user"]  # no call, no result, no reply
-    assert await gw.pad() == []  # the pad changes with its turn, or not at all
+    stopped = await gw.session_id()
+    # The session's turns run in order: a reply of the stopped turn would come before this.
     assert (await gw.say("next")).endswith("fake: next")
+    assert roles(await gw.rows(sid=stopped)) == ["user"]  # no call, no result, no reply
+    assert await gw.pad(sid=stopped) == []  # the pad changes with its turn, or not at all
 
 
 class ToolUser:
@@ -572,10 +572,7 @@ def test_a_crash_mid_loop_reruns_the_turn_from_its_marker_and_its_tools_again(
         try:
             daemon.start()
             daemon.post("c1", "long task", message_id="m1")
-            deadline = time.monotonic() + 15
-            while not fake.held and time.monotonic() < deadline:
-                time.sleep(0.02)
-            assert fake.held, "round one never finished"
+            wait_blocking(lambda: fake.held)  # round one finished
             daemon.kill9()
 
             fake.script(tool_calls(("scratchpad_write", {"items": ["re-run"]})), "finished")

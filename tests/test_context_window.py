@@ -168,15 +168,19 @@ async def test_a_message_too_long_for_the_window_is_refused_once_and_not_sent(
         assert notice.startswith("Your message is too long for this agent's model:")
         assert "window of 1,024 tokens" in notice and "Send a shorter message" in notice
         assert len(fake.requests) == 1  # only the first turn's
-        assert await gw.client.no_more_replies("c1") == []
         rows = await gw.rows()
         assert [m["role"] for _, m in rows] == ["user", "assistant", "user"]
+        long_row = rows[-1][0]
 
-        assert await gw.say("and now?") == "noted: and now?"
+        # The session's turns run in order: anything more for the long message would be
+        # sent, and recorded, before this reply.
+        assert await gw.client.replies_through_a_marker("c1", "and now?") == ["noted: and now?"]
+        later = [m["role"] for row_id, m in await gw.rows() if row_id > long_row]
+        assert later == ["user", "assistant"]  # the marker's turn alone
         body = fake.requests[-1]["json"]
         assert prompt_tokens(body) <= 1024 and long not in str(body)
         checkpoint = await gw.checkpoint()
-        assert checkpoint is not None and checkpoint.covered_up_to >= rows[-1][0]
+        assert checkpoint is not None and checkpoint.covered_up_to >= long_row
         assert "fact long: timber" in (checkpoint.summary or "")
         assert fake.over_window == []
 

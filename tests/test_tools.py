@@ -52,9 +52,9 @@ class Gateway(RunningGateway):
         assert entry is not None
         return entry.session_id
 
-    async def rows(self, key: str = KEY) -> list[dict[str, Any]]:
-        """The session's active transcript, oldest first."""
-        sid = await self.session_id(key)
+    async def rows(self, key: str = KEY, sid: str | None = None) -> list[dict[str, Any]]:
+        """The session's active transcript, oldest first (`sid`: that session's instead)."""
+        sid = sid or await self.session_id(key)
         rows = await self.runner.store.read(
             lambda conn: conn.execute(
                 "SELECT message FROM messages WHERE session_id = ? AND active = 1 ORDER BY id",
@@ -63,8 +63,8 @@ class Gateway(RunningGateway):
         )
         return [json.loads(message) for (message,) in rows]
 
-    async def pad(self, key: str = KEY) -> list[str]:
-        sid = await self.session_id(key)
+    async def pad(self, key: str = KEY, sid: str | None = None) -> list[str]:
+        sid = sid or await self.session_id(key)
         return await self.runner.store.read(lambda conn: scratchpad.read(conn, sid))
 
 
@@ -408,11 +408,13 @@ async def test_stop_between_tool_rounds_cancels_the_turn_and_keeps_nothing_of_it
     await gw.client.post("c1", "/stop")
     (stopped,) = await gw.client.replies("c1", 1)
     assert "stopped" in stopped.lower()
+    stopped_sid = await gw.session_id()
     release.set()
-    assert await gw.client.no_more_replies("c1") == []
-    assert roles(await gw.rows()) == ["user"]  # no call, no result, no reply
-    assert await gw.pad() == []  # the pad changes with its turn, or not at all
-    assert (await gw.say("next")).endswith("fake: next")
+    # The session's turns run in order: a reply from the stopped turn would come first.
+    (reply,) = await gw.client.replies_through_a_marker("c1", "next")
+    assert reply.endswith("fake: next")
+    assert roles(await gw.rows(sid=stopped_sid)) == ["user"]  # no call, no result, no reply
+    assert await gw.pad(sid=stopped_sid) == []  # the pad changes with its turn, or not at all
 
 
 class ToolUser:

@@ -25,6 +25,7 @@ from tests.fakes.openai_server import FakeOpenAI
 from tests.gateway_client import GatewayClient
 from tests.pg_support import StorageBackend
 from tests.test_metrics import samples
+from tests.waiting import wait_for
 
 SESSION_ID = re.compile(r"\d{8}_\d{6}_[0-9a-f]{8}")
 
@@ -274,7 +275,7 @@ async def test_stop_cancels_the_turn_and_the_next_message_starts_fresh(
     try:
         gw = await make_gateway()
         await gw.client.post("c1", "slow question")
-        await asyncio.sleep(0.1)
+        await wait_for(lambda: KEY in gw.runner.agents)  # its turn is running
         old_id = await gw.current_session_id(KEY)
         await gw.client.post("c1", "/queue later")
         assert (await gw.client.post("c1", "/stop"))["status"] == "command"

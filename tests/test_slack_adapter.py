@@ -3,7 +3,6 @@ Slack (tests/fakes/slack_api.py), a real GatewayRunner in-process."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -29,6 +28,7 @@ from tests.fakes.slack_api import (
     redeliver,
     url_verification,
 )
+from tests.waiting import wait_for
 
 BOT_TOKEN = "xoxb-test-7f3a9c-bot-token"
 APP_TOKEN = "xapp-test-51d2e8-app-token"
@@ -109,14 +109,6 @@ async def posted_once_stopped(
         await slack.wait_for_ack(envelope)
     await gw.runner.stop()
     return slack.posted
-
-
-async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    for _ in range(int(within / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 def post_message_calls(slack: FakeSlack) -> int:
@@ -280,9 +272,7 @@ async def test_lost_socket_mode_connection_is_replaced(
     else:
         await slack.send_disconnect()
     await slack.wait_until(lambda: slack.connections == 2)
-    await eventually(
-        lambda: gw.adapter.health()["reconnects"] >= 1 and gw.adapter.state == "running"
-    )
+    await wait_for(lambda: gw.adapter.health()["reconnects"] >= 1 and gw.adapter.state == "running")
     assert gw.runner.health()["status"] == "ok"
     await slack.deliver(dm("U42", "still there?"))
     [reply] = await posted(slack, 1)

@@ -52,10 +52,23 @@ class GatewayClient:
             texts += [m["text"] for m in await self.poll(chat_id, wait=min(remaining, 5))]
         return texts
 
-    async def no_more_replies(self, chat_id: str, settle: float = 0.3) -> list[str]:
-        """Replies that arrive within `settle` seconds (expected: none)."""
-        await asyncio.sleep(settle)
-        return [m["text"] for m in await self.poll(chat_id)]
+    async def replies_through_a_marker(
+        self, chat_id: str, marker: str = "marker", within: float = 15.0
+    ) -> list[str]:
+        """Post `marker` to the chat; every reply from now up to the one that quotes it.
+
+        A session's turns run in order, so a reply still owed to an earlier message in
+        the chat arrives before the marker's: when none is owed, the list is the
+        marker's reply alone. (The test agents' replies quote the message they answer.)"""
+        await self.post(chat_id, marker)
+        texts: list[str] = []
+        deadline = time.monotonic() + within
+        while not any(marker in text for text in texts):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise AssertionError(f"no reply to {marker!r} in {chat_id}, got {texts!r}")
+            texts += [m["text"] for m in await self.poll(chat_id, wait=min(remaining, 5))]
+        return texts
 
     async def get_json(self, path: str) -> dict:
         async with self.session.get(f"{self.url}{path}") as resp:

@@ -191,7 +191,8 @@ async def test_a_refused_batch_fails_new_writes_and_keeps_acknowledged_ones(
     )
     with pytest.raises(StoreUnwritable, match=r"^disk full: database or disk is full$"):
         await new
-    await asyncio.sleep(0.2)  # a few retries of the parked write, all refused
+    # The batch's two writes, then a few retries of the parked one: all refused.
+    await wait_for(lambda: db.write_health().get("refused_writes", 0) >= 5)
     assert not kept.done()
     assert await db.read(lambda conn: conn.execute(rows).fetchall()) == []  # reads work
     health = db.write_health()
@@ -216,7 +217,8 @@ async def test_a_write_later_is_parked_like_a_persistent_write_and_settled_once(
         settled.append,
         persist=True,
     )
-    await asyncio.sleep(0.2)  # refused, parked, retried
+    # Refused, parked, and retried a few times.
+    await wait_for(lambda: db.write_health().get("refused_writes", 0) >= 3)
     assert settled == []
     assert db.write_health()["waiting_writes"] == 1
     disk.free()
@@ -330,14 +332,21 @@ async def test_simulated_disk_full_refuses_new_messages_and_loses_nothing_acknow
             await wait_for(answered := _Collector(replies, "c2"))
             status, body, _ = await post("c2", "x" * BIG, "m2")  # and only once
             assert (status, body["status"]) == (202, "duplicate")
-            await asyncio.sleep(0.3)
             assert answered.texts == [f"echo: {'x' * 20}"]
-            assert await replies("c1") == [BIG_REPLY] and await replies("c2") == answered.texts
+            # A later message in the chat is answered after any reply owed to the copy.
+            await post("c2", "marker", "m3")
+            await wait_for(lambda: _has_reply(replies, "c2", "echo: marker"))
+            assert await replies("c2") == [*answered.texts, "echo: marker"]
+            assert await replies("c1") == [BIG_REPLY]
 
         assert log_events(logs, "store_unwritable") == [
             "store_unwritable",
             "store_unwritable_ended",
         ]
+
+
+async def _has_reply(replies: Callable[[str], Awaitable[list[str]]], chat: str, text: str) -> bool:
+    return text in await replies(chat)
 
 
 class _Collector:
@@ -423,9 +432,12 @@ async def test_telegram_update_is_not_confirmed_until_stored_then_answered_once(
             )
         )
         delivered = tg.deliveries[update_id]
-        await asyncio.sleep(0.5)
-        assert tg.deliveries[update_id] == delivered  # confirmed: not sent again
-        assert len(tg.sent) == 1
+        # Updates are taken in order: once a later one is answered, the first was
+        # confirmed and not sent again.
+        tg.push_message(tg.private_chat(ADA), ADA, "marker")
+        await wait_for(lambda: len(tg.sent) == 2)
+        assert tg.deliveries[update_id] == delivered
+        assert [m["text"] for m in tg.sent] == [f"echo: {'x' * 20}", "echo: marker"]
 
 
 async def test_telegram_webhook_answers_503_for_an_update_it_cannot_store(
@@ -453,8 +465,11 @@ async def test_telegram_webhook_answers_503_for_an_update_it_cannot_store(
             assert await tg.post_webhook(url, update, secret=secret) == 200
             await wait_for(lambda: len(tg.sent) == 1)
             assert await tg.post_webhook(url, update, secret=secret) == 200  # a late retry
-            await asyncio.sleep(0.3)
-            assert [m["text"] for m in tg.sent] == [f"echo: {'x' * 20}"]
+            # Same chat, same session: a reply owed to the retry comes before this one's.
+            marker = tg.make_message_update(tg.private_chat(ADA), ADA, "marker")
+            assert await tg.post_webhook(url, marker, secret=secret) == 200
+            await wait_for(lambda: len(tg.sent) == 2)
+            assert [m["text"] for m in tg.sent] == [f"echo: {'x' * 20}", "echo: marker"]
 
 
 SLACK_BOT_TOKEN, SLACK_APP_TOKEN, SIGNING_SECRET = "xoxb-test-bot", "xapp-test-app", "s1gn"
@@ -475,23 +490,24 @@ def slack_settings(slack: FakeSlack, mode: str) -> dict[str, Any]:
 async def test_slack_socket_mode_leaves_an_event_it_cannot_store_unacknowledged(
     tmp_path: Path,
 ) -> None:
-    async with (
-        FakeSlack(bot_token=SLACK_BOT_TOKEN, app_token=SLACK_APP_TOKEN) as slack,
-        chat_gateway(tmp_path, "slack", SlackAdapter, **slack_settings(slack, "socket")) as gw,
-    ):
-        disk = SimulatedFullDisk(gw.store._db)
-        disk.fill()
-        event = dm("U42", "x" * BIG)
-        refused = await slack.deliver(event)
-        await wait_for(lambda: gw.health()["store"]["state"] == "unwritable")
-        await asyncio.sleep(0.3)
-        assert refused not in slack.acks and slack.posted == []  # Slack will send it again
+    async with FakeSlack(bot_token=SLACK_BOT_TOKEN, app_token=SLACK_APP_TOKEN) as slack:
+        settings = slack_settings(slack, "socket")
+        async with chat_gateway(tmp_path, "slack", SlackAdapter, **settings) as gw:
+            disk = SimulatedFullDisk(gw.store._db)
+            disk.fill()
+            event = dm("U42", "x" * BIG)
+            refused = await slack.deliver(event)
+            await wait_for(lambda: gw.metrics.messages_unavailable_total == 1)
+            assert slack.posted == []
 
-        disk.free()
-        retried = await slack.deliver(redeliver(event), retry_attempt=1)
-        await slack.wait_for_ack(retried)
-        await slack.wait_until(lambda: len(slack.posted) >= 1)
-        await asyncio.sleep(0.3)
+            disk.free()
+            retried = await slack.deliver(redeliver(event), retry_attempt=1)
+            await slack.wait_for_ack(retried)
+            await slack.wait_until(lambda: len(slack.posted) >= 1)
+        # The gateway stopped (its turns drained) and closed the socket; once the fake saw
+        # it close, it has read every ack the client sent.
+        await slack.wait_until(lambda: slack._socket is None)
+        assert refused not in slack.acks  # Slack will send it again
         assert [m["text"] for m in slack.posted] == [f"echo: {'x' * 20}"]
 
 
@@ -515,8 +531,10 @@ async def test_slack_http_mode_answers_503_for_an_event_it_cannot_store(tmp_path
         await slack.wait_until(lambda: len(slack.posted) >= 1)
         again = await post_event(url, redeliver(event), secret=SIGNING_SECRET, retry_num=2)
         assert again[0] == 200
-        await asyncio.sleep(0.3)
-        assert [m["text"] for m in slack.posted] == [f"echo: {'x' * 20}"]
+        # Same DM, same session: a reply owed to the late retry comes before this one's.
+        assert (await post_event(url, dm("U42", "marker"), secret=SIGNING_SECRET))[0] == 200
+        await slack.wait_until(lambda: len(slack.posted) >= 2)
+        assert [m["text"] for m in slack.posted] == [f"echo: {'x' * 20}", "echo: marker"]
 
 
 async def test_discord_counts_and_logs_messages_lost_to_a_full_disk(tmp_path: Path) -> None:
@@ -690,8 +708,10 @@ async def _full_disk_round_trip(url: str, home: Path) -> None:
         assert (status, body["status"]) == (202, "started")
         await wait_for(lambda: _count(replies, 2))
         assert (await post("second", "m2"))[1]["status"] == "duplicate"
-        await asyncio.sleep(0.3)
-        assert await replies() == ["echo: first", "echo: second"]
+        # A later message in the chat is answered after any reply owed to the copy.
+        assert (await post("marker", "m3"))[0] == 202
+        await wait_for(lambda: _count(replies, 3))
+        assert await replies() == ["echo: first", "echo: second", "echo: marker"]
         now = await health()
         assert now is not None and now["status"] == "ok", now
 

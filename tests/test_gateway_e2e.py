@@ -25,6 +25,7 @@ from tests.fakes.openai_server import FakeOpenAI
 from tests.gateway_client import GatewayClient
 from tests.pg_support import StorageBackend
 from tests.test_metrics import samples
+from tests.waiting import wait_for
 
 SESSION_ID = re.compile(r"\d{8}_\d{6}_[0-9a-f]{8}")
 
@@ -120,13 +121,15 @@ async def test_each_message_gets_exactly_one_reply(make_gateway: MakeGateway) ->
     assert await gw.client.replies("c1", 1) == ["echo: hello"]
     await gw.client.post("c1", "again")
     assert await gw.client.replies("c1", 1) == ["echo: again"]
-    assert await gw.client.no_more_replies("c1") == []
+    assert await gw.client.replies_through_a_marker("c1") == ["echo: marker"]
     transcript = await gw.runner.store.load_transcript(await gw.current_session_id(KEY))
     assert [(m["role"], m["content"]) for m in transcript] == [
         ("user", "hello"),
         ("assistant", "echo: hello"),
         ("user", "again"),
         ("assistant", "echo: again"),
+        ("user", "marker"),
+        ("assistant", "echo: marker"),
     ]
 
 
@@ -166,7 +169,7 @@ async def test_plain_messages_during_a_slow_turn_merge_into_one_turn(
     assert (await gw.client.post("c1", "second"))["status"] == "pending"
     assert (await gw.client.post("c1", "third"))["status"] == "pending"
     assert await gw.client.replies("c1", 2) == ["echo: first", "echo: second\nthird"]
-    assert await gw.client.no_more_replies("c1") == []
+    assert await gw.client.replies_through_a_marker("c1") == ["echo: marker"]
 
 
 async def test_queued_messages_each_get_their_own_turn_in_order(make_gateway: MakeGateway) -> None:
@@ -234,7 +237,7 @@ async def test_queue_cap_refuses_explicitly(make_gateway: MakeGateway) -> None:
     replies = await gw.client.replies("c1", 4)
     assert replies[0].startswith("Too many messages are waiting (2)")
     assert replies[1:] == ["echo: slow start", "echo: plain", "echo: one"]
-    assert "three" not in "".join(await gw.client.no_more_replies("c1"))
+    assert await gw.client.replies_through_a_marker("c1") == ["echo: marker"]  # no "three"
 
 
 async def test_command_replies_and_refusals_answer_their_message(make_gateway: MakeGateway) -> None:
@@ -272,7 +275,7 @@ async def test_stop_cancels_the_turn_and_the_next_message_starts_fresh(
     try:
         gw = await make_gateway()
         await gw.client.post("c1", "slow question")
-        await asyncio.sleep(0.1)
+        await wait_for(lambda: KEY in gw.runner.agents)  # its turn is running
         old_id = await gw.current_session_id(KEY)
         await gw.client.post("c1", "/queue later")
         assert (await gw.client.post("c1", "/stop"))["status"] == "command"
@@ -284,7 +287,8 @@ async def test_stop_cancels_the_turn_and_the_next_message_starts_fresh(
         assert reply.endswith("echo: hello again")
         assert "stopped" in reply and "/resume" in reply
         assert await gw.current_session_id(KEY) != old_id
-        assert await gw.client.no_more_replies("c1") == []  # neither "slow" nor "later"
+        # Neither "slow" nor "later" is answered.
+        assert await gw.client.replies_through_a_marker("c1") == ["echo: marker"]
     finally:
         ScriptedAgent.slow_seconds = 0.8
 
@@ -408,7 +412,7 @@ async def test_duplicate_message_id_is_answered_once(make_gateway: MakeGateway) 
         "started",
     )
     assert await gw.client.replies("c1", 1) == ["echo: hello"]
-    assert await gw.client.no_more_replies("c1") == []
+    assert await gw.client.replies_through_a_marker("c1") == ["echo: marker"]
 
 
 @pytest.mark.parametrize("empty", ["", "  "])

@@ -3,7 +3,6 @@ Slack (tests/fakes/slack_api.py), a real GatewayRunner in-process."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -29,6 +28,7 @@ from tests.fakes.slack_api import (
     redeliver,
     url_verification,
 )
+from tests.waiting import wait_for
 
 BOT_TOKEN = "xoxb-test-7f3a9c-bot-token"
 APP_TOKEN = "xapp-test-51d2e8-app-token"
@@ -97,18 +97,18 @@ async def posted(slack: FakeSlack, count: int, within: float = 5.0) -> list[dict
     return slack.posted[:count]
 
 
-async def settled(slack: FakeSlack, seconds: float = 0.4) -> list[dict[str, Any]]:
-    """Everything posted, after a pause in which nothing more should arrive."""
-    await asyncio.sleep(seconds)
+async def posted_once_stopped(
+    slack: FakeSlack, gw: Gateway, *envelopes: str
+) -> list[dict[str, Any]]:
+    """Everything posted, once Slack has its ack for each envelope and the gateway stopped.
+
+    The adapter acks an event after the gateway decided on it (accepted, a duplicate,
+    ignored), and stopping drains every turn an accepted event started: a reply that
+    must not exist would be in the list."""
+    for envelope in envelopes:
+        await slack.wait_for_ack(envelope)
+    await gw.runner.stop()
     return slack.posted
-
-
-async def eventually(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    for _ in range(int(within / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 def post_message_calls(slack: FakeSlack) -> int:
@@ -131,19 +131,21 @@ async def test_dm_from_allowed_user_gets_exactly_one_reply(
     # Slack escapes &, < and > both ways; the agent saw and wrote them plainly.
     assert reply["text"] == "echo: hello &amp; welcome"
     assert await gw.session_keys() == ["agent:main:slack:dm:D1"]
-    assert len(await settled(slack)) == 1
+    assert len(await posted_once_stopped(slack, gw, envelope)) == 1
 
 
 async def test_channel_message_needs_a_mention(
     slack: FakeSlack, start_gateway: StartGateway
 ) -> None:
     gw = await start_gateway()
-    await slack.deliver(channel_message("C7", "U42", "just chatting"))
-    await slack.deliver(channel_message("C7", "U42", "<@UBOT> what time is it?"))
+    chatting = await slack.deliver(channel_message("C7", "U42", "just chatting"))
+    mention = await slack.deliver(channel_message("C7", "U42", "<@UBOT> what time is it?"))
     [reply] = await posted(slack, 1)
     assert reply == {**reply, "channel": "C7", "text": "echo: what time is it?", "thread_ts": None}
+    await slack.wait_for_ack(chatting)
     assert await gw.session_keys() == ["agent:main:slack:channel:C7:U42"]
-    assert len(await settled(slack)) == 1  # "just chatting" got nothing
+    # "just chatting" got nothing
+    assert len(await posted_once_stopped(slack, gw, chatting, mention)) == 1
 
 
 async def test_free_response_channel_needs_no_mention(
@@ -169,38 +171,38 @@ async def test_thread_reply_is_answered_in_its_thread(
 async def test_long_reply_arrives_as_ordered_chunks_within_the_limit(
     slack: FakeSlack, start_gateway: StartGateway
 ) -> None:
-    await start_gateway()
+    gw = await start_gateway()
     assert len(LONG_REPLY) > 2 * 40000
-    await slack.deliver(dm("U42", "something long please"))
+    envelope = await slack.deliver(dm("U42", "something long please"))
     chunks = [m["text"] for m in await posted(slack, 3)]
     assert all(len(chunk) <= 40000 for chunk in chunks)
     assert "".join(chunks) == LONG_REPLY
-    assert len(await settled(slack)) == 3
+    assert len(await posted_once_stopped(slack, gw, envelope)) == 3
 
 
 async def test_rate_limited_post_is_waited_out_and_delivered_once(
     slack: FakeSlack, start_gateway: StartGateway
 ) -> None:
-    await start_gateway()
+    gw = await start_gateway()
     slack.fail_next("chat.postMessage", status=429, retry_after=1)
     started = time.monotonic()
-    await slack.deliver(dm("U42", "busy?"))
+    envelope = await slack.deliver(dm("U42", "busy?"))
     [reply] = await posted(slack, 1, within=8.0)
     assert time.monotonic() - started >= 1.0  # Retry-After was honoured
     assert reply["text"] == "echo: busy?"
+    assert len(await posted_once_stopped(slack, gw, envelope)) == 1
     assert post_message_calls(slack) == 2  # the 429, then the one that went through
-    assert len(await settled(slack)) == 1
 
 
 async def test_redelivered_event_gets_one_reply(
     slack: FakeSlack, start_gateway: StartGateway
 ) -> None:
-    await start_gateway()
+    gw = await start_gateway()
     event = dm("U42", "only once")
-    await slack.deliver(event)
-    await slack.deliver(redeliver(event), retry_attempt=1)
+    first = await slack.deliver(event)
+    again = await slack.deliver(redeliver(event), retry_attempt=1)
     await posted(slack, 1)
-    assert len(await settled(slack)) == 1
+    assert len(await posted_once_stopped(slack, gw, first, again)) == 1
 
 
 async def test_redelivery_after_a_restart_is_dropped_by_the_durable_inbox(
@@ -211,33 +213,36 @@ async def test_redelivery_after_a_restart_is_dropped_by_the_durable_inbox(
     await slack.deliver(event)
     await posted(slack, 1)
     await first.runner.stop()
-    await start_gateway(home="shared")  # a fresh adapter: nothing remembered in memory
+    second = await start_gateway(home="shared")  # a fresh adapter: nothing in memory
     envelope = await slack.deliver(redeliver(event), retry_attempt=2)
-    await slack.wait_for_ack(envelope)
-    assert len(await settled(slack)) == 1
+    assert len(await posted_once_stopped(slack, second, envelope)) == 1
 
 
 async def test_mention_delivered_as_message_and_app_mention_gets_one_reply(
     slack: FakeSlack, start_gateway: StartGateway
 ) -> None:
-    await start_gateway()
+    gw = await start_gateway()
     message = channel_message("C7", "U42", "hi <@UBOT|hermes> ping")
-    await slack.deliver(app_mention(message))
-    await slack.deliver(message)
+    mention = await slack.deliver(app_mention(message))
+    plain = await slack.deliver(message)
     [reply] = await posted(slack, 1)
     assert reply["text"] == "echo: hi ping"
-    assert len(await settled(slack)) == 1
+    assert len(await posted_once_stopped(slack, gw, mention, plain)) == 1
 
 
 async def test_bot_messages_and_edits_are_ignored(
     slack: FakeSlack, start_gateway: StartGateway
 ) -> None:
     gw = await start_gateway(free_response_channels=["C8"])
-    await slack.deliver(channel_message("C8", "UBOT", "my own reply"))
-    await slack.deliver(channel_message("C8", "U42", "from a bot", bot_id="B9"))
-    await slack.deliver(channel_message("C8", "U42", "edited", subtype="message_changed"))
-    assert await settled(slack) == []
+    envelopes = [
+        await slack.deliver(channel_message("C8", "UBOT", "my own reply")),
+        await slack.deliver(channel_message("C8", "U42", "from a bot", bot_id="B9")),
+        await slack.deliver(channel_message("C8", "U42", "edited", subtype="message_changed")),
+    ]
+    for envelope in envelopes:
+        await slack.wait_for_ack(envelope)
     assert await gw.session_keys() == []
+    assert await posted_once_stopped(slack, gw) == []
 
 
 async def test_unknown_user_pairs_then_gets_replies(
@@ -267,9 +272,7 @@ async def test_lost_socket_mode_connection_is_replaced(
     else:
         await slack.send_disconnect()
     await slack.wait_until(lambda: slack.connections == 2)
-    await eventually(
-        lambda: gw.adapter.health()["reconnects"] >= 1 and gw.adapter.state == "running"
-    )
+    await wait_for(lambda: gw.adapter.health()["reconnects"] >= 1 and gw.adapter.state == "running")
     assert gw.runner.health()["status"] == "ok"
     await slack.deliver(dm("U42", "still there?"))
     [reply] = await posted(slack, 1)
@@ -299,15 +302,17 @@ async def test_http_mode_checks_signatures_and_drops_retries(
     forged = await post_event(url, event, secret=SIGNING_SECRET, bad_signature=True)
     stale = await post_event(url, event, secret=SIGNING_SECRET, timestamp=time.time() - 600)
     assert (forged[0], stale[0]) == (401, 401)
-    assert await settled(slack) == [] and await gw.session_keys() == []
+    # The endpoint answers once the gateway decided: neither reached it.
+    assert await gw.session_keys() == []
 
     assert (await post_event(url, event, secret=SIGNING_SECRET))[0] == 200
     [reply] = await posted(slack, 1)
     assert reply["text"] == "echo: signed?"
     retry = await post_event(url, redeliver(event), secret=SIGNING_SECRET, retry_num=1)
     assert retry[0] == 200
-    assert len(await settled(slack)) == 1
     assert gw.adapter.health()["mode"] == "http"
+    # Answered with 200 (the ack) after the gateway decided; the turns are drained.
+    assert len(await posted_once_stopped(slack, gw)) == 1
 
 
 # --- secrets ---------------------------------------------------------------------------------

@@ -3,7 +3,6 @@ API, and a real GatewayRunner in-process."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import re
 import time
@@ -51,9 +50,15 @@ Agent = scripted({"long": LONG_REPLY, "markdown": MARKDOWN_REPLY})
 class Gateway:
     runner: GatewayRunner
     adapter: TelegramAdapter
+    stopped: bool = False
 
     async def session_keys(self) -> list[str]:
         return [entry.session_key for entry in await self.runner.store.list_sessions()]
+
+    async def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            await self.runner.stop()
 
 
 MakeGateway = Callable[..., Awaitable[Gateway]]
@@ -67,7 +72,7 @@ async def tg() -> AsyncIterator[FakeTelegram]:
 
 @pytest.fixture
 async def make_gateway(tg: FakeTelegram, tmp_path: Path) -> AsyncIterator[MakeGateway]:
-    made: list[GatewayRunner] = []
+    made: list[Gateway] = []
 
     async def make(**telegram: Any) -> Gateway:
         settings = {
@@ -86,17 +91,40 @@ async def make_gateway(tg: FakeTelegram, tmp_path: Path) -> AsyncIterator[MakeGa
             config, [adapter], agent_factory=Agent, home=tmp_path / f"home{len(made)}"
         )
         await runner.start()
-        made.append(runner)
-        return Gateway(runner, adapter)
+        made.append(Gateway(runner, adapter))
+        return made[-1]
 
     yield make
-    for runner in made:
-        await runner.stop()
+    for gateway in made:
+        await gateway.stop()
 
 
-async def settle() -> None:
-    """Long enough for an unwanted reply to show up (a turn takes milliseconds here)."""
-    await asyncio.sleep(0.5)
+MARKER_REPLY = "echo: marker"
+
+
+async def seen_after_a_marker(
+    tg: FakeTelegram, gw: Gateway, webhook: str | None = None
+) -> list[str]:
+    """What the user saw once a later DM from Ada is answered and the gateway stopped.
+
+    The adapter hands updates to the gateway one at a time and in order, so by the
+    marker's reply every earlier update was decided; stopping drains any turn one of
+    them started. An unwanted reply to an earlier update is therefore in the list.
+    `webhook`: the gateway's webhook URL, for a gateway that does not poll."""
+    await marker_answered(tg, webhook)
+    await gw.stop()
+    return texts(tg)
+
+
+async def marker_answered(tg: FakeTelegram, webhook: str | None = None) -> None:
+    """Until a DM from Ada sent now is answered: every update before it was decided."""
+    answered = texts(tg).count(MARKER_REPLY)
+    marker = tg.make_message_update(tg.private_chat(ADA), ADA, "marker")
+    if webhook is None:
+        tg.push_raw(marker)
+    else:
+        assert await tg.post_webhook(webhook, marker, secret=WEBHOOK_SECRET) == 200
+    await wait_for(lambda: texts(tg).count(MARKER_REPLY) > answered)
 
 
 def texts(tg: FakeTelegram) -> list[str]:
@@ -114,9 +142,9 @@ async def test_dm_from_an_allowed_user_gets_exactly_one_threaded_reply(
     assert gw.adapter.bot_username == BOT
     tg.push_message(tg.private_chat(ADA), ADA, "hi")
     await wait_for(lambda: len(tg.sent) == 1)
-    await settle()
-    assert texts(tg) == ["echo: hi"]
-    (params,) = tg.sent
+    assert await gw.session_keys() == ["agent:main:telegram:dm:42"]
+    assert await seen_after_a_marker(tg, gw) == ["echo: hi", MARKER_REPLY]
+    params = tg.sent[0]
     asked = tg.sent_messages[0]["reply_to_message"]
     assert params["chat_id"] == 42
     assert params["reply_parameters"] == {
@@ -124,7 +152,6 @@ async def test_dm_from_an_allowed_user_gets_exactly_one_threaded_reply(
         "allow_sending_without_reply": True,
     }
     assert asked["text"] == "hi"
-    assert await gw.session_keys() == ["agent:main:telegram:dm:42"]
 
 
 async def test_unknown_user_gets_a_pairing_code_and_is_answered_once_approved(
@@ -147,11 +174,11 @@ async def test_unknown_user_is_ignored_silently_when_configured(
     tg: FakeTelegram, make_gateway: MakeGateway
 ) -> None:
     gw = await make_gateway(unauthorized_dm_behavior="ignore")
-    update_id = tg.push_message(tg.private_chat(BOB), BOB, "hello")
-    await wait_for(lambda: tg.deliveries[update_id] == 1)
-    await settle()
-    assert tg.sent == []
-    assert await gw.session_keys() == []
+    tg.push_message(tg.private_chat(BOB), BOB, "hello")
+    await marker_answered(tg)
+    assert await gw.session_keys() == ["agent:main:telegram:dm:42"]  # none for Bob
+    await gw.stop()  # drains any turn Bob's message started
+    assert texts(tg) == [MARKER_REPLY]
 
 
 # --- groups and topics ----------------------------------------------------------------
@@ -164,21 +191,24 @@ async def test_group_messages_are_answered_only_when_addressed(
     update_id = tg.push_message(GROUP, ADA, "hello everyone")
     other_bot = {**FakeTelegram.user(555, "Other"), "is_bot": True}
     from_bot = tg.push_message(GROUP, other_bot, f"@{BOT} ping")
-    await wait_for(lambda: tg.deliveries[update_id] == 1 and tg.deliveries[from_bot] == 1)
-    await settle()
-    assert tg.sent == []
-    assert await gw.session_keys() == []
+    await marker_answered(tg)
+    assert texts(tg) == [MARKER_REPLY]  # the marker, answered after both were decided
+    assert await gw.session_keys() == ["agent:main:telegram:dm:42"]
+    assert tg.deliveries[update_id] == 1 and tg.deliveries[from_bot] == 1
 
     tg.push_message(GROUP, ADA, f"@{BOT.upper()} what's up?")
-    await wait_for(lambda: len(tg.sent) == 1)
-    assert texts(tg) == ["echo: what's up?"]  # the mention is stripped
-    assert tg.sent[0]["chat_id"] == GROUP["id"]
-
-    bots_message = tg.sent_messages[0]["message_id"]
-    tg.push_message(GROUP, ADA, "and you?", reply_to=bots_message)
     await wait_for(lambda: len(tg.sent) == 2)
-    assert texts(tg)[1] == "echo: and you?"
-    assert await gw.session_keys() == [f"agent:main:telegram:group:{GROUP['id']}:42"]
+    assert texts(tg)[1] == "echo: what's up?"  # the mention is stripped
+    assert tg.sent[1]["chat_id"] == GROUP["id"]
+
+    bots_message = tg.sent_messages[1]["message_id"]
+    tg.push_message(GROUP, ADA, "and you?", reply_to=bots_message)
+    await wait_for(lambda: len(tg.sent) == 3)
+    assert texts(tg)[2] == "echo: and you?"
+    assert sorted(await gw.session_keys()) == [
+        "agent:main:telegram:dm:42",
+        f"agent:main:telegram:group:{GROUP['id']}:42",
+    ]
 
 
 async def test_group_answers_everything_without_require_mention(
@@ -213,7 +243,7 @@ async def test_forum_topic_message_is_answered_in_its_topic(
 async def test_message_in_a_forum_topic_the_bot_created_is_not_a_reply_to_the_bot(
     tg: FakeTelegram, make_gateway: MakeGateway
 ) -> None:
-    await make_gateway()
+    gw = await make_gateway()
     # Every topic message replies to the topic's creation notice; here the bot made it.
     created = {
         "message_id": 9,
@@ -228,14 +258,13 @@ async def test_message_in_a_forum_topic_the_bot_created_is_not_a_reply_to_the_bo
         FORUM, ADA, "chatting", message_thread_id=9, is_topic=True, reply_to=created
     )
     await wait_for(lambda: tg.deliveries[update_id] == 1)
-    await settle()
-    assert tg.sent == []
+    assert await seen_after_a_marker(tg, gw) == [MARKER_REPLY]
 
 
 async def test_only_new_text_messages_and_captions_are_read(
     tg: FakeTelegram, make_gateway: MakeGateway
 ) -> None:
-    await make_gateway()
+    gw = await make_gateway()
     chat = tg.private_chat(ADA)
     sticker = tg.make_message_update(chat, ADA, "")
     del sticker["message"]["text"]
@@ -259,11 +288,10 @@ async def test_only_new_text_messages_and_captions_are_read(
     ]
     for update in (sticker, edit, photo):
         tg.push_raw(update)
-    await wait_for(lambda: len(tg.sent) == 1)
-    await settle()
     # The photo reaches the agent too: the echo agent sees the line that stands for it.
-    assert texts(tg) == [
-        "echo: look at this\n\n[photo: photo-102.jpg (this model cannot see images)]"
+    assert await seen_after_a_marker(tg, gw) == [
+        "echo: look at this\n\n[photo: photo-102.jpg (this model cannot see images)]",
+        MARKER_REPLY,
     ]
 
 
@@ -292,13 +320,13 @@ async def test_an_update_the_library_cannot_read_is_skipped_not_blocking(
 async def test_long_reply_arrives_in_order_in_chunks_within_the_limit(
     tg: FakeTelegram, make_gateway: MakeGateway
 ) -> None:
-    await make_gateway()
+    gw = await make_gateway()
     tg.push_message(tg.private_chat(ADA), ADA, "long")
-    await wait_for(lambda: len(tg.sent) >= 3)
-    await settle()
+    *chunks, marker = await seen_after_a_marker(tg, gw)
+    assert marker == MARKER_REPLY and len(chunks) >= 3
     assert all(p["parse_mode"] == "MarkdownV2" for p in tg.sent)
     assert all(utf16_len(p["text"]) <= 4096 for p in tg.sent)
-    assert "".join(texts(tg)) == LONG_REPLY
+    assert "".join(chunks) == LONG_REPLY
 
 
 async def test_markdown_is_rendered_and_code_stays_code(
@@ -327,14 +355,12 @@ async def test_markdown_is_rendered_and_code_stays_code(
 async def test_markdown_refused_by_telegram_falls_back_to_plain_text_once(
     tg: FakeTelegram, make_gateway: MakeGateway
 ) -> None:
-    await make_gateway()
+    gw = await make_gateway()
     tg.fail_parse_next()
     tg.push_message(tg.private_chat(ADA), ADA, "markdown")
-    await wait_for(lambda: len(tg.sent) == 1)
-    await settle()
-    assert tg.methods().count("sendMessage") == 2
+    assert await seen_after_a_marker(tg, gw) == [MARKDOWN_REPLY, MARKER_REPLY]
+    assert tg.methods().count("sendMessage") == 3  # refused, plain, the marker
     assert "parse_mode" not in tg.sent[0]
-    assert texts(tg) == [MARKDOWN_REPLY]
 
 
 def test_markdown_v2_escaping_renders_as_the_original_text() -> None:
@@ -371,27 +397,25 @@ def test_markdown_v2_conversion_renders_the_agents_markup() -> None:
 async def test_429_on_send_is_waited_out_and_delivered_once(
     tg: FakeTelegram, make_gateway: MakeGateway
 ) -> None:
-    await make_gateway()
+    gw = await make_gateway()
     tg.fail_next("sendMessage", status=429, retry_after=1)
     tg.push_message(tg.private_chat(ADA), ADA, "hi")
     started = time.monotonic()
     await wait_for(lambda: len(tg.sent) == 1, within=8)
     assert time.monotonic() - started >= 0.9  # retry_after was honoured
-    await settle()
-    assert texts(tg) == ["echo: hi"]
-    assert tg.methods().count("sendMessage") == 2
+    assert await seen_after_a_marker(tg, gw) == ["echo: hi", MARKER_REPLY]
+    assert tg.methods().count("sendMessage") == 3  # refused, delivered, the marker
 
 
 async def test_an_update_delivered_twice_is_answered_once(
     tg: FakeTelegram, make_gateway: MakeGateway
 ) -> None:
-    await make_gateway()
+    gw = await make_gateway()
     update_id = tg.push_message(tg.private_chat(ADA), ADA, "hi")
     await wait_for(lambda: len(tg.sent) == 1)
     tg.redeliver(update_id)
     await wait_for(lambda: tg.deliveries[update_id] == 2)
-    await settle()
-    assert texts(tg) == ["echo: hi"]
+    assert await seen_after_a_marker(tg, gw) == ["echo: hi", MARKER_REPLY]
 
 
 async def test_offset_moves_only_after_the_gateway_accepted_the_update(
@@ -409,9 +433,8 @@ async def test_offset_moves_only_after_the_gateway_accepted_the_update(
     monkeypatch.setattr(gw.runner, "handle_message", flaky)
     update_id = tg.push_message(tg.private_chat(ADA), ADA, "hi")
     await wait_for(lambda: len(tg.sent) == 1, within=8)
-    await settle()
+    assert await seen_after_a_marker(tg, gw) == ["echo: hi", MARKER_REPLY]
     assert tg.deliveries[update_id] == 2  # not confirmed the first time: Telegram resent it
-    assert texts(tg) == ["echo: hi"]
 
 
 async def test_dropped_poll_connection_reconnects_and_keeps_answering(
@@ -463,15 +486,14 @@ async def test_webhook_checks_the_secret_and_answers_valid_updates(
     assert await tg.post_webhook(url, update, secret="wrong") == 403
     assert await tg.post_webhook(url, b"{not json", secret=WEBHOOK_SECRET) == 400
     assert await tg.post_webhook(url, {"hello": 1}, secret=WEBHOOK_SECRET) == 400
-    await settle()
-    assert tg.sent == [] and await gw.session_keys() == []
+    # The endpoint answers after the gateway took an update: none of those reached it.
+    assert await gw.session_keys() == []
 
     assert await tg.post_webhook(url, update, secret=WEBHOOK_SECRET) == 200
     await wait_for(lambda: len(tg.sent) == 1)
     assert texts(tg) == ["echo: via webhook"]
     assert await tg.post_webhook(url, update, secret=WEBHOOK_SECRET) == 200  # Telegram retry
-    await settle()
-    assert len(tg.sent) == 1
+    assert await seen_after_a_marker(tg, gw, webhook=url) == ["echo: via webhook", MARKER_REPLY]
 
 
 async def test_webhook_mode_requires_a_secret(tg: FakeTelegram) -> None:

@@ -951,6 +951,10 @@ def _place(directory: Path, name: str, data: bytes) -> None:
     (directory / name).write_bytes(data)
 
 
+def _names(directory: Path) -> set[str]:
+    return {p.name for p in directory.iterdir()}
+
+
 def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
@@ -984,7 +988,7 @@ async def test_a_crash_while_creating_state_db_leaves_no_state_db(
     assert await snapshot(store) == _legacy_index()
     # Names only: the open store's background threads create and remove files (a
     # rollback journal of search.db) while the directory is listed.
-    names = {p.name for p in sessions_dir.iterdir()}
+    names = _names(sessions_dir)
     assert {n for n in names if n.startswith(".state.db.tmp-")} == {leftover}
     assert {"state.db", "state.db-wal"} <= names
     assert stat.S_IMODE((sessions_dir / "state.db").stat().st_mode) == 0o600

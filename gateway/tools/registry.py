@@ -29,6 +29,7 @@ from gateway.context.tokens import json_tokens
 from gateway.domain.session import SessionSource
 from gateway.store import scratchpad
 from gateway.store.session_store import SessionStore
+from gateway.tools.approval import ApprovalGate
 
 log = structlog.get_logger("gateway.tools")
 
@@ -41,6 +42,11 @@ class Tool:
     description: str
     arguments: type[BaseModel]  # validates a call; its JSON schema is the spec's parameters
     run: ToolFunction
+    # Safe to run again after a crash (it only reads, or its effect is the turn's own
+    # until the turn finishes): a call in flight at a crash is run again only then.
+    read_only: bool = False
+    # The user answers /approve or /deny before each call runs (`TurnScope.approvals`).
+    approve: bool = False
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -71,6 +77,9 @@ class TurnScope:
     # The turn's own first transcript row (its user message): recall leaves out what the
     # turn itself wrote and the session's newest messages before it.
     user_row: int | None = field(default=None)
+    # Asks the user before a tool with `approve` runs (gateway.tools.approval); None:
+    # no one can answer, and such a call is denied.
+    approvals: ApprovalGate | None = field(default=None)
 
 
 class Toolbox:

@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-import gateway.runner.agent_call
 from adapters.http import HttpAdapter
 from config import GatewayConfig
 from gateway.run import GatewayRunner
+from gateway.runner import agent_call
 from gateway.runner.approvals import SHOWN_CHARS, SHOWN_LINES, shown_arguments
 from gateway.tools import BUILTIN_TOOLS
 from gateway.tools.registry import Tool, TurnScope
@@ -50,7 +50,7 @@ def runs(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     guarded: Tool = replace(original, approve=True, run=counted)
     tools = [guarded if tool.name == TOOL else tool for tool in BUILTIN_TOOLS]
-    monkeypatch.setattr(gateway.runner.agent_call, "BUILTIN_TOOLS", tools)
+    monkeypatch.setattr(agent_call, "BUILTIN_TOOLS", tools)
     return calls
 
 

@@ -9,6 +9,7 @@ OpenAI-compatible server, scripted to call the tool. The tool is the built-in
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -189,6 +190,25 @@ async def test_stop_during_the_wait_ends_the_turn_and_the_wait(
     assert runs == [] and len(fake.requests) == 1  # the model was not asked again
 
 
+async def test_a_shutdown_ends_the_wait_and_the_resumed_turn_asks_again(
+    make_gateway: MakeGateway, fake: FakeOpenAI, runs: list[Any]
+) -> None:
+    gw = await make_gateway(agent={"restart_drain_timeout": 0.2})
+    fake.script(ASK)
+    await asked(gw)
+    await asyncio.wait_for(gw.stop(), 10)  # the drain gives up on the waiting turn
+    assert gw.runner.approvals.waiting_count() == 0
+    assert runs == []
+    # The next start resumes the turn; its call was never answered, so it asks again.
+    fake.script(ASK, "launched after the restart")
+    gw = await make_gateway()
+    first, again = await gw.client.replies("c1", 2)  # the ledger from its start
+    assert first == again and TOOL in again
+    await gw.client.post("c1", "/approve")
+    assert (await gw.client.replies("c1", 2))[1] == "launched after the restart"
+    assert len(runs) == 1
+
+
 async def test_the_turn_deadline_does_not_run_while_the_call_waits(
     make_gateway: MakeGateway, fake: FakeOpenAI, runs: list[Any]
 ) -> None:
@@ -232,6 +252,22 @@ async def test_tools_lists_the_agents_tools_and_which_ask_first(
     assert await gw.say("/tools") == (
         f"Tools of agent main (2):\n{TOOL} (asks /approve first)\nscratchpad_read"
     )
+
+
+async def test_tools_shows_each_tool_servers_state(
+    make_gateway: MakeGateway, runs: list[Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gw = await make_gateway()
+    servers = {
+        "tickets": {"state": "down", "tools": 2, "last_error": "connection refused"},
+        "time": {"state": "up", "tools": 1, "last_error": None},
+    }
+    monkeypatch.setattr(gw.runner, "tool_servers", lambda: servers)
+    assert (await gw.say("/tools")).splitlines()[-3:] == [
+        "Tool servers:",
+        "tickets: down, 2 tools (last error: connection refused)",
+        "time: up, 1 tools",
+    ]
 
 
 async def test_tools_says_when_the_agent_has_none(make_gateway: MakeGateway) -> None:

@@ -21,11 +21,14 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
+from gateway.domain.session import Platform, SessionSource
 from gateway.run import GatewayRunner
 from gateway.runner import agent_call
-from gateway.runner.approvals import SHOWN_CHARS, SHOWN_LINES, shown_arguments
+from gateway.runner.approvals import SHOWN_CHARS, SHOWN_LINES, Approvals, shown_arguments
+from gateway.runner.deadlines import Deadlines
 from gateway.tools import BUILTIN_TOOLS
-from gateway.tools.registry import Tool, TurnScope
+from gateway.tools.approval import ApprovalRequest, Verdict
+from gateway.tools.registry import Tool, Toolbox, TurnScope
 from tests.fakes.openai_server import FakeOpenAI, tool_calls, tool_results
 from tests.gateway_client import GatewayClient, RunningGateway
 from tests.waiting import wait_for
@@ -283,3 +286,50 @@ def test_long_arguments_are_cut_to_a_few_lines_saying_so() -> None:
     assert marker.startswith("… (cut: ") and marker.endswith(" more characters)")
     short = {"items": ["a"]}
     assert shown_arguments(short) == json.dumps(short, indent=2)
+
+
+# --- the gate's edges (no runner: a sender that keeps what it is given) -----------------
+
+
+class Kept:
+    """An `ApprovalSender` that keeps the questions instead of sending them."""
+
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+
+    async def deliver(self, target: Any, text: str, reply_to: str | None = None) -> int:
+        self.sent.append(text)
+        return 1
+
+
+def request(source: SessionSource | None) -> ApprovalRequest:
+    return ApprovalRequest(KEY, source, TOOL, {"items": ["x"]})
+
+
+async def test_a_call_without_a_chat_to_ask_is_not_run_and_nothing_is_sent() -> None:
+    kept = Kept()
+    gate = Approvals(kept, Deadlines(10), timeout=30)
+    assert await asyncio.wait_for(gate.ask(request(None)), 2) is Verdict.TIMEOUT
+    assert kept.sent == []
+
+
+async def test_a_second_call_while_one_waits_is_denied_and_the_first_still_waits() -> None:
+    kept, source = Kept(), SessionSource(Platform.HTTP, "c1", user_id="u1")
+    gate = Approvals(kept, Deadlines(10), timeout=30)
+    first = asyncio.create_task(gate.ask(request(source)))
+    await wait_for(lambda: gate.waiting(KEY) is not None)
+    assert await asyncio.wait_for(gate.ask(request(source)), 2) is Verdict.DENIED
+    assert len(kept.sent) == 1
+    assert gate.answer(KEY, Verdict.APPROVED)
+    assert await asyncio.wait_for(first, 2) is Verdict.APPROVED
+    assert not gate.answer(KEY, Verdict.APPROVED) and gate.waiting_count() == 0
+
+
+async def test_a_turn_without_a_gate_never_runs_a_call_that_needs_approval(
+    runs: list[Any],
+) -> None:
+    (guarded,) = [tool for tool in agent_call.BUILTIN_TOOLS if tool.name == TOOL]
+    scope = TurnScope(None, None, KEY, "s1", None, "main")  # type: ignore[arg-type]
+    result = await Toolbox([guarded], [TOOL]).bind(scope).call(TOOL, {"items": ["x"]})
+    assert json.loads(result) == {"error": "the user denied this call"}
+    assert runs == []

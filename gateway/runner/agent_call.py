@@ -85,7 +85,9 @@ class AgentCall:
         self.metrics = metrics
         self._store, self._recall, self._schedule_book = store, recall, schedule_book
         self._turn_slots = asyncio.Semaphore(config.agent.max_concurrent_turns)
-        self._deadlines = deadlines or Deadlines(min(a.config.gateway_timeout for a in roster))
+        if deadlines is None:
+            deadlines = Deadlines(min(a.config.gateway_timeout for a in roster))
+        self._deadlines = deadlines
         self._approvals = approvals  # asked by a tool with `approve` (None: such calls fail)
         self._default_prompts: dict[str, str] = {}  # agent id -> its default system prompt
         # Each agent's tools; None for the echo backend (no model calls tools) and for

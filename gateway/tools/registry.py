@@ -29,7 +29,7 @@ from gateway.context.tokens import json_tokens
 from gateway.domain.session import SessionSource
 from gateway.store import scratchpad
 from gateway.store.session_store import SessionStore
-from gateway.tools.approval import ApprovalGate
+from gateway.tools.approval import REFUSALS, ApprovalGate, ApprovalRequest, Verdict
 
 log = structlog.get_logger("gateway.tools")
 
@@ -127,9 +127,14 @@ class TurnTools:
         if tool is None:
             return _error(f"no tool named {name!r}; the tools are: {', '.join(self.names)}")
         try:
-            args = tool.arguments.model_validate(_decoded(arguments))
+            decoded = _decoded(arguments)
+            args = tool.arguments.model_validate(decoded)
         except (ValueError, ValidationError) as exc:
             return _error(f"{name}: bad arguments: {_reason(exc)}")
+        if tool.approve:
+            verdict = await self._approval(name, decoded)
+            if verdict is not Verdict.APPROVED:
+                return _error(REFUSALS[verdict])
         started = time.monotonic()
         try:
             result = await tool.run(self.scope, args)
@@ -145,6 +150,12 @@ class TurnTools:
             "tool_call", tool=name, outcome=outcome, ms=round(1000 * (time.monotonic() - started))
         )
         return text
+
+    async def _approval(self, name: str, arguments: dict[str, Any]) -> Verdict:
+        gate, scope = self.scope.approvals, self.scope
+        if gate is None:
+            return Verdict.DENIED
+        return await gate.ask(ApprovalRequest(scope.session_key, scope.source, name, arguments))
 
     def writes(self) -> list[Callable[[Any], object]]:
         """What the turn's finish transaction must write for its tools (the scratchpad)."""

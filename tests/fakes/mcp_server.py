@@ -6,7 +6,8 @@
 Tools: `add(a, b)`; `create_ticket(title)` appends a line to the file named by
 $MCP_FAKE_COUNTER (tests count side effects across restarts); `slow(seconds)`;
 `flood(chars)` (a result that long, and as much again on stderr); `picture()` (a PNG);
-`grow()` adds the tool `extra` and announces the changed list.
+`grow()` adds the tool `extra` and announces the changed list. With $MCP_FAKE_LINGER set
+the stdio server stays alive after its stdin closes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import base64
 import os
 import socket
 import sys
+import time
 
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.utilities.types import Image
@@ -88,6 +90,8 @@ async def serve_http(port: int) -> None:
     import uvicorn
 
     sock = socket.socket()
+    # A restarted server binds the port its predecessor had (tests of reconnection).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
     app = server.streamable_http_app()
     config = uvicorn.Config(app, log_level="warning")
@@ -102,6 +106,10 @@ def main() -> None:
         asyncio.run(serve_http(int(sys.argv[2]) if len(sys.argv) > 2 else 0))
     else:
         server.run("stdio")
+        # $MCP_FAKE_LINGER: a server that outlives the end of its stdin (many do), so
+        # only the gateway's cleanup can end it.
+        while os.environ.get("MCP_FAKE_LINGER"):
+            time.sleep(3600)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import pytest_asyncio
 from structlog.testing import capture_logs
 
 from config.mcp import ALL_MCP, McpConfig, McpSelection
@@ -64,14 +65,28 @@ def http_server() -> Iterator[tuple[subprocess.Popen[str], int]]:
     proc.wait(timeout=10)
 
 
-@pytest.fixture
-async def stdio_hub(tmp_path: Path) -> AsyncIterator[McpHub]:
-    counter = tmp_path / "tickets.txt"
-    hub = hub_for(
-        tmp_path,
+def fake_hub(home: Path) -> McpHub:
+    counter = home / "tickets.txt"
+    return hub_for(
+        home,
         {"fake": stdio_server(env={"MCP_FAKE_COUNTER": str(counter)}, timeout_seconds=1)},
         max_result_chars=1000,
     )
+
+
+@pytest_asyncio.fixture(loop_scope="module", scope="module")
+async def shared_hub(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[McpHub]:
+    """One server for the tests that leave it as they found it (a server start costs
+    about a second)."""
+    hub = fake_hub(tmp_path_factory.mktemp("mcp-home"))
+    await hub.start()
+    yield hub
+    await hub.stop()
+
+
+@pytest.fixture
+async def stdio_hub(tmp_path: Path) -> AsyncIterator[McpHub]:
+    hub = fake_hub(tmp_path)
     await hub.start()
     yield hub
     await hub.stop()
@@ -92,14 +107,15 @@ def alive(pid: int) -> bool:
     return not (stat.exists() and stat.read_text().rpartition(")")[2].split()[0] == "Z")
 
 
-async def test_stdio_tools_are_listed_qualified_and_called(stdio_hub: McpHub) -> None:
-    assert stdio_hub.health()["fake"] == {"state": "up", "tools": 6, "last_error": None}
-    names = {tool.qualified for tool in stdio_hub.tools(ALL_MCP)}
+@pytest.mark.asyncio(loop_scope="module")
+async def test_stdio_tools_are_listed_qualified_and_called(shared_hub: McpHub) -> None:
+    assert shared_hub.health()["fake"] == {"state": "up", "tools": 6, "last_error": None}
+    names = {tool.qualified for tool in shared_hub.tools(ALL_MCP)}
     assert {"fake__add", "fake__create_ticket", "fake__slow"} <= names
-    add = stdio_hub.tool("fake__add")
+    add = shared_hub.tool("fake__add")
     assert add is not None and add.input_schema["required"] == ["a", "b"]
-    assert (await stdio_hub.call("fake__add", {"a": 2, "b": 40})).text == "42"
-    picture = await stdio_hub.call("fake__picture", {})
+    assert (await shared_hub.call("fake__add", {"a": 2, "b": 40})).text == "42"
+    picture = await shared_hub.call("fake__picture", {})
     assert picture.images and picture.images[0][0] == "image/png"
     assert picture.images[0][1].startswith(b"\x89PNG")
 
@@ -130,32 +146,35 @@ async def test_the_reference_time_server_beside_ours_and_an_agents_selection(
         await hub.stop()
 
 
+@pytest.mark.asyncio(loop_scope="module")
 async def test_a_call_past_its_timeout_is_cancelled_and_the_server_still_works(
-    stdio_hub: McpHub,
+    shared_hub: McpHub,
 ) -> None:
     started = time.monotonic()
-    result = await stdio_hub.call("fake__slow", {"seconds": 30})
+    result = await shared_hub.call("fake__slow", {"seconds": 30})
     assert result.is_error and "did not answer within 1 seconds" in result.text
     assert time.monotonic() - started < 5
-    assert (await stdio_hub.call("fake__add", {"a": 1, "b": 1})).text == "2"
+    assert (await shared_hub.call("fake__add", {"a": 1, "b": 1})).text == "2"
 
 
-async def test_a_flood_is_cut_with_a_marker_and_its_stderr_bounded(stdio_hub: McpHub) -> None:
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_flood_is_cut_with_a_marker_and_its_stderr_bounded(shared_hub: McpHub) -> None:
     with capture_logs() as logs:
-        result = await stdio_hub.call("fake__flood", {"chars": 200_000})
+        result = await shared_hub.call("fake__flood", {"chars": 200_000})
         assert len(result.text) <= 1000 and "[cut: 200,000 characters" in result.text
         await until(lambda: any(e["event"] == "mcp_server_stderr" for e in logs))
     lines = [e for e in logs if e["event"] == "mcp_server_stderr"]
     assert 0 < len(lines) <= 20 and all(len(e["line"]) <= 500 for e in lines)
-    assert (await stdio_hub.call("fake__add", {"a": 1, "b": 2})).text == "3"
+    assert (await shared_hub.call("fake__add", {"a": 1, "b": 2})).text == "3"
 
 
-async def test_a_changed_tool_list_is_read_again(stdio_hub: McpHub) -> None:
-    version = stdio_hub.version
-    assert (await stdio_hub.call("fake__grow", {})).text == "grown"
-    await until(lambda: stdio_hub.tool("fake__extra") is not None)
-    assert stdio_hub.version > version
-    assert (await stdio_hub.call("fake__extra", {})).text == "extra"
+@pytest.mark.asyncio(loop_scope="module")
+async def test_a_changed_tool_list_is_read_again(shared_hub: McpHub) -> None:
+    version = shared_hub.version
+    assert (await shared_hub.call("fake__grow", {})).text == "grown"
+    await until(lambda: shared_hub.tool("fake__extra") is not None)
+    assert shared_hub.version > version
+    assert (await shared_hub.call("fake__extra", {})).text == "extra"
 
 
 async def test_a_killed_stdio_server_goes_down_answers_at_once_and_comes_back(
@@ -222,16 +241,6 @@ async def test_an_unreachable_server_is_down_with_its_error_and_no_secret(tmp_pa
         await hub.stop()
 
 
-async def test_stop_ends_the_children(tmp_path: Path) -> None:
-    hub = hub_for(tmp_path, {"fake": stdio_server(env={"MCP_FAKE_LINGER": "1"})})
-    await hub.start()
-    pid = child_pid(tmp_path, "fake")
-    assert alive(pid)
-    await hub.stop()
-    await until(lambda: not alive(pid))
-    assert json.loads((tmp_path / "mcp" / "children.json").read_text()) == []
-
-
 HOLDER = """
 import asyncio, sys
 from pathlib import Path
@@ -251,7 +260,9 @@ asyncio.run(main())
 """
 
 
-async def test_a_new_hub_ends_the_children_a_killed_daemon_left(tmp_path: Path) -> None:
+async def test_a_new_hub_ends_the_children_a_killed_daemon_left_and_stop_ends_its_own(
+    tmp_path: Path,
+) -> None:
     holder = spawn([sys.executable, "-c", HOLDER, str(tmp_path), str(FAKE)], stdout=subprocess.PIPE)
     try:
         assert holder.stdout is not None
@@ -261,10 +272,15 @@ async def test_a_new_hub_ends_the_children_a_killed_daemon_left(tmp_path: Path) 
         holder.send_signal(signal.SIGKILL)
         holder.wait(timeout=10)
         assert alive(pid)  # the child outlived its daemon: an orphan
-        hub = hub_for(tmp_path, {})
+        hub = hub_for(tmp_path, {"fake": stdio_server(env={"MCP_FAKE_LINGER": "1"})})
         await hub.start()
         await until(lambda: not alive(pid))
+        # The new hub's own child (it too outlives its stdin) ends with the hub's stop.
+        own = child_pid(tmp_path, "fake")
+        assert own != pid and alive(own)
         await hub.stop()
+        await until(lambda: not alive(own))
+        assert json.loads((tmp_path / "mcp" / "children.json").read_text()) == []
     finally:
         holder.kill()
         holder.wait(timeout=10)

@@ -22,6 +22,7 @@ from structlog.testing import capture_logs
 
 from config.mcp import ALL_MCP, McpConfig, McpSelection
 from gateway.mcp import McpHub
+from gateway.mcp.link import ServerLink
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "fakes" / "mcp_server.py"
@@ -177,6 +178,20 @@ async def test_a_changed_tool_list_is_read_again(shared_hub: McpHub) -> None:
     assert (await shared_hub.call("fake__extra", {})).text == "extra"
 
 
+async def test_a_handshake_era_connection_sees_list_changed_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ServerLink, "connect_mode", "legacy")
+    hub = fake_hub(tmp_path)
+    await hub.start()
+    try:
+        assert hub.health()["fake"]["state"] == "up"
+        assert (await hub.call("fake__grow", {})).text == "grown"
+        await until(lambda: hub.tool("fake__extra") is not None)
+    finally:
+        await hub.stop()
+
+
 async def test_a_killed_stdio_server_goes_down_answers_at_once_and_comes_back(
     tmp_path: Path, stdio_hub: McpHub
 ) -> None:
@@ -246,6 +261,7 @@ import asyncio, sys
 from pathlib import Path
 from config.mcp import McpConfig
 from gateway.mcp import McpHub
+from gateway.mcp.link import ServerLink
 
 async def main():
     config = McpConfig.model_validate({"servers": {"fake": {

@@ -59,6 +59,11 @@ class McpTool:
 class ServerLink:
     """One server's connection and its supervisor task (`run`)."""
 
+    # The SDK's protocol negotiation: "auto" takes the 2026-07-28 protocol where the
+    # server speaks it and the initialize handshake otherwise; "legacy" forces the
+    # handshake (the tests' way to reach that path against a server that speaks both).
+    connect_mode = "auto"
+
     def __init__(
         self,
         name: str,
@@ -126,6 +131,7 @@ class ServerLink:
                     message_handler=self._on_message,
                     client_info=types.Implementation(name="hermes-gateway", version="1"),
                     cache=None,  # the tool list is read when the server says it changed
+                    mode=self.connect_mode,
                 )
                 await stack.enter_async_context(client)
                 if pipe is not None:
@@ -217,11 +223,8 @@ class ServerLink:
                 await self._read_tools(client)
 
     async def _on_message(self, message: Any) -> None:
-        if isinstance(message, types.ServerNotification) and isinstance(
-            getattr(message, "root", message), types.ToolListChangedNotification
-        ):
-            self._relist.set()
-        elif isinstance(message, types.ToolListChangedNotification):
+        # Handshake-era connections: the notification on the session itself.
+        if isinstance(message, types.ToolListChangedNotification):
             self._relist.set()
 
     def _went_down(self) -> None:

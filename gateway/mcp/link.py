@@ -119,12 +119,17 @@ class ServerLink:
         limit = anyio.CancelScope(deadline=anyio.current_time() + CONNECT_TIMEOUT_SECONDS)
         with limit:
             async with AsyncExitStack() as stack:
-                pipe = None
+                pipe, recorder = None, None
                 if self.config.command is not None:
                     pipe = StderrPipe(self.name)
                     stack.callback(pipe.close_writer)
                     reader = asyncio.create_task(pipe.run(), name=f"mcp-stderr-{self.name}")
                     stack.push_async_callback(_settle, reader)
+                    # Looked for from the spawn on, so that a kill -9 during the
+                    # handshake leaves a record for the next start's cleanup.
+                    recorder = asyncio.create_task(self._record_child(pipe))
+                    stack.push_async_callback(self._book.remove, self.name)
+                    stack.push_async_callback(_settle, recorder)
                 transport = await self._transport(stack, pipe)
                 client = Client(
                     transport,
@@ -134,9 +139,8 @@ class ServerLink:
                     mode=self.connect_mode,
                 )
                 await stack.enter_async_context(client)
-                if pipe is not None:
-                    await self._record_child(pipe)
-                    stack.push_async_callback(self._book.remove, self.name)
+                if recorder is not None:  # the child answered: it is on record by now
+                    await asyncio.wait({recorder}, timeout=1.0)
                 await self._read_tools(client)
                 limit.deadline = math.inf
                 self._client, self.state, self.last_error = client, "up", None
@@ -174,8 +178,14 @@ class ServerLink:
         return streamable_http_client(self.config.url, http_client=http)
 
     async def _record_child(self, pipe: StderrPipe) -> None:
-        pipe_inode = pipe.inode
-        pid = await asyncio.to_thread(child_on_pipe, pipe_inode)
+        """Find the child on its stderr pipe (polled until the spawn made it, within
+        CONNECT_TIMEOUT_SECONDS) and record it with its start time."""
+        deadline = asyncio.get_running_loop().time() + CONNECT_TIMEOUT_SECONDS
+        pid = None
+        while pid is None and asyncio.get_running_loop().time() < deadline:
+            pid = await asyncio.to_thread(child_on_pipe, pipe.inode)
+            if pid is None:
+                await asyncio.sleep(0.02)
         pipe.close_writer()  # the child holds its own copy: EOF comes when it exits
         started = start_time(pid) if pid is not None else None
         if pid is not None and started is not None:

@@ -93,6 +93,9 @@ async def serve_http(port: int) -> None:
     # A restarted server binds the port its predecessor had (tests of reconnection).
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", port))
+    # Listening before "listening on" is printed: a client that connects at once waits in
+    # the backlog for uvicorn instead of being refused.
+    sock.listen(128)
     app = server.streamable_http_app()
     config = uvicorn.Config(app, log_level="warning")
     uv = uvicorn.Server(config)

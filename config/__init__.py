@@ -11,6 +11,7 @@ from config.agents import (
 )
 from config.base import ResetByType, SessionResetPolicy
 from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
+from config.mcp import McpConfig, McpSelection, McpServerConfig, McpToolFilter
 from config.platforms import (
     ChatPlatformConfig,
     DiscordConfig,
@@ -49,6 +50,10 @@ __all__ = [
     "HousekeepingConfig",
     "HttpConfig",
     "LoggingConfig",
+    "McpConfig",
+    "McpSelection",
+    "McpServerConfig",
+    "McpToolFilter",
     "MediaConfig",
     "MemoryConfig",
     "MemoryWeights",

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from config.base import MODEL_CONFIG, ChatType
+from config.mcp import McpSelection, parse_selection_entry, selection_of
 
 
 class ContextConfig(BaseModel):
@@ -92,9 +93,11 @@ class AgentConfig(BaseModel):
     # Per-session agent instances are cached (LRU) to keep prompt caches warm.
     cache_max_size: int = Field(default=128, ge=1)
     cache_idle_ttl_seconds: float = Field(default=3600.0, gt=0)
-    # Tools (docs/agents.md): the built-in tools the model may call (default: all; [] for
-    # none), and how many rounds of tool calls one turn may make before it must answer.
-    tools: tuple[str, ...] = TOOL_NAMES
+    # Tools (docs/agents.md): the tools the model may call, built-in names and MCP
+    # selections (`mcp:<server>`, `mcp:<server>__<tool>`); None (no key): every built-in
+    # and every configured MCP tool; [] for none. Read through `builtin_tools` and
+    # `mcp_selection`. Also how many rounds of tool calls one turn may make.
+    tools: tuple[str, ...] | None = None
     max_tool_rounds: int = Field(default=8, ge=1, le=64)
     # Media in (docs/platforms.md): photos go to the model as image parts only when it can
     # see them; otherwise it gets a one-line note that a photo was sent.
@@ -108,13 +111,31 @@ class AgentConfig(BaseModel):
 
     @field_validator("tools")
     @classmethod
-    def _known_tools(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        unknown = [name for name in value if name not in TOOL_NAMES]
+    def _known_tools(cls, value: tuple[str, ...] | None) -> tuple[str, ...] | None:
+        if value is None:
+            return None
+        unknown = [name for name in value if name not in TOOL_NAMES and not name.startswith("mcp:")]
         if unknown:
             raise ValueError(
-                f"unknown tool {', '.join(map(repr, unknown))}; known: {', '.join(TOOL_NAMES)}"
+                f"unknown tool {', '.join(map(repr, unknown))}; known: {', '.join(TOOL_NAMES)},"
+                " and MCP tools as mcp:<server> or mcp:<server>__<tool>"
             )
+        for name in value:
+            if name.startswith("mcp:"):
+                parse_selection_entry(name)  # raises ValueError saying what is wrong
         return tuple(dict.fromkeys(value))  # a name listed twice is one tool
+
+    @property
+    def builtin_tools(self) -> tuple[str, ...]:
+        """The built-in tools this agent is given, in `TOOL_NAMES` order when defaulted."""
+        if self.tools is None:
+            return TOOL_NAMES
+        return tuple(name for name in self.tools if name in TOOL_NAMES)
+
+    @property
+    def mcp_selection(self) -> McpSelection:
+        """The MCP tools this agent is given (no `tools` key: every configured one)."""
+        return selection_of(self.tools)
 
     @field_validator("backend")
     @classmethod

@@ -27,6 +27,7 @@ from config.agents import (
     RouteConfig,
 )
 from config.base import MODEL_CONFIG, ResetByType, SessionResetPolicy
+from config.mcp import McpConfig, parse_selection_entry
 from config.platforms import PlatformConfig, PlatformsConfig
 
 
@@ -264,6 +265,7 @@ class GatewayConfig(BaseModel):
     memory: MemoryConfig = MemoryConfig()
     schedules: SchedulesConfig = SchedulesConfig()
     media: MediaConfig = MediaConfig()
+    mcp: McpConfig = McpConfig()  # the agent's MCP tool servers (config.mcp)
     # Who may use admin commands (/restart), as "platform:user_id", e.g. "telegram:12345".
     admins: list[str] = Field(default_factory=list)
     # Set by load_config; the loader rejects it as a YAML key.
@@ -320,6 +322,28 @@ class GatewayConfig(BaseModel):
                     f"routes.{index}.agent: unknown agent {route.agent!r} "
                     f"(agents: {', '.join(sorted(known))})"
                 )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _check_mcp(self) -> GatewayConfig:
+        """Server names, and every `mcp:` entry of an agent's `tools` naming a configured
+        server; each problem one line starting with its key path."""
+        problems = self.mcp.problems()
+        sections = {"agent": self.agent} if MAIN_AGENT not in self.agents else {}
+        sections |= {f"agents.{agent_id}": agent for agent_id, agent in self.agents.items()}
+        for where, agent in sections.items():
+            for index, entry in enumerate(agent.tools or ()):
+                if not entry.startswith("mcp:"):
+                    continue
+                server, _ = parse_selection_entry(entry)
+                if server not in self.mcp.servers:
+                    configured = ", ".join(sorted(self.mcp.servers)) or "none"
+                    problems.append(
+                        f"{where}.tools.{index}: {entry!r} names no server of mcp.servers"
+                        f" (configured: {configured})"
+                    )
         if problems:
             raise ValueError("\n".join(problems))
         return self

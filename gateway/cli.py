@@ -144,16 +144,16 @@ def window_problem(config: GatewayConfig, roster: Roster) -> str | None:
 
     for spec in roster:
         agent = spec.config
-        if agent.backend == "echo" or not agent.tools:
+        if agent.backend == "echo" or not agent.builtin_tools:
             continue  # the echo agent calls no model and carries no tools
-        tools = Toolbox(BUILTIN_TOOLS, agent.tools).spec_tokens
+        tools = Toolbox(BUILTIN_TOOLS, agent.builtin_tools).spec_tokens
         fixed = int((tools + text_tokens(agent.system_prompt or "")) * UNCALIBRATED_FACTOR)
         if fixed + MESSAGE_ROOM > spec.plan.budget:
             where = f"agents.{spec.agent_id}" if spec.agent_id in config.agents else "agent"
             return (
                 f"{where}.context.window_tokens: {agent.context.window_tokens} leaves no"
                 f" room for a message (about {MESSAGE_ROOM} tokens with the session's"
-                f" context): the {len(agent.tools)} tools' specs"
+                f" context): the {len(agent.builtin_tools)} tools' specs"
                 + (" and the system prompt" if agent.system_prompt else "")
                 + f" alone take about {fixed:,} of its {spec.plan.budget:,} tokens (estimated"
                 " with a margin until the model reports its count; the rest is the reply's"

@@ -99,8 +99,8 @@ class AgentCall:
             )
             uses_tools = spec.config.backend != "echo" or custom
             self._toolboxes[spec.agent_id] = (
-                Toolbox(BUILTIN_TOOLS, spec.config.tools)
-                if uses_tools and spec.config.tools
+                Toolbox(BUILTIN_TOOLS, spec.config.builtin_tools)
+                if uses_tools and spec.config.builtin_tools
                 else None
             )
 

@@ -311,3 +311,19 @@ async def test_a_fresh_turn_without_calls_writes_and_reads_no_journal(
     store.read = counted  # type: ignore[method-assign]
     assert await tools.resume() == []
     assert reads == [] and tools.settles() == []
+
+
+async def test_a_round_of_invalid_calls_is_recorded_and_replayed_with_their_errors(
+    store: SessionStore, turn: Any
+) -> None:
+    world = World()
+    bad = {"id": "b1", "type": "function", "function": {"name": "nope", "arguments": "{}"}}
+    tools = bind(store, turn, world)
+    first = await tools.run_round(None, [bad, call("effect", n=1)])
+    assert [row[1] for row in await journal_rows(store)] == ["round", "call"]
+    first_only_bad = await tools.run_round(None, [dict(bad, id="b2")])
+    assert [row[1] for row in await journal_rows(store)] == ["round", "call", "round"]
+
+    replayed = await bind(store, turn, world, resumed=True).resume()
+    assert replayed == first + first_only_bad
+    assert world.runs == [("effect", 1)]

@@ -2,7 +2,9 @@
 `gateway.store.tool_calls`).
 
 Every write that comes before a side effect (a round, a call about to run) is awaited:
-committed before the call runs, so a crash after it finds the call recorded. A turn
+committed before the call runs, so a crash after it finds the call recorded. A round's
+row is held until its first call is recorded and committed with it: one commit fewer
+per round, and nothing of the round has run before then. A turn
 begun fresh has no rows to read, so only a resumed turn reads; a turn that never
 recorded anything writes nothing at its finish either.
 """
@@ -38,6 +40,7 @@ class CallJournal:
         self._fence = fence
         self._rows: list[Row] | None = None if resumed else []
         self._next_seq = 0
+        self._held: list[Row] = []  # a round's row, written with its first call
         self.touched = resumed  # rows may exist: the finish forgets them
 
     async def recorded(self) -> list[Row]:
@@ -58,8 +61,16 @@ class CallJournal:
         return None
 
     async def round(self, message: dict[str, Any]) -> None:
-        """An assistant message with tool calls, before any of them runs."""
-        await self._insert(tool_calls.ROUND, None, None, codec.dumps(message), None)
+        """An assistant message with tool calls, recorded with the first of them (or by
+        `flush` when none is)."""
+        if self._rows is None:  # resumed, and recorded() not asked yet: seqs follow its rows
+            await self.recorded()
+        self._held.append(self._row(tool_calls.ROUND, None, None, codec.dumps(message), None))
+
+    async def flush(self) -> None:
+        """Write a held round whose calls recorded nothing (none was valid)."""
+        if self._held:
+            await self._write_rows([])
 
     async def start(self, kind: str, call_id: str, tool: str, arguments: str) -> int:
         """A call about to run; returns its seq for `finish`."""
@@ -91,12 +102,26 @@ class CallJournal:
     ) -> int:
         if self._rows is None:  # resumed, and recorded() not asked yet: seqs follow its rows
             await self.recorded()
+        row = self._row(kind, call_id, tool, payload, result)
+        await self._write_rows([row])
+        return row.seq
+
+    def _row(
+        self, kind: str, call_id: str | None, tool: str | None, payload: str, result: str | None
+    ) -> Row:
         seq, self._next_seq = self._next_seq, self._next_seq + 1
-        row = Row(seq, kind, call_id, tool, payload, result)
+        return Row(seq, kind, call_id, tool, payload, result)
+
+    async def _write_rows(self, rows: list[Row]) -> None:
+        rows, self._held = [*self._held, *rows], []
         session_id, user_row = self._turn
         self.touched = True
-        await self._write(lambda conn: tool_calls.record(conn, session_id, user_row, row))
-        return seq
+
+        def insert(conn: Any) -> None:
+            for row in rows:
+                tool_calls.record(conn, session_id, user_row, row)
+
+        await self._write(insert)
 
     async def _write(self, fn: Callable[[Any], object]) -> None:
         fence, key = self._fence, self._key

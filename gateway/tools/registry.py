@@ -184,8 +184,8 @@ class TurnTools:
         return messages
 
     async def run_round(self, content: Any, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """One round: the assistant message with its calls (recorded before any runs),
-        then each call's result, in the model's order."""
+        """One round: the assistant message with its calls (recorded before any of them
+        runs), then each call's result, in the model's order."""
         message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": calls}
         if self._journal is not None:
             await self._journal.round(message)
@@ -196,6 +196,8 @@ class TurnTools:
                 CALL, call["id"], function["name"], function["arguments"]
             )
             messages.append(_tool_message(call, result))
+        if self._journal is not None:
+            await self._journal.flush()
         return messages
 
     async def call(self, name: str, arguments: str | dict[str, Any]) -> str:

@@ -12,6 +12,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from adapters.base import MessageEvent
 from config import GatewayConfig
 from gateway.session import Platform, SessionSource
+from gateway.store import purge
 from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog, TurnStart
 from gateway.tools import BUILTIN_TOOLS
@@ -327,3 +329,18 @@ async def test_a_round_of_invalid_calls_is_recorded_and_replayed_with_their_erro
     replayed = await bind(store, turn, world, resumed=True).resume()
     assert replayed == first + first_only_bad
     assert world.runs == [("effect", 1)]
+
+
+async def test_the_record_goes_with_its_session(store: SessionStore, turn: Any) -> None:
+    """Rows a turn left behind (its finish never ran them out) are deleted with the
+    session, as everything of it is (gateway.store.purge)."""
+    log, key, start, event = turn
+    await bind(store, turn, World()).run_round(None, [call("effect")])
+    await log.finish(key, start, event, reply="done", usage=None, chunks=["done"])
+    assert await journal_rows(store)  # no settles handed to the finish: still there
+    session_id = start.entry.session_id
+    deleted = await store.write(
+        lambda conn: purge.delete_session(conn, session_id, datetime.now(UTC))
+    )
+    assert deleted is not None and deleted["rows"]["tool_calls"] == 2
+    assert await journal_rows(store) == []

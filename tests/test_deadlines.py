@@ -44,3 +44,39 @@ async def test_the_timer_runs_only_while_a_turn_has_a_deadline() -> None:
     assert deadlines._timer is None
     assert await asyncio.wait_for(guarded(deadlines, 5), 2) == "timed out"
     assert deadlines._timer is None
+
+
+async def test_a_paused_clock_does_not_run_and_goes_on_with_the_time_left() -> None:
+    deadlines = Deadlines(0.3)
+    waited = asyncio.Event()
+
+    async def turn() -> str:
+        task = asyncio.current_task()
+        assert task is not None
+        deadlines.arm(task)  # type: ignore[arg-type]
+        try:
+            with deadlines.paused(task):  # type: ignore[arg-type]
+                await asyncio.sleep(0.9)  # three limits: the user takes their time
+            waited.set()
+            await asyncio.sleep(5)  # the agent's own work: over the time it has left
+        except asyncio.CancelledError:
+            if deadlines.disarm(task) and task.uncancel() == 0:  # type: ignore[arg-type]
+                return "timed out"
+            raise
+        finally:
+            deadlines.disarm(task)  # type: ignore[arg-type]
+        return "done"
+
+    assert await asyncio.wait_for(turn(), 3) == "timed out"
+    assert waited.is_set()  # cancelled after the pause, not during it
+    assert deadlines._due == {} and deadlines._expired == set()
+
+
+async def test_pausing_a_task_without_a_clock_changes_nothing() -> None:
+    deadlines = Deadlines(0.2)
+    task = asyncio.current_task()
+    with deadlines.paused(task):  # type: ignore[arg-type]
+        pass
+    with deadlines.paused(None):
+        pass
+    assert deadlines._due == {} and deadlines._timer is None

@@ -528,9 +528,10 @@ async def test_commands_are_registered_and_the_token_never_logged(
     caplog.set_level(logging.DEBUG, logger="httpx")  # it logs every URL, token included
     gw = await make_gateway()
     assert [c["command"] for c in tg.commands] == [name for name, _ in COMMANDS]
-    assert {"new", "reset", "stop", "queue", "status", "resume", "retry", "undo", "help"} == {
-        c["command"] for c in tg.commands
-    }
+    assert {
+        *("new", "reset", "stop", "queue", "status", "resume", "retry", "undo", "help"),
+        *("tools", "approve", "deny"),
+    } == {c["command"] for c in tg.commands}
     assert all(c["description"] for c in tg.commands)
 
     tg.fail_next("sendMessage", status=429, retry_after=1)

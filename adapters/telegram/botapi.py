@@ -24,6 +24,9 @@ COMMANDS: tuple[tuple[str, str], ...] = (
     ("resume", "List earlier sessions or switch back to one"),
     ("retry", "Re-run your last message"),
     ("undo", "Take back your last message and its reply"),
+    ("tools", "The agent's tools and the tool servers' states"),
+    ("approve", "Let the waiting tool call run"),
+    ("deny", "Refuse the waiting tool call"),
     ("help", "List the commands"),
 )
 

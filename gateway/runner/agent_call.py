@@ -37,6 +37,7 @@ from gateway.schedules.book import ScheduleBook
 from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog, TurnStart
 from gateway.tools import BUILTIN_TOOLS
+from gateway.tools.approval import ApprovalGate
 from gateway.tools.registry import Toolbox, TurnScope, TurnTools, agent_id_of
 
 log = structlog.get_logger("gateway.run")
@@ -74,6 +75,9 @@ class AgentCall:
         store: SessionStore,
         recall: Recall,
         schedule_book: ScheduleBook,
+        *,
+        deadlines: Deadlines | None = None,
+        approvals: ApprovalGate | None = None,
     ) -> None:
         self.roster = roster
         self.agents = agents
@@ -81,7 +85,10 @@ class AgentCall:
         self.metrics = metrics
         self._store, self._recall, self._schedule_book = store, recall, schedule_book
         self._turn_slots = asyncio.Semaphore(config.agent.max_concurrent_turns)
-        self._deadlines = Deadlines(min(a.config.gateway_timeout for a in roster))
+        if deadlines is None:
+            deadlines = Deadlines(min(a.config.gateway_timeout for a in roster))
+        self._deadlines = deadlines
+        self._approvals = approvals  # asked by a tool with `approve` (None: such calls fail)
         self._default_prompts: dict[str, str] = {}  # agent id -> its default system prompt
         # Each agent's tools; None for the echo backend (no model calls tools) and for
         # `tools: []`: such turns build no tool machinery at all.
@@ -207,6 +214,7 @@ class AgentCall:
             user_row=user_row,
             resumed=resumed,
             fence=self.turnlog.fence,
+            approvals=self._approvals,
         )
         return toolbox.bind(scope)
 

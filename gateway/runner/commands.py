@@ -1,5 +1,6 @@
-"""Chat commands: /new /reset /stop /queue /status /resume /retry /undo /help, and the
-session memory commands /title /search /forget /compress.
+"""Chat commands: /new /reset /stop /queue /status /resume /retry /undo /help, the
+session memory commands /title /search /forget /compress, and the tool commands /tools
+/approve /deny (`tool_commands`).
 
 Each handler gets the command context (`ports.CommandContext`: the runner, seen through
 what commands use) and the event and returns the text to send back (or None
@@ -25,6 +26,7 @@ from gateway.domain.policy import next_reset_at
 from gateway.domain.session import agent_id_of_key
 from gateway.runner.ports import CommandContext
 from gateway.runner.schedule_commands import cmd_schedule, cmd_sethome, next_run_line
+from gateway.runner.tool_commands import cmd_approve, cmd_deny, cmd_tools
 from gateway.store import titles
 from gateway.store.session_store import MAX_REWIND
 
@@ -317,6 +319,9 @@ HANDLERS: dict[str, Handler] = {
     "forget": cmd_forget,
     "schedule": cmd_schedule,
     "sethome": cmd_sethome,
+    "tools": cmd_tools,
+    "approve": cmd_approve,
+    "deny": cmd_deny,
 }
 assert HANDLERS.keys() == NAMES, "every command word has exactly one handler"
 HELP_TEXT = """Commands:
@@ -334,6 +339,8 @@ HELP_TEXT = """Commands:
 /schedule add WHEN PROMPT — run PROMPT later or repeatedly (in 30m, at 09:00, every 2h,
   "0 9 * * 1-5"); /schedule list | remove ID | pause ID | resume ID | run ID | runs ID
 /sethome — make this chat the platform's home channel (for scheduled tasks)
+/tools — the agent's tools (and which ask first) and the tool servers' states
+/approve, /deny — answer a tool call waiting for your yes
 /restart — restart the gateway (admins only)
 /help — this list
 Messages sent while a reply is running are combined into the next turn."""

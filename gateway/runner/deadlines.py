@@ -6,11 +6,16 @@ turn, a cost the turn's path notices. Here a turn's deadline is a dict entry, an
 timer, running only while some turn has a deadline, cancels the turns whose time
 is up. A deadline is therefore met up to a tick late: a quarter of the limit, at most a
 second, which a limit of minutes cannot tell apart.
+
+A turn waiting for someone else (the user's /approve) stops its clock meanwhile
+(`paused`): the limit guards the agent's work, not the user's answer.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class Deadlines:
@@ -39,6 +44,20 @@ class Deadlines:
             self._expired.discard(task)
             return True
         return False
+
+    @contextmanager
+    def paused(self, task: asyncio.Task[object] | None) -> Iterator[None]:
+        """Stop `task`'s clock for the `with` block; it then goes on with the time it had
+        left. A task without a clock (none armed, or not a turn) is left alone."""
+        due = self._due.pop(task, None) if task is not None else None
+        if task is None or due is None:
+            yield
+            return
+        left = due - task.get_loop().time()
+        try:
+            yield
+        finally:
+            self.arm(task, max(left, 0.0))
 
     def _check(self, loop: asyncio.AbstractEventLoop) -> None:
         now = loop.time()

@@ -41,6 +41,8 @@ from gateway.memory.summaries import Memory
 from gateway.ops.metrics import Metrics
 from gateway.ops.status import keep_status, write_status
 from gateway.runner.agent_call import AgentCall
+from gateway.runner.approvals import DEFAULT_TIMEOUT_SECONDS, Approvals
+from gateway.runner.deadlines import Deadlines
 from gateway.runner.delivery import Delivery
 from gateway.runner.engine import TurnEngine
 from gateway.runner.housekeeping import Housekeeper
@@ -135,6 +137,10 @@ class GatewayRunner:
         self.finalize_hooks: list[FinalizeHook] = []
         self.restart_requested = asyncio.Event()
         self.housekeeper = Housekeeper(self)
+        # The turns' deadlines, shared with the approvals: a turn waiting for the user's
+        # /approve stops its clock meanwhile.
+        deadlines = Deadlines(min(a.config.gateway_timeout for a in self.roster))
+        self.approvals = Approvals(self, deadlines, DEFAULT_TIMEOUT_SECONDS)
         asking = AgentCall(
             config,
             self.roster,
@@ -145,6 +151,8 @@ class GatewayRunner:
             self.store,
             self.recall,
             self.schedule_book,
+            deadlines=deadlines,
+            approvals=self.approvals,
         )
         turns = TurnRunner(
             config,
@@ -374,6 +382,10 @@ class GatewayRunner:
     def toolbox_for(self, agent_id: str) -> Toolbox | None:
         """The agent's tools (None: its turns carry none)."""
         return self.engine.asking.toolbox_for(agent_id)
+
+    def tool_servers(self) -> dict[str, dict[str, Any]]:
+        """The tool servers' states (none are configured here)."""
+        return {}
 
     # --- stored sessions (`sessions`) ----------------------------------------------------
 

@@ -6,6 +6,8 @@ these Protocols, which name exactly what that part calls, and nothing else of it
     HousekeeperHost the background housekeeper (`housekeeping`)
     ReplicaHost     one replica of several (`replica`)
     LaneHooks       what the turn engine tells its placement (`placement`) of a lane
+    ApprovalSender  how approvals (`approvals`) put their question to a chat
+    ApprovalDesk    what the /approve and /deny commands see of the waiting approvals
 
 The scheduler's port is `gateway.schedules.loop.SchedulerHost` (the scheduler sits below
 the runner). `GatewayRunner` (`lifecycle`) implements them all.
@@ -29,6 +31,8 @@ from gateway.schedules.book import ScheduleBook
 from gateway.schedules.loop import RecordedSender, Scheduler
 from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog
+from gateway.tools.approval import ApprovalRequest, Verdict
+from gateway.tools.registry import Toolbox
 
 FinalizeHook = Callable[[SessionEntry], Awaitable[None]]
 
@@ -51,6 +55,26 @@ class Outbox(Protocol):
     async def resend_pending(self, min_age_seconds: float = 0) -> int: ...
 
 
+class ApprovalSender(Protocol):
+    """The runner's send path for a message that answers no turn (recorded, then sent)."""
+
+    async def deliver(
+        self, target: SessionSource, text: str, reply_to: str | None = None
+    ) -> int: ...
+
+
+class ApprovalDesk(Protocol):
+    """The tool calls waiting for a yes, one per session at most."""
+
+    def waiting(self, key: str) -> ApprovalRequest | None:
+        """The call `key`'s turn waits to run (None: nothing waits)."""
+        ...
+
+    def answer(self, key: str, verdict: Verdict) -> bool:
+        """Settle `key`'s waiting call; False when nothing waited (any more)."""
+        ...
+
+
 class CommandContext(Turns, Protocol):
     """What a chat command may use: the stores, the session's lane, and the reply path."""
 
@@ -62,6 +86,7 @@ class CommandContext(Turns, Protocol):
     turnlog: TurnLog
     schedule_book: ScheduleBook
     scheduler: Scheduler
+    approvals: ApprovalDesk
 
     def queue_depth(self, key: str) -> int: ...
 
@@ -80,6 +105,15 @@ class CommandContext(Turns, Protocol):
     async def deliver(
         self, target: SessionSource, text: str, reply_to: str | None = None
     ) -> int: ...
+
+    def toolbox_for(self, agent_id: str) -> Toolbox | None:
+        """The agent's tools (None: its turns carry none)."""
+        ...
+
+    def tool_servers(self) -> dict[str, dict[str, Any]]:
+        """Each configured tool server by name: {"state": up|down|starting, "tools": N,
+        "last_error": text or None}; empty without servers."""
+        ...
 
 
 class RecoveryHost(Turns, Outbox, Protocol):

@@ -36,9 +36,10 @@ from gateway.util.faults import POINTS
 from scripts.harness import Daemon, is_connection_error
 
 ACCEPTED = {"started", "pending", "queued", "duplicate"}
-# A scheduled run's claim is never reached by chat traffic (tests/test_schedules_daemon.py
-# crashes there).
-MODES = ("random", *sorted(POINTS - {"after_schedule_claim"}))
+# A scheduled run's claim and the tool calls are never reached by the echo agent's chat
+# traffic (tests/test_schedules_daemon.py and scripts/tool_crashloop.py crash there).
+_UNREACHED = {"after_schedule_claim", "tool_call_in_flight", "after_tool_result"}
+MODES = ("random", *sorted(POINTS - _UNREACHED))
 ECHO_PREFIX = "echo: "
 
 

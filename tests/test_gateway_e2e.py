@@ -212,6 +212,8 @@ async def test_a_waiting_turn_is_begun_in_the_last_transaction_of_the_turn_befor
     def count(tx: list[str], prefix: str) -> int:
         return sum(s.startswith(prefix) for s in tx)
 
+    # The echo agent has no tools: its turns never touch the tool-call journal.
+    assert not any("TOOL_CALLS" in statement.upper() for statement in statements)
     begins = [tx for tx in transactions if count(tx, "INSERT INTO TURNS")]
     assert len(begins) == 2  # one begin per turn
     first_begin, second_begin = begins

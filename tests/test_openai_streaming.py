@@ -41,6 +41,19 @@ class RecordingTools:
         )
         return json.dumps({"ok": True})
 
+    async def resume(self) -> list[dict[str, Any]]:
+        return []
+
+    async def run_round(self, content: Any, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        messages: list[dict[str, Any]] = [
+            {"role": "assistant", "content": content, "tool_calls": calls}
+        ]
+        for call in calls:
+            function = call["function"]
+            result = await self.call(function["name"], function["arguments"])
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": result})
+        return messages
+
 
 def request(text: str, tools: Any = None) -> TurnRequest:
     return TurnRequest("k", "s", text, (), "", tools=tools)

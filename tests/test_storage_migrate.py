@@ -19,7 +19,7 @@ from gateway.memory.recall import Namespace, Recall
 from gateway.runner.pairing import Pairing
 from gateway.schedules.book import ScheduleBook
 from gateway.session import Platform, SessionSource
-from gateway.store import journal, schedules, scratchpad, summary_checkpoints
+from gateway.store import journal, schedules, scratchpad, summary_checkpoints, tool_calls
 from gateway.store.homelock import HomeLock
 from gateway.store.pg.schema import migrate
 from gateway.store.session_store import SessionStore
@@ -75,6 +75,10 @@ async def _fill(home: Path) -> None:
                 conn, source(0), ["part one", "part two"], reply_to="m1", session_key=key, now=now
             )
             journal.save_stream(conn, key, ["platform-msg-1"], now)
+            # The interrupted turn's tool call, in flight (no result yet).
+            tool_calls.record(
+                conn, sid, 3, tool_calls.Row(0, tool_calls.CALL, "c1", "memory_save", "{}", None)
+            )
             scratchpad.write(conn, sid, ["check the logs", "reply"])
             summary_checkpoints.write(
                 conn,

@@ -552,13 +552,13 @@ def test_agent_id_comes_from_the_session_key() -> None:
 # --- a crash mid-loop ---------------------------------------------------------------------------
 
 
-def test_a_crash_mid_loop_reruns_the_turn_from_its_marker_and_its_tools_again(
+def test_a_crash_mid_loop_replays_the_recorded_round_and_applies_the_pad_again(
     tmp_path: Path,
 ) -> None:
-    """kill -9 while the model holds its answer to round one's results: nothing of the
-    round was stored (it commits with the reply), so the restart re-runs the whole
-    turn, tools included, and the transcript holds the user message once and the
-    re-run's rounds."""
+    """kill -9 while the model holds its answer to round one's results: the round is in
+    the tool-call journal, so the restart replays it to the model (the scratchpad write
+    applied again from its record, not asked of the model again) and asks only for the
+    rest; the transcript holds the user message once and the one round."""
     with serve_in_a_thread(check_pairing=True) as (fake, loop):
         daemon = Daemon(
             tmp_path / "home",
@@ -575,7 +575,7 @@ def test_a_crash_mid_loop_reruns_the_turn_from_its_marker_and_its_tools_again(
             wait_blocking(lambda: fake.held)  # round one finished
             daemon.kill9()
 
-            fake.script(tool_calls(("scratchpad_write", {"items": ["re-run"]})), "finished")
+            fake.script("finished")
             daemon.start()
             replies = daemon.wait_replies("c1", 1)
             assert [r["text"] for r in replies] == ["finished"]
@@ -586,16 +586,21 @@ def test_a_crash_mid_loop_reruns_the_turn_from_its_marker_and_its_tools_again(
                     "SELECT message FROM messages WHERE session_id = ? ORDER BY id", (sid,)
                 ).fetchall()
                 pad = conn.execute("SELECT items FROM scratchpads").fetchall()
+                journal = conn.execute("SELECT COUNT(*) FROM tool_calls").fetchone()[0]
             finally:
                 conn.close()
             stored = [json.loads(m) for (m,) in rows]
             assert roles(stored) == ["user", "assistant", "tool", "assistant"]
             assert stored[0]["content"] == "long task"
             assert json.loads(stored[1]["tool_calls"][0]["function"]["arguments"]) == {
-                "items": ["re-run"]
+                "items": ["before the crash"]
             }
-            assert [json.loads(items) for (items,) in pad] == [["re-run"]]
-            assert len(fake.requests) == 4  # two before the crash, two in the re-run
+            assert [json.loads(items) for (items,) in pad] == [["before the crash"]]
+            assert journal == 0  # gone with the turn's finish
+            assert len(fake.requests) == 3  # two before the crash, one after it
+            replayed = fake.requests[-1]["json"]["messages"]
+            assert [m["role"] for m in replayed[-3:]] == ["user", "assistant", "tool"]
+            assert json.loads(replayed[-1]["content"]) == {"items": 1}
         finally:
             loop.call_soon_threadsafe(release.set)
             daemon.ensure_stopped()

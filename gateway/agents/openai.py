@@ -187,10 +187,13 @@ class OpenAIAgent:
     ) -> TurnResult:
         """Ask, run the tool calls asked for, send their results, ask again ... until the
         model answers without tool calls or `max_tool_rounds` rounds ran."""
+        # The rounds an interrupted earlier run of this turn recorded, replayed, not re-run.
+        new: list[dict[str, Any]] = await tools.resume()  # this turn's tool rounds
+        messages += [_sent(m) for m in new]
         body = {"model": self.model, "messages": messages, "tools": specs}
-        new: list[dict[str, Any]] = []  # this turn's tool rounds, for the transcript
         usage = TokenUsage()
-        for rounds in range(self.max_tool_rounds + 1):
+        done = sum(1 for m in new if m.get("role") == "assistant")
+        for rounds in range(done, max(done, self.max_tool_rounds) + 1):
             message, used = await complete(body)
             usage = _added(usage, used)
             calls = _tool_calls(message)
@@ -205,7 +208,7 @@ class OpenAIAgent:
                     " Ask me to continue, or narrow the question."
                 )
                 return TurnResult(text, usage, tuple(new))
-            round_messages = await _run_calls(tools, message.get("content"), calls)
+            round_messages = await tools.run_round(message.get("content"), calls)
             new += round_messages
             messages += [_sent(m) for m in round_messages]
         raise AssertionError("unreachable: the last round returns")
@@ -450,27 +453,6 @@ def _tool_calls(message: dict[str, Any]) -> list[dict[str, Any]]:
             {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
         )
     return normalized
-
-
-async def _run_calls(
-    tools: Tools, content: Any, calls: list[dict[str, Any]]
-) -> list[dict[str, Any]]:
-    """One round: the assistant message with its calls, then each call's result."""
-    messages: list[dict[str, Any]] = [
-        {"role": "assistant", "content": content, "tool_calls": calls}
-    ]
-    for call in calls:
-        function = call["function"]
-        result = await tools.call(function["name"], function["arguments"])
-        messages.append(
-            {
-                "role": "tool",
-                "tool_call_id": call["id"],
-                "name": function["name"],
-                "content": result,
-            }
-        )
-    return messages
 
 
 def _sent(message: dict[str, Any]) -> dict[str, Any]:

@@ -17,10 +17,13 @@ Tools: a turn may carry `TurnRequest.tools` (`Tools`, None when the agent has no
 ``tools.specs()`` lists them in OpenAI's function-calling format and
 ``await tools.call(name, arguments)`` runs one, returning its result as text (JSON); a
 bad argument or a failing tool is a result too (``{"error": ...}``), never an
-exception. An agent that calls tools returns the messages of its tool rounds in
-`TurnResult.messages` (assistant messages with ``tool_calls``, then one ``tool``
-message per call with its ``tool_call_id``, oldest first): the turn stores them before
-its reply, in the same transaction.
+exception. Calls run at most once across crashes: a model-driven agent starts with
+``await tools.resume()`` (the rounds an interrupted earlier run of the turn recorded)
+and runs each round through ``await tools.run_round(content, calls)``. An agent that
+calls tools returns the messages of its tool rounds in `TurnResult.messages` (assistant
+messages with ``tool_calls``, then one ``tool`` message per call with its
+``tool_call_id``, oldest first): the turn stores them before its reply, in the same
+transaction.
 
 Media: a turn may carry `TurnRequest.images` (photos the user sent, for a model that
 sees: `agent.vision`); voice transcripts and text documents are already in `text`. A
@@ -94,7 +97,19 @@ class Tools(Protocol):
         ...
 
     async def call(self, name: str, arguments: str | dict[str, Any]) -> str:
-        """Run one tool; `arguments` as JSON text (what a model sends) or a dict."""
+        """Run one tool; `arguments` as JSON text (what a model sends) or a dict. On a
+        resumed turn, the n-th call with the same tool and arguments as the n-th call
+        of the earlier run returns that run's recorded result without running."""
+        ...
+
+    async def resume(self) -> list[dict[str, Any]]:
+        """The tool rounds an earlier run of this turn recorded before a crash, completed
+        (the messages `run_round` returned, oldest first; [] for a fresh turn)."""
+        ...
+
+    async def run_round(self, content: Any, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Run one round of tool calls, recorded so a resumed turn replays it: the
+        assistant message (`content` and `calls`), then one ``tool`` message per call."""
         ...
 
 

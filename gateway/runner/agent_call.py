@@ -189,10 +189,17 @@ class AgentCall:
         return self._toolboxes.get(agent_id)
 
     def turn_tools(
-        self, key: str, session_id: str, source: SessionSource, user_row: int | None = None
+        self,
+        key: str,
+        session_id: str,
+        source: SessionSource,
+        user_row: int | None = None,
+        *,
+        resumed: bool = False,
     ) -> TurnTools | None:
         """This turn's tools, bound to its session, chat and user, and its own first
-        transcript row (`user_row`) (None: no tools)."""
+        transcript row (`user_row`: the turn, as its tool-call journal knows it) (None:
+        no tools). `resumed`: an earlier run of the turn may have recorded calls."""
         toolbox = self.toolbox_for(self.roster.for_key(key).agent_id)
         if toolbox is None:
             return None
@@ -205,6 +212,8 @@ class AgentCall:
             source=source,
             agent_id=agent_id_of(key),
             user_row=user_row,
+            resumed=resumed,
+            fence=self.turnlog.fence,
             approvals=self._approvals,
         )
         return toolbox.bind(scope)

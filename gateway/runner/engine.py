@@ -395,7 +395,8 @@ class TurnEngine:
                 then=then,
                 messages=outcome.messages,
                 writes=tools.writes() if tools is not None else (),
-                settles=settles,
+                # The tool-call journal goes whatever the outcome.
+                settles=(*settles, *tools.settles()) if tools is not None else settles,
                 edits=edits,
                 attachments=[a.to_dict() for a in outcome.attachments],
                 token_factor=token_factor,

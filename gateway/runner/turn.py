@@ -138,7 +138,9 @@ class TurnRunner:
                 )
                 if notes:
                     system_prompt = f"{system_prompt}\n\n{notes_prompt(notes)}"
-            tools = asking.turn_tools(key, entry.session_id, source, begun.user_row)
+            tools = asking.turn_tools(
+                key, entry.session_id, source, begun.user_row, resumed=begun.resumed
+            )
             intake = None
             if event.media:  # files: downloaded and read before the agent is asked
                 intake = await self.media.for_turn(

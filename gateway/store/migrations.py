@@ -15,7 +15,7 @@ from typing import Any
 from gateway.domain.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 16
+SCHEMA_VERSION = 17
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -331,6 +331,22 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     16: """
     ALTER TABLE turns ADD COLUMN running INTEGER NOT NULL DEFAULT 0;
     CREATE INDEX inbox_set_aside ON inbox(session_key, id) WHERE state = 'set_aside';
+    """,
+    # The tool-call journal of running turns (gateway.store.tool_calls): a turn resumed
+    # after a crash replays what its calls did instead of running them again. A turn's
+    # rows go with its finish; deleted with the session.
+    17: """
+    CREATE TABLE tool_calls (
+        session_id TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE,
+        user_row   INTEGER NOT NULL,
+        seq        INTEGER NOT NULL,
+        kind       TEXT NOT NULL,
+        call_id    TEXT,
+        tool       TEXT,
+        payload    TEXT NOT NULL,
+        result     TEXT,
+        PRIMARY KEY (session_id, user_row, seq)
+    ) WITHOUT ROWID;
     """,
 }
 

@@ -25,7 +25,7 @@ import structlog
 from gateway.context.strategy import NOTHING_LOADED, Loaded, Plan
 from gateway.domain.events import MessageEvent
 from gateway.domain.session import SessionEntry, SessionSource, TokenUsage
-from gateway.store import entries, journal, titles, transcript, turn_context
+from gateway.store import entries, journal, titles, tool_calls, transcript, turn_context
 from gateway.store.session_store import SessionStore
 from gateway.util.faults import crash_point
 
@@ -343,6 +343,7 @@ class TurnLog:
         def tx(conn: sqlite3.Connection) -> None:
             # The marker's own messages too: one accepted together with its turn's start
             # may not have reached the caller's list yet.
+            tool_calls.forget_marked(conn, session_key)
             marked = journal.end_turn(conn, session_key)
             journal.end_stream(conn, session_key)  # a stopped reply's partial stays as it is
             journal.close_inbox(conn, [*inbox_ids, *marked], journal.DROPPED, now)
@@ -371,6 +372,7 @@ class TurnLog:
         def tx(conn: sqlite3.Connection) -> tuple[list[int], list[str]]:
             if fence is not None:
                 fence(conn, session_key)
+            tool_calls.forget_marked(conn, session_key)
             marked = journal.end_turn(conn, session_key)
             journal.end_stream(conn, session_key)
             ids = list(dict.fromkeys([*inbox_ids, *marked]))
@@ -422,6 +424,7 @@ class TurnLog:
             if fence is not None:
                 fence(conn, session_key)
             if event.resume:
+                tool_calls.forget_marked(conn, session_key)
                 journal.end_turn(conn, session_key)
             journal.close_inbox(conn, list(event.inbox_ids), journal.DONE, now)
             return journal.record_outbound(

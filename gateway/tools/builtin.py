@@ -173,6 +173,7 @@ SESSION_TOOLS = (
         " words; returns matching snippets, newest first.",
         SessionSearchArgs,
         session_search,
+        read_only=True,
     ),
     Tool(
         "read_session",
@@ -180,12 +181,14 @@ SESSION_TOOLS = (
         " this chat's sessions when no session_id is given.",
         ReadSessionArgs,
         read_session,
+        read_only=True,
     ),
     Tool(
         "scratchpad_read",
         "Read this session's scratchpad: your working notes for the current task.",
         _NoArgs,
         scratchpad_read,
+        read_only=True,
     ),
     Tool(
         "scratchpad_write",
@@ -194,6 +197,15 @@ SESSION_TOOLS = (
         " characters; it is gone when the session ends (save what lasts with memory_save).",
         ScratchpadWriteArgs,
         scratchpad_write,
+        read_only=True,  # its effect is the turn's own until the finish
+        reapply=True,
     ),
-    Tool("scratchpad_clear", "Empty this session's scratchpad.", _NoArgs, scratchpad_clear),
+    Tool(
+        "scratchpad_clear",
+        "Empty this session's scratchpad.",
+        _NoArgs,
+        scratchpad_clear,
+        read_only=True,
+        reapply=True,
+    ),
 )

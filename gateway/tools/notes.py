@@ -103,6 +103,7 @@ NOTE_TOOLS = (
         " best match first.",
         SearchArgs,
         memory_search,
+        read_only=True,
     ),
     Tool("memory_delete", "Delete a saved note by its id.", DeleteArgs, memory_delete),
 )

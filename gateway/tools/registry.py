@@ -11,7 +11,14 @@ act on. Only cancellation (/stop, the turn's deadline) passes through.
 What a turn's tools write to state.db (the scratchpad) is held by the turn and handed
 to its finish transaction (`TurnTools.writes`): the transcript of the tool rounds and
 what they changed commit together. Notes go to the recall store at once (its own
-writes); a turn re-run after a crash may save them again.
+writes).
+
+At most once across crashes: every call is journaled (`gateway.tools.call_journal`)
+before it runs and again when it returns, so a turn resumed after a crash replays its
+recorded rounds (`TurnTools.resume`) instead of running them again. A call that was in
+flight at the crash runs again only when its tool is `read_only`; otherwise the model
+reads `INTERRUPTED`. A call refused by the user is recorded with its refusal, so a
+resumed turn never asks again.
 """
 
 from __future__ import annotations
@@ -27,13 +34,19 @@ from pydantic import BaseModel, ValidationError
 
 from gateway.context.tokens import json_tokens
 from gateway.domain.session import SessionSource
-from gateway.store import scratchpad
+from gateway.store import codec, scratchpad
 from gateway.store.session_store import SessionStore
+from gateway.store.tool_calls import CALL, DIRECT, ROUND, Row
 from gateway.tools.approval import REFUSALS, ApprovalGate, ApprovalRequest, Verdict
+from gateway.tools.call_journal import CallJournal
 
 log = structlog.get_logger("gateway.tools")
 
 ToolFunction = Callable[["TurnScope", Any], Awaitable[Any]]
+
+# What the model reads for a call that was running when the gateway stopped, when its
+# tool is not safe to run again.
+INTERRUPTED = "interrupted by a restart: it may or may not have run"
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +60,9 @@ class Tool:
     read_only: bool = False
     # The user answers /approve or /deny before each call runs (`TurnScope.approvals`).
     approve: bool = False
+    # Its effect lives in the turn's memory until the finish (the scratchpad writes): a
+    # recorded call is run again when the turn resumes, its recorded result kept.
+    reapply: bool = False
 
     def spec(self) -> dict[str, Any]:
         return {
@@ -80,6 +96,10 @@ class TurnScope:
     # Asks the user before a tool with `approve` runs (gateway.tools.approval); None:
     # no one can answer, and such a call is denied.
     approvals: ApprovalGate | None = field(default=None)
+    # A re-run of a turn an earlier process began: its tool-call journal may hold rows.
+    resumed: bool = field(default=False)
+    # Several replicas: fails a journal write once another replica holds the session.
+    fence: Callable[[Any, str], None] | None = field(default=None)
 
 
 class Toolbox:
@@ -104,11 +124,25 @@ class Toolbox:
 
 
 class TurnTools:
-    """One turn's tools (`gateway.agents.protocol.Tools`)."""
+    """One turn's tools (`gateway.agents.protocol.Tools`), journaled: see the module."""
 
     def __init__(self, box: Toolbox, scope: TurnScope) -> None:
         self._box = box
         self.scope = scope
+        # No store or no user row (a scope built outside a turn): nothing is journaled.
+        self._journal = (
+            CallJournal(
+                scope.store,
+                scope.session_key,
+                scope.session_id,
+                scope.user_row,
+                resumed=scope.resumed,
+                fence=scope.fence,
+            )
+            if scope.store is not None and scope.user_row is not None
+            else None
+        )
+        self._direct_calls = 0  # ordinal of the next `call`
 
     def specs(self) -> list[dict[str, Any]]:
         return self._box.specs()
@@ -122,7 +156,78 @@ class TurnTools:
     def names(self) -> list[str]:
         return list(self._box.tools)
 
+    async def resume(self) -> list[dict[str, Any]]:
+        """The tool rounds an earlier run of this turn recorded, completed (see the
+        module): recorded results as they were, calls in flight re-run (read-only) or
+        answered `INTERRUPTED`, calls never started run now."""
+        if self._journal is None:
+            return []
+        rounds: list[tuple[dict[str, Any], dict[str, Row]]] = []
+        for row in await self._journal.recorded():
+            if row.kind == ROUND:
+                rounds.append((codec.loads(row.payload), {}))
+            elif row.kind == CALL and rounds and row.call_id is not None:
+                rounds[-1][1][row.call_id] = row
+        messages: list[dict[str, Any]] = []
+        for message, calls in rounds:
+            messages.append(message)
+            for call in message["tool_calls"]:
+                function = call["function"]
+                row = calls.get(call["id"])
+                if row is None:
+                    result = await self._journaled(
+                        CALL, call["id"], function["name"], function["arguments"]
+                    )
+                else:
+                    result = await self._replayed(row)
+                messages.append(_tool_message(call, result))
+        return messages
+
+    async def run_round(self, content: Any, calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One round: the assistant message with its calls (recorded before any of them
+        runs), then each call's result, in the model's order."""
+        message: dict[str, Any] = {"role": "assistant", "content": content, "tool_calls": calls}
+        if self._journal is not None:
+            await self._journal.round(message)
+        messages = [message]
+        for call in calls:
+            function = call["function"]
+            result = await self._journaled(
+                CALL, call["id"], function["name"], function["arguments"]
+            )
+            messages.append(_tool_message(call, result))
+        if self._journal is not None:
+            await self._journal.flush()
+        return messages
+
     async def call(self, name: str, arguments: str | dict[str, Any]) -> str:
+        """Run one tool (a custom agent's call), journaled by its ordinal in the turn: a
+        resumed turn's n-th call with the same tool and arguments gets its recorded
+        result without running."""
+        ordinal, self._direct_calls = self._direct_calls, self._direct_calls + 1
+        if self._journal is not None:
+            await self._journal.recorded()
+            row = self._journal.direct(ordinal)
+            if row is not None and row.tool == name and row.payload == _as_text(arguments):
+                return await self._replayed(row)
+        return await self._journaled(DIRECT, str(ordinal), name, arguments)
+
+    def writes(self) -> list[Callable[[Any], object]]:
+        """What the turn's finish transaction must write for its tools when it succeeds
+        (the scratchpad)."""
+        pad, session_id = self.scope.pad, self.scope.session_id
+        if pad is None:
+            return []
+        return [lambda conn: scratchpad.write(conn, session_id, pad)]
+
+    def settles(self) -> list[Callable[[Any], object]]:
+        """What the finish transaction must write whatever the turn's outcome: the tool-call
+        journal goes ([] when the turn recorded nothing)."""
+        forget = self._journal.forget() if self._journal is not None else None
+        return [forget] if forget is not None else []
+
+    async def _journaled(self, kind: str, call_id: str, name: str, arguments: Any) -> str:
+        """Validate, ask (a tool with `approve`), record as started, run, record the result."""
         tool = self._box.tools.get(name)
         if tool is None:
             return _error(f"no tool named {name!r}; the tools are: {', '.join(self.names)}")
@@ -131,38 +236,72 @@ class TurnTools:
             args = tool.arguments.model_validate(decoded)
         except (ValueError, ValidationError) as exc:
             return _error(f"{name}: bad arguments: {_reason(exc)}")
+        journal, text = self._journal, _as_text(arguments)
         if tool.approve:
-            verdict = await self._approval(name, decoded)
+            verdict = await self._ask(name, decoded)
             if verdict is not Verdict.APPROVED:
-                return _error(REFUSALS[verdict])
+                refused = _error(REFUSALS[verdict])
+                if journal is not None:
+                    await journal.settled(kind, call_id, name, text, refused)
+                return refused
+        seq = await journal.start(kind, call_id, name, text) if journal is not None else None
+        result = await self._run(tool, args)
+        if journal is not None and seq is not None:
+            await journal.finish(seq, result)
+        return result
+
+    async def _replayed(self, row: Row) -> str:
+        """A call an earlier run recorded: its result, or (in flight then) a re-run of a
+        read-only tool or `INTERRUPTED`, recorded now."""
+        tool = self._box.tools.get(row.tool or "")
+        if row.result is not None:
+            if tool is not None and tool.reapply:
+                # Its effect was the crashed run's memory: applied again, not recorded again.
+                await self._rerun(tool, row.payload)
+            return row.result
+        if tool is not None and tool.read_only:
+            result = await self._rerun(tool, row.payload)
+        else:
+            result = _error(INTERRUPTED)
+        assert self._journal is not None
+        await self._journal.finish(row.seq, result)
+        return result
+
+    async def _rerun(self, tool: Tool, arguments: str) -> str:
+        try:
+            args = tool.arguments.model_validate(_decoded(arguments))
+        except (ValueError, ValidationError) as exc:  # recorded by an older version
+            return _error(f"{tool.name}: bad arguments: {_reason(exc)}")
+        return await self._run(tool, args)
+
+    async def _ask(self, name: str, arguments: dict[str, Any]) -> Verdict:
+        gate = self.scope.approvals
+        if gate is None:
+            return Verdict.DENIED
+        return await gate.ask(
+            ApprovalRequest(self.scope.session_key, self.scope.source, name, arguments)
+        )
+
+    async def _run(self, tool: Tool, args: BaseModel) -> str:
+        """The tool's answer as text; its failures are results too."""
         started = time.monotonic()
         try:
             result = await tool.run(self.scope, args)
         except ValueError as exc:  # the tool found an argument it cannot use
-            outcome, text = "refused", _error(f"{name}: {exc}")
+            outcome, text = "refused", _error(f"{tool.name}: {exc}")
         except Exception as exc:
-            log.exception("tool_failed", tool=name)
+            log.exception("tool_failed", tool=tool.name)
             outcome = "failed"
-            text = _error(f"{name} failed ({type(exc).__name__}); the error was logged")
+            text = _error(f"{tool.name} failed ({type(exc).__name__}); the error was logged")
         else:
             outcome, text = "ok", json.dumps(result, ensure_ascii=False, default=str)
         log.info(
-            "tool_call", tool=name, outcome=outcome, ms=round(1000 * (time.monotonic() - started))
+            "tool_call",
+            tool=tool.name,
+            outcome=outcome,
+            ms=round(1000 * (time.monotonic() - started)),
         )
         return text
-
-    async def _approval(self, name: str, arguments: dict[str, Any]) -> Verdict:
-        gate, scope = self.scope.approvals, self.scope
-        if gate is None:
-            return Verdict.DENIED
-        return await gate.ask(ApprovalRequest(scope.session_key, scope.source, name, arguments))
-
-    def writes(self) -> list[Callable[[Any], object]]:
-        """What the turn's finish transaction must write for its tools (the scratchpad)."""
-        pad, session_id = self.scope.pad, self.scope.session_id
-        if pad is None:
-            return []
-        return [lambda conn: scratchpad.write(conn, session_id, pad)]
 
 
 def agent_id_of(session_key: str) -> str:
@@ -172,6 +311,22 @@ def agent_id_of(session_key: str) -> str:
     if prefix != "agent" or not agent_id:
         raise ValueError(f"not an agent session key: {session_key!r}")
     return agent_id
+
+
+def _tool_message(call: dict[str, Any], result: str) -> dict[str, Any]:
+    return {
+        "role": "tool",
+        "tool_call_id": call["id"],
+        "name": call["function"]["name"],
+        "content": result,
+    }
+
+
+def _as_text(arguments: str | dict[str, Any]) -> str:
+    """A call's arguments as recorded: the model's text as sent, a dict as sorted JSON."""
+    if isinstance(arguments, str):
+        return arguments
+    return json.dumps(arguments, ensure_ascii=False, sort_keys=True, default=str)
 
 
 def _decoded(arguments: str | dict[str, Any]) -> Any:

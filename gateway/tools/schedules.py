@@ -113,6 +113,7 @@ SCHEDULE_TOOLS = (
         "List the user's scheduled tasks (id, what, when, status, next run in UTC).",
         _NoArgs,
         schedule_list,
+        read_only=True,
     ),
     Tool(
         "schedule_delete", "Delete one of the user's scheduled tasks.", DeleteArgs, schedule_delete

@@ -5,7 +5,8 @@ Inactive unless the environment variable `HERMES_CRASH_AT` is set, e.g.
 process kills itself with SIGKILL, exactly as `kill -9` would, in the middle of the
 persistence step. Points: after_turn_begin, after_transcript_write,
 before_ledger_mark, mid_sessions_json_write, after_schedule_claim (a scheduled run claimed
-and its turn begun).
+and its turn begun), tool_call_in_flight (a tool call recorded as started, not yet run),
+after_tool_result (a tool call's result recorded).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ POINTS = frozenset(
         "before_ledger_mark",
         "mid_sessions_json_write",
         "after_schedule_claim",
+        "tool_call_in_flight",
+        "after_tool_result",
     }
 )
 

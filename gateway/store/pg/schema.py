@@ -370,6 +370,20 @@ _STEPS: dict[int, str] = {
     ALTER TABLE turns ADD COLUMN running BIGINT NOT NULL DEFAULT 0;
     CREATE INDEX inbox_set_aside ON inbox(session_key, id) WHERE state = 'set_aside';
     """,
+    # the tool-call journal of running turns (gateway.store.tool_calls)
+    17: """
+    CREATE TABLE tool_calls (
+        session_id TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE,
+        user_row   BIGINT NOT NULL,
+        seq        BIGINT NOT NULL,
+        kind       TEXT NOT NULL,
+        call_id    TEXT,
+        tool       TEXT,
+        payload    TEXT NOT NULL,
+        result     TEXT,
+        PRIMARY KEY (session_id, user_row, seq)
+    );
+    """,
 }
 
 #: the tables of the baseline that hold the gateway's data, parents before children
@@ -395,6 +409,7 @@ TABLES = (
     "home_channels",
     "streams",
     "leases",
+    "tool_calls",
 )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
@@ -49,6 +50,8 @@ class Metrics:
     delay_sum: float = 0.0
     #: the runner's gauges, read at scrape time: name -> (help, current value)
     gauges: Callable[[], dict[str, tuple[str, float]]] = field(default=dict, repr=False)
+    #: the MCP tool servers' health, read at scrape time: name -> {state, tools, last_error}
+    tool_servers: Callable[[], dict[str, dict[str, Any]]] = field(default=dict, repr=False)
     registry: CollectorRegistry = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +105,21 @@ class Metrics:
         )
         for name, (help_text, value) in self.gauges().items():
             yield GaugeMetricFamily(f"hermes_{name}", help_text, value=value)
+        servers = self.tool_servers()
+        if servers:
+            up = GaugeMetricFamily(
+                "hermes_mcp_server_up",
+                "1 while the MCP tool server is connected, 0 while down or starting",
+                labels=["server", "state"],
+            )
+            tools = GaugeMetricFamily(
+                "hermes_mcp_server_tools", "Tools the MCP server offers", labels=["server"]
+            )
+            for server, health in servers.items():
+                up.add_metric([server, health["state"]], int(health["state"] == "up"))
+                tools.add_metric([server], health["tools"])
+            yield up
+            yield tools
 
 
 class _Families:

@@ -178,4 +178,7 @@ def cmd_status(args: argparse.Namespace, config: GatewayConfig) -> int:
         shed = adapter.get("shed_total")
         again += f", refused while busy: {shed}" if shed else ""
         print(f"  {name}: {adapter.get('state')}{again}{extra}")
+    for name, server in sorted(health.get("mcp", {}).items()):
+        extra = f", last error: {server['last_error']}" if server.get("last_error") else ""
+        print(f"  tool server {name}: {server.get('state')}, {server.get('tools')} tools{extra}")
     return 0

@@ -29,6 +29,7 @@ from gateway.domain.session import (
     TokenUsage,
     build_session_context_prompt,
 )
+from gateway.mcp import McpHub
 from gateway.memory.recall import Recall
 from gateway.ops.metrics import Metrics
 from gateway.runner.deadlines import Deadlines
@@ -38,6 +39,7 @@ from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog, TurnStart
 from gateway.tools import BUILTIN_TOOLS
 from gateway.tools.approval import ApprovalGate
+from gateway.tools.mcp_tools import McpToolSource
 from gateway.tools.registry import Toolbox, TurnScope, TurnTools, agent_id_of
 
 log = structlog.get_logger("gateway.run")
@@ -78,6 +80,7 @@ class AgentCall:
         *,
         deadlines: Deadlines | None = None,
         approvals: ApprovalGate | None = None,
+        mcp: McpHub | None = None,
     ) -> None:
         self.roster = roster
         self.agents = agents
@@ -89,18 +92,26 @@ class AgentCall:
             deadlines = Deadlines(min(a.config.gateway_timeout for a in roster))
         self._deadlines = deadlines
         self._approvals = approvals  # asked by a tool with `approve` (None: such calls fail)
-        self._default_prompts: dict[str, str] = {}  # agent id -> its default system prompt
-        # Each agent's tools; None for the echo backend (no model calls tools) and for
-        # `tools: []`: such turns build no tool machinery at all.
+        # agent id -> (its tool list's version, its default system prompt)
+        self._default_prompts: dict[str, tuple[int, str]] = {}
+        # Each agent's tools: the built-ins it is given, then the MCP tools its selection
+        # takes; None for the echo backend (no model calls tools) and for `tools: []`:
+        # such turns build no tool machinery at all.
         self._toolboxes: dict[str, Toolbox | None] = {}
         for spec in roster:
             custom = agent_factory is not None and (
                 not isinstance(agent_factory, Mapping) or spec.agent_id in agent_factory
             )
             uses_tools = spec.config.backend != "echo" or custom
+            selection = spec.config.mcp_selection
+            source = (
+                McpToolSource(mcp, selection)
+                if mcp is not None and mcp.config.servers and not selection.empty
+                else None
+            )
             self._toolboxes[spec.agent_id] = (
-                Toolbox(BUILTIN_TOOLS, spec.config.builtin_tools)
-                if uses_tools and spec.config.builtin_tools
+                Toolbox(BUILTIN_TOOLS, spec.config.builtin_tools, source)
+                if uses_tools and (spec.config.builtin_tools or source is not None)
                 else None
             )
 
@@ -223,14 +234,17 @@ class AgentCall:
         it has; then the session's context."""
         block = build_session_context_prompt(context, redact_pii=agent.config.redact_pii)
         custom = agent.config.system_prompt
-        if custom is None:
-            custom = self._default_prompts.get(agent.agent_id)
-        if custom is None:  # an agent's tools are fixed at start: built once per agent
+        if custom is None:  # built once per agent and tool list (MCP lists may change)
             toolbox = self.toolbox_for(agent.agent_id)
-            names = ", ".join(toolbox.tools) if toolbox is not None else ""
-            custom = self._default_prompts[agent.agent_id] = (
-                f"Agent {agent.agent_id!r} of hermes-gateway: an AI assistant answering"
-                " people in chats.\n"
-                + (f"Tools you may call: {names}." if names else "You have no tools.")
-            )
+            version = toolbox.version if toolbox is not None else 0
+            made = self._default_prompts.get(agent.agent_id)
+            if made is None or made[0] != version:
+                names = ", ".join(toolbox.tools) if toolbox is not None else ""
+                made = self._default_prompts[agent.agent_id] = (
+                    version,
+                    f"Agent {agent.agent_id!r} of hermes-gateway: an AI assistant answering"
+                    " people in chats.\n"
+                    + (f"Tools you may call: {names}." if names else "You have no tools."),
+                )
+            custom = made[1]
         return f"{custom}\n\n{block}" if custom else block

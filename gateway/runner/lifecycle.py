@@ -36,12 +36,13 @@ from gateway.agents.roster import Roster
 from gateway.domain.command_syntax import MessageKind, classify
 from gateway.domain.events import Accepted, AcceptStatus, MessageEvent
 from gateway.domain.session import Platform, SessionSource, validate_chat_id, validate_id
+from gateway.mcp import McpHub
 from gateway.memory.recall import Recall
 from gateway.memory.summaries import Memory
 from gateway.ops.metrics import Metrics
 from gateway.ops.status import keep_status, write_status
 from gateway.runner.agent_call import AgentCall
-from gateway.runner.approvals import DEFAULT_TIMEOUT_SECONDS, Approvals
+from gateway.runner.approvals import Approvals
 from gateway.runner.deadlines import Deadlines
 from gateway.runner.delivery import Delivery
 from gateway.runner.engine import TurnEngine
@@ -119,7 +120,8 @@ class GatewayRunner:
             self.store, config, platforms=lambda: [p.value for p in self.adapters]
         )
         self.scheduler = Scheduler(self, self.schedule_book)
-        self.metrics = Metrics(gauges=self._metric_gauges)  # its own registry
+        # Its own registry; gauges and the tool servers' health are read at scrape time.
+        self.metrics = Metrics(gauges=self._metric_gauges, tool_servers=self._tool_server_health)
         # Streamed replies: a turn's Stream takes its chat's slot only once
         # the agent streams text, so other turns spend nothing on them.
         self.streams = Streams(self.adapters, config, self.turnlog.save_stream)
@@ -140,7 +142,9 @@ class GatewayRunner:
         # The turns' deadlines, shared with the approvals: a turn waiting for the user's
         # /approve stops its clock meanwhile.
         deadlines = Deadlines(min(a.config.gateway_timeout for a in self.roster))
-        self.approvals = Approvals(self, deadlines, DEFAULT_TIMEOUT_SECONDS)
+        self.approvals = Approvals(self, deadlines, config.mcp.approval_timeout_seconds)
+        # The MCP tool servers (none configured: the hub holds nothing and starts nothing).
+        self.mcp = McpHub(config.mcp, self.home)
         asking = AgentCall(
             config,
             self.roster,
@@ -153,6 +157,7 @@ class GatewayRunner:
             self.schedule_book,
             deadlines=deadlines,
             approvals=self.approvals,
+            mcp=self.mcp,
         )
         turns = TurnRunner(
             config,
@@ -214,6 +219,9 @@ class GatewayRunner:
         self.home.mkdir(parents=True, exist_ok=True, mode=0o700)
         await self.store.open()
         await self.recall.start()  # its indexer catches up in the background
+        # Tool servers before the first turn: each gets one connect attempt (bounded);
+        # one that is slow or down keeps connecting in the background.
+        await self.mcp.start()
         for adapter in self.adapters.values():
             adapter.bind(self)
         facts = await self.placement.start(list(self.adapters.values()), self._open_intake)
@@ -267,6 +275,7 @@ class GatewayRunner:
             self._status_task.cancel()
             await asyncio.gather(self._status_task, return_exceptions=True)
         await self.agents.close_all()
+        await self.mcp.stop()  # the turns are over: no call is in flight
         await self.media.close()
         await self.recall.close()
         await self.placement.stop()
@@ -383,9 +392,12 @@ class GatewayRunner:
         """The agent's tools (None: its turns carry none)."""
         return self.engine.asking.toolbox_for(agent_id)
 
+    def _tool_server_health(self) -> dict[str, dict[str, Any]]:
+        return self.mcp.health() if self.config.mcp.servers else {}
+
     def tool_servers(self) -> dict[str, dict[str, Any]]:
-        """The tool servers' states (none are configured here)."""
-        return {}
+        """The MCP tool servers' states: {name: {state, tools, last_error}}."""
+        return self.mcp.health()
 
     # --- stored sessions (`sessions`) ----------------------------------------------------
 
@@ -485,6 +497,8 @@ class GatewayRunner:
         replica = self.placement.status()
         if replica is not None:
             health["replica"] = replica
+        if self.config.mcp.servers:  # a tool server down degrades a tool, not the gateway
+            health["mcp"] = self.mcp.health()
         return health
 
     def status_snapshot(self) -> dict[str, Any]:

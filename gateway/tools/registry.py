@@ -27,7 +27,7 @@ import json
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from pydantic import BaseModel, ValidationError
@@ -49,11 +49,20 @@ ToolFunction = Callable[["TurnScope", Any], Awaitable[Any]]
 INTERRUPTED = "interrupted by a restart: it may or may not have run"
 
 
+class ToolText(str):
+    """A tool's answer that is already the text the model reads (not JSON-encoded again)."""
+
+    __slots__ = ()
+
+
 @dataclass(frozen=True, slots=True)
 class Tool:
     name: str
     description: str
-    arguments: type[BaseModel]  # validates a call; its JSON schema is the spec's parameters
+    # Validates a call; its JSON schema is the spec's parameters. None: a tool whose own
+    # server checks its arguments (an MCP tool): any JSON object passes, as a dict, and
+    # `parameters` is its schema.
+    arguments: type[BaseModel] | None
     run: ToolFunction
     # Safe to run again after a crash (it only reads, or its effect is the turn's own
     # until the turn finishes): a call in flight at a crash is run again only then.
@@ -64,15 +73,38 @@ class Tool:
     # recorded call is run again when the turn resumes, its recorded result kept.
     reapply: bool = False
 
+    # The JSON schema of the arguments when `arguments` is None.
+    parameters: dict[str, Any] | None = None
+
     def spec(self) -> dict[str, Any]:
+        if self.arguments is not None:
+            parameters = _without_titles(self.arguments.model_json_schema())
+        else:
+            parameters = self.parameters or {"type": "object", "properties": {}}
         return {
             "type": "function",
             "function": {
                 "name": self.name,
                 "description": self.description,
-                "parameters": _without_titles(self.arguments.model_json_schema()),
+                "parameters": parameters,
             },
         }
+
+    def validated(self, arguments: dict[str, Any]) -> Any:
+        """The arguments the tool runs with (ValidationError: they do not fit)."""
+        if self.arguments is None:
+            return arguments
+        return self.arguments.model_validate(arguments)
+
+
+class ToolSource(Protocol):
+    """Tools whose list can change while the daemon runs (an MCP server's): `version`
+    changes whenever `tools()` would answer differently."""
+
+    @property
+    def version(self) -> int: ...
+
+    def tools(self) -> list[Tool]: ...
 
 
 @dataclass(slots=True)
@@ -103,20 +135,54 @@ class TurnScope:
 
 
 class Toolbox:
-    """The enabled tools (built once) and their specs, ready for every turn."""
+    """An agent's tools and their specs, ready for every turn: the enabled built-ins (a
+    fixed list), then what `source` offers now (MCP tools, re-read when it changes)."""
 
-    def __init__(self, tools: Iterable[Tool], enabled: Sequence[str]) -> None:
+    def __init__(
+        self, tools: Iterable[Tool], enabled: Sequence[str], source: ToolSource | None = None
+    ) -> None:
         known = {tool.name: tool for tool in tools}
         unknown = [name for name in enabled if name not in known]
         if unknown:  # the config checks names; this is a programming error
             raise ValueError(f"unknown tools: {unknown}")
-        self.tools = {name: known[name] for name in enabled}
-        self._specs = [tool.spec() for tool in self.tools.values()]
+        self._builtin = {name: known[name] for name in enabled}
+        self._source = source
+        self._version: int | None = None
+        self._refresh()
+
+    def _refresh(self) -> None:
+        """Take the source's current list (a no-op while its version is unchanged)."""
+        version = self._source.version if self._source is not None else 0
+        if version == self._version:
+            return
+        tools = dict(self._builtin)
+        for tool in self._source.tools() if self._source is not None else ():
+            tools.setdefault(tool.name, tool)  # a built-in's name is never taken over
+        self._tools = tools
+        self._specs = [tool.spec() for tool in tools.values()]
         # What the specs weigh in every request that carries them (the context budget
-        # counts them): estimated once, the list never changes.
-        self.spec_tokens = json_tokens(self._specs) if self._specs else 0
+        # counts them): estimated once per list.
+        self._spec_tokens = json_tokens(self._specs) if self._specs else 0
+        self._version = version
+
+    @property
+    def tools(self) -> dict[str, Tool]:
+        self._refresh()
+        return self._tools
+
+    @property
+    def version(self) -> int:
+        self._refresh()
+        assert self._version is not None
+        return self._version
+
+    @property
+    def spec_tokens(self) -> int:
+        self._refresh()
+        return self._spec_tokens
 
     def specs(self) -> list[dict[str, Any]]:
+        self._refresh()
         return [dict(spec) for spec in self._specs]
 
     def bind(self, scope: TurnScope) -> TurnTools:
@@ -233,7 +299,7 @@ class TurnTools:
             return _error(f"no tool named {name!r}; the tools are: {', '.join(self.names)}")
         try:
             decoded = _decoded(arguments)
-            args = tool.arguments.model_validate(decoded)
+            args = tool.validated(decoded)
         except (ValueError, ValidationError) as exc:
             return _error(f"{name}: bad arguments: {_reason(exc)}")
         journal, text = self._journal, _as_text(arguments)
@@ -269,7 +335,7 @@ class TurnTools:
 
     async def _rerun(self, tool: Tool, arguments: str) -> str:
         try:
-            args = tool.arguments.model_validate(_decoded(arguments))
+            args = tool.validated(_decoded(arguments))
         except (ValueError, ValidationError) as exc:  # recorded by an older version
             return _error(f"{tool.name}: bad arguments: {_reason(exc)}")
         return await self._run(tool, args)
@@ -294,7 +360,11 @@ class TurnTools:
             outcome = "failed"
             text = _error(f"{tool.name} failed ({type(exc).__name__}); the error was logged")
         else:
-            outcome, text = "ok", json.dumps(result, ensure_ascii=False, default=str)
+            outcome = "ok"
+            if isinstance(result, ToolText):
+                text = str(result)
+            else:
+                text = json.dumps(result, ensure_ascii=False, default=str)
         log.info(
             "tool_call",
             tool=tool.name,

@@ -315,3 +315,20 @@ async def test_a_recorded_pid_whose_start_time_differs_is_left_alone(tmp_path: P
     finally:
         bystander.kill()
         bystander.wait(timeout=10)
+
+
+async def test_a_server_that_answers_pings_with_an_error_stays_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Newer protocols have no ping method: "method not found" is an answer, and the
+    connection is alive. Only silence or a broken transport takes the server down."""
+    monkeypatch.setattr("gateway.mcp.link.PING_INTERVAL_SECONDS", 0.1)
+    hub = hub_for(tmp_path, {"fake": stdio_server()})
+    await hub.start()
+    try:
+        (link,) = hub._links.values()
+        await until(lambda: link.pings >= 3)
+        assert hub.health()["fake"] == {"state": "up", "tools": 6, "last_error": None}
+        assert (await hub.call("fake__add", {"a": 1, "b": 2})).text == "3"
+    finally:
+        await hub.stop()

@@ -81,6 +81,7 @@ class ServerLink:
         self._client: Client | None = None
         self._relist = asyncio.Event()
         self._stopping = False
+        self.pings = 0  # pings answered (an error answer counts: the server is there)
         self._scope: anyio.CancelScope | None = None
         self._refused: set[str] = set()  # tool names already warned about
 
@@ -223,7 +224,13 @@ class ServerLink:
         while True:
             await anyio.sleep(PING_INTERVAL_SECONDS)
             with anyio.fail_after(PING_INTERVAL_SECONDS):
-                await client.send_ping()
+                try:
+                    await client.send_ping()
+                except MCPError:
+                    # An answer, even "no such method" (newer protocols drop ping): the
+                    # connection is alive. Only silence or a broken transport is a drop.
+                    pass
+            self.pings += 1
 
     async def _relist_loop(self, client: Client) -> None:
         while True:

@@ -1,9 +1,11 @@
 """kill -9 between a side-effecting tool call's result and the model's answer, over and
-over: after each restart the turn must give exactly one reply, the side effect
-(`memory_save`: a note) must exist exactly once, and the model's first request after the
-restart must carry the recorded round.
+over: after each restart the turn must give exactly one reply, the side effect must
+exist exactly once, and the model's first request after the restart must carry the
+recorded round. The side effect is a built-in's (`memory_save`: a note in the store) or,
+with `--tool mcp`, an MCP server's (`create_ticket` of tests/fakes/mcp_server.py, a stdio
+child of the daemon: a line in a file the server appends to).
 
-    .venv/bin/python scripts/tool_crashloop.py --runs 20 [--postgres DSN]
+    .venv/bin/python scripts/tool_crashloop.py --runs 20 [--tool mcp] [--postgres DSN]
 
 Each run: a fresh home, the real daemon (`hermes-gateway run`, HTTP API, openai backend)
 against the fake OpenAI server (tests/fakes/openai_server.py) scripted to call
@@ -11,9 +13,9 @@ against the fake OpenAI server (tests/fakes/openai_server.py) scripted to call
 call's result is recorded (`HERMES_CRASH_AT=after_tool_result:1`,
 gateway/util/faults.py), is started again, and the run is judged:
 
-    ok    one reply, one note, the round replayed to the model
-    dup   the note saved twice (the call ran again) or two replies
-    lost  no reply, or no note
+    ok    one reply, one side effect, the round replayed to the model
+    dup   the side effect twice (the call ran again) or two replies
+    lost  no reply, or no side effect
     odd   anything else (the round not replayed, the daemon not killed where planned)
 
 Prints the counts; exits 1 unless every run is ok. tests/test_tool_crash.py runs one.
@@ -39,6 +41,9 @@ from tests.fakes.openai_server import serve_in_a_thread, tool_calls
 NOTE = "the cat is called Tom"
 REPLY = "Saved: I will remember your cat's name."
 CHAT = "c1"
+FAKE_MCP_SERVER = Path(__file__).resolve().parent.parent / "tests" / "fakes" / "mcp_server.py"
+# The tool each kind of run calls, and what its recorded result says.
+CALLED = {"memory_save": "memory_save", "mcp": "desk__create_ticket"}
 
 
 @dataclass(frozen=True)
@@ -47,9 +52,10 @@ class Run:
 
     killed: bool  # the daemon died at the crash point (exit -9)
     replies: list[str]  # every reply recorded for the chat
-    notes: int  # notes saved with NOTE
+    notes: int  # side effects: notes saved with NOTE, or tickets the MCP server opened
     journal_rows: int  # tool_calls rows left after the turn
     requests: list[dict[str, Any]]  # the model's requests (bodies), in order
+    tool: str = "memory_save"  # the kind of run: "memory_save" or "mcp"
 
     def replayed(self) -> bool:
         """The request after the restart carries the recorded round: the assistant's
@@ -59,11 +65,12 @@ class Run:
         messages = self.requests[1].get("messages", [])
         calls = [m for m in messages if m.get("role") == "assistant" and m.get("tool_calls")]
         results = [m for m in messages if m.get("role") == "tool"]
+        said = results[0]["content"] if len(results) == 1 else ""
+        recorded = "note_id" in said if self.tool == "memory_save" else said.startswith("ticket")
         return (
             len(calls) == 1
-            and calls[0]["tool_calls"][0]["function"]["name"] == "memory_save"
-            and len(results) == 1
-            and "note_id" in json.loads(results[0]["content"])
+            and calls[0]["tool_calls"][0]["function"]["name"] == CALLED[self.tool]
+            and recorded
         )
 
     def verdict(self) -> str:
@@ -76,19 +83,41 @@ class Run:
         return "ok"
 
 
-def settings(model_url: str, dsn: str | None) -> str:
+def settings(
+    model_url: str, dsn: str | None, tool: str = "memory_save", home: Path | None = None
+) -> str:
     storage = f"storage:\n  backend: postgres\n  dsn: {json.dumps(dsn)}\n" if dsn else ""
+    agent = f"agent:\n  backend: openai\n  base_url: {model_url}\n  model: fake\n"
+    if tool == "memory_save":
+        return agent + "  tools: [memory_save]\n" + storage
+    assert home is not None
+    server = {
+        "command": sys.executable,
+        "args": [str(FAKE_MCP_SERVER), "stdio"],
+        "env": {"MCP_FAKE_COUNTER": str(tickets_file(home))},
+    }
     return (
-        f"agent:\n  backend: openai\n  base_url: {model_url}\n  model: fake\n"
-        "  tools: [memory_save]\n" + storage
+        agent
+        + '  tools: ["mcp:desk"]\n'
+        + storage
+        + f"mcp:\n  servers:\n    desk: {json.dumps(server)}\n"
     )
 
 
-def one_run(home: Path, dsn: str | None = None, timeout: float = 30.0) -> Run:
+def tickets_file(home: Path) -> Path:
+    return home.parent / f"{home.name}-tickets.txt"
+
+
+def one_run(
+    home: Path, dsn: str | None = None, timeout: float = 30.0, tool: str = "memory_save"
+) -> Run:
     """One kill -9 after the call's result is recorded, and the restart (bounded waits)."""
     with serve_in_a_thread(check_pairing=True) as (model, _):
-        model.script(tool_calls(("memory_save", {"content": NOTE})), REPLY)
-        daemon = Daemon(home, settings(model.base_url, dsn))
+        if tool == "memory_save":
+            model.script(tool_calls(("memory_save", {"content": NOTE})), REPLY)
+        else:
+            model.script(tool_calls((CALLED[tool], {"title": NOTE})), REPLY)
+        daemon = Daemon(home, settings(model.base_url, dsn, tool, home))
         try:
             daemon.start(env={"HERMES_CRASH_AT": "after_tool_result:1"})
             daemon.post(CHAT, "remember: my cat is called Tom", message_id="m1")
@@ -104,7 +133,10 @@ def one_run(home: Path, dsn: str | None = None, timeout: float = 30.0) -> Run:
             daemon.ensure_stopped()
         requests = [r["json"] for r in model.requests if r["path"].endswith("/completions")]
     replies, notes, rows = _read_state(daemon, dsn)
-    return Run(killed, replies, notes, rows, requests)
+    if tool != "memory_save":  # the MCP server's own count of what it did
+        counter = tickets_file(home)
+        notes = counter.read_text().splitlines().count(NOTE) if counter.exists() else 0
+    return Run(killed, replies, notes, rows, requests, tool)
 
 
 def _read_state(daemon: Daemon, dsn: str | None) -> tuple[list[str], int, int]:
@@ -135,13 +167,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--postgres", metavar="DSN", help="run on this PostgreSQL schema")
+    parser.add_argument(
+        "--tool",
+        choices=sorted(CALLED),
+        default="memory_save",
+        help="whose side effect: a built-in's (memory_save) or an MCP server's (mcp)",
+    )
     args = parser.parse_args()
     counts: Counter[str] = Counter()
     with tempfile.TemporaryDirectory(prefix="hermes-toolcrash-") as tmp:
         for number in range(args.runs):
             if args.postgres:
                 _empty_schema(args.postgres)
-            run = one_run(Path(tmp) / f"run{number}", args.postgres)
+            run = one_run(Path(tmp) / f"run{number}", args.postgres, tool=args.tool)
             counts[run.verdict()] += 1
             print(f"run {number + 1}: {run.verdict()}", flush=True)
     print(" ".join(f"{name}={counts[name]}" for name in ("ok", "dup", "lost", "odd")))

@@ -21,18 +21,28 @@ RUNS = range(int(os.environ.get("HERMES_TOOL_CRASH_RUNS", "1")))
 
 
 @pytest.mark.parametrize("run", RUNS)
-@pytest.mark.parametrize("backend", ["sqlite", "postgres"])
+@pytest.mark.parametrize(
+    ("backend", "tool"),
+    [
+        ("sqlite", "memory_save"),
+        ("postgres", "memory_save"),
+        ("sqlite", "mcp"),
+        ("postgres", "mcp"),
+    ],
+)
 def test_kill9_after_a_tool_result_gives_one_reply_and_one_side_effect(
-    tmp_path: Path, backend: str, run: int
+    tmp_path: Path, backend: str, tool: str, run: int
 ) -> None:
+    """`tool`: the side effect is a built-in's (a note) or an MCP server's (a ticket the
+    test server counts in a file)."""
     if backend == "postgres":
         with fresh_schema() as dsn:
-            seen = one_run(tmp_path / "home", dsn)
+            seen = one_run(tmp_path / "home", dsn, tool=tool)
     else:
-        seen = one_run(tmp_path / "home")
+        seen = one_run(tmp_path / "home", tool=tool)
     assert seen.killed  # it died at the crash point, after the result was recorded
     assert seen.replies == [REPLY]
-    assert seen.notes == 1
+    assert seen.notes == 1  # the side effect, once
     assert seen.replayed()  # the round went to the model from the journal
     assert seen.journal_rows == 0  # gone with the turn's finish
     assert seen.verdict() == "ok"

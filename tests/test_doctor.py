@@ -480,3 +480,29 @@ def test_a_missing_local_model_is_an_error(
     assert rc == 1
     assert found["memory embedding"]["status"] == "error"
     assert "memory.model_path" in found["memory embedding"]["detail"]
+
+
+def test_each_mcp_server_is_connected_once_and_reported_without_its_secrets(
+    home: Home, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A real stdio server (the SDK test server) is up with its tools; an unreachable
+    HTTP one is an error naming why, with no header value in it."""
+    import sys
+
+    fake = Path(__file__).resolve().parent / "fakes" / "mcp_server.py"
+    servers = {
+        "local": {"command": sys.executable, "args": [str(fake), "stdio"]},
+        "web": {"url": "http://127.0.0.1:9/mcp", "headers": {"X-Token": "doc-SECRET-77"}},
+    }
+    config = GatewayConfig.model_validate({"mcp": {"servers": servers}})
+    from structlog.testing import capture_logs
+
+    with capture_logs():  # the CLI logs to stderr; structlog's test default is stdout
+        rc, found = findings(capsys, config=config)
+    assert rc == 1
+    assert found["mcp server local"]["status"] == "ok"
+    assert found["mcp server local"]["detail"] == "up, 6 tools"
+    web = found["mcp server web"]
+    assert web["status"] == "error" and web["detail"].startswith("down")
+    assert "doc-SECRET-77" not in json.dumps(found)
+    assert not (home.path / "mcp").exists()  # the real home's children are not touched

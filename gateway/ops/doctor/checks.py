@@ -23,6 +23,7 @@ from gateway.ops.doctor.findings import (
     read_mirror,
     rel,
 )
+from gateway.ops.doctor.mcp import check_mcp
 from gateway.ops.service import ENV_FILE
 from gateway.ops.status import is_live, read_status
 from gateway.runner.recovery import CLEAN_SHUTDOWN, RESTART_COUNTS
@@ -404,6 +405,7 @@ def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Findin
             check_restart_counts(paths),
             check_replica_stop(paths),
             check_memory_embedding(config),
+            *check_mcp(config),
         ]
         return [finding for finding in found if finding is not None]
     db = check_state_db(paths)
@@ -426,5 +428,6 @@ def run_checks(paths: Paths, config: GatewayConfig | None = None) -> list[Findin
             found.append(check_schedules(paths, config))
     if config is not None:
         found.append(check_memory_embedding(config))
+        found += check_mcp(config)
     found.append(check_clean_shutdown(paths))
     return [finding for finding in found if finding is not None]

@@ -332,3 +332,19 @@ async def test_a_server_that_answers_pings_with_an_error_stays_up(
         assert (await hub.call("fake__add", {"a": 1, "b": 2})).text == "3"
     finally:
         await hub.stop()
+
+
+def test_a_daemon_without_servers_never_loads_the_sdk(tmp_path: Path) -> None:
+    """The SDK is a few hundred modules: a runner with no `mcp.servers` builds its hub
+    without importing it (start-up time and memory stay what they were)."""
+    code = (
+        "import sys; from pathlib import Path; from config import GatewayConfig;"
+        " from gateway.run import GatewayRunner;"
+        f" GatewayRunner(GatewayConfig(), home=Path({str(tmp_path)!r}));"
+        " print(sorted(m for m in sys.modules if m.split('.')[0] in ('mcp', 'mcp_types')))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

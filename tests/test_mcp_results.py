@@ -8,7 +8,8 @@ import json
 
 import mcp_types as types
 
-from gateway.mcp.results import cut, to_result
+from gateway.mcp.answers import to_result
+from gateway.mcp.results import cut
 
 
 def answer(*content: object, structured: dict | None = None, error: bool = False):

@@ -4,7 +4,7 @@ are recorded and never orphaned (`children`), their stderr read within bounds
 (`stderr`); a tool's answer becomes `McpResult` (`results`)."""
 
 from gateway.mcp.hub import McpHub
-from gateway.mcp.link import McpTool
 from gateway.mcp.results import McpResult
+from gateway.mcp.tool import McpTool
 
 __all__ = ["McpHub", "McpResult", "McpTool"]

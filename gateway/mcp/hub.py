@@ -7,14 +7,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
 from config.mcp import SEPARATOR, McpConfig, McpSelection
 from gateway.mcp.children import ChildBook
-from gateway.mcp.link import McpTool, ServerLink
 from gateway.mcp.results import McpResult, error_result
+from gateway.mcp.tool import McpTool
+
+if TYPE_CHECKING:
+    from gateway.mcp.link import ServerLink
 
 log = structlog.get_logger("gateway.mcp")
 
@@ -32,10 +35,15 @@ class McpHub:
         self.config = config
         self.version = 0  # bumps when any server's tool list changes
         self._book = ChildBook(home)
-        self._links = {
-            name: ServerLink(name, server, self._book, config.max_result_chars, self._bump)
-            for name, server in config.servers.items()
-        }
+        self._links: dict[str, ServerLink] = {}
+        if config.servers:
+            # The SDK (a few hundred modules) loads only for a daemon that has servers.
+            from gateway.mcp.link import ServerLink
+
+            self._links = {
+                name: ServerLink(name, server, self._book, config.max_result_chars, self._bump)
+                for name, server in config.servers.items()
+            }
         self._tasks: list[asyncio.Task[None]] = []
 
     def _bump(self) -> None:

@@ -12,7 +12,6 @@ import contextlib
 import math
 from collections.abc import Callable
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import anyio
@@ -27,9 +26,11 @@ from mcp_types import METHOD_NOT_FOUND
 from mcp_types.version import MODERN_PROTOCOL_VERSIONS
 
 from config.mcp import QUALIFIED_TOOL_PATTERN, SEPARATOR, McpServerConfig
+from gateway.mcp.answers import to_result
 from gateway.mcp.children import Child, ChildBook, child_on_pipe, start_time
-from gateway.mcp.results import McpResult, error_result, to_result
+from gateway.mcp.results import McpResult, error_result
 from gateway.mcp.stderr import StderrPipe
+from gateway.mcp.tool import McpTool
 from gateway.util.backoff import Backoff
 
 log = structlog.get_logger("gateway.mcp")
@@ -41,19 +42,6 @@ PING_INTERVAL_SECONDS = 15.0  # a connection that answers no ping within this ha
 MAX_LIST_PAGES = 100  # a paginator that never ends cannot hang the link
 MAX_DESCRIPTION_CHARS = 2_000
 MAX_ERROR_CHARS = 300
-
-
-@dataclass(frozen=True, slots=True)
-class McpTool:
-    """One offered tool: `qualified` is the name the model sees ("<server>__<tool>")."""
-
-    qualified: str
-    server: str
-    name: str
-    description: str
-    input_schema: dict[str, Any]
-    read_only: bool
-    approve: bool
 
 
 class ServerLink:

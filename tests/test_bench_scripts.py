@@ -143,3 +143,16 @@ def test_bench_gateway_replicas_prints_sqlite_then_each_postgres_count() -> None
         assert float(row[header.index("turns/s")]) > 0, out
         assert row[header.index("missing")] == row[header.index("dup")] == "0", out
         assert row[header.index("errors")] == "0", out
+
+
+def test_bench_mcp_call_times_the_three_ways_of_one_call() -> None:
+    out = run_script("bench_mcp_call.py", "--calls", "20", timeout=120)
+    for way in ("sdk", "hub", "turn"):
+        assert re.search(rf"^\s*{way}: median\s+[\d.]+ ms", out, re.M), out
+    assert re.search(r"what a turn with one MCP call adds\): -?[\d.]+ ms", out), out
+
+
+def test_bench_tool_journal_times_a_round_each_way() -> None:
+    out = run_script("bench_tool_journal.py", "--rounds", "50", timeout=120)
+    assert "journaled: median" in out and "plain: median" in out, out
+    assert re.search(r"journal per round of one call: -?\d+ us", out), out

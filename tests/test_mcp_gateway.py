@@ -11,6 +11,9 @@ server)."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -21,9 +24,11 @@ import pytest
 from adapters.http import HttpAdapter
 from config import GatewayConfig
 from gateway.run import GatewayRunner
+from scripts.harness import Daemon
 from tests.fakes.openai_server import FakeOpenAI, tool_calls
 from tests.gateway_client import GatewayClient, RunningGateway
 from tests.test_mcp_hub import TIME_SERVER, start_http_server, stdio_server
+from tests.waiting import wait_blocking
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -213,3 +218,33 @@ async def test_an_unanswered_call_times_out_and_never_runs(
     await gw.client.post("c1", "/approve")  # too late: nothing waits any more
     assert await gw.client.replies("c1", 1) == ["Nothing is waiting for approval."]
     assert tickets(counter) == []
+
+
+def test_the_daemon_sees_a_killed_stdio_child_down_within_30s_and_back(tmp_path: Path) -> None:
+    """The real daemon (`hermes-gateway run`) with `mcp-server-time` as its child: the
+    child killed, /healthz says down within the brief's 30 s and up again after, with a
+    new child, no restart. (The daemon learns of it from the connection, here the
+    ping's "connection closed": an error answer that is not an answer.)"""
+    home = tmp_path / "home"
+    settings = (
+        "agent: {backend: openai, base_url: 'http://127.0.0.1:9/v1', model: m}\n"
+        f"mcp:\n  servers:\n    time: {{command: {json.dumps(str(TIME_SERVER))}}}\n"
+    )
+    daemon = Daemon(home, settings)
+    try:
+        daemon.start()
+
+        def state() -> dict[str, Any]:
+            return daemon.get("/healthz")["mcp"]["time"]
+
+        wait_blocking(lambda: state()["state"] == "up", within=30)
+        (child,) = json.loads((home / "mcp" / "children.json").read_text())
+        os.kill(child["pid"], signal.SIGKILL)
+        started = time.monotonic()
+        wait_blocking(lambda: state()["state"] == "down", within=30)
+        assert time.monotonic() - started <= 30
+        wait_blocking(lambda: state()["state"] == "up", within=60)
+        (again,) = json.loads((home / "mcp" / "children.json").read_text())
+        assert again["pid"] != child["pid"]
+    finally:
+        daemon.ensure_stopped()

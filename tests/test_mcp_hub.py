@@ -348,3 +348,23 @@ def test_a_daemon_without_servers_never_loads_the_sdk(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
+
+
+async def test_a_killed_handshake_era_server_goes_down_and_comes_back(tmp_path: Path) -> None:
+    """`mcp-server-time` speaks the handshake-era protocol (no event stream): killed, it
+    is down, answers so at once, and is back with a new child."""
+    hub = hub_for(tmp_path, {"time": {"command": str(TIME_SERVER)}})
+    await hub.start()
+    try:
+        assert hub.health()["time"]["state"] == "up"
+        pid = child_pid(tmp_path, "time")
+        os.kill(pid, signal.SIGKILL)
+        await until(lambda: hub.health()["time"]["state"] == "down", within=40)
+        result = await hub.call("time__get_current_time", {"timezone": "UTC"})
+        assert json.loads(result.text) == {"error": "tool server time is down; retrying"}
+        await until(lambda: hub.health()["time"]["state"] == "up", within=15)
+        assert child_pid(tmp_path, "time") != pid
+        answer = await hub.call("time__get_current_time", {"timezone": "UTC"})
+        assert "datetime" in answer.text
+    finally:
+        await hub.stop()

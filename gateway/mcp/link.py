@@ -214,10 +214,11 @@ class ServerLink:
             with anyio.fail_after(PING_INTERVAL_SECONDS):
                 try:
                     await client.send_ping()
-                except MCPError:
-                    # An answer, even "no such method" (newer protocols drop ping): the
-                    # connection is alive. Only silence or a broken transport is a drop.
-                    pass
+                except MCPError as exc:
+                    # "No such method" is an answer (newer protocols drop ping): the
+                    # connection is alive. A closed connection or silence is a drop.
+                    if exc.code != METHOD_NOT_FOUND:
+                        raise
             self.pings += 1
 
     async def _relist_loop(self, client: Client) -> None:

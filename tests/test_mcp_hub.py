@@ -368,3 +368,15 @@ async def test_a_killed_handshake_era_server_goes_down_and_comes_back(tmp_path: 
         assert "datetime" in answer.text
     finally:
         await hub.stop()
+
+
+async def test_a_command_not_found_is_named_in_the_error(tmp_path: Path) -> None:
+    hub = hub_for(tmp_path, {"gone": {"command": "no-such-mcp-server-here"}})
+    await hub.start()
+    try:
+        await until(lambda: hub.health()["gone"]["last_error"] is not None)
+        health = hub.health()["gone"]
+        assert health["state"] == "down"
+        assert "cannot start 'no-such-mcp-server-here': not found" in health["last_error"]
+    finally:
+        await hub.stop()

@@ -318,7 +318,13 @@ class ServerLink:
         header values) and the URL (it may carry a token) taken out."""
         while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
             exc = exc.exceptions[0]
-        if isinstance(exc, OSError) and exc.strerror:
+        if isinstance(exc, FileNotFoundError) and self.config.command is not None:
+            # The command is looked up on the daemon's PATH, which a service manager sets.
+            text = (
+                f"FileNotFoundError: cannot start {self.config.command!r}: not found"
+                " (give its full path, or put its directory on the daemon's PATH)"
+            )
+        elif isinstance(exc, OSError) and exc.strerror:
             text = f"{type(exc).__name__}: {exc.strerror}"
         else:
             first = str(exc).splitlines()[0] if str(exc) else ""

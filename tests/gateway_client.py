@@ -74,6 +74,11 @@ class GatewayClient:
             assert resp.status == 200, await resp.text()
             return await resp.json()
 
+    async def get_text(self, path: str) -> str:
+        async with self.session.get(f"{self.url}{path}") as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.text()
+
 
 @dataclass
 class RunningGateway:

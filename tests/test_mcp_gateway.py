@@ -109,6 +109,9 @@ async def test_tools_of_a_stdio_an_http_and_the_reference_server_answer_through_
             "web": "up",
             "time": "up",
         }
+        metrics = await gw.client.get_text("/metrics")
+        assert 'hermes_mcp_server_up{server="web",state="up"} 1.0' in metrics
+        assert 'hermes_mcp_server_tools{server="time"} 2.0' in metrics
         fake.script(tool_calls(("local__add", {"a": 2, "b": 3})), "2 + 3 is 5")
         assert await gw.say("add 2 and 3") == "2 + 3 is 5"
         assert last_results(fake) == ["5"]

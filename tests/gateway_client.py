@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import aiohttp
@@ -100,3 +101,18 @@ class RunningGateway:
         await self.client.post(chat, text, user_id=user)
         (reply,) = await self.client.replies(chat, 1)
         return reply
+
+    @classmethod
+    async def started(cls, settings: dict[str, Any], home: Path) -> RunningGateway:
+        """A runner of `settings` (hermes.yaml as a dict; the HTTP adapter on a free port
+        is added) started on `home`, with a client of its HTTP API."""
+        from adapters.http import HttpAdapter
+        from config import GatewayConfig
+        from gateway.run import GatewayRunner
+
+        http = {"platforms": {"http": {"enabled": True, "port": 0}}}
+        config = GatewayConfig.model_validate({**http, **settings})
+        adapter = HttpAdapter(config.platforms.http)
+        runner = GatewayRunner(config, [adapter], home=home)
+        await runner.start()
+        return cls(runner, GatewayClient(adapter.url))

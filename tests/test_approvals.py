@@ -19,10 +19,7 @@ from typing import Any
 
 import pytest
 
-from adapters.http import HttpAdapter
-from config import GatewayConfig
 from gateway.domain.session import Platform, SessionSource
-from gateway.run import GatewayRunner
 from gateway.runner import agent_call
 from gateway.runner.approvals import SHOWN_CHARS, SHOWN_LINES, Approvals, shown_arguments
 from gateway.runner.deadlines import Deadlines
@@ -30,7 +27,7 @@ from gateway.tools import BUILTIN_TOOLS
 from gateway.tools.approval import ApprovalRequest, Verdict
 from gateway.tools.registry import Tool, Toolbox, TurnScope
 from tests.fakes.openai_server import FakeOpenAI, tool_calls, tool_results
-from tests.gateway_client import GatewayClient, RunningGateway
+from tests.gateway_client import RunningGateway
 from tests.waiting import wait_for
 
 KEY = "agent:main:http:dm:c1"
@@ -70,19 +67,13 @@ async def make_gateway(tmp_path: Path, fake: FakeOpenAI) -> AsyncIterator[MakeGa
 
     async def make(approval_timeout: float = 30.0, **settings: Any) -> RunningGateway:
         agent = {"backend": "openai", "base_url": fake.base_url, "model": "m", "tools": [TOOL]}
-        config = GatewayConfig.model_validate(
-            {
-                "timezone": "UTC",
-                "platforms": {"http": {"enabled": True, "port": 0}},
-                "agent": {**agent, **settings.pop("agent", {})},
-                **settings,
-            }
-        )
-        adapter = HttpAdapter(config.platforms.http)
-        runner = GatewayRunner(config, [adapter], home=tmp_path / "home")
-        runner.approvals.timeout = approval_timeout
-        await runner.start()
-        gateway = RunningGateway(runner, GatewayClient(adapter.url))
+        settings = {
+            "timezone": "UTC",
+            "agent": {**agent, **settings.pop("agent", {})},
+            "mcp": {"approval_timeout_seconds": approval_timeout},
+            **settings,
+        }
+        gateway = await RunningGateway.started(settings, tmp_path / "home")
         made.append(gateway)
         return gateway
 

@@ -18,12 +18,9 @@ from typing import Any
 
 import pytest
 
-from adapters.http import HttpAdapter
-from config import GatewayConfig
 from gateway.memory import summaries
-from gateway.run import GatewayRunner
 from tests.fakes.openai_server import FakeOpenAI, last_user_content
-from tests.gateway_client import GatewayClient, RunningGateway
+from tests.gateway_client import RunningGateway
 from tests.test_memory import fake_reply, fake_usage, is_summary_request
 from tests.waiting import wait_for
 
@@ -57,23 +54,8 @@ async def make_gateway(tmp_path: Path, fake: FakeOpenAI) -> AsyncIterator[MakeGa
     made: list[RunningGateway] = []
 
     async def make(home: str = "home", **agent: Any) -> RunningGateway:
-        config = GatewayConfig.model_validate(
-            {
-                "timezone": "UTC",
-                "platforms": {"http": {"enabled": True, "port": 0}},
-                "agent": {
-                    "backend": "openai",
-                    "base_url": fake.base_url,
-                    "model": "m",
-                    "tools": [],
-                    **agent,
-                },
-            }
-        )
-        adapter = HttpAdapter(config.platforms.http)
-        runner = GatewayRunner(config, [adapter], home=tmp_path / home)
-        await runner.start()
-        gateway = RunningGateway(runner, GatewayClient(adapter.url))
+        agent = {"backend": "openai", "base_url": fake.base_url, "model": "m", "tools": [], **agent}
+        gateway = await RunningGateway.started({"timezone": "UTC", "agent": agent}, tmp_path / home)
         made.append(gateway)
         return gateway
 

@@ -10,7 +10,6 @@ server)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
@@ -21,14 +20,11 @@ from typing import Any
 
 import pytest
 
-from adapters.http import HttpAdapter
-from config import GatewayConfig
-from gateway.run import GatewayRunner
 from scripts.harness import Daemon
 from tests.fakes.openai_server import FakeOpenAI, tool_calls
-from tests.gateway_client import GatewayClient, RunningGateway
+from tests.gateway_client import RunningGateway
 from tests.test_mcp_hub import TIME_SERVER, start_http_server, stdio_server
-from tests.waiting import wait_blocking
+from tests.waiting import wait_blocking, wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -46,18 +42,12 @@ async def make_gateway(tmp_path: Path, fake: FakeOpenAI) -> AsyncIterator[MakeGa
     made: list[RunningGateway] = []
 
     async def make(servers: dict[str, Any], **mcp: Any) -> RunningGateway:
-        config = GatewayConfig.model_validate(
-            {
-                "timezone": "UTC",
-                "platforms": {"http": {"enabled": True, "port": 0}},
-                "agent": {"backend": "openai", "base_url": fake.base_url, "model": "m"},
-                "mcp": {"servers": servers, **mcp},
-            }
-        )
-        adapter = HttpAdapter(config.platforms.http)
-        runner = GatewayRunner(config, [adapter], home=tmp_path / "home")
-        await runner.start()
-        gateway = RunningGateway(runner, GatewayClient(adapter.url))
+        settings = {
+            "timezone": "UTC",
+            "agent": {"backend": "openai", "base_url": fake.base_url, "model": "m"},
+            "mcp": {"servers": servers, **mcp},
+        }
+        gateway = await RunningGateway.started(settings, tmp_path / "home")
         made.append(gateway)
         return gateway
 
@@ -81,15 +71,6 @@ def offered(fake: FakeOpenAI) -> set[str]:
 
 async def health(gw: RunningGateway) -> dict[str, Any]:
     return (await gw.client.get_json("/healthz"))["mcp"]
-
-
-async def until(check: Callable[[], Awaitable[bool]], within: float) -> float:
-    """Seconds until `check()` held (bounded)."""
-    started = time.monotonic()
-    while not await check():
-        assert time.monotonic() - started < within, "timed out"
-        await asyncio.sleep(0.1)
-    return time.monotonic() - started
 
 
 async def test_tools_of_a_stdio_an_http_and_the_reference_server_answer_through_the_model(
@@ -147,7 +128,7 @@ async def test_a_killed_server_is_down_the_user_is_answered_and_its_tools_come_b
         async def down() -> bool:
             return (await health(gw))["web"]["state"] != "up"
 
-        await until(down, 30)  # the brief: within 30 s
+        await wait_for(down, 30)  # the brief: within 30 s
         # Its tools stay offered; a call answers at once that the server is down.
         fake.script(tool_calls(("web__add", {"a": 2, "b": 2})), "the adder is away")
         assert await gw.say("2 + 2") == "the adder is away"
@@ -159,7 +140,7 @@ async def test_a_killed_server_is_down_the_user_is_answered_and_its_tools_come_b
         async def up() -> bool:
             return (await health(gw))["web"]["state"] == "up"
 
-        await until(up, 90)  # the brief: within 90 s of its return, no restart
+        await wait_for(up, 90)  # the brief: within 90 s of its return, no restart
         fake.script(tool_calls(("web__add", {"a": 3, "b": 4})), "seven")
         assert await gw.say("3 + 4") == "seven"
         assert last_results(fake) == ["7"]

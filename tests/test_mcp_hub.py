@@ -5,14 +5,13 @@ past its timeout, a flood, a changed tool list, and the children a kill -9 left.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ from structlog.testing import capture_logs
 from config.mcp import ALL_MCP, McpConfig, McpSelection
 from gateway.mcp import McpHub
 from gateway.mcp.link import ServerLink
+from tests.waiting import wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "fakes" / "mcp_server.py"
@@ -36,13 +36,6 @@ def stdio_server(**extra: Any) -> dict[str, Any]:
 def hub_for(home: Path, servers: dict[str, Any], **settings: Any) -> McpHub:
     config = McpConfig.model_validate({"servers": servers, **settings}, strict=False)
     return McpHub(config, home)
-
-
-async def until(predicate: Callable[[], bool], within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out"
-        await asyncio.sleep(0.05)
 
 
 def spawn(args: list[str], **options: Any) -> subprocess.Popen[str]:
@@ -139,7 +132,7 @@ async def test_the_reference_time_server_beside_ours_and_an_agents_selection(
         assert hub.tools(McpSelection()) == []
         # One server killed: the other's calls go on.
         os.kill(child_pid(tmp_path, "fake"), signal.SIGKILL)
-        await until(lambda: hub.health()["fake"]["state"] == "down")
+        await wait_for(lambda: hub.health()["fake"]["state"] == "down")
         assert hub.health()["time"]["state"] == "up"
         again = await hub.call("time__get_current_time", {"timezone": "Etc/UTC"})
         assert not again.is_error
@@ -163,7 +156,7 @@ async def test_a_flood_is_cut_with_a_marker_and_its_stderr_bounded(shared_hub: M
     with capture_logs() as logs:
         result = await shared_hub.call("fake__flood", {"chars": 200_000})
         assert len(result.text) <= 1000 and "[cut: 200,000 characters" in result.text
-        await until(lambda: any(e["event"] == "mcp_server_stderr" for e in logs))
+        await wait_for(lambda: any(e["event"] == "mcp_server_stderr" for e in logs))
     lines = [e for e in logs if e["event"] == "mcp_server_stderr"]
     assert 0 < len(lines) <= 20 and all(len(e["line"]) <= 500 for e in lines)
     assert (await shared_hub.call("fake__add", {"a": 1, "b": 2})).text == "3"
@@ -173,7 +166,7 @@ async def test_a_flood_is_cut_with_a_marker_and_its_stderr_bounded(shared_hub: M
 async def test_a_changed_tool_list_is_read_again(shared_hub: McpHub) -> None:
     version = shared_hub.version
     assert (await shared_hub.call("fake__grow", {})).text == "grown"
-    await until(lambda: shared_hub.tool("fake__extra") is not None)
+    await wait_for(lambda: shared_hub.tool("fake__extra") is not None)
     assert shared_hub.version > version
     assert (await shared_hub.call("fake__extra", {})).text == "extra"
 
@@ -187,7 +180,7 @@ async def test_a_handshake_era_connection_sees_list_changed_too(
     try:
         assert hub.health()["fake"]["state"] == "up"
         assert (await hub.call("fake__grow", {})).text == "grown"
-        await until(lambda: hub.tool("fake__extra") is not None)
+        await wait_for(lambda: hub.tool("fake__extra") is not None)
     finally:
         await hub.stop()
 
@@ -198,14 +191,14 @@ async def test_a_killed_stdio_server_goes_down_answers_at_once_and_comes_back(
     pid = child_pid(tmp_path, "fake")
     with capture_logs() as logs:
         os.kill(pid, signal.SIGKILL)
-        await until(lambda: stdio_hub.health()["fake"]["state"] == "down")
+        await wait_for(lambda: stdio_hub.health()["fake"]["state"] == "down")
         started = time.monotonic()
         result = await stdio_hub.call("fake__add", {"a": 1, "b": 2})
         assert time.monotonic() - started < 0.5
         assert json.loads(result.text) == {"error": "tool server fake is down; retrying"}
         # Its last known tools stay offered.
         assert stdio_hub.tool("fake__add") is not None
-        await until(lambda: stdio_hub.health()["fake"]["state"] == "up", within=15)
+        await wait_for(lambda: stdio_hub.health()["fake"]["state"] == "up", within=15)
     events = [e["event"] for e in logs if e.get("server") == "fake"]
     assert events.index("mcp_server_down") < events.index("mcp_server_up")
     assert child_pid(tmp_path, "fake") != pid
@@ -223,11 +216,11 @@ async def test_streamable_http_lists_calls_and_reconnects(
         assert (await hub.call("web__add", {"a": 20, "b": 22})).text == "42"
         proc.kill()
         proc.wait(timeout=10)
-        await until(lambda: hub.health()["web"]["state"] == "down", within=20)
+        await wait_for(lambda: hub.health()["web"]["state"] == "down", within=20)
         assert "down; retrying" in (await hub.call("web__add", {"a": 1, "b": 1})).text
         back, _ = start_http_server(port)
         try:
-            await until(lambda: hub.health()["web"]["state"] == "up", within=20)
+            await wait_for(lambda: hub.health()["web"]["state"] == "up", within=20)
             assert (await hub.call("web__add", {"a": 1, "b": 1})).text == "2"
         finally:
             back.kill()
@@ -249,7 +242,7 @@ async def test_an_unreachable_server_is_down_with_its_error_and_no_secret(tmp_pa
         health = hub.health()
         assert health["gone"]["state"] == "down"
         assert "FileNotFoundError" in health["gone"]["last_error"]
-        await until(lambda: hub.health()["web"]["state"] == "down")
+        await wait_for(lambda: hub.health()["web"]["state"] == "down")
         assert "SECRET" not in json.dumps(hub.health())
         assert "is down" in (await hub.call("gone__x", {})).text
     finally:
@@ -290,12 +283,12 @@ async def test_a_new_hub_ends_the_children_a_killed_daemon_left_and_stop_ends_it
         assert alive(pid)  # the child outlived its daemon: an orphan
         hub = hub_for(tmp_path, {"fake": stdio_server(env={"MCP_FAKE_LINGER": "1"})})
         await hub.start()
-        await until(lambda: not alive(pid))
+        await wait_for(lambda: not alive(pid))
         # The new hub's own child (it too outlives its stdin) ends with the hub's stop.
         own = child_pid(tmp_path, "fake")
         assert own != pid and alive(own)
         await hub.stop()
-        await until(lambda: not alive(own))
+        await wait_for(lambda: not alive(own))
         assert json.loads((tmp_path / "mcp" / "children.json").read_text()) == []
     finally:
         holder.kill()
@@ -327,7 +320,7 @@ async def test_a_server_that_answers_pings_with_an_error_stays_up(
     await hub.start()
     try:
         (link,) = hub._links.values()
-        await until(lambda: link.pings >= 3)
+        await wait_for(lambda: link.pings >= 3)
         assert hub.health()["fake"] == {"state": "up", "tools": 6, "last_error": None}
         assert (await hub.call("fake__add", {"a": 1, "b": 2})).text == "3"
     finally:
@@ -359,10 +352,10 @@ async def test_a_killed_handshake_era_server_goes_down_and_comes_back(tmp_path: 
         assert hub.health()["time"]["state"] == "up"
         pid = child_pid(tmp_path, "time")
         os.kill(pid, signal.SIGKILL)
-        await until(lambda: hub.health()["time"]["state"] == "down", within=40)
+        await wait_for(lambda: hub.health()["time"]["state"] == "down", within=40)
         result = await hub.call("time__get_current_time", {"timezone": "UTC"})
         assert json.loads(result.text) == {"error": "tool server time is down; retrying"}
-        await until(lambda: hub.health()["time"]["state"] == "up", within=15)
+        await wait_for(lambda: hub.health()["time"]["state"] == "up", within=15)
         assert child_pid(tmp_path, "time") != pid
         answer = await hub.call("time__get_current_time", {"timezone": "UTC"})
         assert "datetime" in answer.text
@@ -374,7 +367,7 @@ async def test_a_command_not_found_is_named_in_the_error(tmp_path: Path) -> None
     hub = hub_for(tmp_path, {"gone": {"command": "no-such-mcp-server-here"}})
     await hub.start()
     try:
-        await until(lambda: hub.health()["gone"]["last_error"] is not None)
+        await wait_for(lambda: hub.health()["gone"]["last_error"] is not None)
         health = hub.health()["gone"]
         assert health["state"] == "down"
         assert "cannot start 'no-such-mcp-server-here': not found" in health["last_error"]

@@ -32,19 +32,16 @@ import structlog
 from mcp.client import Client
 from mcp.client.stdio import StdioServerParameters, stdio_client
 
-from adapters.base import MessageEvent
 from config import GatewayConfig
 from config.mcp import ALL_MCP
 from gateway.mcp import McpHub
-from gateway.session import Platform, SessionSource
 from gateway.store.session_store import SessionStore
-from gateway.store.turnlog import TurnLog
 from gateway.tools.mcp_tools import McpToolSource
 from gateway.tools.registry import Toolbox, TurnScope
+from scripts.bench_tool_journal import SOURCE, begin_turn
 from scripts.harness import percentile
 
 FAKE = Path(__file__).resolve().parent.parent / "tests" / "fakes" / "mcp_server.py"
-SOURCE = SessionSource(platform=Platform.LOCAL, chat_id="bench", user_id="u1")
 ARGS = {"a": 2, "b": 3}
 
 
@@ -68,8 +65,7 @@ async def main_async(calls: int, dsn: str | None) -> dict[str, list[float]]:
             ):
                 box = Toolbox([], [], McpToolSource(hub, ALL_MCP))
                 key = store.session_key_for(SOURCE)
-                event = MessageEvent(source=SOURCE, text="go", message_id="b1")
-                start = await TurnLog(store).begin(event, key, "go")
+                start = await begin_turn(store)
                 assert start.user_row is not None
                 call = {
                     "id": "c",

@@ -67,6 +67,16 @@ async def measure(
     return timings
 
 
+async def begin_turn(store: SessionStore) -> TurnStart:
+    """A turn of the bench's chat, begun as the runner begins one (its user row is the
+    turn, as the tool-call journal knows it)."""
+    key = store.session_key_for(SOURCE)
+    event = MessageEvent(source=SOURCE, text="go", message_id="b1")
+    start = await TurnLog(store).begin(event, key, "go")
+    assert start.user_row is not None
+    return start
+
+
 async def main_async(rounds: int, dsn: str | None) -> None:
     data = {"timezone": "UTC"}
     if dsn:
@@ -74,9 +84,7 @@ async def main_async(rounds: int, dsn: str | None) -> None:
     config = GatewayConfig.model_validate(data)
     with tempfile.TemporaryDirectory(prefix="hermes-bench-journal-") as tmp:
         async with SessionStore(Path(tmp) / "sessions", config) as store:
-            key = store.session_key_for(SOURCE)
-            event = MessageEvent(source=SOURCE, text="go", message_id="b1")
-            start = await TurnLog(store).begin(event, key, "go")
+            start = await begin_turn(store)
             await measure(store, start, min(rounds, 200), 0)  # warm-up
             timings = await measure(store, start, rounds, rounds + 200)
     medians = {mode: statistics.median(values) for mode, values in timings.items()}

@@ -1,5 +1,6 @@
 """Typed gateway configuration: the hermes.yaml schema and its loader."""
 
+from config.a2a import A2aConfig, RemoteAgentConfig
 from config.agents import (
     AGENT_ID_PATTERN,
     MAIN_AGENT,
@@ -8,6 +9,7 @@ from config.agents import (
     ContextConfig,
     RouteConfig,
     RouteMatch,
+    SkillConfig,
 )
 from config.base import ResetByType, SessionResetPolicy
 from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
@@ -41,6 +43,7 @@ __all__ = [
     "EXIT_CONFIG",
     "MAIN_AGENT",
     "TOOL_NAMES",
+    "A2aConfig",
     "AgentConfig",
     "ChatPlatformConfig",
     "ConfigError",
@@ -60,11 +63,13 @@ __all__ = [
     "PlatformConfig",
     "PlatformsConfig",
     "QueueConfig",
+    "RemoteAgentConfig",
     "ResetByType",
     "RouteConfig",
     "RouteMatch",
     "SchedulesConfig",
     "SessionResetPolicy",
+    "SkillConfig",
     "SlackConfig",
     "StorageConfig",
     "StreamingConfig",

@@ -62,6 +62,18 @@ TOOL_NAMES = (
 )
 
 
+class SkillConfig(BaseModel):
+    """One skill an agent's A2A card advertises (`agents.<id>.skills`)."""
+
+    model_config = MODEL_CONFIG
+
+    id: str = Field(min_length=1, max_length=64)
+    name: str = Field(min_length=1, max_length=200)
+    description: str = Field(default="", max_length=2000)
+    tags: list[str] = Field(default_factory=list)
+    examples: list[str] = Field(default_factory=list)
+
+
 class AgentConfig(BaseModel):
     """The LLM backend and the limits of one agent turn. Times are in seconds."""
 
@@ -102,8 +114,14 @@ class AgentConfig(BaseModel):
     # Media in (docs/platforms.md): photos go to the model as image parts only when it can
     # see them; otherwise it gets a one-line note that a photo was sent.
     vision: bool = False
+    # What other agents are told (docs/a2a.md): the A2A card's description and skills,
+    # and the agents this one may delegate to with `agent_call` (native agent ids from
+    # `agents:`, or names from `remote_agents:`).
+    description: str | None = Field(default=None, max_length=2000)
+    skills: list[SkillConfig] = Field(default_factory=list)
+    delegates: tuple[str, ...] = ()
 
-    @field_validator("tools", mode="before")
+    @field_validator("tools", "delegates", mode="before")
     @classmethod
     def _list_to_tuple(cls, value: Any) -> Any:
         # YAML gives a list; strict mode would refuse it for a tuple.
@@ -167,7 +185,7 @@ GATEWAY_WIDE_AGENT_FIELDS = (
 # The platforms a route may name (`gateway.domain.session.Platform`'s values; config cannot
 # import the domain, a test keeps the two in step).
 RoutePlatform = Literal[
-    "telegram", "discord", "slack", "http", "local", "whatsapp", "signal", "matrix"
+    "telegram", "discord", "slack", "http", "a2a", "local", "whatsapp", "signal", "matrix"
 ]
 
 

@@ -19,6 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator, model_validator
 
+from config.a2a import REMOTE_AGENT_NAME_PATTERN, A2aConfig, RemoteAgentConfig
 from config.agents import (
     AGENT_ID_PATTERN,
     GATEWAY_WIDE_AGENT_FIELDS,
@@ -266,6 +267,10 @@ class GatewayConfig(BaseModel):
     schedules: SchedulesConfig = SchedulesConfig()
     media: MediaConfig = MediaConfig()
     mcp: McpConfig = McpConfig()  # the agent's MCP tool servers (config.mcp)
+    # Agents that work together (config.a2a, docs/a2a.md): the A2A server and the remote
+    # agents `agent_call` may delegate to.
+    a2a: A2aConfig = A2aConfig()
+    remote_agents: dict[str, RemoteAgentConfig] = Field(default_factory=dict)
     # Who may use admin commands (/restart), as "platform:user_id", e.g. "telegram:12345".
     admins: list[str] = Field(default_factory=list)
     # Set by load_config; the loader rejects it as a YAML key.
@@ -322,6 +327,51 @@ class GatewayConfig(BaseModel):
                     f"routes.{index}.agent: unknown agent {route.agent!r} "
                     f"(agents: {', '.join(sorted(known))})"
                 )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _check_a2a(self) -> GatewayConfig:
+        """Remote agent names, every agent's `delegates` naming a known agent, and the
+        A2A server's need of the HTTP API; each problem one line starting with its key
+        path."""
+        problems = []
+        native = {MAIN_AGENT, *self.agents}
+        for name in self.remote_agents:
+            if not REMOTE_AGENT_NAME_PATTERN.fullmatch(name):
+                problems.append(
+                    f"remote_agents.{name}: not a valid name: use 1-32 of a-z, 0-9, '-' "
+                    "and '_', starting with a letter or digit"
+                )
+            elif name in native:
+                problems.append(
+                    f"remote_agents.{name}: the name of a native agent (agents:); "
+                    "give the remote agent another name"
+                )
+        known = native | set(self.remote_agents)
+        sections = {"agent": self.agent} if MAIN_AGENT not in self.agents else {}
+        sections |= {f"agents.{agent_id}": agent for agent_id, agent in self.agents.items()}
+        for where, agent in sections.items():
+            own = MAIN_AGENT if where == "agent" else where.removeprefix("agents.")
+            for index, name in enumerate(agent.delegates):
+                if name == own:
+                    problems.append(
+                        f"{where}.delegates.{index}: an agent cannot delegate to itself"
+                    )
+                elif name not in known:
+                    problems.append(
+                        f"{where}.delegates.{index}: unknown agent {name!r} (agents: "
+                        f"{', '.join(sorted(native))}; remote_agents: "
+                        f"{', '.join(sorted(self.remote_agents)) or 'none'})"
+                    )
+        # The HTTP API serves when enabled, and on its own when no chat platform is.
+        serves_http = self.platforms.http.enabled or not self.connected_platforms()
+        if self.a2a.enabled and not serves_http:
+            problems.append(
+                "a2a.enabled: the A2A server runs on the HTTP API's port; "
+                "set platforms.http.enabled: true"
+            )
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -56,6 +56,7 @@ class Platform(StrEnum):
     DISCORD = "discord"
     SLACK = "slack"
     HTTP = "http"
+    A2A = "a2a"  # agent tasks: the A2A server's and native delegations' sessions
     LOCAL = "local"
     WHATSAPP = "whatsapp"
     SIGNAL = "signal"

@@ -125,6 +125,12 @@ class AgentTasks(Protocol):
         from the task as it stands."""
         ...
 
+    async def running_chain(self, session_key: str) -> tuple[str, ...]:
+        """The delegation chain of the task whose turn runs in `session_key`, ending with
+        that task's agent; () when no task runs there (a chat platform's session). What
+        `agent_call` extends and checks for depth and cycles."""
+        ...
+
     async def wait(self, task_id: str, caller: str) -> TaskRecord | None:
         """The task once terminal (bound it with `asyncio.timeout`)."""
         ...

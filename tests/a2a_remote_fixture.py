@@ -28,6 +28,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from tests.waiting import wait_for
+
 
 @dataclass
 class Seen:
@@ -190,9 +192,8 @@ class RemoteAgent:
         )
         self._server = uvicorn.Server(config)
         self._task = asyncio.create_task(self._server.serve())
-        async with asyncio.timeout(10):
-            while not self._server.started:
-                await asyncio.sleep(0.02)
+        server = self._server
+        await wait_for(lambda: server.started, within=10)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -4,9 +4,10 @@ a2a-sdk's own client: the agent card is read from `url + /.well-known/agent-card
 transport the card names (A2A 1.0, or the 0.3 compatibility transport for a 0.3 agent).
 
 Every request carries the remote's bearer token when one is configured; the token never
-reaches a log line, an error text or the operator's status. A message is sent blocking
-(the answer is the finished task); a remote that answers before its task is finished is
-asked again, within the same deadline (`timeout_seconds`).
+reaches a log line, an error text or the operator's status. A message is sent without
+blocking (the remote names its task at once) and the task is then asked for until it is
+finished, within one deadline (`timeout_seconds`): a stopped call can cancel the remote
+task by its id.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class RemoteAgents:
         self._locks = {name: asyncio.Lock() for name in self._remotes}
         self._http: dict[str, httpx.AsyncClient] = {}
         self._clients: dict[str, tuple[pb.AgentCard, Client]] = {}
+        self._background: set[asyncio.Task[Any]] = set()
 
     @property
     def names(self) -> list[str]:
@@ -131,55 +133,62 @@ class RemoteAgents:
         `timeout_seconds` (the card fetch included). Raises RemoteError."""
         remote = self._remotes[name]
         deadline = time.monotonic() + remote.timeout_seconds
+        task_id: str | None = None  # once the remote named its task: what a cancel names
+        timed_out = f"{name!r} did not answer within {remote.timeout_seconds:g} seconds"
         try:
             async with asyncio.timeout(remote.timeout_seconds):
                 client = await self._client(name)
                 message = pb.Message(
-                    message_id=message_id,
-                    role=pb.ROLE_USER,
-                    parts=[pb.Part(text=text)],
+                    message_id=message_id, role=pb.ROLE_USER, parts=[pb.Part(text=text)]
                 )
                 if context_id:
                     message.context_id = context_id
                 if metadata:
                     message.metadata.update(metadata)
                 request = pb.SendMessageRequest(message=message)
-                context = ClientCallContext(timeout=max(deadline - time.monotonic(), 0.1))
                 answer: pb.StreamResponse | None = None
-                async for event in client.send_message(request, context=context):
+                async for event in client.send_message(request, context=_left(deadline)):
                     answer = event
                 if answer is None:
                     raise RemoteError("failed", f"{name!r} sent no answer")
                 if answer.HasField("message"):
                     return _from_message(answer.message, context_id)
                 task = answer.task
+                task_id = task.id or None
                 delay = POLL_FIRST
                 while not _finished(task):
                     await asyncio.sleep(delay)
                     delay = min(delay * 2, POLL_MAX)
-                    context = ClientCallContext(timeout=max(deadline - time.monotonic(), 0.1))
-                    task = await client.get_task(pb.GetTaskRequest(id=task.id), context=context)
+                    request_get = pb.GetTaskRequest(id=task.id, history_length=0)
+                    task = await client.get_task(request_get, context=_left(deadline))
                 return _from_task(name, task)
+        except asyncio.CancelledError:  # the calling turn was stopped: so is the remote task
+            if task_id is not None:
+                self._cancel_later(name, task_id)
+            raise
         except TimeoutError:
-            raise RemoteError(
-                "timeout", f"{name!r} did not answer within {remote.timeout_seconds:g} seconds"
-            ) from None
+            if task_id is not None:
+                self._cancel_later(name, task_id)
+            raise RemoteError("timeout", timed_out) from None
         except RemoteError:
             raise
         except httpx.HTTPError as exc:
-            raise RemoteError(
-                "unreachable", f"{name!r} could not be reached: {_why(exc)}"
-            ) from None
+            kind = "timeout" if isinstance(exc, httpx.TimeoutException) else "unreachable"
+            why = timed_out if kind == "timeout" else f"{name!r} could not be reached: {_why(exc)}"
+            raise RemoteError(kind, why) from None
         except Exception as exc:  # the SDK's errors: the remote refused the request
             if _is_timeout(exc):
-                raise RemoteError(
-                    "timeout", f"{name!r} did not answer within {remote.timeout_seconds:g} seconds"
-                ) from None
+                raise RemoteError("timeout", timed_out) from None
             if _is_connection(exc):
-                raise RemoteError(
-                    "unreachable", f"{name!r} could not be reached: {_why(exc)}"
-                ) from None
+                why = f"{name!r} could not be reached: {_why(exc)}"
+                raise RemoteError("unreachable", why) from None
             raise RemoteError("refused", f"{name!r} refused the message: {_why(exc)}") from None
+
+    def _cancel_later(self, name: str, task_id: str) -> None:
+        """Cancel the remote task in the background, past the caller's own cancellation."""
+        task = asyncio.get_running_loop().create_task(self.cancel(name, task_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def cancel(self, name: str, task_id: str) -> bool:
         """Ask the remote to cancel its task, best effort and bounded; True: it said yes."""
@@ -202,6 +211,8 @@ class RemoteAgents:
         return None
 
     async def close(self) -> None:
+        if self._background:  # the cancels under way: each is bounded
+            await asyncio.wait(set(self._background), timeout=CANCEL_TIMEOUT_SECONDS)
         for _card, client in self._clients.values():
             await client.close()
         for http in self._http.values():
@@ -227,10 +238,17 @@ class RemoteAgents:
         made = self._clients.get(name)
         if made is not None and made[0] is card:
             return made[1]
-        factory = ClientFactory(ClientConfig(streaming=False, httpx_client=self._client_http(name)))
+        factory = ClientFactory(
+            ClientConfig(streaming=False, polling=True, httpx_client=self._client_http(name))
+        )
         client = factory.create(card)
         self._clients[name] = (card, client)
         return client
+
+
+def _left(deadline: float) -> ClientCallContext:
+    """A request's timeout: what is left of the call's deadline."""
+    return ClientCallContext(timeout=max(deadline - time.monotonic(), 0.1))
 
 
 def _finished(task: pb.Task) -> bool:

@@ -39,6 +39,7 @@ from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog, TurnStart
 from gateway.tools import BUILTIN_TOOLS
 from gateway.tools.approval import ApprovalGate
+from gateway.tools.delegation import Delegation, Sources
 from gateway.tools.mcp_tools import McpToolSource
 from gateway.tools.registry import Toolbox, TurnScope, TurnTools, agent_id_of
 
@@ -98,17 +99,26 @@ class AgentCall:
         # takes; None for the echo backend (no model calls tools) and for `tools: []`:
         # such turns build no tool machinery at all.
         self._toolboxes: dict[str, Toolbox | None] = {}
+        # `agent_call` for the agents with delegates (None: no agent delegates), and the
+        # runner's task service it hands native delegations to (set by the runner).
+        self.delegation = (
+            Delegation(config, record=metrics.count_delegation)
+            if any(spec.config.delegates for spec in roster)
+            else None
+        )
+        self.agent_tasks: Any = None
         for spec in roster:
             custom = agent_factory is not None and (
                 not isinstance(agent_factory, Mapping) or spec.agent_id in agent_factory
             )
             uses_tools = spec.config.backend != "echo" or custom
             selection = spec.config.mcp_selection
-            source = (
-                McpToolSource(mcp, selection)
-                if mcp is not None and mcp.config.servers and not selection.empty
-                else None
-            )
+            sources: list[Any] = []
+            if mcp is not None and mcp.config.servers and not selection.empty:
+                sources.append(McpToolSource(mcp, selection))
+            if self.delegation is not None and spec.config.delegates:
+                sources.append(self.delegation.source_for(spec.agent_id))
+            source = sources[0] if len(sources) == 1 else Sources(sources) if sources else None
             self._toolboxes[spec.agent_id] = (
                 Toolbox(BUILTIN_TOOLS, spec.config.builtin_tools, source)
                 if uses_tools and (spec.config.builtin_tools or source is not None)
@@ -226,6 +236,7 @@ class AgentCall:
             resumed=resumed,
             fence=self.turnlog.fence,
             approvals=self._approvals,
+            agent_tasks=self.agent_tasks,
         )
         return toolbox.bind(scope)
 

@@ -159,6 +159,10 @@ class GatewayRunner:
             approvals=self.approvals,
             mcp=self.mcp,
         )
+        # `agent_call` (None: no agent delegates); its remote agents are probed in the
+        # background for /healthz, never on a request's path.
+        self.delegation = asking.delegation
+        self._probe_task: asyncio.Task[None] | None = None
         turns = TurnRunner(
             config,
             self.adapters,
@@ -226,6 +230,8 @@ class GatewayRunner:
             adapter.bind(self)
         facts = await self.placement.start(list(self.adapters.values()), self._open_intake)
         self._status_task = asyncio.create_task(keep_status(self.home, self.status_snapshot))
+        if self.delegation is not None and self.config.remote_agents:
+            self._probe_task = asyncio.create_task(self.delegation.probe_loop())
         # What is alive now (modules, config, clients) lives as long as the process: move
         # it out of the collector's reach. A full collection walks all of it, stalling
         # the event loop (and with it every write to state.db).
@@ -276,6 +282,11 @@ class GatewayRunner:
             await asyncio.gather(self._status_task, return_exceptions=True)
         await self.agents.close_all()
         await self.mcp.stop()  # the turns are over: no call is in flight
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
+        if self.delegation is not None:
+            await self.delegation.close()
         await self.media.close()
         await self.recall.close()
         await self.placement.stop()
@@ -499,6 +510,9 @@ class GatewayRunner:
             health["replica"] = replica
         if self.config.mcp.servers:  # a tool server down degrades a tool, not the gateway
             health["mcp"] = self.mcp.health()
+        if self.config.remote_agents and self.delegation is not None:
+            # a remote agent down fails its delegations, not the gateway
+            health["remote_agents"] = self.delegation.health()
         return health
 
     def status_snapshot(self) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from typing import Any
 from gateway.domain.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 17
+SCHEMA_VERSION = 19
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -347,6 +347,22 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         result     TEXT,
         PRIMARY KEY (session_id, user_row, seq)
     ) WITHOUT ROWID;
+    """,
+    # Held for the agent tasks' table (the a2a-tasks branch brings it).
+    18: "",
+    # The context each chat keeps with each remote A2A agent it delegated to
+    # (gateway.store.remote_contexts): a second `agent_call` in the conversation
+    # continues the remote's context. Deleted with the session that last used it.
+    19: """
+    CREATE TABLE remote_contexts (
+        session_key TEXT NOT NULL,
+        remote      TEXT NOT NULL,
+        session_id  TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE,
+        context_id  TEXT NOT NULL,
+        updated_at  REAL NOT NULL,
+        PRIMARY KEY (session_key, remote)
+    ) WITHOUT ROWID;
+    CREATE INDEX remote_contexts_by_session ON remote_contexts(session_id);
     """,
 }
 

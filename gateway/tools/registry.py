@@ -132,6 +132,12 @@ class TurnScope:
     resumed: bool = field(default=False)
     # Several replicas: fails a journal write once another replica holds the session.
     fence: Callable[[Any, str], None] | None = field(default=None)
+    # The runner's task service (gateway.domain.agent_tasks.AgentTasks): `agent_call`
+    # hands native delegations to it and reads the delegation chain from it.
+    agent_tasks: Any = field(default=None)
+    # The id of the call that runs now (the model's, or a direct call's ordinal): calls
+    # of a turn run one at a time, and a tool derives ids that survive a resume from it.
+    call_id: str | None = field(default=None)
 
 
 class Toolbox:
@@ -311,6 +317,7 @@ class TurnTools:
                     await journal.settled(kind, call_id, name, text, refused)
                 return refused
         seq = await journal.start(kind, call_id, name, text) if journal is not None else None
+        self.scope.call_id = call_id
         result = await self._run(tool, args)
         if journal is not None and seq is not None:
             await journal.finish(seq, result)
@@ -326,6 +333,7 @@ class TurnTools:
                 await self._rerun(tool, row.payload)
             return row.result
         if tool is not None and tool.read_only:
+            self.scope.call_id = row.call_id
             result = await self._rerun(tool, row.payload)
         else:
             result = _error(INTERRUPTED)

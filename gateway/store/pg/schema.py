@@ -384,6 +384,19 @@ _STEPS: dict[int, str] = {
         PRIMARY KEY (session_id, user_row, seq)
     );
     """,
+    18: "SELECT 1",
+    # the context each chat keeps with each remote A2A agent (gateway.store.remote_contexts)
+    19: """
+    CREATE TABLE remote_contexts (
+        session_key TEXT NOT NULL,
+        remote      TEXT NOT NULL,
+        session_id  TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE,
+        context_id  TEXT NOT NULL,
+        updated_at  DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (session_key, remote)
+    );
+    CREATE INDEX remote_contexts_by_session ON remote_contexts(session_id);
+    """,
 }
 
 #: the tables of the baseline that hold the gateway's data, parents before children
@@ -410,6 +423,7 @@ TABLES = (
     "streams",
     "leases",
     "tool_calls",
+    "remote_contexts",
 )
 
 

@@ -348,8 +348,30 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         PRIMARY KEY (session_id, user_row, seq)
     ) WITHOUT ROWID;
     """,
-    # Held for the agent tasks' table (the a2a-tasks branch brings it).
-    18: "",
+    # Agent tasks (gateway.store.agent_tasks): one A2A message to one agent and the turn
+    # that answers it. A resent message id (per agent and caller) is the same row; a
+    # caller's tasks are listed newest first. Deleted with their session or caller
+    # (gateway.store.purge).
+    18: """
+    CREATE TABLE agent_tasks (
+        task_id      TEXT PRIMARY KEY,
+        agent_id     TEXT NOT NULL,
+        context_id   TEXT NOT NULL,
+        message_id   TEXT NOT NULL,
+        caller       TEXT NOT NULL,
+        state        TEXT NOT NULL,
+        request_text TEXT NOT NULL,
+        result_text  TEXT,
+        error        TEXT,
+        chain        TEXT NOT NULL,
+        session_key  TEXT NOT NULL,
+        created_at   REAL NOT NULL,
+        updated_at   REAL NOT NULL,
+        UNIQUE (agent_id, caller, message_id)
+    ) WITHOUT ROWID;
+    CREATE INDEX agent_tasks_by_caller ON agent_tasks(caller, created_at, task_id);
+    CREATE INDEX agent_tasks_by_session ON agent_tasks(session_key, state);
+    """,
     # The context each chat keeps with each remote A2A agent it delegated to
     # (gateway.store.remote_contexts): a second `agent_call` in the conversation
     # continues the remote's context. Deleted with the session that last used it.

@@ -185,18 +185,19 @@ class Delegation:
         return f"{self._base}/a2a/{agent}"
 
     def _guard(self, chain: tuple[str, ...], delegate: str) -> str | None:
+        """Why the delegation may not run (a cycle, then the depth), or None."""
+        target = self.url_of(delegate)
+        if target in {self.url_of(agent) for agent in chain}:
+            return (
+                f"refused: {delegate!r} is already working on this chain"
+                f" ({' -> '.join(chain)}); delegating to it again would be a cycle"
+            )
         limit = self._config.a2a.max_delegation_depth
         if len(chain) > limit:
             return (
                 f"refused: delegating to {delegate!r} would make the chain"
                 f" {' -> '.join([*chain, delegate])} deeper than a2a.max_delegation_depth"
                 f" ({limit}); answer with what you have"
-            )
-        target = self.url_of(delegate)
-        if target in {self.url_of(agent) for agent in chain}:
-            return (
-                f"refused: {delegate!r} is already working on this chain"
-                f" ({' -> '.join(chain)}); delegating to it again would be a cycle"
             )
         return None
 

@@ -10,7 +10,10 @@ unreachable remote is a tool error the model reads, never a failed turn; /health
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -189,3 +192,37 @@ async def test_an_unknown_agent_is_a_tool_error_naming_the_delegates(
         error = json.loads(await delegate(gw, fake, "nobody", "hello"))["error"]
         assert error.startswith("agent_call: bad arguments: agent:") and "'helper'" in error
         assert remote.seen.messages == []
+
+
+async def test_agents_list_shows_the_delegates_and_whether_each_card_resolves(
+    tmp_path: Path,
+) -> None:
+    async with RemoteAgent(version="0.3", token="list-secret") as remote:
+        (tmp_path / "hermes.yaml").write_text(
+            "agent:\n  description: The orchestrator\n  delegates: [researcher, helper, gone]\n"
+            "agents:\n  researcher: {backend: echo, description: Finds things out}\n"
+            "remote_agents:\n"
+            f"  helper: {{url: '{remote.url}', token: list-secret}}\n"
+            f"  gone: {{url: 'http://127.0.0.1:{free_port()}', timeout_seconds: 5}}\n"
+        )
+        # a subprocess, while the remote agent serves in this loop
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "gateway.cli", "agents", "list", "--json",
+            env={**os.environ, "HERMES_HOME": str(tmp_path)},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        async with asyncio.timeout(30):
+            out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    report = json.loads(out)
+    assert [(a["id"], a["delegates"]) for a in report["agents"]] == [
+        ("main", ["researcher", "helper", "gone"]),
+        ("researcher", []),
+    ]
+    remotes = {r["name"]: r for r in report["remote_agents"]}
+    assert remotes["helper"]["reachable"] is True
+    assert remotes["helper"]["card"]["description"] == "Answers with an echo of the task"
+    assert remotes["helper"]["card"]["protocol_versions"] == ["0.3.0"]
+    assert remotes["gone"]["reachable"] is False and "gone" in remotes["gone"]["error"]
+    assert "list-secret" not in out.decode() + err.decode()

@@ -238,7 +238,7 @@ class Delegation:
             TaskState.CANCELED: "canceled",
             TaskState.REJECTED: "refused",
         }.get(done.state, "failed")
-        return outcome, _error(f"{delegate!r}: the task was {done.state.value}: {reason}")
+        return outcome, _error(f"{delegate!r}: the task ended {done.state.value}: {reason}")
 
     async def _remote_call(
         self, scope: TurnScope, delegate: str, task: str, chain: tuple[str, ...]

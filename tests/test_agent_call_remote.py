@@ -23,6 +23,7 @@ import pytest
 from tests.a2a_remote_fixture import RemoteAgent, free_port
 from tests.fakes.openai_server import FakeOpenAI, tool_calls
 from tests.gateway_client import RunningGateway
+from tests.pg_support import StorageBackend
 from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(60)
@@ -40,8 +41,9 @@ async def fake() -> AsyncIterator[FakeOpenAI]:
 async def make_gateway(tmp_path: Path, fake: FakeOpenAI) -> AsyncIterator[MakeGateway]:
     made: list[RunningGateway] = []
 
-    async def make(remotes: dict[str, Any]) -> RunningGateway:
+    async def make(remotes: dict[str, Any], **more: Any) -> RunningGateway:
         settings = {
+            **more,
             "timezone": "UTC",
             "agent": {
                 "backend": "openai",
@@ -93,13 +95,24 @@ async def delegate(
     return result
 
 
+async def remote_contexts(gw: RunningGateway) -> list[tuple[str, str]]:
+    """(session key, remote) of every stored remote context."""
+    rows = await gw.runner.store.read(
+        lambda conn: conn.execute(
+            "SELECT session_key, remote FROM remote_contexts ORDER BY session_key"
+        ).fetchall()
+    )
+    return [tuple(row) for row in rows]
+
+
 @pytest.mark.parametrize("version", ["1.0", "0.3"])
 async def test_a_remote_context_is_kept_in_a_chat_and_differs_between_chats(
-    make_gateway: MakeGateway, fake: FakeOpenAI, version: str
+    make_gateway: MakeGateway, fake: FakeOpenAI, version: str, store_backend: StorageBackend
 ) -> None:
     async with RemoteAgent(version=version, token="remote-secret") as remote:
         gw = await make_gateway(
-            {"helper": {"url": remote.url, "token": "remote-secret", "timeout_seconds": 20}}
+            {"helper": {"url": remote.url, "token": "remote-secret", "timeout_seconds": 20}},
+            storage=store_backend.storage(),
         )
         assert await delegate(gw, fake, "helper", "one") == "echo: one (message 1)"
         assert await delegate(gw, fake, "helper", "two") == "echo: two (message 2)"
@@ -123,6 +136,17 @@ async def test_a_remote_context_is_kept_in_a_chat_and_differs_between_chats(
             'hermes_a2a_delegations_total{agent="main",delegate="helper",outcome="ok"} 3.0'
             in metrics
         )
+
+        # deleting a chat's session deletes its remote context, and only its own
+        c1, c2 = "agent:main:http:dm:c1", "agent:main:http:dm:c2"
+        assert await remote_contexts(gw) == [(c1, "helper"), (c2, "helper")]
+        entry = await gw.runner.store.get_entry(c1)
+        assert entry is not None
+        assert (await gw.runner.delete_session(entry.session_id))["status"] == "deleted"
+        assert await remote_contexts(gw) == [(c2, "helper")]
+        # the chat's next delegation starts a new remote context
+        assert await delegate(gw, fake, "helper", "four") == "echo: four (message 1)"
+        await gw.stop()  # before the PostgreSQL schema goes
 
 
 async def test_the_context_survives_a_restart(tmp_path: Path, fake: FakeOpenAI) -> None:

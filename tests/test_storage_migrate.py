@@ -22,6 +22,7 @@ from gateway.session import Platform, SessionSource
 from gateway.store import (
     agent_tasks,
     journal,
+    remote_contexts,
     schedules,
     scratchpad,
     summary_checkpoints,
@@ -99,6 +100,7 @@ async def _fill(home: Path) -> None:
                 session_key="agent:main:a2a:dm:ctx1",
                 now=now,
             )
+            remote_contexts.save(conn, key, "partner", sid, "remote-ctx-1", now)
             summary_checkpoints.write(
                 conn,
                 sid,

@@ -250,3 +250,15 @@ async def test_agents_list_shows_the_delegates_and_whether_each_card_resolves(
     assert remotes["helper"]["card"]["protocol_versions"] == ["0.3.0"]
     assert remotes["gone"]["reachable"] is False and "gone" in remotes["gone"]["error"]
     assert "list-secret" not in out.decode() + err.decode()
+
+
+async def test_stop_cancels_the_remote_task(make_gateway: MakeGateway, fake: FakeOpenAI) -> None:
+    async with RemoteAgent(delay=10.0) as remote:
+        gw = await make_gateway({"helper": {"url": remote.url, "timeout_seconds": 30}})
+        fake.script(tool_calls(("agent_call", {"agent": "helper", "task": "slow"})), "done")
+        await gw.client.post("c1", "go")
+        await wait_for(lambda: remote.seen.messages)  # the remote works on it
+        await gw.client.post("c1", "/stop")
+        await wait_for(lambda: remote.seen.canceled)
+        metrics = await gw.client.get_text("/metrics")
+        assert 'delegate="helper",outcome="canceled"} 1.0' in metrics

@@ -16,6 +16,7 @@ import asyncio
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import httpx
@@ -38,6 +39,7 @@ CHAIN_KEY = "hermes.chain"
 
 CARD_TTL_SECONDS = 300.0  # how long a fetched card is used before it is fetched again
 CARD_TIMEOUT_SECONDS = 10.0  # one card fetch, at most
+PROBE_INTERVAL_SECONDS = 60.0  # the health probe reads every card this often
 CANCEL_TIMEOUT_SECONDS = 5.0  # a best-effort cancel, at most
 POLL_FIRST, POLL_MAX = 0.2, 2.0  # seconds between asking for a task that is not finished
 
@@ -83,6 +85,7 @@ class RemoteAgents:
         self._http: dict[str, httpx.AsyncClient] = {}
         self._clients: dict[str, tuple[pb.AgentCard, Client]] = {}
         self._background: set[asyncio.Task[Any]] = set()
+        self._health: dict[str, dict[str, Any]] = {}
 
     @property
     def names(self) -> list[str]:
@@ -134,6 +137,9 @@ class RemoteAgents:
         remote = self._remotes[name]
         deadline = time.monotonic() + remote.timeout_seconds
         task_id: str | None = None  # once the remote named its task: what a cancel names
+        # The first answer (the remote naming its task) is awaited as a task of its own:
+        # cut off while it is on its way, it still arrives and its task is cancelled.
+        first: asyncio.Task[pb.StreamResponse | None] | None = None
         timed_out = f"{name!r} did not answer within {remote.timeout_seconds:g} seconds"
         try:
             async with asyncio.timeout(remote.timeout_seconds):
@@ -146,9 +152,8 @@ class RemoteAgents:
                 if metadata:
                     message.metadata.update(metadata)
                 request = pb.SendMessageRequest(message=message)
-                answer: pb.StreamResponse | None = None
-                async for event in client.send_message(request, context=_left(deadline)):
-                    answer = event
+                first = asyncio.ensure_future(_last_event(client, request, _left(deadline)))
+                answer = await asyncio.shield(first)
                 if answer is None:
                     raise RemoteError("failed", f"{name!r} sent no answer")
                 if answer.HasField("message"):
@@ -163,12 +168,10 @@ class RemoteAgents:
                     task = await client.get_task(request_get, context=_left(deadline))
                 return _from_task(name, task)
         except asyncio.CancelledError:  # the calling turn was stopped: so is the remote task
-            if task_id is not None:
-                self._cancel_later(name, task_id)
+            self._cancel_later(name, task_id, first)
             raise
         except TimeoutError:
-            if task_id is not None:
-                self._cancel_later(name, task_id)
+            self._cancel_later(name, task_id, first)
             raise RemoteError("timeout", timed_out) from None
         except RemoteError:
             raise
@@ -184,9 +187,33 @@ class RemoteAgents:
                 raise RemoteError("unreachable", why) from None
             raise RemoteError("refused", f"{name!r} refused the message: {_why(exc)}") from None
 
-    def _cancel_later(self, name: str, task_id: str) -> None:
-        """Cancel the remote task in the background, past the caller's own cancellation."""
-        task = asyncio.get_running_loop().create_task(self.cancel(name, task_id))
+    def _cancel_later(
+        self,
+        name: str,
+        task_id: str | None,
+        first: asyncio.Task[pb.StreamResponse | None] | None,
+    ) -> None:
+        """Cancel the remote task in the background, past the caller's own cancellation;
+        when its id is not known yet, once the first answer names it (bounded)."""
+
+        async def cancel() -> None:
+            known = task_id
+            if known is None and first is not None:
+                try:
+                    async with asyncio.timeout(CANCEL_TIMEOUT_SECONDS):
+                        answer = await first
+                except BaseException:  # no answer came: there is nothing to cancel
+                    first.cancel()
+                    return
+                if answer is None or not answer.HasField("task") or _finished(answer.task):
+                    return
+                known = answer.task.id
+            if known:
+                await self.cancel(name, known)
+
+        if task_id is None and first is None:
+            return
+        task = asyncio.get_running_loop().create_task(cancel())
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
@@ -202,13 +229,32 @@ class RemoteAgents:
         return True
 
     async def probe(self, name: str) -> str | None:
-        """Read the card again now (the health probe); None when it resolves, else why not."""
+        """Read the card again now; None when it resolves, else why not. Recorded for
+        `health`."""
         self._cards.pop(name, None)
+        error: str | None = None
         try:
             await self.card(name)
         except RemoteError as exc:
-            return str(exc)
-        return None
+            error = str(exc)
+        checked = datetime.now(UTC).isoformat(timespec="seconds")
+        self._health[name] = {"reachable": error is None, "checked_at": checked, "error": error}
+        return error
+
+    def health(self) -> dict[str, dict[str, Any]]:
+        """Each remote agent as the last probe found it: reachable (its card resolved),
+        checked_at, error. Read from memory: never a request to a remote."""
+        return {name: dict(entry) for name, entry in sorted(self._health.items())}
+
+    async def probe_loop(self, interval: float = PROBE_INTERVAL_SECONDS) -> None:
+        """Probe every remote now, then every `interval` seconds, until cancelled."""
+        while True:
+            for name in self.names:
+                try:
+                    await self.probe(name)
+                except Exception:  # a probe never ends the loop
+                    log.exception("remote_probe_failed", remote=name)
+            await asyncio.sleep(interval)
 
     async def close(self) -> None:
         if self._background:  # the cancels under way: each is bounded
@@ -244,6 +290,16 @@ class RemoteAgents:
         client = factory.create(card)
         self._clients[name] = (card, client)
         return client
+
+
+async def _last_event(
+    client: Client, request: pb.SendMessageRequest, context: ClientCallContext
+) -> pb.StreamResponse | None:
+    """The send's answer (its last event: a non-streaming send has one)."""
+    answer: pb.StreamResponse | None = None
+    async for event in client.send_message(request, context=context):
+        answer = event
+    return answer
 
 
 def _left(deadline: float) -> ClientCallContext:

@@ -40,9 +40,9 @@ from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog, TurnStart
 from gateway.tools import BUILTIN_TOOLS
 from gateway.tools.approval import ApprovalGate
-from gateway.tools.delegation import Delegation, Sources
+from gateway.tools.delegation import Delegation
 from gateway.tools.mcp_tools import McpToolSource
-from gateway.tools.registry import Toolbox, TurnScope, TurnTools, agent_id_of
+from gateway.tools.registry import Sources, Toolbox, TurnScope, TurnTools, agent_id_of
 
 log = structlog.get_logger("gateway.run")
 

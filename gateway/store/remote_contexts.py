@@ -11,12 +11,13 @@ from __future__ import annotations
 import sqlite3
 
 
-def load(conn: sqlite3.Connection, session_key: str, remote: str) -> str | None:
+def load(conn: sqlite3.Connection, session_key: str, remote: str) -> tuple[str, str] | None:
+    """(context id, the session that last used it), or None."""
     row = conn.execute(
-        "SELECT context_id FROM remote_contexts WHERE session_key = ? AND remote = ?",
+        "SELECT context_id, session_id FROM remote_contexts WHERE session_key = ? AND remote = ?",
         (session_key, remote),
     ).fetchone()
-    return row[0] if row else None
+    return (row[0], row[1]) if row else None
 
 
 def save(

@@ -27,7 +27,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 import structlog
@@ -47,7 +47,6 @@ TOOL_NAME = "agent_call"
 TASK_MAX_CHARS = 16_000  # one task's text
 CANCEL_SECONDS = 5.0  # a delegate's cancel after /stop, at most
 NATIVE_MARGIN_SECONDS = 60.0  # a native task's wait past the delegate's own turn deadline
-PROBE_INTERVAL_SECONDS = 60.0  # the remote agents' health probe
 CHAIN_KEY = "hermes.chain"  # gateway.a2a.client.CHAIN_KEY, without loading the SDK
 _NAMESPACE = uuid.UUID("5b0c1f3e-7c1a-4d0e-9a52-2f1d6c9e4a10")  # the ids derived here
 
@@ -95,7 +94,6 @@ class Delegation:
         self.remote = remote
         self._version = 0
         self._described: tuple[str | None, ...] = ()
-        self._health: dict[str, dict[str, Any]] = {}
         self._background: set[asyncio.Task[Any]] = set()
 
     # --- what the agents are offered ---------------------------------------------------------
@@ -247,7 +245,8 @@ class Delegation:
 
         assert self.remote is not None
         store, key = scope.store, scope.session_key
-        context_id = await store.read(lambda conn: remote_contexts.load(conn, key, delegate))
+        kept = await store.read(lambda conn: remote_contexts.load(conn, key, delegate))
+        context_id = kept[0] if kept is not None else None
         metadata = {CHAIN_KEY: [self.url_of(agent) for agent in chain]}
         try:
             reply = await self.remote.send(
@@ -260,8 +259,10 @@ class Delegation:
         except RemoteError as exc:
             outcome = {"input-required": "failed", "unreachable": "failed"}.get(exc.kind, exc.kind)
             return outcome, _error(str(exc))
-        if reply.context_id and reply.context_id != context_id:
-            session_id, now = scope.session_id, time.time()
+        session_id = scope.session_id
+        if reply.context_id and (reply.context_id, session_id) != kept:
+            # a new context, or a later session of the chat now using it
+            now = time.time()
             await store.write(
                 lambda conn: remote_contexts.save(
                     conn, key, delegate, session_id, reply.context_id, now
@@ -290,31 +291,15 @@ class Delegation:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    # --- the remote agents' health -----------------------------------------------------------
+    # --- the remote agents' health ----------------------------------------------------------
 
     def health(self) -> dict[str, dict[str, Any]]:
-        """Each remote agent: reachable (its card resolved at the last probe), checked_at,
-        error; filled by `probe_loop`, never asked on a request's path."""
-        return {name: dict(entry) for name, entry in sorted(self._health.items())}
+        """Each remote agent's reachability at the last probe (`RemoteAgents.health`)."""
+        return self.remote.health() if self.remote is not None else {}
 
-    async def probe_once(self) -> None:
-        if self.remote is None:
-            return
-        for name in self.remote.names:
-            error = await self.remote.probe(name)
-            self._health[name] = {
-                "reachable": error is None,
-                "checked_at": _now_iso(),
-                "error": error,
-            }
-
-    async def probe_loop(self, interval: float = PROBE_INTERVAL_SECONDS) -> None:
-        while True:
-            try:
-                await self.probe_once()
-            except Exception:  # a probe never ends the loop
-                log.exception("remote_probe_failed")
-            await asyncio.sleep(interval)
+    async def probe_loop(self) -> None:
+        if self.remote is not None:
+            await self.remote.probe_loop()
 
     async def close(self) -> None:
         for task in list(self._background):
@@ -347,34 +332,9 @@ class DelegateSource:
         return self._made[1]
 
 
-class Sources:
-    """Several tool sources as one: the version changes whenever any of theirs does."""
-
-    def __init__(self, sources: Iterable[Any]) -> None:
-        self._sources = list(sources)
-        self._seen: tuple[int, ...] | None = None
-        self._version = 0
-
-    @property
-    def version(self) -> int:
-        seen = tuple(source.version for source in self._sources)
-        if seen != self._seen:
-            self._seen, self._version = seen, self._version + 1
-        return self._version
-
-    def tools(self) -> list[Tool]:
-        return [tool for source in self._sources for tool in source.tools()]
-
-
 def _one_line(text: str) -> str:
     return " ".join(text.split())[:300]
 
 
 def _error(message: str) -> str:
     return json.dumps({"error": message}, ensure_ascii=False)
-
-
-def _now_iso() -> str:
-    from datetime import UTC, datetime
-
-    return datetime.now(UTC).isoformat(timespec="seconds")

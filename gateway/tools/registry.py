@@ -107,6 +107,26 @@ class ToolSource(Protocol):
     def tools(self) -> list[Tool]: ...
 
 
+class Sources:
+    """Several tool sources as one `ToolSource`: its version changes whenever any of
+    theirs does."""
+
+    def __init__(self, sources: Iterable[ToolSource]) -> None:
+        self._sources = list(sources)
+        self._seen: tuple[int, ...] | None = None
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        seen = tuple(source.version for source in self._sources)
+        if seen != self._seen:
+            self._seen, self._version = seen, self._version + 1
+        return self._version
+
+    def tools(self) -> list[Tool]:
+        return [tool for source in self._sources for tool in source.tools()]
+
+
 @dataclass(slots=True)
 class TurnScope:
     """What a tool may reach in one turn: the asking session, chat (its key) and user,

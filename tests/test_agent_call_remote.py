@@ -202,6 +202,7 @@ async def test_a_wrong_token_a_timeout_and_an_unreachable_remote_are_tool_errors
         assert health["gone"]["reachable"] is False and health["gone"]["error"]
         assert "checked_at" in health["slow"]
         assert "wrong-token-value" not in json.dumps(health)
+        assert gw.runner.status_snapshot()["health"]["remote_agents"] == health
 
         metrics = await gw.client.get_text("/metrics")
         assert 'delegate="slow",outcome="timeout"} 1.0' in metrics

@@ -11,6 +11,7 @@ exist is a configuration error naming its key (exit 78)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator
@@ -176,3 +177,35 @@ def test_an_unknown_delegate_is_a_config_error_naming_its_key(tmp_path: Path) ->
     result = cli(tmp_path, "check-config")
     assert result.returncode == 78
     assert "agent.delegates.0: unknown agent 'nobody'" in result.stderr
+
+
+async def test_a_chain_from_another_daemon_is_checked_by_url(
+    tmp_path: Path, fake: FakeOpenAI, models: Models
+) -> None:
+    """A task that came over A2A carries its chain as URLs: a delegate named in it, a
+    remote one by its config url or one of ours by `<a2a.public_url>/a2a/<id>`, is a
+    cycle (refused before anything is sent)."""
+    far = "http://127.0.0.1:9/a2a/far"
+    settings = {
+        "timezone": "UTC",
+        "agent": agent(fake, "main", ["b"]),
+        "agents": {"b": agent(fake, "b", ["main", "far"])},
+        "remote_agents": {"far": {"url": far}},
+        "a2a": {"public_url": "https://gw.example.com"},
+    }
+    gateway = await RunningGateway.started(settings, tmp_path / "home")
+    try:
+        tasks = gateway.runner.agent_tasks
+        for n, (chain, target) in enumerate(
+            [((far,), "far"), (("https://gw.example.com/a2a/main",), "main")]
+        ):
+            models.call("b", target, "anything")
+            sent = await tasks.send("b", "go", message_id=f"m{n}", caller="bearer", chain=chain)
+            async with asyncio.timeout(20):
+                done = await tasks.wait(sent.task_id, "bearer")
+            assert done is not None and done.result_text is not None
+            error = json.loads(done.result_text.removeprefix("b got: "))["error"]
+            assert "would be a cycle" in error and chain[0] in error
+        assert models.seen["main"] == []  # main was never asked
+    finally:
+        await gateway.stop()

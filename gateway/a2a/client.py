@@ -41,7 +41,7 @@ CARD_TTL_SECONDS = 300.0  # how long a fetched card is used before it is fetched
 CARD_TIMEOUT_SECONDS = 10.0  # one card fetch, at most
 PROBE_INTERVAL_SECONDS = 60.0  # the health probe reads every card this often
 CANCEL_TIMEOUT_SECONDS = 5.0  # a best-effort cancel, at most
-POLL_FIRST, POLL_MAX = 0.2, 2.0  # seconds between asking for a task that is not finished
+POLL_FIRST, POLL_MAX = 0.05, 2.0  # seconds between asking for a task that is not finished
 
 
 class RemoteError(Exception):

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from config import GatewayConfig
+from gateway.agents.protocol import TurnRequest, TurnResult
 from gateway.domain.agent_tasks import TaskRecord, TaskRefused, TaskState
 from gateway.run import GatewayRunner
 from tests.pg_support import StorageBackend
@@ -139,3 +140,152 @@ async def test_bad_requests_are_refused_and_change_nothing(make: Make) -> None:
         with pytest.raises(TaskRefused, match=fragment):
             await tasks.send(request.pop("agent_id"), request.pop("text"), **request)
     assert await tasks.list("c") == []
+
+
+# --- cancel, subscribe, rejected ----------------------------------------------------------------
+
+
+async def test_cancel_a_running_task_stops_its_turn(make: Make) -> None:
+    runner = await make(agent={"backend": "echo", "delay_seconds": 30})
+    tasks = runner.agent_tasks
+    sent = await tasks.send("main", "slow", message_id="m1", caller="c")
+    queued = await tasks.send(
+        "main", "behind", message_id="m2", caller="c", context_id=sent.context_id
+    )
+    key = f"agent:main:a2a:dm:{sent.context_id}"
+    await wait_for(lambda: runner.engine.running.get(key) is not None)
+    await wait_for(lambda: _state_is(tasks, sent, TaskState.WORKING))
+    canceled = await tasks.cancel(sent.task_id, "c")
+    assert canceled is not None and canceled.state is TaskState.CANCELED
+    assert not runner.is_busy(key)
+    # As /stop: what waited behind it went with it.
+    behind = await tasks.get(queued.task_id, "c")
+    assert behind is not None and behind.state is TaskState.CANCELED
+    assert await transcript(runner, sent.context_id) == ["slow"]  # no reply
+    # A terminal task is returned as it is.
+    assert await tasks.cancel(sent.task_id, "c") == canceled
+    assert 'hermes_a2a_tasks_total{agent="main",state="canceled"} 2.0' in runner.metrics_text()
+
+
+async def _state_is(tasks: Any, task: TaskRecord, state: TaskState) -> bool:
+    found = await tasks.get(task.task_id, task.caller)
+    return found is not None and found.state is state
+
+
+async def test_cancel_a_queued_task_drops_it_alone(make: Make) -> None:
+    runner = await make(agent={"backend": "echo", "delay_seconds": 0.5})
+    tasks = runner.agent_tasks
+    first = await tasks.send("main", "first", message_id="m1", caller="c")
+    second = await tasks.send(
+        "main", "second", message_id="m2", caller="c", context_id=first.context_id
+    )
+    canceled = await tasks.cancel(second.task_id, "c")
+    assert canceled is not None and canceled.state is TaskState.CANCELED
+    assert (await done(runner, first, "c")).state is TaskState.COMPLETED
+    assert await transcript(runner, first.context_id) == ["first", "echo: first"]
+
+
+async def test_a_full_queue_rejects_the_task(make: Make) -> None:
+    runner = await make(agent={"backend": "echo", "delay_seconds": 0.5}, queue={"max_depth": 1})
+    tasks = runner.agent_tasks
+    first = await tasks.send("main", "one", message_id="m1", caller="c")
+    ctx = first.context_id
+    await tasks.send("main", "two", message_id="m2", caller="c", context_id=ctx)
+    third = await tasks.send("main", "three", message_id="m3", caller="c", context_id=ctx)
+    assert third.state is TaskState.REJECTED
+    assert (await done(runner, first, "c")).state is TaskState.COMPLETED
+
+
+async def test_subscribe_sees_working_then_completed(make: Make) -> None:
+    runner = await make(agent={"backend": "echo", "delay_seconds": 0.5})
+    tasks = runner.agent_tasks
+    sent = await tasks.send("main", "hi", message_id="m1", caller="c")
+    states = []
+    async with asyncio.timeout(20):
+        async for update in tasks.subscribe(sent.task_id, "c"):
+            assert update.delta is None
+            states.append(update.task.state)
+    assert states[-1] is TaskState.COMPLETED
+    assert TaskState.WORKING in states
+    assert states.index(TaskState.WORKING) < len(states) - 1
+    # Joining late: one update, the task as it stands.
+    late = [u async for u in tasks.subscribe(sent.task_id, "c")]
+    assert [u.task.state for u in late] == [TaskState.COMPLETED]
+    assert [u async for u in tasks.subscribe(sent.task_id, "someone else")] == []
+
+
+class StreamingAgent:
+    """Streams a first part, then waits for the test to have seen it, then answers."""
+
+    def __init__(self, release: asyncio.Event) -> None:
+        self.release = release
+
+    async def run_turn(self, request: TurnRequest) -> TurnResult:
+        return TurnResult("unused")
+
+    async def stream_turn(self, request: TurnRequest, on_text: Callable[[str], None]) -> TurnResult:
+        first = "streamed part one, long enough to be shown at once. "
+        on_text(first)
+        await self.release.wait()
+        return TurnResult(first + "and the end.")
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_subscribe_sees_the_streamed_deltas(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    release = asyncio.Event()
+    config = store_backend.apply(GatewayConfig.model_validate({"timezone": "UTC"}))
+    runner = GatewayRunner(
+        config, [], agent_factory=lambda key: StreamingAgent(release), home=tmp_path
+    )
+    await runner.start()
+    try:
+        tasks = runner.agent_tasks
+        sent = await tasks.send("main", "stream it", message_id="m1", caller="c")
+        deltas, states = [], []
+        async with asyncio.timeout(20):
+            async for update in tasks.subscribe(sent.task_id, "c"):
+                if update.delta is not None:
+                    deltas.append(update.delta)
+                    release.set()
+                else:
+                    states.append(update.task.state)
+        assert deltas and deltas[0].startswith("streamed part one")
+        assert states[-1] is TaskState.COMPLETED
+        final = await tasks.get(sent.task_id, "c")
+        assert final is not None
+        assert (
+            final.result_text == "streamed part one, long enough to be shown at once. and the end."
+        )
+    finally:
+        await runner.stop()
+
+
+# --- durability ---------------------------------------------------------------------------------
+
+
+async def test_get_after_a_restart(make: Make) -> None:
+    runner = await make()
+    sent = await runner.agent_tasks.send("main", "keep me", message_id="m1", caller="c")
+    finished = await done(runner, sent, "c")
+    await runner.stop()
+    again = await make()
+    assert await again.agent_tasks.get(sent.task_id, "c") == finished
+    assert [t.task_id for t in await again.agent_tasks.list("c")] == [sent.task_id]
+
+
+async def test_a_task_cut_off_by_a_stop_completes_after_the_restart(make: Make) -> None:
+    slow = {"backend": "echo", "delay_seconds": 2, "restart_drain_timeout": 0}
+    runner = await make(agent=slow)
+    tasks = runner.agent_tasks
+    sent = await tasks.send("main", "interrupted", message_id="m1", caller="c")
+    await wait_for(lambda: _state_is(tasks, sent, TaskState.WORKING))
+    await runner.stop()
+    again = await make(agent={"backend": "echo"})
+    finished = await done(again, sent, "c")
+    assert finished.state is TaskState.COMPLETED
+    assert finished.result_text == "echo: interrupted"
+    assert await transcript(again, sent.context_id) == ["interrupted", "echo: interrupted"]

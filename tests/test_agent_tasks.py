@@ -6,6 +6,11 @@ message id, durability across a restart, and the delegation slot guard."""
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -16,6 +21,7 @@ from config import GatewayConfig
 from gateway.agents.protocol import TurnRequest, TurnResult
 from gateway.domain.agent_tasks import TaskRecord, TaskRefused, TaskState
 from gateway.run import GatewayRunner
+from gateway.runner.agent_tasks import task_id_of
 from tests.pg_support import StorageBackend
 from tests.waiting import wait_for
 
@@ -289,3 +295,125 @@ async def test_a_task_cut_off_by_a_stop_completes_after_the_restart(make: Make) 
     assert finished.state is TaskState.COMPLETED
     assert finished.result_text == "echo: interrupted"
     assert await transcript(again, sent.context_id) == ["interrupted", "echo: interrupted"]
+
+
+# --- delegation --------------------------------------------------------------------------------
+
+
+class DelegatingAgent:
+    """Main's turn asks agent `helper` through a native delegation and waits for it,
+    holding its agent slot meanwhile (as `agent_call` does)."""
+
+    runner: GatewayRunner | None = None
+    chains: list[tuple[str, ...]] = []
+
+    async def run_turn(self, request: TurnRequest) -> TurnResult:
+        assert self.runner is not None
+        tasks = self.runner.agent_tasks
+        chain = await tasks.running_chain(request.session_key)
+        self.chains.append(chain)
+        caller = f"session:{request.session_key}"
+        task = await tasks.send(
+            "helper", f"help with {request.text}", message_id="d1", caller=caller, chain=chain
+        )
+        async with asyncio.timeout(10):
+            found = await tasks.wait(task.task_id, caller)
+        assert found is not None
+        return TurnResult(f"helper said: {found.result_text}")
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_delegation_does_not_wait_for_the_slot_its_caller_holds(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    settings = {
+        "timezone": "UTC",
+        "agent": {"backend": "echo", "max_concurrent_turns": 1},
+        "agents": {"helper": {"backend": "echo"}},
+    }
+    config = store_backend.apply(GatewayConfig.model_validate(settings))
+    agent = DelegatingAgent()
+    agent.chains = []
+    runner = GatewayRunner(config, [], agent_factory={"main": lambda key: agent}, home=tmp_path)
+    agent.runner = runner
+    await runner.start()
+    try:
+        tasks = runner.agent_tasks
+        sent = await tasks.send("main", "the plan", message_id="m1", caller="bearer")
+        finished = await done(runner, sent)
+        assert finished.result_text == "helper said: echo: help with the plan"
+        assert agent.chains == [("main",)]  # the running task's chain ends with its agent
+        (delegated,) = await tasks.list(f"session:agent:main:a2a:dm:{sent.context_id}")
+        assert delegated.chain == ("main",) and delegated.agent_id == "helper"
+        assert await tasks.running_chain("agent:main:http:dm:nobody") == ()
+    finally:
+        await runner.stop()
+
+
+# --- kill -9 ------------------------------------------------------------------------------------
+
+CHILD = """
+import asyncio, json, sys
+from pathlib import Path
+from config import GatewayConfig
+from gateway.run import GatewayRunner
+
+async def main():
+    config = GatewayConfig.model_validate(json.loads(sys.argv[2]))
+    runner = GatewayRunner(config, [], home=Path(sys.argv[1]))
+    await runner.start()
+    await runner.agent_tasks.send(
+        "main", "survive", message_id="k1", caller="c", context_id="ctx-k"
+    )
+    await asyncio.sleep(60)  # the crash point kills the process before this ends
+
+asyncio.run(main())
+"""
+
+
+def run_until_killed(
+    home: Path, settings: dict[str, Any], point: str
+) -> subprocess.CompletedProcess[str]:
+    """A runner in a process of its own that sends a task and is killed (SIGKILL, as
+    kill -9) at the crash point."""
+    env = {**os.environ, "HERMES_CRASH_AT": f"{point}:1", "HERMES_HOME": str(home)}
+    return subprocess.run(
+        [sys.executable, "-c", CHILD, str(home), json.dumps(settings)],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize("point", ["after_turn_begin", "before_ledger_mark"])
+async def test_a_task_cut_off_by_kill_9_completes_once(
+    tmp_path: Path, store_backend: StorageBackend, point: str
+) -> None:
+    settings: dict[str, Any] = {"timezone": "UTC", "agent": {"backend": "echo"}}
+    if store_backend.postgres:
+        settings["storage"] = store_backend.storage()
+    home = tmp_path / "home"
+    child = await asyncio.to_thread(run_until_killed, home, settings, point)
+    assert child.returncode == -signal.SIGKILL, child.stderr
+
+    config = store_backend.apply(GatewayConfig.model_validate(settings))
+    runner = GatewayRunner(config, [], home=home)
+    await runner.start()
+    try:
+        tasks = runner.agent_tasks
+        task_id = task_id_of("main", "c", "k1")
+        async with asyncio.timeout(20):
+            finished = await tasks.wait(task_id, "c")
+        assert finished is not None and finished.state is TaskState.COMPLETED
+        assert finished.result_text == "echo: survive"
+        # Resent after the crash: the same task, no second turn.
+        again = await tasks.send("main", "survive", message_id="k1", caller="c")
+        assert again.task_id == task_id and again.state is TaskState.COMPLETED
+        assert await transcript(runner, "ctx-k") == ["survive", "echo: survive"]
+    finally:
+        await runner.stop()

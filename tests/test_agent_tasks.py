@@ -22,7 +22,7 @@ from gateway.agents.protocol import TurnRequest, TurnResult
 from gateway.domain.agent_tasks import TaskRecord, TaskRefused, TaskState
 from gateway.run import GatewayRunner
 from gateway.runner.agent_tasks import task_id_of
-from tests.pg_support import StorageBackend
+from tests.pg_support import StorageBackend, fresh_schema, pg_available
 from tests.waiting import wait_for
 
 Make = Callable[..., Awaitable[GatewayRunner]]
@@ -417,3 +417,73 @@ async def test_a_task_cut_off_by_kill_9_completes_once(
         assert await transcript(runner, "ctx-k") == ["survive", "echo: survive"]
     finally:
         await runner.stop()
+
+
+# --- replicas -----------------------------------------------------------------------------------
+
+
+async def test_a_task_whose_session_runs_on_another_replica_completes(tmp_path: Path) -> None:
+    """Two replicas on one PostgreSQL schema: a task sent to B for a context whose turn
+    runs on A is handed to A, and B's waiter sees it end (the shared row)."""
+    if pg_available() is not None:
+        pytest.skip(pg_available() or "")
+    with fresh_schema() as dsn:
+        runners: list[GatewayRunner] = []
+        try:
+            for i in range(2):
+                settings = {
+                    "timezone": "UTC",
+                    "agent": {"backend": "echo", "delay_seconds": 1, "restart_drain_timeout": 1},
+                    "storage": {"backend": "postgres", "dsn": dsn},
+                    "cluster": {"failover_seconds": 2},
+                }
+                runner = GatewayRunner(
+                    GatewayConfig.model_validate(settings), [], home=tmp_path / f"home{i}"
+                )
+                await runner.start()
+                runners.append(runner)
+            a, b = runners
+            first = await a.agent_tasks.send("main", "on a", message_id="m1", caller="c")
+            key = f"agent:main:a2a:dm:{first.context_id}"
+            await wait_for(lambda: a.is_busy(key))
+            second = await b.agent_tasks.send(
+                "main", "via b", message_id="m2", caller="c", context_id=first.context_id
+            )
+            async with asyncio.timeout(20):
+                finished = await b.agent_tasks.wait(second.task_id, "c")
+            assert finished is not None and finished.state is TaskState.COMPLETED
+            assert finished.result_text == "echo: via b"
+            assert not b.is_busy(key)  # it ran on A
+            assert await transcript(a, first.context_id) == [
+                "on a",
+                "echo: on a",
+                "via b",
+                "echo: via b",
+            ]
+        finally:
+            for runner in runners:
+                await runner.stop()
+
+
+# --- deletion -----------------------------------------------------------------------------------
+
+
+async def test_deleting_a_session_or_a_caller_deletes_their_tasks(make: Make) -> None:
+    runner = await make()
+    tasks = runner.agent_tasks
+    one = await done(runner, await tasks.send("main", "one", message_id="m1", caller="c"), "c")
+    two = await done(runner, await tasks.send("main", "two", message_id="m2", caller="c"), "c")
+    other = await done(runner, await tasks.send("main", "x", message_id="m1", caller="d"), "d")
+
+    def session_of(context_id: str) -> Any:
+        return lambda conn: conn.execute(
+            "SELECT session_id FROM sessions WHERE session_key = ?",
+            (f"agent:main:a2a:dm:{context_id}",),
+        ).fetchone()[0]
+
+    deleted = await runner.delete_session(await runner.store.read(session_of(one.context_id)))
+    assert deleted["rows"]["agent_tasks"] == 1
+    assert [t.task_id for t in await tasks.list("c")] == [two.task_id]
+    await runner.recall.forget_user("a2a", "c")
+    assert await tasks.list("c") == []
+    assert [t.task_id for t in await tasks.list("d")] == [other.task_id]

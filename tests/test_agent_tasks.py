@@ -22,6 +22,7 @@ from gateway.agents.protocol import TurnRequest, TurnResult
 from gateway.domain.agent_tasks import TaskRecord, TaskRefused, TaskState
 from gateway.run import GatewayRunner
 from gateway.runner.agent_tasks import task_id_of
+from gateway.tools.approval import ApprovalRequest
 from tests.pg_support import StorageBackend, fresh_schema, pg_available
 from tests.waiting import wait_for
 
@@ -487,3 +488,60 @@ async def test_deleting_a_session_or_a_caller_deletes_their_tasks(make: Make) ->
     await runner.recall.forget_user("a2a", "c")
     assert await tasks.list("c") == []
     assert [t.task_id for t in await tasks.list("d")] == [other.task_id]
+
+
+async def test_a_context_is_its_callers_alone(make: Make) -> None:
+    runner = await make()
+    tasks = runner.agent_tasks
+    mine = await done(runner, await tasks.send("main", "secret", message_id="m", caller="c"), "c")
+    with pytest.raises(TaskRefused, match="no context"):
+        await tasks.send(
+            "main", "what did they say?", message_id="m", caller="d", context_id=mine.context_id
+        )
+    assert await tasks.list("d") == []
+    assert await transcript(runner, mine.context_id) == ["secret", "echo: secret"]
+
+
+# --- input-required -----------------------------------------------------------------------------
+
+
+class AskingAgent:
+    """Asks the approval gate (as a tool marked `approve` does) and says the verdict."""
+
+    runner: GatewayRunner | None = None
+
+    async def run_turn(self, request: TurnRequest) -> TurnResult:
+        assert self.runner is not None
+        verdict = await self.runner.approvals.ask(
+            ApprovalRequest(request.session_key, request.source, "launch", {"what": "rocket"})
+        )
+        return TurnResult(f"verdict: {verdict.value}")
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_turn_waiting_for_an_approval_is_input_required_until_answered(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    config = store_backend.apply(GatewayConfig.model_validate({"timezone": "UTC"}))
+    agent = AskingAgent()
+    runner = GatewayRunner(config, [], agent_factory=lambda key: agent, home=tmp_path)
+    agent.runner = runner
+    await runner.start()
+    try:
+        tasks = runner.agent_tasks
+        sent = await tasks.send("main", "go", message_id="m1", caller="c")
+        await wait_for(lambda: _state_is(tasks, sent, TaskState.INPUT_REQUIRED))
+        waiting = await tasks.get(sent.task_id, "c")
+        assert waiting is not None and "launch" in (waiting.result_text or "")
+        answer = await tasks.send(
+            "main", "/approve", message_id="m2", caller="c", context_id=sent.context_id
+        )
+        assert answer.task_id == sent.task_id  # the answer, not a task of its own
+        finished = await done(runner, sent, "c")
+        assert finished.state is TaskState.COMPLETED
+        assert finished.result_text == "verdict: approved"
+        assert [t.task_id for t in await tasks.list("c")] == [sent.task_id]
+    finally:
+        await runner.stop()

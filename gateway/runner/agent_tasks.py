@@ -9,6 +9,9 @@ turn engine and the store.
                so a turn re-run after a crash ends its task once
     cancel:    as /stop on the session while the task's turn runs (the tasks queued
                behind it go too), a queued task alone is dropped
+    approval:  a tool call of the task's turn waiting for the user's yes makes it
+               input-required (the question in `result_text`); the caller's next
+               message to the context, `/approve` or `/deny`, is the answer
     subscribe: the row now, then what this process sees change (states, streamed
                deltas), and a bounded poll of the row for what another replica changes
 
@@ -26,7 +29,7 @@ import re
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -38,12 +41,14 @@ from gateway.domain.command_syntax import MessageKind
 from gateway.domain.events import AcceptStatus, MessageEvent
 from gateway.domain.session import Platform, SessionSource, build_session_key
 from gateway.ops.metrics import Metrics
+from gateway.runner.approvals import Approvals
 from gateway.runner.engine import TurnEngine
 from gateway.runner.placement import Placement
 from gateway.runner.task_channel import TaskChannel
 from gateway.store import agent_tasks as rows
 from gateway.store.outage import StoreUnwritable
 from gateway.store.session_store import SessionStore
+from gateway.tools.approval import Verdict
 
 log = structlog.get_logger("gateway.run")
 
@@ -61,6 +66,8 @@ MAX_PENDING_DELTAS = 256
 POLL_SECONDS = 2.0
 _RETRY_SECONDS = 5.0
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: a message answering a waiting approval
+_VERDICTS = {"/approve": Verdict.APPROVED, "/deny": Verdict.DENIED}
 
 
 def task_id_of(agent_id: str, caller: str, message_id: str) -> str:
@@ -106,6 +113,7 @@ class TaskService:
         engine: TurnEngine,
         placement: Placement,
         metrics: Metrics,
+        approvals: Approvals,
         accepting: Callable[[], bool],
     ) -> None:
         self.config = config
@@ -114,6 +122,8 @@ class TaskService:
         self.engine = engine
         self.placement = placement
         self.metrics = metrics
+        self.approvals = approvals
+        approvals.observer = self
         self._accepting = accepting
         self.channel = TaskChannel(self._on_delta)
         self._subscribers: dict[str, set[_Subscriber]] = {}
@@ -141,6 +151,16 @@ class TaskService:
             record = await self.store.read(lambda conn: rows.get(conn, task_id))
             if record is None:
                 context = context_id or str(uuid.uuid4())
+                if context_id is not None:
+                    # A context is its caller's: its session holds their conversation.
+                    owner = await self.store.read(
+                        lambda conn: rows.context_owner(conn, agent_id, context_id)
+                    )
+                    if owner is not None and owner != caller:
+                        raise TaskRefused(f"no context {context_id!r} of this caller")
+                    answered = await self._answer_approval(agent_id, context_id, caller, text)
+                    if answered is not None:
+                        return answered
                 key = self._key(self._source(context, caller, task_id, chain), agent_id)
                 now = time.time()
                 record = await self.store.write(
@@ -318,11 +338,54 @@ class TaskService:
     def settled(self, event: MessageEvent) -> None:
         task_id = event.message_id or ""
         self._live.pop(task_id, None)
-        telling = asyncio.create_task(self._after_settle(task_id, self._ended.pop(task_id, None)))
-        self._telling.add(telling)
-        telling.add_done_callback(self._telling.discard)
+        self._background(self._after_settle(task_id, self._ended.pop(task_id, None)))
+
+    # --- ApprovalObserver (the approvals') -------------------------------------------------
+
+    def approval_waits(self, source: SessionSource, question: str | None) -> None:
+        task_id = source.message_id or ""
+        was, state = (
+            (TaskState.WORKING, TaskState.INPUT_REQUIRED)
+            if question is not None
+            else (TaskState.INPUT_REQUIRED, TaskState.WORKING)
+        )
+        now = time.time()
+
+        async def move() -> None:
+            try:
+                moved = await self.store.write(
+                    lambda conn: rows.move(conn, task_id, was, state, now, result_text=question),
+                    dirty=False,
+                )
+                if moved:
+                    await self._publish(task_id)
+            except Exception as exc:  # cosmetic: the wait goes on, the turn's end counts
+                log.warning("task_update_unwritten", task_id=task_id, error=str(exc))
+
+        self._background(move())
 
     # --- inside -------------------------------------------------------------------------------
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        running = asyncio.create_task(work)
+        self._telling.add(running)
+        running.add_done_callback(self._telling.discard)
+
+    async def _answer_approval(
+        self, agent_id: str, context_id: str, caller: str, text: str
+    ) -> TaskRecord | None:
+        """`/approve` or `/deny` to a context whose task waits for an approval: the
+        answer, and that task (None: not an answer, or nothing waits)."""
+        verdict = _VERDICTS.get(text.strip().lower())
+        if verdict is None:
+            return None
+        key = self._key(self._source(context_id, caller, "", ()), agent_id)
+        waiting = self.approvals.waiting(key)
+        running = self.engine.running.get(key)
+        if waiting is None or running is None or not self.approvals.answer(key, verdict):
+            return None
+        task_id = running.message_id or ""
+        return await self.store.read(lambda conn: rows.get(conn, task_id))
 
     async def _after_settle(self, task_id: str, state: TaskState | None) -> None:
         try:

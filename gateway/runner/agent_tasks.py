@@ -59,6 +59,7 @@ MAX_MESSAGE_ID_CHARS = 256
 MAX_CALLER_CHARS = 512
 MAX_TEXT_CHARS = 100_000
 MAX_LIST = 100
+MAX_CHAIN = 16  # past a2a.max_delegation_depth's bound: agent_call refuses before
 #: streamed deltas a subscriber may have waiting; past them a slow one loses deltas,
 #: never a state change
 MAX_PENDING_DELTAS = 256
@@ -144,6 +145,10 @@ class TaskService:
         chain: tuple[str, ...] = (),
     ) -> TaskRecord:
         self._check(agent_id, text, message_id, caller, context_id)
+        if len(chain) > MAX_CHAIN or not all(
+            isinstance(agent, str) and 0 < len(agent) <= MAX_MESSAGE_ID_CHARS for agent in chain
+        ):
+            raise TaskRefused(f"the delegation chain must be at most {MAX_CHAIN} agent names")
         if not self._accepting():
             raise TaskRefused("the gateway is stopping", retry_after=_RETRY_SECONDS)
         task_id = task_id_of(agent_id, caller, message_id)
@@ -311,9 +316,10 @@ class TaskService:
             await self.store.write(
                 lambda conn: rows.set_state(conn, task_id, TaskState.WORKING, now), dirty=False
             )
-        except StoreUnwritable:
-            return  # the turn runs all the same; its end is what counts
-        record = await self._publish(task_id)
+            record = await self._publish(task_id)
+        except Exception as exc:  # the turn runs all the same; its end is what counts
+            log.warning("task_update_unwritten", task_id=task_id, error=str(exc))
+            return
         if record is not None and not record.state.terminal:
             self._live[task_id] = record
 

@@ -398,6 +398,8 @@ async def test_a_task_cut_off_by_kill_9_completes_once(
     settings: dict[str, Any] = {"timezone": "UTC", "agent": {"backend": "echo"}}
     if store_backend.postgres:
         settings["storage"] = store_backend.storage()
+        # The killed process's session lease lapses soon: the restart takes its turn over.
+        settings["cluster"] = {"failover_seconds": 2}
     home = tmp_path / "home"
     child = await asyncio.to_thread(run_until_killed, home, settings, point)
     assert child.returncode == -signal.SIGKILL, child.stderr
@@ -423,18 +425,23 @@ async def test_a_task_cut_off_by_kill_9_completes_once(
 # --- replicas -----------------------------------------------------------------------------------
 
 
-async def test_a_task_whose_session_runs_on_another_replica_completes(tmp_path: Path) -> None:
-    """Two replicas on one PostgreSQL schema: a task sent to B for a context whose turn
-    runs on A is handed to A, and B's waiter sees it end (the shared row)."""
+Replicas = Callable[[float], Awaitable[list[GatewayRunner]]]
+
+
+@pytest.fixture
+async def replicas(tmp_path: Path) -> AsyncIterator[Replicas]:
+    """Two replicas on one PostgreSQL schema, their echo agents taking `delay` seconds."""
     if pg_available() is not None:
         pytest.skip(pg_available() or "")
+    runners: list[GatewayRunner] = []
     with fresh_schema() as dsn:
-        runners: list[GatewayRunner] = []
-        try:
+
+        async def start(delay: float) -> list[GatewayRunner]:
             for i in range(2):
+                agent = {"backend": "echo", "delay_seconds": delay, "restart_drain_timeout": 1}
                 settings = {
                     "timezone": "UTC",
-                    "agent": {"backend": "echo", "delay_seconds": 1, "restart_drain_timeout": 1},
+                    "agent": agent,
                     "storage": {"backend": "postgres", "dsn": dsn},
                     "cluster": {"failover_seconds": 2},
                 }
@@ -443,27 +450,44 @@ async def test_a_task_whose_session_runs_on_another_replica_completes(tmp_path: 
                 )
                 await runner.start()
                 runners.append(runner)
-            a, b = runners
-            first = await a.agent_tasks.send("main", "on a", message_id="m1", caller="c")
-            key = f"agent:main:a2a:dm:{first.context_id}"
-            await wait_for(lambda: a.is_busy(key))
-            second = await b.agent_tasks.send(
-                "main", "via b", message_id="m2", caller="c", context_id=first.context_id
-            )
-            async with asyncio.timeout(20):
-                finished = await b.agent_tasks.wait(second.task_id, "c")
-            assert finished is not None and finished.state is TaskState.COMPLETED
-            assert finished.result_text == "echo: via b"
-            assert not b.is_busy(key)  # it ran on A
-            assert await transcript(a, first.context_id) == [
-                "on a",
-                "echo: on a",
-                "via b",
-                "echo: via b",
-            ]
+            return runners
+
+        try:
+            yield start
         finally:
             for runner in runners:
                 await runner.stop()
+
+
+async def test_a_task_whose_session_runs_on_another_replica_completes(
+    replicas: Replicas,
+) -> None:
+    """A task sent to B for a context whose turn runs on A is handed to A, and B's
+    waiter sees it end (the shared row)."""
+    a, b = await replicas(1)
+    first = await a.agent_tasks.send("main", "on a", message_id="m1", caller="c")
+    key = f"agent:main:a2a:dm:{first.context_id}"
+    await wait_for(lambda: a.is_busy(key))
+    second = await b.agent_tasks.send(
+        "main", "via b", message_id="m2", caller="c", context_id=first.context_id
+    )
+    async with asyncio.timeout(20):
+        finished = await b.agent_tasks.wait(second.task_id, "c")
+    assert finished is not None and finished.state is TaskState.COMPLETED
+    assert finished.result_text == "echo: via b"
+    assert not b.is_busy(key)  # it ran on A
+    assert await transcript(a, first.context_id) == ["on a", "echo: on a", "via b", "echo: via b"]
+
+
+async def test_a_cancel_sent_to_another_replica_stops_the_turn(replicas: Replicas) -> None:
+    a, b = await replicas(30)
+    sent = await a.agent_tasks.send("main", "hang on", message_id="m1", caller="c")
+    key = f"agent:main:a2a:dm:{sent.context_id}"
+    await wait_for(lambda: _state_is(a.agent_tasks, sent, TaskState.WORKING))
+    canceled = await b.agent_tasks.cancel(sent.task_id, "c")
+    assert canceled is not None and canceled.state is TaskState.CANCELED
+    await wait_for(lambda: not a.is_busy(key))
+    assert await transcript(a, sent.context_id) == ["hang on"]
 
 
 # --- deletion -----------------------------------------------------------------------------------

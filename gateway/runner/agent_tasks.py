@@ -8,7 +8,8 @@ turn engine and the store.
                failed with the error text, in the turn's finish transaction (`settle`),
                so a turn re-run after a crash ends its task once
     cancel:    as /stop on the session while the task's turn runs (the tasks queued
-               behind it go too), a queued task alone is dropped
+               behind it go too; on another replica: /stop handed to it), a queued task
+               alone is dropped, a task not yet begun is skipped when its turn comes
     approval:  a tool call of the task's turn waiting for the user's yes makes it
                input-required (the question in `result_text`); the caller's next
                message to the context, `/approve` or `/deny`, is the answer
@@ -37,7 +38,7 @@ import structlog
 from config import GatewayConfig
 from gateway.agents.roster import Roster
 from gateway.domain.agent_tasks import TaskRecord, TaskRefused, TaskState, TaskUpdate
-from gateway.domain.command_syntax import MessageKind
+from gateway.domain.command_syntax import MessageKind, classify
 from gateway.domain.events import AcceptStatus, MessageEvent
 from gateway.domain.session import Platform, SessionSource, build_session_key
 from gateway.ops.metrics import Metrics
@@ -242,10 +243,23 @@ class TaskService:
             # As /stop: the turn and the session's queue (the tasks behind it) go.
             await self.engine.cancel_session_work(key)
             ended = await self.store.write(lambda conn: rows.cancel_open(conn, key, now))
+        elif (
+            not await self.engine.drop_queued(key, task_id)
+            and record.state is not TaskState.SUBMITTED
+            and self.store.postgres
+            and not self.engine.is_busy(key)
+        ):
+            # Its turn runs on another replica: /stop is handed to it, as a chat's is.
+            kind, command = classify("/stop", None)
+            stop_id = f"stop-{uuid.uuid4()}"
+            source = self._source(record.context_id, caller, stop_id, ())
+            await self.placement.intake(
+                key, MessageEvent(source, "/stop", message_id=stop_id), kind, command
+            )
+            ended = await self.store.write(lambda conn: rows.cancel_open(conn, key, now))
         else:
-            # Queued here: dropped alone. Elsewhere (not yet accepted, another replica's
-            # turn): its row says canceled, and its turn's end leaves it so.
-            await self.engine.drop_queued(key, task_id)
+            # Queued here: dropped alone. Not begun yet anywhere: its row says canceled,
+            # and its turn is skipped when it comes (`turn_began`).
             changed = await self.store.write(
                 lambda conn: rows.set_state(conn, task_id, TaskState.CANCELED, now)
             )
@@ -309,19 +323,22 @@ class TaskService:
 
     # --- TaskHooks (the turn engine's) ----------------------------------------------------------
 
-    async def turn_began(self, key: str, event: MessageEvent) -> None:
+    async def turn_began(self, key: str, event: MessageEvent) -> bool:
         task_id = event.message_id or ""
         now = time.time()
         try:
-            await self.store.write(
+            began = await self.store.write(
                 lambda conn: rows.set_state(conn, task_id, TaskState.WORKING, now), dirty=False
             )
             record = await self._publish(task_id)
         except Exception as exc:  # the turn runs all the same; its end is what counts
             log.warning("task_update_unwritten", task_id=task_id, error=str(exc))
-            return
-        if record is not None and not record.state.terminal:
-            self._live[task_id] = record
+            return True
+        if record is None or (not began and record.state.terminal):
+            log.info("task_turn_skipped", task_id=task_id, reason="ended before its turn")
+            return False
+        self._live[task_id] = record
+        return True
 
     def settle(self, event: MessageEvent, reply: str | None, text: str) -> Callable[[Any], object]:
         task_id = event.message_id or ""

@@ -185,7 +185,10 @@ class TaskHooks(Protocol):
     an A2A session (platform `a2a`; asked of no other platform's turns): it begins, the
     write its finish transaction carries, and it was recorded."""
 
-    async def turn_began(self, key: str, event: MessageEvent) -> None: ...
+    async def turn_began(self, key: str, event: MessageEvent) -> bool:
+        """False: the task ended before its turn could begin (canceled, deleted): the
+        turn is not run."""
+        ...
 
     def settle(
         self, event: MessageEvent, reply: str | None, text: str

@@ -569,3 +569,21 @@ async def test_a_turn_waiting_for_an_approval_is_input_required_until_answered(
         assert [t.task_id for t in await tasks.list("c")] == [sent.task_id]
     finally:
         await runner.stop()
+
+
+async def test_a_task_canceled_on_another_replica_before_its_turn_never_runs(
+    replicas: Replicas,
+) -> None:
+    a, b = await replicas(1)
+    first = await a.agent_tasks.send("main", "first", message_id="m1", caller="c")
+    ctx = first.context_id
+    second = await a.agent_tasks.send("main", "second", message_id="m2", caller="c", context_id=ctx)
+    assert second.state is TaskState.SUBMITTED  # waits behind the first, on A
+    canceled = await b.agent_tasks.cancel(second.task_id, "c")
+    assert canceled is not None and canceled.state is TaskState.CANCELED
+    assert (await done(a, first, "c")).state is TaskState.COMPLETED
+    await wait_for(lambda: not a.is_busy(f"agent:main:a2a:dm:{ctx}"))
+    # Begun by the first's finish (its message stored), never run: no answer.
+    assert (await transcript(a, ctx))[:2] == ["first", "echo: first"]
+    assert "echo: second" not in await transcript(a, ctx)
+    assert (await a.agent_tasks.get(second.task_id, "c")) == canceled

@@ -322,9 +322,15 @@ class TurnEngine:
                 try:
                     if isinstance(event, LaneCommand):
                         await self._run_command(key, event)
+                    elif (
+                        self.tasks is not None
+                        and event.source.platform is Platform.A2A
+                        and not await self.tasks.turn_began(key, event)
+                    ):
+                        # Its task was canceled meanwhile (on another replica, or while
+                        # begun by the previous turn's finish): settled, not run.
+                        await self.turnlog.abandon(key, list(event.inbox_ids))
                     else:
-                        if self.tasks is not None and event.source.platform is Platform.A2A:
-                            await self.tasks.turn_began(key, event)
                         await self.turns.run(key, event, start)
                 except Exception:
                     # An internal failure (the store, a bug): keep the session usable. The

@@ -242,9 +242,11 @@ class RemoteAgents:
         return error
 
     def health(self) -> dict[str, dict[str, Any]]:
-        """Each remote agent as the last probe found it: reachable (its card resolved),
-        checked_at, error. Read from memory: never a request to a remote."""
-        return {name: dict(entry) for name, entry in sorted(self._health.items())}
+        """Each remote agent as the last probe found it: reachable (its card resolved;
+        None before the first probe), checked_at, error. Read from memory: never a
+        request to a remote."""
+        unknown = {"reachable": None, "checked_at": None, "error": None}
+        return {name: dict(self._health.get(name, unknown)) for name in self.names}
 
     async def probe_loop(self, interval: float = PROBE_INTERVAL_SECONDS) -> None:
         """Probe every remote now, then every `interval` seconds, until cancelled."""

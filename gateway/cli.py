@@ -37,6 +37,7 @@ from config.envfile import EnvFileError, load_env_file
 from gateway.agents.roster import Roster
 from gateway.domain.session import agent_id_of_key, listing_cursor, listing_cursor_key
 from gateway.memory.embeddings import local_model_problem
+from gateway.ops.agents import add_agents_parser, run_agents_command
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
 from gateway.ops.memory import add_memory_parser, run_memory_command
@@ -388,6 +389,10 @@ def cmd_schedules(args: argparse.Namespace, config: GatewayConfig) -> int:
     return asyncio.run(run())
 
 
+def cmd_agents(args: argparse.Namespace, config: GatewayConfig) -> int:
+    return asyncio.run(run_agents_command(config, args))
+
+
 # --- parser -----------------------------------------------------------------------------
 
 # The commands that connect to the platforms: every ${NAME} in the config must be set.
@@ -501,6 +506,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["memory"].set_defaults(handler=cmd_memory)
     add_schedules_parser(sub, [common])
     sub.choices["schedules"].set_defaults(handler=cmd_schedules)
+    add_agents_parser(sub, [common])
+    sub.choices["agents"].set_defaults(handler=cmd_agents)
     add_doctor_parser(sub, [common])
     add_pairing_parser(sub, [common])
     add_status_parser(sub, [common])

@@ -181,4 +181,7 @@ def cmd_status(args: argparse.Namespace, config: GatewayConfig) -> int:
     for name, server in sorted(health.get("mcp", {}).items()):
         extra = f", last error: {server['last_error']}" if server.get("last_error") else ""
         print(f"  tool server {name}: {server.get('state')}, {server.get('tools')} tools{extra}")
+    for name, remote in sorted(health.get("remote_agents", {}).items()):
+        state = "reachable" if remote.get("reachable") else f"unreachable: {remote.get('error')}"
+        print(f"  remote agent {name}: {state} (checked {remote.get('checked_at')})")
     return 0

@@ -24,6 +24,7 @@ from gateway.agents.protocol import (
 from gateway.agents.roster import AgentSpec, Roster
 from gateway.domain.attachments import Attachment
 from gateway.domain.session import (
+    Platform,
     SessionContext,
     SessionSource,
     TokenUsage,
@@ -39,8 +40,9 @@ from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog, TurnStart
 from gateway.tools import BUILTIN_TOOLS
 from gateway.tools.approval import ApprovalGate
+from gateway.tools.delegation import Delegation
 from gateway.tools.mcp_tools import McpToolSource
-from gateway.tools.registry import Toolbox, TurnScope, TurnTools, agent_id_of
+from gateway.tools.registry import Sources, Toolbox, TurnScope, TurnTools, agent_id_of
 
 log = structlog.get_logger("gateway.run")
 
@@ -98,17 +100,26 @@ class AgentCall:
         # takes; None for the echo backend (no model calls tools) and for `tools: []`:
         # such turns build no tool machinery at all.
         self._toolboxes: dict[str, Toolbox | None] = {}
+        # `agent_call` for the agents with delegates (None: no agent delegates), and the
+        # runner's task service it hands native delegations to (set by the runner).
+        self.delegation = (
+            Delegation(config, record=metrics.count_delegation)
+            if any(spec.config.delegates for spec in roster)
+            else None
+        )
+        self.agent_tasks: Any = None
         for spec in roster:
             custom = agent_factory is not None and (
                 not isinstance(agent_factory, Mapping) or spec.agent_id in agent_factory
             )
             uses_tools = spec.config.backend != "echo" or custom
             selection = spec.config.mcp_selection
-            source = (
-                McpToolSource(mcp, selection)
-                if mcp is not None and mcp.config.servers and not selection.empty
-                else None
-            )
+            sources: list[Any] = []
+            if mcp is not None and mcp.config.servers and not selection.empty:
+                sources.append(McpToolSource(mcp, selection))
+            if self.delegation is not None and spec.config.delegates:
+                sources.append(self.delegation.source_for(spec.agent_id))
+            source = sources[0] if len(sources) == 1 else Sources(sources) if sources else None
             self._toolboxes[spec.agent_id] = (
                 Toolbox(BUILTIN_TOOLS, spec.config.builtin_tools, source)
                 if uses_tools and (spec.config.builtin_tools or source is not None)
@@ -148,8 +159,16 @@ class AgentCall:
         timeout = spec.config.gateway_timeout
         task = asyncio.current_task()
         assert task is not None
+        # A delegated agent task (gateway.runner.agent_tasks) takes no slot: its caller's
+        # turn holds one while it waits for this, and with every slot so held a
+        # delegation would wait forever. The delegation depth bounds them.
+        slotless = request.source.is_bot and request.source.platform is Platform.A2A
         try:
-            await self._take_slot(key, begun)
+            if slotless:
+                if not begun.running and begun.user_row is not None:
+                    self.turnlog.mark_running(key, begun.user_row, True)
+            else:
+                await self._take_slot(key, begun)
             try:
                 async with self.agents.lease(key, spec.signature) as agent:
                     self._deadlines.arm(task, timeout)
@@ -169,7 +188,8 @@ class AgentCall:
                     finally:
                         self._deadlines.disarm(task)
             finally:
-                self._turn_slots.release()
+                if not slotless:
+                    self._turn_slots.release()
         except TimeoutError:
             self.metrics.turn_timeouts_total += 1
             log.warning("turn_timeout", timeout_seconds=timeout)
@@ -226,6 +246,7 @@ class AgentCall:
             resumed=resumed,
             fence=self.turnlog.fence,
             approvals=self._approvals,
+            agent_tasks=self.agent_tasks,
         )
         return toolbox.bind(scope)
 

@@ -42,6 +42,7 @@ from gateway.memory.summaries import Memory
 from gateway.ops.metrics import Metrics
 from gateway.ops.status import keep_status, write_status
 from gateway.runner.agent_call import AgentCall
+from gateway.runner.agent_tasks import TaskService
 from gateway.runner.approvals import Approvals
 from gateway.runner.deadlines import Deadlines
 from gateway.runner.delivery import Delivery
@@ -159,6 +160,10 @@ class GatewayRunner:
             approvals=self.approvals,
             mcp=self.mcp,
         )
+        # `agent_call` (None: no agent delegates); its remote agents are probed in the
+        # background for /healthz, never on a request's path.
+        self.delegation = asking.delegation
+        self._probe_task: asyncio.Task[None] | None = None
         turns = TurnRunner(
             config,
             self.adapters,
@@ -198,6 +203,21 @@ class GatewayRunner:
             )
         )
         self.engine.placement = self.placement
+        # Agent tasks (A2A, native delegation): their platform is in process, always
+        # there, so a task's turn is answered and resumed like any chat's.
+        self.agent_tasks = TaskService(
+            config,
+            self.roster,
+            self.store,
+            self.engine,
+            self.placement,
+            self.metrics,
+            self.approvals,
+            accepting=lambda: self.accepting,
+        )
+        self.adapters[Platform.A2A] = self.agent_tasks.channel
+        self.engine.tasks = self.agent_tasks
+        asking.agent_tasks = self.agent_tasks  # what `agent_call` hands native delegations to
         self.accepting = False
         self._started_at = time.monotonic()
         self._status_task: asyncio.Task[None] | None = None
@@ -226,6 +246,8 @@ class GatewayRunner:
             adapter.bind(self)
         facts = await self.placement.start(list(self.adapters.values()), self._open_intake)
         self._status_task = asyncio.create_task(keep_status(self.home, self.status_snapshot))
+        if self.delegation is not None and self.config.remote_agents:
+            self._probe_task = asyncio.create_task(self.delegation.probe_loop())
         # What is alive now (modules, config, clients) lives as long as the process: move
         # it out of the collector's reach. A full collection walks all of it, stalling
         # the event loop (and with it every write to state.db).
@@ -276,6 +298,11 @@ class GatewayRunner:
             await asyncio.gather(self._status_task, return_exceptions=True)
         await self.agents.close_all()
         await self.mcp.stop()  # the turns are over: no call is in flight
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            await asyncio.gather(self._probe_task, return_exceptions=True)
+        if self.delegation is not None:
+            await self.delegation.close()
         await self.media.close()
         await self.recall.close()
         await self.placement.stop()
@@ -499,6 +526,9 @@ class GatewayRunner:
             health["replica"] = replica
         if self.config.mcp.servers:  # a tool server down degrades a tool, not the gateway
             health["mcp"] = self.mcp.health()
+        if self.config.remote_agents and self.delegation is not None:
+            # a remote agent down fails its delegations, not the gateway
+            health["remote_agents"] = self.delegation.health()
         return health
 
     def status_snapshot(self) -> dict[str, Any]:

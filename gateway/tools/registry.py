@@ -107,6 +107,26 @@ class ToolSource(Protocol):
     def tools(self) -> list[Tool]: ...
 
 
+class Sources:
+    """Several tool sources as one `ToolSource`: its version changes whenever any of
+    theirs does."""
+
+    def __init__(self, sources: Iterable[ToolSource]) -> None:
+        self._sources = list(sources)
+        self._seen: tuple[int, ...] | None = None
+        self._version = 0
+
+    @property
+    def version(self) -> int:
+        seen = tuple(source.version for source in self._sources)
+        if seen != self._seen:
+            self._seen, self._version = seen, self._version + 1
+        return self._version
+
+    def tools(self) -> list[Tool]:
+        return [tool for source in self._sources for tool in source.tools()]
+
+
 @dataclass(slots=True)
 class TurnScope:
     """What a tool may reach in one turn: the asking session, chat (its key) and user,
@@ -132,6 +152,12 @@ class TurnScope:
     resumed: bool = field(default=False)
     # Several replicas: fails a journal write once another replica holds the session.
     fence: Callable[[Any, str], None] | None = field(default=None)
+    # The runner's task service (gateway.domain.agent_tasks.AgentTasks): `agent_call`
+    # hands native delegations to it and reads the delegation chain from it.
+    agent_tasks: Any = field(default=None)
+    # The id of the call that runs now (the model's, or a direct call's ordinal): calls
+    # of a turn run one at a time, and a tool derives ids that survive a resume from it.
+    call_id: str | None = field(default=None)
 
 
 class Toolbox:
@@ -311,6 +337,7 @@ class TurnTools:
                     await journal.settled(kind, call_id, name, text, refused)
                 return refused
         seq = await journal.start(kind, call_id, name, text) if journal is not None else None
+        self.scope.call_id = call_id
         result = await self._run(tool, args)
         if journal is not None and seq is not None:
             await journal.finish(seq, result)
@@ -326,6 +353,7 @@ class TurnTools:
                 await self._rerun(tool, row.payload)
             return row.result
         if tool is not None and tool.read_only:
+            self.scope.call_id = row.call_id
             result = await self._rerun(tool, row.payload)
         else:
             result = _error(INTERRUPTED)

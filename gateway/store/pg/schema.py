@@ -384,6 +384,40 @@ _STEPS: dict[int, str] = {
         PRIMARY KEY (session_id, user_row, seq)
     );
     """,
+    # agent tasks (gateway.store.agent_tasks)
+    18: """
+    CREATE TABLE agent_tasks (
+        task_id      TEXT PRIMARY KEY,
+        agent_id     TEXT NOT NULL,
+        context_id   TEXT NOT NULL,
+        message_id   TEXT NOT NULL,
+        caller       TEXT NOT NULL,
+        state        TEXT NOT NULL,
+        request_text TEXT NOT NULL,
+        result_text  TEXT,
+        error        TEXT,
+        chain        TEXT NOT NULL,
+        session_key  TEXT NOT NULL,
+        created_at   DOUBLE PRECISION NOT NULL,
+        updated_at   DOUBLE PRECISION NOT NULL,
+        UNIQUE (agent_id, caller, message_id)
+    );
+    CREATE INDEX agent_tasks_by_caller ON agent_tasks(caller, created_at, task_id);
+    CREATE INDEX agent_tasks_by_session ON agent_tasks(session_key, state);
+    CREATE INDEX agent_tasks_by_context ON agent_tasks(agent_id, context_id);
+    """,
+    # the context each chat keeps with each remote A2A agent (gateway.store.remote_contexts)
+    19: """
+    CREATE TABLE remote_contexts (
+        session_key TEXT NOT NULL,
+        remote      TEXT NOT NULL,
+        session_id  TEXT NOT NULL REFERENCES sessions(session_id) ON DELETE CASCADE,
+        context_id  TEXT NOT NULL,
+        updated_at  DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (session_key, remote)
+    );
+    CREATE INDEX remote_contexts_by_session ON remote_contexts(session_id);
+    """,
 }
 
 #: the tables of the baseline that hold the gateway's data, parents before children
@@ -410,6 +444,8 @@ TABLES = (
     "streams",
     "leases",
     "tool_calls",
+    "agent_tasks",
+    "remote_contexts",
 )
 
 

@@ -35,7 +35,7 @@ from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
 from config.envfile import EnvFileError, load_env_file
 from gateway.agents.roster import Roster
-from gateway.domain.session import agent_id_of_key, listing_cursor, listing_cursor_key
+from gateway.domain.session import Platform, agent_id_of_key, listing_cursor, listing_cursor_key
 from gateway.memory.embeddings import local_model_problem
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
@@ -124,7 +124,24 @@ def check_runnable(config: GatewayConfig) -> list[PlatformAdapter]:
     problem = window_problem(config, roster)
     if problem is not None:
         raise ConfigError(problem)
-    return build_adapters(config)
+    adapters = build_adapters(config)
+    if config.a2a.enabled and not any(a.platform is Platform.HTTP for a in adapters):
+        raise ConfigError(
+            "a2a.enabled: the A2A server runs on the HTTP API's port; "
+            "set platforms.http.enabled: true"
+        )
+    return adapters
+
+
+def mount_a2a(config: GatewayConfig, runner: Any, adapters: list[PlatformAdapter]) -> None:
+    """Serve every agent over A2A on the HTTP API's port (`a2a.enabled`, docs/a2a.md).
+    The SDK is imported only here, so a gateway without A2A never loads it."""
+    from adapters.http import HttpAdapter
+    from gateway.a2a.server import A2aServer, public_base_url
+
+    http = next(a for a in adapters if isinstance(a, HttpAdapter))  # check_runnable: there
+    server = A2aServer(config, runner.agent_tasks, lambda: public_base_url(config, http.url))
+    http.mount(server.routes(), server.public_paths(), on_shutdown=server.close)
 
 
 # Estimated tokens a turn needs besides the tools and a configured prompt: the default
@@ -184,7 +201,10 @@ async def serve(config: GatewayConfig, home: Path) -> int:
         # SQLite with the GIL released, so it overlaps the imports; a config error leaves
         # the home as it was.
         runner.store.check_soon()
-        runner.add_adapters(check_runnable(config))
+        adapters = check_runnable(config)
+        runner.add_adapters(adapters)
+        if config.a2a.enabled:
+            mount_a2a(config, runner, adapters)
     except ConfigError as exc:
         log.error("configuration_error", error=f"{_where(config)}{exc}")
         return EXIT_CONFIG

@@ -1,0 +1,111 @@
+"""The A2A server's routes on the HTTP API's app (docs/a2a.md): every configured agent at
+`/a2a/<agent>`, its card beside it, and the main agent's card at the gateway's root.
+
+    GET  /.well-known/agent-card.json                the main agent's card (public)
+    GET  /a2a/{agent}/.well-known/agent-card.json    an agent's card (public)
+    POST /a2a/{agent}                                JSON-RPC, protocol 1.0 and 0.3
+
+The HTTP API's token middleware covers the JSON-RPC endpoints; the cards are public, so
+a caller can learn that a token is needed. A request that passed the middleware with
+the token is the caller "bearer", else "anonymous": tasks are listed per caller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+from config import MAIN_AGENT, GatewayConfig
+from gateway.a2a.card import build_card, card_json
+from gateway.a2a.handler import TaskHandler
+from gateway.a2a.jsonrpc import JsonRpcEndpoint
+from gateway.domain.agent_tasks import AgentTasks
+
+__all__ = ["CARD_PATH", "A2aServer", "public_base_url"]
+
+CARD_PATH = "/.well-known/agent-card.json"
+WAIT_MARGIN_SECONDS = 30.0  # a blocking send outwaits the turn's own deadline by this
+
+
+class A2aServer:
+    """Build it, hand `routes()` and `public_paths()` to the HTTP adapter's `mount`, and
+    `close()` it when the app shuts down (ends open streams). `base_url()` is read per
+    card request: the HTTP API's port is known only once it listens."""
+
+    def __init__(
+        self, config: GatewayConfig, tasks: AgentTasks, base_url: Callable[[], str]
+    ) -> None:
+        self.config = config
+        self.base_url = base_url
+        caller = "bearer" if config.platforms.http.token else "anonymous"
+        self.endpoints = {
+            agent_id: JsonRpcEndpoint(
+                TaskHandler(
+                    tasks, agent_id, wait_seconds=agent.gateway_timeout + WAIT_MARGIN_SECONDS
+                ),
+                max_body_bytes=config.platforms.http.max_body_bytes,
+                caller=lambda request: caller,
+            )
+            for agent_id, agent in config.agent_configs().items()
+        }
+        self._cards: dict[tuple[str, str], tuple[bytes, str]] = {}
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get(CARD_PATH, self._main_card),
+            web.get("/a2a/{agent}" + CARD_PATH, self._agent_card),
+            web.post("/a2a/{agent}", self._post),
+        ]
+
+    @staticmethod
+    def public_paths() -> frozenset[str]:
+        """The routes that need no token (matched as aiohttp's canonical paths)."""
+        return frozenset({CARD_PATH, "/a2a/{agent}" + CARD_PATH})
+
+    async def close(self, app: web.Application | None = None) -> None:
+        for endpoint in self.endpoints.values():
+            endpoint.close_streams()
+
+    def _endpoint(self, request: web.Request) -> tuple[str, JsonRpcEndpoint]:
+        agent_id = request.match_info["agent"]
+        endpoint = self.endpoints.get(agent_id)
+        if endpoint is None:
+            raise web.HTTPNotFound(reason=f"no agent {agent_id[:64]!r} here")
+        return agent_id, endpoint
+
+    async def _post(self, request: web.Request) -> web.StreamResponse:
+        _, endpoint = self._endpoint(request)
+        return await endpoint.handle(request)
+
+    async def _main_card(self, request: web.Request) -> web.StreamResponse:
+        return self._card(request, MAIN_AGENT)
+
+    async def _agent_card(self, request: web.Request) -> web.StreamResponse:
+        agent_id, _ = self._endpoint(request)
+        return self._card(request, agent_id)
+
+    def _card(self, request: web.Request, agent_id: str) -> web.StreamResponse:
+        body, etag = self._card_body(agent_id, self.base_url())
+        if etag in request.headers.get("If-None-Match", ""):
+            return web.Response(status=304, headers={"ETag": etag})
+        return web.Response(body=body, content_type="application/json", headers={"ETag": etag})
+
+    def _card_body(self, agent_id: str, base_url: str) -> tuple[bytes, str]:
+        """The card's JSON and its ETag, built once per agent and address."""
+        key = (agent_id, base_url)
+        cached = self._cards.get(key)
+        if cached is None:
+            card: dict[str, Any] = card_json(build_card(self.config, agent_id, base_url))
+            body = json.dumps(card, ensure_ascii=False).encode()
+            cached = (body, f'W/"{hashlib.sha256(body).hexdigest()[:32]}"')
+            self._cards[key] = cached
+        return cached
+
+
+def public_base_url(config: GatewayConfig, http_url: str) -> str:
+    """Where callers reach this gateway: `a2a.public_url`, else the HTTP API's address."""
+    return config.a2a.public_url or http_url.rstrip("/")

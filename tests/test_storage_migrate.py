@@ -19,7 +19,14 @@ from gateway.memory.recall import Namespace, Recall
 from gateway.runner.pairing import Pairing
 from gateway.schedules.book import ScheduleBook
 from gateway.session import Platform, SessionSource
-from gateway.store import journal, schedules, scratchpad, summary_checkpoints, tool_calls
+from gateway.store import (
+    agent_tasks,
+    journal,
+    schedules,
+    scratchpad,
+    summary_checkpoints,
+    tool_calls,
+)
 from gateway.store.homelock import HomeLock
 from gateway.store.pg.schema import migrate
 from gateway.store.session_store import SessionStore
@@ -80,6 +87,18 @@ async def _fill(home: Path) -> None:
                 conn, sid, 3, tool_calls.Row(0, tool_calls.CALL, "c1", "memory_save", "{}", None)
             )
             scratchpad.write(conn, sid, ["check the logs", "reply"])
+            agent_tasks.insert(
+                conn,
+                task_id="t1",
+                agent_id="main",
+                context_id="ctx1",
+                message_id="am1",
+                caller="bearer",
+                request_text="hello",
+                chain=("main",),
+                session_key="agent:main:a2a:dm:ctx1",
+                now=now,
+            )
             summary_checkpoints.write(
                 conn,
                 sid,

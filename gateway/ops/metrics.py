@@ -48,6 +48,8 @@ class Metrics:
     )
     delay_counts: list[int] = field(default_factory=lambda: [0] * (len(DELAY_BUCKETS) + 1))
     delay_sum: float = 0.0
+    #: agent tasks ended, by (agent, terminal state)
+    a2a_tasks: dict[tuple[str, str], int] = field(default_factory=dict)
     #: the runner's gauges, read at scrape time: name -> (help, current value)
     gauges: Callable[[], dict[str, tuple[str, float]]] = field(default=dict, repr=False)
     #: the MCP tool servers' health, read at scrape time: name -> {state, tools, last_error}
@@ -61,6 +63,9 @@ class Metrics:
 
     def count_schedule_run(self, status: str) -> None:
         self.schedule_runs[status] = self.schedule_runs.get(status, 0) + 1
+
+    def count_a2a_task(self, agent: str, state: str) -> None:
+        self.a2a_tasks[agent, state] = self.a2a_tasks.get((agent, state), 0) + 1
 
     def observe_schedule_delay(self, seconds: float) -> None:
         self.delay_counts[bisect_left(DELAY_BUCKETS, seconds)] += 1
@@ -88,6 +93,14 @@ class Metrics:
         for status, count in self.schedule_runs.items():
             runs.add_metric([status], count)
         yield runs
+        tasks = CounterMetricFamily(
+            "hermes_a2a_tasks_total",
+            "Agent tasks (A2A) ended, by agent and state",
+            labels=["agent", "state"],
+        )
+        for (agent, state), count in self.a2a_tasks.items():
+            tasks.add_metric([agent, state], count)
+        yield tasks
         yield _histogram(
             "schedule_fire_delay_seconds",
             "Time from a schedule's fire time to its run's turn begun",

@@ -24,6 +24,7 @@ from gateway.agents.protocol import (
 from gateway.agents.roster import AgentSpec, Roster
 from gateway.domain.attachments import Attachment
 from gateway.domain.session import (
+    Platform,
     SessionContext,
     SessionSource,
     TokenUsage,
@@ -148,8 +149,16 @@ class AgentCall:
         timeout = spec.config.gateway_timeout
         task = asyncio.current_task()
         assert task is not None
+        # A delegated agent task (gateway.runner.agent_tasks) takes no slot: its caller's
+        # turn holds one while it waits for this, and with every slot so held a
+        # delegation would wait forever. The delegation depth bounds them.
+        slotless = request.source.is_bot and request.source.platform is Platform.A2A
         try:
-            await self._take_slot(key, begun)
+            if slotless:
+                if not begun.running and begun.user_row is not None:
+                    self.turnlog.mark_running(key, begun.user_row, True)
+            else:
+                await self._take_slot(key, begun)
             try:
                 async with self.agents.lease(key, spec.signature) as agent:
                     self._deadlines.arm(task, timeout)
@@ -169,7 +178,8 @@ class AgentCall:
                     finally:
                         self._deadlines.disarm(task)
             finally:
-                self._turn_slots.release()
+                if not slotless:
+                    self._turn_slots.release()
         except TimeoutError:
             self.metrics.turn_timeouts_total += 1
             log.warning("turn_timeout", timeout_seconds=timeout)

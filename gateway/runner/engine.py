@@ -36,7 +36,7 @@ from gateway.ops.metrics import Metrics
 from gateway.runner import commands
 from gateway.runner.agent_call import AgentCall, TurnOutcome
 from gateway.runner.delivery import Delivery
-from gateway.runner.ports import CommandContext, LaneHooks
+from gateway.runner.ports import CommandContext, LaneHooks, TaskHooks
 from gateway.runner.queue import Job, LaneCommand, QueueFull, SessionQueue
 from gateway.runner.turn import TurnRunner
 from gateway.store.turnlog import TurnLog, TurnStart
@@ -86,6 +86,8 @@ class TurnEngine:
         turns.lane = self
         self.commands = commands
         self.placement: LaneHooks = _Unplaced()
+        #: the agent-task service, told of the turns of A2A sessions (platform `a2a`)
+        self.tasks: TaskHooks | None = None
         self.draining = False  # set by a shutdown: no next turn begins
         self.running: dict[str, MessageEvent] = {}  # key -> the event its lane runs now
         self._queues: dict[str, SessionQueue] = {}
@@ -240,6 +242,20 @@ class TurnEngine:
             await self.turnlog.abandon(key, dropped)
         return task is not None
 
+    async def drop_queued(self, key: str, message_id: str) -> bool:
+        """Take one waiting message (by its id) out of the session's queue, settled in
+        the journal; False when it does not wait there."""
+        queue = self._queues.get(key)
+        if queue is None:
+            return False
+        job = queue.remove_fifo(
+            lambda job: isinstance(job, MessageEvent) and job.message_id == message_id
+        )
+        if job is None:
+            return False
+        await self.turnlog.abandon_inbox(list(job.inbox_ids))
+        return True
+
     async def cancel_all_turns(self) -> None:
         """Stop every turn at once, writing nothing; their markers let whoever runs the
         session next resume them."""
@@ -307,6 +323,8 @@ class TurnEngine:
                     if isinstance(event, LaneCommand):
                         await self._run_command(key, event)
                     else:
+                        if self.tasks is not None and event.source.platform is Platform.A2A:
+                            await self.tasks.turn_began(key, event)
                         await self.turns.run(key, event, start)
                 except Exception:
                     # An internal failure (the store, a bug): keep the session usable. The
@@ -384,6 +402,9 @@ class TurnEngine:
         queue = self._queues.get(key)
         waiting = queue.pop_next_turn() if queue and not self.draining else None
         then = (waiting, self.turn_text(waiting)) if waiting is not None else None
+        task = self.tasks if event.source.platform is Platform.A2A else None
+        if task is not None:  # an agent task ends with its turn, in the same transaction
+            settles = (*settles, task.settle(event, outcome.reply, outcome.text))
         try:
             ids, next_start = await self.turnlog.finish(
                 key,
@@ -407,6 +428,8 @@ class TurnEngine:
                 # runs it once, and the inbox row's state keeps it from running twice).
                 queue.put_back(waiting)
             raise
+        if task is not None:
+            task.settled(event)
         if waiting is not None and next_start is not None:
             self._next_begun[key] = (waiting, next_start)
         return ids

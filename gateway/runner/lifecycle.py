@@ -42,6 +42,7 @@ from gateway.memory.summaries import Memory
 from gateway.ops.metrics import Metrics
 from gateway.ops.status import keep_status, write_status
 from gateway.runner.agent_call import AgentCall
+from gateway.runner.agent_tasks import TaskService
 from gateway.runner.approvals import Approvals
 from gateway.runner.deadlines import Deadlines
 from gateway.runner.delivery import Delivery
@@ -198,6 +199,19 @@ class GatewayRunner:
             )
         )
         self.engine.placement = self.placement
+        # Agent tasks (A2A, native delegation): their platform is in process, always
+        # there, so a task's turn is answered and resumed like any chat's.
+        self.agent_tasks = TaskService(
+            config,
+            self.roster,
+            self.store,
+            self.engine,
+            self.placement,
+            self.metrics,
+            accepting=lambda: self.accepting,
+        )
+        self.adapters[Platform.A2A] = self.agent_tasks.channel
+        self.engine.tasks = self.agent_tasks
         self.accepting = False
         self._started_at = time.monotonic()
         self._status_task: asyncio.Task[None] | None = None

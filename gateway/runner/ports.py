@@ -8,6 +8,7 @@ these Protocols, which name exactly what that part calls, and nothing else of it
     LaneHooks       what the turn engine tells its placement (`placement`) of a lane
     ApprovalSender  how approvals (`approvals`) put their question to a chat
     ApprovalDesk    what the /approve and /deny commands see of the waiting approvals
+    TaskHooks       what the turn engine tells the agent-task service of an A2A turn
 
 The scheduler's port is `gateway.schedules.loop.SchedulerHost` (the scheduler sits below
 the runner). `GatewayRunner` (`lifecycle`) implements them all.
@@ -176,3 +177,17 @@ class LaneHooks(Protocol):
     def took(self, key: str, inbox_ids: Iterable[int]) -> None: ...
 
     def lane_ended(self, key: str) -> None: ...
+
+
+class TaskHooks(Protocol):
+    """What the turn engine tells the agent-task service (`agent_tasks`) of a turn of
+    an A2A session (platform `a2a`; asked of no other platform's turns): it begins, the
+    write its finish transaction carries, and it was recorded."""
+
+    async def turn_began(self, key: str, event: MessageEvent) -> None: ...
+
+    def settle(
+        self, event: MessageEvent, reply: str | None, text: str
+    ) -> Callable[[Any], object]: ...
+
+    def settled(self, event: MessageEvent) -> None: ...

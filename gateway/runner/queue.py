@@ -9,6 +9,7 @@ lane (`LaneCommand`, e.g. /compress). The slot runs first, then the overflow in 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from gateway.domain.command_syntax import Command
@@ -99,6 +100,15 @@ class SessionQueue:
             inbox_ids=event.inbox_ids + self._slot.inbox_ids,
             media=event.media + self._slot.media,
         )
+
+    def remove_fifo(self, matches: Callable[[Job], bool]) -> Job | None:
+        """Take the first overflow entry that `matches` out of the queue (a canceled
+        agent task: its own turn, never merged)."""
+        for job in self._overflow:
+            if matches(job):
+                self._overflow.remove(job)
+                return job
+        return None
 
     def inbox_ids(self) -> list[int]:
         """The inbox rows of everything waiting (to drop them with the queue)."""

@@ -15,7 +15,7 @@ from typing import Any
 from gateway.domain.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 17
+SCHEMA_VERSION = 18
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -347,6 +347,30 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         result     TEXT,
         PRIMARY KEY (session_id, user_row, seq)
     ) WITHOUT ROWID;
+    """,
+    # Agent tasks (gateway.store.agent_tasks): one A2A message to one agent and the turn
+    # that answers it. A resent message id (per agent and caller) is the same row; a
+    # caller's tasks are listed newest first. Deleted with their session or caller
+    # (gateway.store.purge).
+    18: """
+    CREATE TABLE agent_tasks (
+        task_id      TEXT PRIMARY KEY,
+        agent_id     TEXT NOT NULL,
+        context_id   TEXT NOT NULL,
+        message_id   TEXT NOT NULL,
+        caller       TEXT NOT NULL,
+        state        TEXT NOT NULL,
+        request_text TEXT NOT NULL,
+        result_text  TEXT,
+        error        TEXT,
+        chain        TEXT NOT NULL,
+        session_key  TEXT NOT NULL,
+        created_at   REAL NOT NULL,
+        updated_at   REAL NOT NULL,
+        UNIQUE (agent_id, caller, message_id)
+    ) WITHOUT ROWID;
+    CREATE INDEX agent_tasks_by_caller ON agent_tasks(caller, created_at, task_id);
+    CREATE INDEX agent_tasks_by_session ON agent_tasks(session_key, state);
     """,
 }
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from gateway.store import codec, entries, journal
+from gateway.store import agent_tasks, codec, entries, journal
 from gateway.store.pg import is_postgres
 
 SCRUBBED_EVENT = "{}"  # what a finished inbox row keeps of its event
@@ -113,6 +113,8 @@ def delete_session(
         table: conn.execute(f'DELETE FROM "{table}" WHERE session_id = ?', (session_id,)).rowcount
         for table in tables_with_session_id(conn)
     }
+    # An A2A context's tasks are keyed by chat, as the journal is: those of the window.
+    deleted["agent_tasks"] = agent_tasks.delete_for_session(conn, key, window.lo, window.hi)
     if was_current:
         entries.drop_entry(conn, key)
         # A streamed reply's message ids, left by a turn that never finished.
@@ -233,6 +235,8 @@ def erase_user_journal(
     DM chats (`dm_chats`, and those their inbox rows show), which are theirs alone (such
     as rows an earlier `delete_session` only scrubbed). Returns how many rows went."""
     low, high = entries.agent_key_range(agent_id) if agent_id is not None else ("", "")
+    # The tasks they asked of the agents (A2A's caller is the session's user).
+    erased = agent_tasks.delete_for_caller(conn, user_id, agent_id) if platform == "a2a" else 0
     theirs, chats = [], set(dm_chats)
     for inbox_id, key, event in conn.execute(
         "SELECT id, session_key, event FROM inbox WHERE platform = ? AND state != 'accepted'"
@@ -246,7 +250,7 @@ def erase_user_journal(
             theirs.append(inbox_id)
             if source.get("chat_type") == "dm" and source.get("chat_id"):
                 chats.add(str(source["chat_id"]))
-    erased = sum(
+    erased += sum(
         conn.execute("DELETE FROM inbox WHERE id = ?", (inbox_id,)).rowcount for inbox_id in theirs
     )
     if agent_id is not None:

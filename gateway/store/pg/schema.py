@@ -384,6 +384,27 @@ _STEPS: dict[int, str] = {
         PRIMARY KEY (session_id, user_row, seq)
     );
     """,
+    # agent tasks (gateway.store.agent_tasks)
+    18: """
+    CREATE TABLE agent_tasks (
+        task_id      TEXT PRIMARY KEY,
+        agent_id     TEXT NOT NULL,
+        context_id   TEXT NOT NULL,
+        message_id   TEXT NOT NULL,
+        caller       TEXT NOT NULL,
+        state        TEXT NOT NULL,
+        request_text TEXT NOT NULL,
+        result_text  TEXT,
+        error        TEXT,
+        chain        TEXT NOT NULL,
+        session_key  TEXT NOT NULL,
+        created_at   DOUBLE PRECISION NOT NULL,
+        updated_at   DOUBLE PRECISION NOT NULL,
+        UNIQUE (agent_id, caller, message_id)
+    );
+    CREATE INDEX agent_tasks_by_caller ON agent_tasks(caller, created_at, task_id);
+    CREATE INDEX agent_tasks_by_session ON agent_tasks(session_key, state);
+    """,
 }
 
 #: the tables of the baseline that hold the gateway's data, parents before children
@@ -410,6 +431,7 @@ TABLES = (
     "streams",
     "leases",
     "tool_calls",
+    "agent_tasks",
 )
 
 

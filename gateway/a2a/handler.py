@@ -29,7 +29,7 @@ from a2a.utils.errors import (
 )
 
 from gateway.a2a import convert, states
-from gateway.domain.agent_tasks import AgentTasks, TaskRecord, TaskRefused
+from gateway.domain.agent_tasks import AgentTasks, TaskRecord, TaskRefused, TaskState
 
 __all__ = ["CALLER_KEY", "MAX_PAGE_SIZE", "TaskHandler"]
 
@@ -164,6 +164,10 @@ class TaskHandler(RequestHandler):
                     first = False
                     last_state = record.state
                     yield convert.to_task(record, artifacts=False)
+                    if record.state is TaskState.WORKING:
+                        # The turn began before the stream did: its status event still
+                        # comes, as a client following states expects it.
+                        yield convert.status_event(record)
                     if not record.state.terminal:
                         continue
                 if update.delta:

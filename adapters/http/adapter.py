@@ -22,6 +22,9 @@
     GET  /healthz                            gateway health (never needs the token)
     GET  /metrics                            Prometheus text format
 
+Routes other parts serve on this port (the A2A server's, docs/a2a.md) are added with
+`mount` before `start`, behind the same token check but for the paths named public.
+
 With `platforms.http.token` set, `/v1/...` and `/metrics` need `Authorization: Bearer`.
 The API is the operator's (like `hermes-gateway sessions ...`): it lists, reads,
 searches and deletes the sessions of every platform and agent; `chat_id` narrows a

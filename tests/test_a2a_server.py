@@ -9,6 +9,7 @@ The agent streams its reply word by word and says what it remembers of the sessi
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -24,6 +25,7 @@ from a2a.utils.errors import A2AError, TaskNotFoundError
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
+from gateway.a2a import jsonrpc
 from gateway.agents.protocol import TurnRequest, TurnResult
 from gateway.cli import check_runnable, mount_a2a
 from gateway.run import GatewayRunner
@@ -151,6 +153,10 @@ async def send(client: Client, msg: pb.Message, **config: Any) -> list[pb.Stream
     for key, value in config.items():
         setattr(request.configuration, key, value)
     return [event async for event in client.send_message(request)]
+
+
+def message_json(text: str) -> dict[str, Any]:
+    return {"messageId": str(uuid.uuid4()), "role": "ROLE_USER", "parts": [{"text": text}]}
 
 
 def reply_of(task: pb.Task) -> str:
@@ -365,6 +371,26 @@ async def test_subscribe_joins_a_running_task_and_again_after_a_reconnect(
             pass
 
 
+async def test_a_quiet_stream_is_kept_alive(
+    gateway: A2aGateway, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(jsonrpc, "KEEPALIVE_SECONDS", 0.05)
+    body = _request("SendStreamingMessage", {"message": message_json("think slowly")})
+    lines: list[str] = []
+    async with gateway.httpx().stream(
+        "POST", f"{gateway.url}/a2a/main", json=body, headers={"A2A-Version": "1.0"}
+    ) as response:
+        assert response.headers["Content-Type"] == "text/event-stream"
+        async for line in response.aiter_lines():
+            lines.append(line)
+            if lines.count(": keep-alive") >= 2:
+                break
+    events = [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: ")]
+    assert events[0]["result"]["task"]["status"]["state"] == "TASK_STATE_WORKING"
+    (task,) = await gateway.runner.agent_tasks.list("anonymous")
+    await gateway.runner.agent_tasks.cancel(task.task_id, "anonymous")
+
+
 # --- auth, 0.3, bad input -------------------------------------------------------------------
 
 
@@ -441,7 +467,10 @@ _OLD_TEXT = {
             "1.0",
             -32602,
         ),  # not a text part
+        (_request("SendMessage", {**_TEXT, "configuration": {"historyLength": -1}}), "1.0", -32602),
         (_request("SendMessage", _TEXT), "", -32009),  # no A2A-Version: 0.3 assumed
+        (_request("ListTasks", {"pageToken": "not-a-token"}), "1.0", -32602),
+        (_request("ListTasks", {"pageSize": 101}), "1.0", -32602),
         (_request("GetTask", {"id": "no-such"}), "1.0", -32001),
         (
             _request("CreateTaskPushNotificationConfig", {"taskId": "t", "url": "https://x.y/"}),

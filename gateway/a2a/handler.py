@@ -112,17 +112,17 @@ class TaskHandler(RequestHandler):
         self, params: pb.SendMessageRequest, context: ServerCallContext
     ) -> pb.Task:
         caller = caller_of(context)
-        record = await self._accept(params, caller)
         config = params.configuration
+        history = config.history_length if config.HasField("history_length") else None
+        if history is not None and history < 0:
+            raise InvalidParamsError(message="configuration.historyLength must be 0 or more")
+        record = await self._accept(params, caller)
         if not record.state.terminal and not config.return_immediately:
             try:
                 async with asyncio.timeout(self.wait_seconds):
                     record = await self.tasks.wait(record.task_id, caller) or record
             except TimeoutError:
                 record = await self.tasks.get(record.task_id, caller) or record
-        history = config.history_length if config.HasField("history_length") else None
-        if history is not None and history < 0:
-            raise InvalidParamsError(message="configuration.historyLength must be 0 or more")
         return convert.to_task(record, history_length=history)
 
     async def on_message_send_stream(
@@ -214,6 +214,12 @@ class TaskHandler(RequestHandler):
             raise InvalidParamsError(message=f"pageSize must be 1 to {MAX_PAGE_SIZE}")
         _check_id("contextId", params.context_id)
         _check_id("pageToken", params.page_token)
+        caller = caller_of(context)
+        if params.page_token:
+            # A token is the last task of the page before: one of this caller's, here.
+            mark = await self.tasks.get(params.page_token, caller)
+            if mark is None or mark.agent_id != self.agent_id:
+                raise InvalidParamsError(message="pageToken is not a nextPageToken of ListTasks")
         state = None
         if params.status != pb.TASK_STATE_UNSPECIFIED:
             state = states.from_proto(params.status)
@@ -221,7 +227,7 @@ class TaskHandler(RequestHandler):
                 return pb.ListTasksResponse(page_size=size)  # a state no task of ours is in
         # One more than the page: whether a next page exists without a second query.
         records = await self.tasks.list(
-            caller_of(context),
+            caller,
             agent_id=self.agent_id,
             context_id=params.context_id or None,
             state=state,

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any, get_args
 
+import structlog
 from a2a.compat.v0_3 import types as types_v03
 from a2a.compat.v0_3.request_handler import RequestHandler03
 from a2a.server.context import ServerCallContext
@@ -54,7 +54,7 @@ from gateway.a2a.handler import CALLER_KEY, TaskHandler
 
 __all__ = ["KEEPALIVE_SECONDS", "JsonRpcEndpoint"]
 
-log = logging.getLogger(__name__)
+log = structlog.get_logger("gateway.a2a")
 
 KEEPALIVE_SECONDS = 15.0
 STREAM_BUFFER = 64  # events read ahead of a slow client; the handler waits beyond it

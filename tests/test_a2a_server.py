@@ -9,8 +9,10 @@ The agent streams its reply word by word and says what it remembers of the sessi
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -76,7 +78,9 @@ class A2aGateway:
         self._closers: list[Any] = []
 
     @classmethod
-    async def started(cls, home: Path, token: str | None = None) -> A2aGateway:
+    async def started(
+        cls, home: Path, token: str | None = None, agent: dict[str, Any] | None = None
+    ) -> A2aGateway:
         http_settings: dict[str, Any] = {"enabled": True, "port": 0}
         if token:
             http_settings["token"] = token
@@ -84,6 +88,7 @@ class A2aGateway:
             {
                 "platforms": {"http": http_settings},
                 "a2a": {"enabled": True},
+                "agent": agent or {},
                 "agents": {
                     "helper": {"description": "Helps.", "skills": [{"id": "x", "name": "X"}]}
                 },
@@ -389,6 +394,28 @@ async def test_a_quiet_stream_is_kept_alive(
     assert events[0]["result"]["task"]["status"]["state"] == "TASK_STATE_WORKING"
     (task,) = await gateway.runner.agent_tasks.list("anonymous")
     await gateway.runner.agent_tasks.cancel(task.task_id, "anonymous")
+
+
+async def test_stopping_the_gateway_ends_open_streams_at_once(tmp_path: Path) -> None:
+    running = await A2aGateway.started(tmp_path, agent={"restart_drain_timeout": 0.2})
+    events: list[pb.StreamResponse] = []
+    client = await running.client()
+
+    async def follow() -> None:
+        with contextlib.suppress(A2AError):  # the connection ends without a final event
+            async for event in client.send_message(
+                pb.SendMessageRequest(message=message("think slowly"))
+            ):
+                events.append(event)
+
+    follower = asyncio.create_task(follow())
+    await wait_for(lambda: len(events) >= 2)  # the task and its working status
+    began = time.monotonic()
+    await running.stop()
+    # Not the HTTP server's 5 s grace for open requests: the streams were ended.
+    assert time.monotonic() - began < 4
+    async with asyncio.timeout(5):
+        await follower
 
 
 # --- auth, 0.3, bad input -------------------------------------------------------------------

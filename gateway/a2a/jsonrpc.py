@@ -264,9 +264,8 @@ class JsonRpcEndpoint:
         try:
             _check_version(context, PROTOCOL_VERSION_0_3)
             if method in _STREAMING_0_3:
-                return await self._stream(
-                    request, request_id, self._events_0_3(method, parsed, request_id, context)
-                )
+                events = self._events_0_3(method, parsed, request_id, context)
+                return await self._stream(request, request_id, events, mark_errors=False)
             result = await self._call_0_3(method, parsed, context)
         except A2AError as exc:
             return _error(request_id, _error_0_3(exc))
@@ -320,9 +319,13 @@ class JsonRpcEndpoint:
         request: web.Request,
         request_id: RequestId,
         events: AsyncIterator[dict[str, Any]],
+        *,
+        mark_errors: bool = True,
     ) -> web.StreamResponse:
         """The first event is read before the response starts, so an error up front (no
-        such task, a refused message) is a plain JSON-RPC error, as the SDK answers it."""
+        such task, a refused message) is a plain JSON-RPC error, as the SDK answers it.
+        An error event is named `error` in 1.0 streams; 0.3 streams, as the SDK's 0.3
+        adapter writes them, name no event."""
         try:
             first = await anext(events)
         except StopAsyncIteration:
@@ -346,7 +349,7 @@ class JsonRpcEndpoint:
         try:
             item = first
             while item is not None:
-                await response.write(_sse(item))
+                await response.write(_sse(item, mark_errors))
                 item = await _next_or_keepalive(queue, stopped, response)
             await response.write_eof()
         except ConnectionError:
@@ -460,6 +463,6 @@ def _error(
     return web.json_response(body)
 
 
-def _sse(item: dict[str, Any]) -> bytes:
-    event = "event: error\n" if "error" in item else ""
+def _sse(item: dict[str, Any], mark_errors: bool) -> bytes:
+    event = "event: error\n" if mark_errors and "error" in item else ""
     return f"{event}data: {json.dumps(item, ensure_ascii=False)}\n\n".encode()

@@ -120,7 +120,9 @@ class A2aGateway:
     async def rpc(self, body: Any, *, agent: str = "main", version: str = "1.0") -> Any:
         """One raw JSON-RPC POST (bytes or a JSON value); the decoded answer."""
         content = body if isinstance(body, bytes) else None
-        headers = {"A2A-Version": version, "Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json"}
+        if version:
+            headers["A2A-Version"] = version
         async with self.httpx(self.token) as client:
             response = await client.post(
                 f"{self.url}/a2a/{agent}",
@@ -300,11 +302,15 @@ async def test_list_pages_newest_first(gateway: A2aGateway) -> None:
     ids = [(await send(client, message(f"n{i}")))[0].task.id for i in range(3)]
     first = await client.list_tasks(pb.ListTasksRequest(page_size=2, include_artifacts=True))
     assert [t.id for t in first.tasks] == ids[:0:-1]
+    assert (first.page_size, first.total_size) == (2, 3)
     assert reply_of(first.tasks[0]) == "echo: n2"
     second = await client.list_tasks(
         pb.ListTasksRequest(page_size=2, page_token=first.next_page_token)
     )
     assert [t.id for t in second.tasks] == [ids[0]]
+    assert (second.page_size, second.total_size) == (1, 3)
+    exact = await client.list_tasks(pb.ListTasksRequest(page_size=3))
+    assert (len(exact.tasks), exact.next_page_token) == (3, "")  # a full page, the last
     assert second.next_page_token == ""
 
 
@@ -495,9 +501,10 @@ _OLD_TEXT = {
             -32602,
         ),  # not a text part
         (_request("SendMessage", {**_TEXT, "configuration": {"historyLength": -1}}), "1.0", -32602),
-        (_request("SendMessage", _TEXT), "", -32009),  # no A2A-Version: 0.3 assumed
+        (_request("SendMessage", _TEXT), "0.3", -32009),
         (_request("ListTasks", {"pageToken": "not-a-token"}), "1.0", -32602),
         (_request("ListTasks", {"pageSize": 101}), "1.0", -32602),
+        (_request("ListTasks", {"status": "TASK_STATE_NONSENSE"}), "1.0", -32602),
         (_request("GetTask", {"id": "no-such"}), "1.0", -32001),
         (
             _request("CreateTaskPushNotificationConfig", {"taskId": "t", "url": "https://x.y/"}),
@@ -518,6 +525,16 @@ async def test_bad_requests_get_their_error_and_change_nothing(
     assert answer["error"]["code"] == code, answer
     assert answer["id"] == (7 if isinstance(body, dict) and body.get("id") == 7 else None)
     assert await gateway.runner.agent_tasks.list("anonymous") == []
+
+
+async def test_the_method_names_the_version_when_no_header_does(gateway: A2aGateway) -> None:
+    sent = await gateway.rpc(_request("SendMessage", {"message": message_json("bare")}), version="")
+    assert sent["result"]["task"]["status"]["state"] == "TASK_STATE_COMPLETED"
+    async with gateway.httpx() as http:  # the spec's request parameter instead of the header
+        answer = await http.post(
+            f"{gateway.url}/a2a/main?A2A-Version=0.3", json=_request("ListTasks", {})
+        )
+    assert answer.json()["error"]["code"] == -32009
 
 
 async def test_a_body_over_the_limit_is_refused(gateway: A2aGateway) -> None:

@@ -12,6 +12,7 @@ of another caller is "not found", never "forbidden".
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncGenerator
 from datetime import UTC
 
@@ -35,6 +36,7 @@ __all__ = ["CALLER_KEY", "MAX_PAGE_SIZE", "TaskHandler"]
 
 CALLER_KEY = "caller"
 DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 50, 100  # ListTasks, as the spec bounds it
+COUNT_LIMIT = 100  # ListTasks' totalSize is exact up to this many tasks
 MAX_ID_LENGTH = 256  # ids a caller sends: message, context, task, page token
 
 
@@ -224,18 +226,21 @@ class TaskHandler(RequestHandler):
         if params.status != pb.TASK_STATE_UNSPECIFIED:
             state = states.from_proto(params.status)
             if state is None:
-                return pb.ListTasksResponse(page_size=size)  # a state no task of ours is in
-        # One more than the page: whether a next page exists without a second query.
-        records = await self.tasks.list(
+                return pb.ListTasksResponse()  # a state no task of ours is ever in
+        listed = functools.partial(
+            self.tasks.list,
             caller,
             agent_id=self.agent_id,
             context_id=params.context_id or None,
             state=state,
-            limit=size + 1,
-            after=params.page_token or None,
         )
-        page = records[:size]
-        next_token = page[-1].task_id if len(records) > size else ""
+        page = await listed(limit=size, after=params.page_token or None)
+        # A full page has a next one when a task follows its last.
+        more = len(page) == size and bool(await listed(limit=1, after=page[-1].task_id))
+        total = len(page)
+        if params.page_token or more:  # counted from the first task, up to COUNT_LIMIT
+            total = len(await listed(limit=COUNT_LIMIT))
+        next_token = page[-1].task_id if more else ""
         if params.HasField("status_timestamp_after"):
             # Filtered within the page: a page may hold fewer tasks, its token stays valid.
             since = params.status_timestamp_after.ToDatetime(tzinfo=UTC)
@@ -245,7 +250,10 @@ class TaskHandler(RequestHandler):
             for r in page
         ]
         return pb.ListTasksResponse(
-            tasks=tasks, next_page_token=next_token, page_size=size, total_size=len(page)
+            tasks=tasks,
+            next_page_token=next_token,
+            page_size=len(tasks),
+            total_size=total,
         )
 
     async def on_cancel_task(

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator
 from datetime import UTC
 
 from a2a.server.context import ServerCallContext
@@ -30,7 +30,13 @@ from a2a.utils.errors import (
 )
 
 from gateway.a2a import convert, states
-from gateway.domain.agent_tasks import AgentTasks, TaskRecord, TaskRefused, TaskState
+from gateway.domain.agent_tasks import (
+    AgentTasks,
+    TaskRecord,
+    TaskRefused,
+    TaskState,
+    TaskUpdate,
+)
 
 __all__ = ["CALLER_KEY", "MAX_PAGE_SIZE", "TaskHandler"]
 
@@ -122,10 +128,23 @@ class TaskHandler(RequestHandler):
         if not record.state.terminal and not config.return_immediately:
             try:
                 async with asyncio.timeout(self.wait_seconds):
-                    record = await self.tasks.wait(record.task_id, caller) or record
+                    record = await self._settled(record, caller)
             except TimeoutError:
                 record = await self.tasks.get(record.task_id, caller) or record
         return convert.to_task(record, history_length=history)
+
+    async def _settled(self, record: TaskRecord, caller: str) -> TaskRecord:
+        """The task once terminal, or waiting for input (a tool approval): where a
+        blocking send returns, as the spec has it."""
+        updates = self.tasks.subscribe(record.task_id, caller)
+        try:
+            async for update in updates:
+                record = update.task
+                if record.state.terminal or record.state is TaskState.INPUT_REQUIRED:
+                    break
+        finally:
+            await _close(updates)
+        return record
 
     async def on_message_send_stream(
         self, params: pb.SendMessageRequest, context: ServerCallContext
@@ -191,9 +210,7 @@ class TaskHandler(RequestHandler):
                     last_state = record.state
                     yield convert.status_event(record)
         finally:
-            close = getattr(updates, "aclose", None)
-            if close is not None:  # ends the subscription now, not when collected
-                await close()
+            await _close(updates)
 
     # --- tasks ---------------------------------------------------------------------------
 
@@ -299,3 +316,10 @@ class TaskHandler(RequestHandler):
         self, params: pb.GetExtendedAgentCardRequest, context: ServerCallContext
     ) -> pb.AgentCard:
         raise UnsupportedOperationError(message="this agent has no extended card")
+
+
+async def _close(updates: AsyncIterator[TaskUpdate]) -> None:
+    """End a subscription now, not when it is collected."""
+    close = getattr(updates, "aclose", None)
+    if close is not None:
+        await close()

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import structlog
 
@@ -35,7 +35,7 @@ from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
 from config.envfile import EnvFileError, load_env_file
 from gateway.agents.roster import Roster
-from gateway.domain.session import Platform, agent_id_of_key, listing_cursor, listing_cursor_key
+from gateway.domain.session import agent_id_of_key, listing_cursor, listing_cursor_key
 from gateway.memory.embeddings import local_model_problem
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
@@ -53,6 +53,9 @@ from gateway.store.homelock import HomeInUse, HomeLock, HomeUnusable
 from gateway.store.session_store import SessionStore
 from gateway.store.titles import titles_for
 from gateway.store.transcript import count_undone
+
+if TYPE_CHECKING:  # the runner's module loads in `serve`, not at import
+    from gateway.run import GatewayRunner
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: drained for a restart; the service manager starts us again
 EXIT_SOFTWARE = 70  # EX_SOFTWARE: an internal error (a bug), reported with its traceback
@@ -124,22 +127,19 @@ def check_runnable(config: GatewayConfig) -> list[PlatformAdapter]:
     problem = window_problem(config, roster)
     if problem is not None:
         raise ConfigError(problem)
-    adapters = build_adapters(config)
-    if config.a2a.enabled and not any(a.platform is Platform.HTTP for a in adapters):
-        raise ConfigError(
-            "a2a.enabled: the A2A server runs on the HTTP API's port; "
-            "set platforms.http.enabled: true"
-        )
-    return adapters
+    return build_adapters(config)
 
 
-def mount_a2a(config: GatewayConfig, runner: Any, adapters: list[PlatformAdapter]) -> None:
+def mount_a2a(
+    config: GatewayConfig, runner: GatewayRunner, adapters: list[PlatformAdapter]
+) -> None:
     """Serve every agent over A2A on the HTTP API's port (`a2a.enabled`, docs/a2a.md).
     The SDK is imported only here, so a gateway without A2A never loads it."""
     from adapters.http import HttpAdapter
     from gateway.a2a.server import A2aServer, public_base_url
 
-    http = next(a for a in adapters if isinstance(a, HttpAdapter))  # check_runnable: there
+    # The schema refuses a2a.enabled without the HTTP API: it is among the adapters.
+    http = next(a for a in adapters if isinstance(a, HttpAdapter))
     server = A2aServer(config, runner.agent_tasks, lambda: public_base_url(config, http.url))
     http.mount(server.routes(), server.public_paths(), on_shutdown=server.close)
 

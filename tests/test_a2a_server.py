@@ -544,6 +544,16 @@ async def test_a_body_over_the_limit_is_refused(gateway: A2aGateway) -> None:
     assert "too large" in answer["error"]["message"]
 
 
+async def test_a_body_that_does_not_decode_is_a_parse_error(gateway: A2aGateway) -> None:
+    async with gateway.httpx() as http:
+        answer = await http.post(
+            f"{gateway.url}/a2a/main",
+            content=b"not gzip at all",
+            headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+        )
+    assert answer.json()["error"]["code"] == -32700
+
+
 async def test_an_unknown_agent_is_not_found(gateway: A2aGateway) -> None:
     async with gateway.httpx() as http:
         answer = await http.post(f"{gateway.url}/a2a/nobody", json=_request("ListTasks", {}))

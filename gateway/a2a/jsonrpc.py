@@ -49,6 +49,7 @@ from a2a.utils.errors import (
     VersionNotSupportedError,
 )
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from gateway.a2a.handler import CALLER_KEY, TaskHandler
@@ -162,6 +163,8 @@ class JsonRpcEndpoint:
             return _error(request_id, exc.error)
         except A2AError as exc:
             return _error(request_id, exc)
+        except ConnectionError:
+            raise  # the client went away: the HTTP API's middleware notes it, once a minute
         except Exception as exc:
             log.exception("a2a_jsonrpc_error")
             return _error(request_id, RpcInternalError(message=f"{type(exc).__name__}"))
@@ -174,11 +177,14 @@ class JsonRpcEndpoint:
             raise _BodyError(RpcInvalidRequest(message="Payload too large"))
         chunks: list[bytes] = []
         size = 0
-        while chunk := await request.content.readany():
-            size += len(chunk)
-            if size > limit:
-                raise _BodyError(RpcInvalidRequest(message="Payload too large"))
-            chunks.append(chunk)
+        try:
+            while chunk := await request.content.readany():
+                size += len(chunk)
+                if size > limit:
+                    raise _BodyError(RpcInvalidRequest(message="Payload too large"))
+                chunks.append(chunk)
+        except RequestPayloadError as exc:  # e.g. a Content-Encoding that does not decode
+            raise _BodyError(RpcParseError(message=f"the body could not be read: {exc}")) from None
         try:
             return json.loads(b"".join(chunks))
         except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError

@@ -32,6 +32,7 @@ from gateway.agents.protocol import TurnRequest, TurnResult
 from gateway.cli import check_runnable, mount_a2a
 from gateway.run import GatewayRunner
 from tests.commandline import finish, spawn, wait_ready
+from tests.pg_support import StorageBackend
 from tests.waiting import wait_for
 
 TOKEN = "s3cret-a2a-token"
@@ -79,7 +80,11 @@ class A2aGateway:
 
     @classmethod
     async def started(
-        cls, home: Path, token: str | None = None, agent: dict[str, Any] | None = None
+        cls,
+        home: Path,
+        token: str | None = None,
+        agent: dict[str, Any] | None = None,
+        storage: dict[str, str] | None = None,
     ) -> A2aGateway:
         http_settings: dict[str, Any] = {"enabled": True, "port": 0}
         if token:
@@ -89,6 +94,7 @@ class A2aGateway:
                 "platforms": {"http": http_settings},
                 "a2a": {"enabled": True},
                 "agent": agent or {},
+                "storage": storage or {},
                 "agents": {
                     "helper": {"description": "Helps.", "skills": [{"id": "x", "name": "X"}]}
                 },
@@ -558,6 +564,26 @@ async def test_an_unknown_agent_is_not_found(gateway: A2aGateway) -> None:
     async with gateway.httpx() as http:
         answer = await http.post(f"{gateway.url}/a2a/nobody", json=_request("ListTasks", {}))
     assert answer.status_code == 404
+
+
+async def test_a_task_is_read_back_after_a_restart_on_each_store(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    running = await A2aGateway.started(tmp_path, storage=store_backend.storage())
+    try:
+        (event,) = await send(await running.client(streaming=False), message("kept"))
+    finally:
+        await running.stop()
+    again = await A2aGateway.started(tmp_path, storage=store_backend.storage())
+    try:
+        client = await again.client(streaming=False)
+        task = await client.get_task(pb.GetTaskRequest(id=event.task.id))
+        listed = await client.list_tasks(pb.ListTasksRequest())
+    finally:
+        await again.stop()
+    assert task.status.state == pb.TASK_STATE_COMPLETED
+    assert reply_of(task) == "echo: kept"
+    assert [t.id for t in listed.tasks] == [event.task.id]
 
 
 # --- the daemon -----------------------------------------------------------------------------

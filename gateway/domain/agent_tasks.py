@@ -56,6 +56,8 @@ class TaskRecord:
     request_text: str
     created_at: datetime
     updated_at: datetime
+    #: completed: the turn's reply; input-required: the question the caller answers
+    #: with `/approve` or `/deny` (a message to the same context)
     result_text: str | None = None
     error: str | None = None
     #: the delegation chain that led here, outermost agent first (cycle and depth guard)

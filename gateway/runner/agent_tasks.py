@@ -8,7 +8,11 @@ turn engine and the store.
                failed with the error text, in the turn's finish transaction (`settle`),
                so a turn re-run after a crash ends its task once
     cancel:    as /stop on the session while the task's turn runs (the tasks queued
-               behind it go too), a queued task alone is dropped
+               behind it go too; on another replica: /stop handed to it), a queued task
+               alone is dropped, a task not yet begun is skipped when its turn comes
+    approval:  a tool call of the task's turn waiting for the user's yes makes it
+               input-required (the question in `result_text`); the caller's next
+               message to the context, `/approve` or `/deny`, is the answer
     subscribe: the row now, then what this process sees change (states, streamed
                deltas), and a bounded poll of the row for what another replica changes
 
@@ -26,7 +30,7 @@ import re
 import time
 import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 import structlog
@@ -34,16 +38,18 @@ import structlog
 from config import GatewayConfig
 from gateway.agents.roster import Roster
 from gateway.domain.agent_tasks import TaskRecord, TaskRefused, TaskState, TaskUpdate
-from gateway.domain.command_syntax import MessageKind
+from gateway.domain.command_syntax import MessageKind, classify
 from gateway.domain.events import AcceptStatus, MessageEvent
 from gateway.domain.session import Platform, SessionSource, build_session_key
 from gateway.ops.metrics import Metrics
+from gateway.runner.approvals import Approvals
 from gateway.runner.engine import TurnEngine
 from gateway.runner.placement import Placement
 from gateway.runner.task_channel import TaskChannel
 from gateway.store import agent_tasks as rows
 from gateway.store.outage import StoreUnwritable
 from gateway.store.session_store import SessionStore
+from gateway.tools.approval import Verdict
 
 log = structlog.get_logger("gateway.run")
 
@@ -54,6 +60,7 @@ MAX_MESSAGE_ID_CHARS = 256
 MAX_CALLER_CHARS = 512
 MAX_TEXT_CHARS = 100_000
 MAX_LIST = 100
+MAX_CHAIN = 16  # past a2a.max_delegation_depth's bound: agent_call refuses before
 #: streamed deltas a subscriber may have waiting; past them a slow one loses deltas,
 #: never a state change
 MAX_PENDING_DELTAS = 256
@@ -61,6 +68,8 @@ MAX_PENDING_DELTAS = 256
 POLL_SECONDS = 2.0
 _RETRY_SECONDS = 5.0
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: a message answering a waiting approval
+_VERDICTS = {"/approve": Verdict.APPROVED, "/deny": Verdict.DENIED}
 
 
 def task_id_of(agent_id: str, caller: str, message_id: str) -> str:
@@ -106,6 +115,7 @@ class TaskService:
         engine: TurnEngine,
         placement: Placement,
         metrics: Metrics,
+        approvals: Approvals,
         accepting: Callable[[], bool],
     ) -> None:
         self.config = config
@@ -114,6 +124,8 @@ class TaskService:
         self.engine = engine
         self.placement = placement
         self.metrics = metrics
+        self.approvals = approvals
+        approvals.observer = self
         self._accepting = accepting
         self.channel = TaskChannel(self._on_delta)
         self._subscribers: dict[str, set[_Subscriber]] = {}
@@ -134,6 +146,10 @@ class TaskService:
         chain: tuple[str, ...] = (),
     ) -> TaskRecord:
         self._check(agent_id, text, message_id, caller, context_id)
+        if len(chain) > MAX_CHAIN or not all(
+            isinstance(agent, str) and 0 < len(agent) <= MAX_MESSAGE_ID_CHARS for agent in chain
+        ):
+            raise TaskRefused(f"the delegation chain must be at most {MAX_CHAIN} agent names")
         if not self._accepting():
             raise TaskRefused("the gateway is stopping", retry_after=_RETRY_SECONDS)
         task_id = task_id_of(agent_id, caller, message_id)
@@ -141,6 +157,16 @@ class TaskService:
             record = await self.store.read(lambda conn: rows.get(conn, task_id))
             if record is None:
                 context = context_id or str(uuid.uuid4())
+                if context_id is not None:
+                    # A context is its caller's: its session holds their conversation.
+                    owner = await self.store.read(
+                        lambda conn: rows.context_owner(conn, agent_id, context_id)
+                    )
+                    if owner is not None and owner != caller:
+                        raise TaskRefused(f"no context {context_id!r} of this caller")
+                    answered = await self._answer_approval(agent_id, context_id, caller, text)
+                    if answered is not None:
+                        return answered
                 key = self._key(self._source(context, caller, task_id, chain), agent_id)
                 now = time.time()
                 record = await self.store.write(
@@ -217,15 +243,29 @@ class TaskService:
             # As /stop: the turn and the session's queue (the tasks behind it) go.
             await self.engine.cancel_session_work(key)
             ended = await self.store.write(lambda conn: rows.cancel_open(conn, key, now))
+        elif (
+            not await self.engine.drop_queued(key, task_id)
+            and record.state is not TaskState.SUBMITTED
+            and self.store.postgres
+            and not self.engine.is_busy(key)
+        ):
+            # Its turn runs on another replica: /stop is handed to it, as a chat's is.
+            kind, command = classify("/stop", None)
+            stop_id = f"stop-{uuid.uuid4()}"
+            source = self._source(record.context_id, caller, stop_id, ())
+            await self.placement.intake(
+                key, MessageEvent(source, "/stop", message_id=stop_id), kind, command
+            )
+            ended = await self.store.write(lambda conn: rows.cancel_open(conn, key, now))
         else:
-            # Queued here: dropped alone. Elsewhere (not yet accepted, another replica's
-            # turn): its row says canceled, and its turn's end leaves it so.
-            await self.engine.drop_queued(key, task_id)
+            # Queued here: dropped alone. Not begun yet anywhere: its row says canceled,
+            # and its turn is skipped when it comes (`turn_began`).
             changed = await self.store.write(
                 lambda conn: rows.set_state(conn, task_id, TaskState.CANCELED, now)
             )
             ended = [task_id] if changed else []
         for ended_id in ended:
+            self._live.pop(ended_id, None)
             self.metrics.count_a2a_task(record.agent_id, TaskState.CANCELED.value)
             await self._publish(ended_id)
         return await self.get(task_id, caller)
@@ -284,18 +324,22 @@ class TaskService:
 
     # --- TaskHooks (the turn engine's) ----------------------------------------------------------
 
-    async def turn_began(self, key: str, event: MessageEvent) -> None:
+    async def turn_began(self, key: str, event: MessageEvent) -> bool:
         task_id = event.message_id or ""
         now = time.time()
         try:
-            await self.store.write(
+            began = await self.store.write(
                 lambda conn: rows.set_state(conn, task_id, TaskState.WORKING, now), dirty=False
             )
-        except StoreUnwritable:
-            return  # the turn runs all the same; its end is what counts
-        record = await self._publish(task_id)
-        if record is not None and not record.state.terminal:
-            self._live[task_id] = record
+            record = await self._publish(task_id)
+        except Exception as exc:  # the turn runs all the same; its end is what counts
+            log.warning("task_update_unwritten", task_id=task_id, error=str(exc))
+            return True
+        if record is None or (not began and record.state.terminal):
+            log.info("task_turn_skipped", task_id=task_id, reason="ended before its turn")
+            return False
+        self._live[task_id] = record
+        return True
 
     def settle(self, event: MessageEvent, reply: str | None, text: str) -> Callable[[Any], object]:
         task_id = event.message_id or ""
@@ -318,11 +362,54 @@ class TaskService:
     def settled(self, event: MessageEvent) -> None:
         task_id = event.message_id or ""
         self._live.pop(task_id, None)
-        telling = asyncio.create_task(self._after_settle(task_id, self._ended.pop(task_id, None)))
-        self._telling.add(telling)
-        telling.add_done_callback(self._telling.discard)
+        self._background(self._after_settle(task_id, self._ended.pop(task_id, None)))
+
+    # --- ApprovalObserver (the approvals') -------------------------------------------------
+
+    def approval_waits(self, source: SessionSource, question: str | None) -> None:
+        task_id = source.message_id or ""
+        was, state = (
+            (TaskState.WORKING, TaskState.INPUT_REQUIRED)
+            if question is not None
+            else (TaskState.INPUT_REQUIRED, TaskState.WORKING)
+        )
+        now = time.time()
+
+        async def move() -> None:
+            try:
+                moved = await self.store.write(
+                    lambda conn: rows.move(conn, task_id, was, state, now, result_text=question),
+                    dirty=False,
+                )
+                if moved:
+                    await self._publish(task_id)
+            except Exception as exc:  # cosmetic: the wait goes on, the turn's end counts
+                log.warning("task_update_unwritten", task_id=task_id, error=str(exc))
+
+        self._background(move())
 
     # --- inside -------------------------------------------------------------------------------
+
+    def _background(self, work: Coroutine[Any, Any, None]) -> None:
+        running = asyncio.create_task(work)
+        self._telling.add(running)
+        running.add_done_callback(self._telling.discard)
+
+    async def _answer_approval(
+        self, agent_id: str, context_id: str, caller: str, text: str
+    ) -> TaskRecord | None:
+        """`/approve` or `/deny` to a context whose task waits for an approval: the
+        answer, and that task (None: not an answer, or nothing waits)."""
+        verdict = _VERDICTS.get(text.strip().lower())
+        if verdict is None:
+            return None
+        key = self._key(self._source(context_id, caller, "", ()), agent_id)
+        waiting = self.approvals.waiting(key)
+        running = self.engine.running.get(key)
+        if waiting is None or running is None or not self.approvals.answer(key, verdict):
+            return None
+        task_id = running.message_id or ""
+        return await self.store.read(lambda conn: rows.get(conn, task_id))
 
     async def _after_settle(self, task_id: str, state: TaskState | None) -> None:
         try:

@@ -17,8 +17,9 @@ from typing import Any
 
 import structlog
 
+from gateway.domain.session import Platform
 from gateway.runner.deadlines import Deadlines
-from gateway.runner.ports import ApprovalSender
+from gateway.runner.ports import ApprovalObserver, ApprovalSender
 from gateway.tools.approval import ApprovalRequest, Verdict
 
 log = structlog.get_logger("gateway.approvals")
@@ -49,6 +50,8 @@ class Approvals:
         self._deadlines = deadlines
         self.timeout = timeout
         self._waiting: dict[str, _Waiting] = {}
+        #: told of the waits of A2A sessions' turns (their tasks are input-required)
+        self.observer: ApprovalObserver | None = None
 
     async def ask(self, request: ApprovalRequest) -> Verdict:
         """Ask the turn's chat; wait for the answer, or `timeout` seconds. Cancelling the
@@ -62,9 +65,13 @@ class Approvals:
             return Verdict.DENIED
         waiting = _Waiting(request, asyncio.get_running_loop().create_future())
         self._waiting[key] = waiting
+        observer = self.observer if source.platform is Platform.A2A else None
         try:
             with self._deadlines.paused(asyncio.current_task()):
-                await self._sender.deliver(source, question(request, self.timeout))
+                asked = question(request, self.timeout)
+                if observer is not None:
+                    observer.approval_waits(source, asked)
+                await self._sender.deliver(source, asked)
                 try:
                     async with asyncio.timeout(self.timeout):
                         verdict = await waiting.verdict
@@ -74,6 +81,8 @@ class Approvals:
             if self._waiting.get(key) is waiting:
                 del self._waiting[key]
             waiting.verdict.cancel()  # a no-op once answered
+            if observer is not None:
+                observer.approval_waits(source, None)
         log.info("approval", tool=request.tool, verdict=verdict.value)
         return verdict
 

@@ -208,6 +208,7 @@ class GatewayRunner:
             self.engine,
             self.placement,
             self.metrics,
+            self.approvals,
             accepting=lambda: self.accepting,
         )
         self.adapters[Platform.A2A] = self.agent_tasks.channel

@@ -9,6 +9,7 @@ these Protocols, which name exactly what that part calls, and nothing else of it
     ApprovalSender  how approvals (`approvals`) put their question to a chat
     ApprovalDesk    what the /approve and /deny commands see of the waiting approvals
     TaskHooks       what the turn engine tells the agent-task service of an A2A turn
+    ApprovalObserver what approvals tell the agent-task service (input-required)
 
 The scheduler's port is `gateway.schedules.loop.SchedulerHost` (the scheduler sits below
 the runner). `GatewayRunner` (`lifecycle`) implements them all.
@@ -184,10 +185,20 @@ class TaskHooks(Protocol):
     an A2A session (platform `a2a`; asked of no other platform's turns): it begins, the
     write its finish transaction carries, and it was recorded."""
 
-    async def turn_began(self, key: str, event: MessageEvent) -> None: ...
+    async def turn_began(self, key: str, event: MessageEvent) -> bool:
+        """False: the task ended before its turn could begin (canceled, deleted): the
+        turn is not run."""
+        ...
 
     def settle(
         self, event: MessageEvent, reply: str | None, text: str
     ) -> Callable[[Any], object]: ...
 
     def settled(self, event: MessageEvent) -> None: ...
+
+
+class ApprovalObserver(Protocol):
+    """Told when a turn of an A2A session waits for a tool call's approval (`question`)
+    and when it waits no more (None): the agent-task service's input-required."""
+
+    def approval_waits(self, source: SessionSource, question: str | None) -> None: ...

@@ -95,6 +95,15 @@ def get(conn: sqlite3.Connection, task_id: str) -> TaskRecord | None:
     return record(found) if found else None
 
 
+def context_owner(conn: sqlite3.Connection, agent_id: str, context_id: str) -> str | None:
+    """The caller whose tasks made the context with this agent (None: a new context)."""
+    found = conn.execute(
+        "SELECT caller FROM agent_tasks WHERE agent_id = ? AND context_id = ? LIMIT 1",
+        (agent_id, context_id),
+    ).fetchone()
+    return found[0] if found else None
+
+
 def session_key_of(conn: sqlite3.Connection, task_id: str) -> str | None:
     found = conn.execute(
         "SELECT session_key FROM agent_tasks WHERE task_id = ?", (task_id,)
@@ -141,6 +150,27 @@ def set_state(conn: sqlite3.Connection, task_id: str, state: TaskState, now: flo
         conn.execute(
             f"UPDATE agent_tasks SET state = ?, updated_at = ? WHERE task_id = ? AND {_OPEN_SQL}",
             (state.value, now, task_id, *OPEN),
+        ).rowcount
+        > 0
+    )
+
+
+def move(
+    conn: sqlite3.Connection,
+    task_id: str,
+    was: TaskState,
+    state: TaskState,
+    now: float,
+    *,
+    result_text: str | None = None,
+) -> bool:
+    """From `was` to `state` only (working <-> input-required, its question in
+    `result_text` meanwhile); False when the task was not in `was`."""
+    return (
+        conn.execute(
+            "UPDATE agent_tasks SET state = ?, result_text = ?, updated_at = ?"
+            " WHERE task_id = ? AND state = ?",
+            (state.value, result_text, now, task_id, was.value),
         ).rowcount
         > 0
     )

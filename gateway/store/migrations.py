@@ -371,6 +371,7 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     ) WITHOUT ROWID;
     CREATE INDEX agent_tasks_by_caller ON agent_tasks(caller, created_at, task_id);
     CREATE INDEX agent_tasks_by_session ON agent_tasks(session_key, state);
+    CREATE INDEX agent_tasks_by_context ON agent_tasks(agent_id, context_id);
     """,
 }
 

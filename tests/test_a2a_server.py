@@ -31,6 +31,7 @@ from gateway.a2a import jsonrpc
 from gateway.agents.protocol import TurnRequest, TurnResult
 from gateway.cli import check_runnable, mount_a2a
 from gateway.run import GatewayRunner
+from gateway.tools.approval import ApprovalRequest
 from tests.commandline import finish, spawn, wait_ready
 from tests.pg_support import StorageBackend
 from tests.waiting import wait_for
@@ -85,6 +86,7 @@ class A2aGateway:
         token: str | None = None,
         agent: dict[str, Any] | None = None,
         storage: dict[str, str] | None = None,
+        agent_factory: Any = MemoryAgent,
     ) -> A2aGateway:
         http_settings: dict[str, Any] = {"enabled": True, "port": 0}
         if token:
@@ -101,7 +103,7 @@ class A2aGateway:
             }
         )
         adapters = check_runnable(config)
-        runner = GatewayRunner(config, adapters, agent_factory=MemoryAgent, home=home)
+        runner = GatewayRunner(config, adapters, agent_factory=agent_factory, home=home)
         mount_a2a(config, runner, adapters)
         await runner.start()
         (http,) = (a for a in adapters if isinstance(a, HttpAdapter))
@@ -329,6 +331,50 @@ async def test_get_limits_the_history(gateway: A2aGateway) -> None:
     assert len(full.history) == 2
     assert [m.role for m in last.history] == [pb.ROLE_AGENT]
     assert len(none.history) == 0
+
+
+class AskingAgent:
+    """Asks the approval gate (as a tool marked `approve` does) and says the verdict."""
+
+    runner: GatewayRunner | None = None
+
+    async def run_turn(self, request: TurnRequest) -> TurnResult:
+        assert self.runner is not None
+        verdict = await self.runner.approvals.ask(
+            ApprovalRequest(request.session_key, request.source, "launch", {"what": "rocket"})
+        )
+        return TurnResult(f"verdict: {verdict.value}")
+
+    async def close(self) -> None:
+        return None
+
+
+async def test_a_task_waiting_for_an_approval_is_answered_through_its_task_id(
+    tmp_path: Path,
+) -> None:
+    agent = AskingAgent()
+    running = await A2aGateway.started(tmp_path, agent_factory=lambda key: agent)
+    agent.runner = running.runner
+    try:
+        client = await running.client(streaming=False)
+        (asked,) = await send(client, message("go"))  # blocking: returns at input-required
+        task = asked.task
+        assert task.status.state == pb.TASK_STATE_INPUT_REQUIRED
+        assert "launch" in task.status.message.parts[0].text
+        listed = await client.list_tasks(pb.ListTasksRequest())
+        answer = message("/approve")
+        answer.task_id = task.id
+        (answered,) = await send(client, answer)
+        again = message("/approve")
+        again.task_id = task.id
+        with pytest.raises(A2AError, match="completed"):  # answered: no more answers
+            await send(client, again)
+    finally:
+        await running.stop()
+    assert answered.task.id == task.id
+    assert answered.task.status.state == pb.TASK_STATE_COMPLETED
+    assert reply_of(answered.task) == "verdict: approved"
+    assert [t.id for t in listed.tasks] == [task.id]  # the answer is no task of its own
 
 
 # --- cancel and subscribe -----------------------------------------------------------------

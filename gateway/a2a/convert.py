@@ -67,8 +67,10 @@ def user_message(record: TaskRecord) -> pb.Message:
 
 
 def reply_message(record: TaskRecord) -> pb.Message | None:
-    """The agent's message for the task's status: the reply, the error, or nothing."""
-    text = record.result_text if record.state is TaskState.COMPLETED else record.error
+    """The agent's message for the task's status: the reply, the question of a task
+    waiting for input (a tool approval), the error, or nothing."""
+    asks = record.state in (TaskState.COMPLETED, TaskState.INPUT_REQUIRED)
+    text = record.result_text if asks else record.error
     if not text:
         return None
     return pb.Message(

@@ -94,27 +94,38 @@ class TaskHandler(RequestHandler):
         if message.role == pb.ROLE_AGENT:
             raise InvalidParamsError(message="message.role must be ROLE_USER")
         text = convert.message_text(message)
+        context_id = message.context_id or None
         if message.task_id:
-            # A task here is one exchange: a message continues a conversation through
-            # its contextId, never by reopening a task.
-            _check_id("message.taskId", message.task_id)
-            known = await self.tasks.get(message.task_id, caller)
-            if known is None:
-                raise TaskNotFoundError(message=f"no task {message.task_id}")
-            raise UnsupportedOperationError(
-                message=f"task {message.task_id} takes no further messages; send the "
-                "next message with its contextId and no taskId"
-            )
+            context_id = await self._answered_context(message, caller)
         try:
             return await self.tasks.send(
                 self.agent_id,
                 text,
                 message_id=message.message_id,
                 caller=caller,
-                context_id=message.context_id or None,
+                context_id=context_id,
             )
         except TaskRefused as exc:
             raise _refused(exc) from None
+
+    async def _answered_context(self, message: pb.Message, caller: str) -> str:
+        """A message naming a task answers it: only a task waiting for input (a tool
+        approval: `/approve` or `/deny`) takes one, in its own context. Any other
+        task is one exchange; a conversation goes on through its contextId."""
+        _check_id("message.taskId", message.task_id)
+        known = await self.tasks.get(message.task_id, caller)
+        if known is None or known.agent_id != self.agent_id:
+            raise TaskNotFoundError(message=f"no task {message.task_id}")
+        if message.context_id and message.context_id != known.context_id:
+            raise InvalidParamsError(
+                message=f"message.contextId is not the context of task {message.task_id}"
+            )
+        if known.state is not TaskState.INPUT_REQUIRED:
+            raise UnsupportedOperationError(
+                message=f"task {message.task_id} is {known.state.value} and takes no "
+                "further messages; send the next message with its contextId and no taskId"
+            )
+        return known.context_id
 
     async def on_message_send(
         self, params: pb.SendMessageRequest, context: ServerCallContext
@@ -197,7 +208,8 @@ class TaskHandler(RequestHandler):
                     )
                     streamed += update.delta
                 if record.state.terminal:
-                    reply = record.result_text or ""
+                    completed = record.state is TaskState.COMPLETED
+                    reply = (record.result_text or "") if completed else ""
                     if reply:
                         if streamed and reply.startswith(streamed):
                             rest, append = reply[len(streamed) :], True

@@ -142,9 +142,9 @@ class A2aGateway:
         return response.json()
 
     async def stop(self) -> None:
+        await self.runner.stop()  # first: what its clients wait for is answered
         for close in reversed(self._closers):
             await close()
-        await self.runner.stop()
 
 
 @pytest.fixture
@@ -474,6 +474,24 @@ async def test_stopping_the_gateway_ends_open_streams_at_once(tmp_path: Path) ->
     assert time.monotonic() - began < 4
     async with asyncio.timeout(5):
         await follower
+
+
+async def test_stopping_the_gateway_answers_a_waiting_send_at_once(tmp_path: Path) -> None:
+    running = await A2aGateway.started(tmp_path, agent={"restart_drain_timeout": 0.2})
+    client = await running.client(streaming=False)
+    waiting = asyncio.create_task(send(client, message("think slowly")))
+    tasks = running.runner.agent_tasks
+    await wait_for(lambda: _working(tasks))
+    began = time.monotonic()
+    await running.stop()
+    assert time.monotonic() - began < 4
+    async with asyncio.timeout(5):
+        (event,) = await waiting
+    assert event.task.status.state == pb.TASK_STATE_WORKING  # resumed after a restart
+
+
+async def _working(tasks: Any) -> bool:
+    return [t.state.value for t in await tasks.list("anonymous")] == ["working"]
 
 
 # --- auth, 0.3, bad input -------------------------------------------------------------------

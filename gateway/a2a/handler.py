@@ -82,6 +82,11 @@ class TaskHandler(RequestHandler):
         self.tasks = tasks
         self.agent_id = agent_id
         self.wait_seconds = wait_seconds
+        self._closing = asyncio.Event()
+
+    def close(self) -> None:
+        """The server stops: blocking sends answer with their task as it stands."""
+        self._closing.set()
 
     # --- messages --------------------------------------------------------------------
 
@@ -137,10 +142,18 @@ class TaskHandler(RequestHandler):
             raise InvalidParamsError(message="configuration.historyLength must be 0 or more")
         record = await self._accept(params, caller)
         if not record.state.terminal and not config.return_immediately:
+            settled = asyncio.ensure_future(self._settled(record, caller))
+            closing = asyncio.ensure_future(self._closing.wait())
             try:
-                async with asyncio.timeout(self.wait_seconds):
-                    record = await self._settled(record, caller)
-            except TimeoutError:
+                await asyncio.wait(
+                    {settled, closing}, timeout=self.wait_seconds, return_when="FIRST_COMPLETED"
+                )
+            finally:
+                for waiter in (settled, closing):
+                    waiter.cancel()
+            if settled.done() and not settled.cancelled():
+                record = settled.result()
+            else:  # past the bound, or the server stops: the task as it stands
                 record = await self.tasks.get(record.task_id, caller) or record
         return convert.to_task(record, history_length=history)
 

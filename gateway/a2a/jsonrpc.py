@@ -115,8 +115,10 @@ class JsonRpcEndpoint:
         self.caller = caller
         self._streams: set[asyncio.Event] = set()  # set: end that stream now
 
-    def close_streams(self) -> None:
-        """End every open stream (the server is shutting down)."""
+    def close(self) -> None:
+        """The server is shutting down: end every open stream, and answer every blocking
+        send with its task as it stands, rather than hold the shutdown."""
+        self.handler.close()
         for stop in self._streams:
             stop.set()
 

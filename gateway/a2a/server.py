@@ -68,7 +68,7 @@ class A2aServer:
 
     async def close(self, app: web.Application | None = None) -> None:
         for endpoint in self.endpoints.values():
-            endpoint.close_streams()
+            endpoint.close()
 
     def _endpoint(self, request: web.Request) -> tuple[str, JsonRpcEndpoint]:
         agent_id = request.match_info["agent"]

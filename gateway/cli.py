@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 
@@ -35,6 +35,7 @@ from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
 from config.envfile import EnvFileError, load_env_file
 from gateway.agents.roster import Roster
+from gateway.domain.agent_tasks import AgentTasks
 from gateway.domain.session import agent_id_of_key, listing_cursor, listing_cursor_key
 from gateway.memory.embeddings import local_model_problem
 from gateway.ops.doctor import add_doctor_parser
@@ -53,9 +54,6 @@ from gateway.store.homelock import HomeInUse, HomeLock, HomeUnusable
 from gateway.store.session_store import SessionStore
 from gateway.store.titles import titles_for
 from gateway.store.transcript import count_undone
-
-if TYPE_CHECKING:  # the runner's module loads in `serve`, not at import
-    from gateway.run import GatewayRunner
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: drained for a restart; the service manager starts us again
 EXIT_SOFTWARE = 70  # EX_SOFTWARE: an internal error (a bug), reported with its traceback
@@ -130,17 +128,14 @@ def check_runnable(config: GatewayConfig) -> list[PlatformAdapter]:
     return build_adapters(config)
 
 
-def mount_a2a(
-    config: GatewayConfig, runner: GatewayRunner, adapters: list[PlatformAdapter]
-) -> None:
-    """Serve every agent over A2A on the HTTP API's port (`a2a.enabled`, docs/a2a.md).
-    The SDK is imported only here, so a gateway without A2A never loads it."""
+def mount_a2a(config: GatewayConfig, tasks: AgentTasks, adapters: list[PlatformAdapter]) -> None:
+    """Serve every agent over A2A on the HTTP API's port (`a2a.enabled`, docs/a2a.md;
+    the schema requires the HTTP API). The SDK loads only here, never without A2A."""
     from adapters.http import HttpAdapter
     from gateway.a2a.server import A2aServer, public_base_url
 
-    # The schema refuses a2a.enabled without the HTTP API: it is among the adapters.
     http = next(a for a in adapters if isinstance(a, HttpAdapter))
-    server = A2aServer(config, runner.agent_tasks, lambda: public_base_url(config, http.url))
+    server = A2aServer(config, tasks, lambda: public_base_url(config, http.url))
     http.mount(server.routes(), server.public_paths(), on_shutdown=server.close)
 
 
@@ -204,7 +199,7 @@ async def serve(config: GatewayConfig, home: Path) -> int:
         adapters = check_runnable(config)
         runner.add_adapters(adapters)
         if config.a2a.enabled:
-            mount_a2a(config, runner, adapters)
+            mount_a2a(config, runner.agent_tasks, adapters)
     except ConfigError as exc:
         log.error("configuration_error", error=f"{_where(config)}{exc}")
         return EXIT_CONFIG

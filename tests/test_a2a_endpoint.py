@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -289,3 +291,37 @@ async def test_a_task_is_read_back_after_a_daemon_restart(tmp_path: Path, procs:
     assert reply_of(task) == "echo: survive"
     code, out = await asyncio.to_thread(finish, again)
     assert code == 0, out
+
+
+def _start_reference_agent(port: int) -> subprocess.Popen[str]:
+    script = Path(__file__).with_name("a2a_reference_agent.py")
+    command = [sys.executable, str(script), "--port", str(port)]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+async def test_the_reference_agent_answers_the_sdk_client(procs: list) -> None:
+    """tests/a2a_reference_agent.py, the SDK's own server the conformance runs compare
+    ours with, starts from its command line and answers 1.0 and 0.3 clients."""
+    port = _free_port()
+    agent = _start_reference_agent(port)
+    procs.append(agent)
+    url = f"http://127.0.0.1:{port}"
+    async with httpx.AsyncClient(timeout=30) as http:
+
+        async def card_served() -> bool:
+            with contextlib.suppress(httpx.TransportError):
+                return (await http.get(f"{url}/.well-known/agent-card.json")).status_code == 200
+            return False
+
+        await wait_for(card_served, within=30)
+        client = await ClientFactory(ClientConfig(httpx_client=http)).create_from_url(url)
+        events = await send(client, message("hi"))
+        card = await A2ACardResolver(http, url).get_agent_card()
+        old = CompatJsonRpcTransport(http, card, url + "/")
+        sent = await old.send_message(pb.SendMessageRequest(message=message("old")))
+    assert events[-1].status_update.status.state == pb.TASK_STATE_COMPLETED
+    chunks = [
+        e.artifact_update.artifact.parts[0].text for e in events if e.HasField("artifact_update")
+    ]
+    assert "".join(chunks) == "echo: hi"
+    assert reply_of(sent.task) == "echo: old"

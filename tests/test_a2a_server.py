@@ -151,8 +151,15 @@ async def test_list_shows_the_callers_tasks_of_this_agent_only(gateway: A2aGatew
     assert not listed.tasks[0].artifacts  # includeArtifacts not asked
     with pytest.raises(TaskNotFoundError):
         await client.get_task(pb.GetTaskRequest(id=other.task_id))
-    with pytest.raises(TaskNotFoundError):  # the helper's task, asked of main
+    # The helper's task, asked of main, is no task here either.
+    with pytest.raises(TaskNotFoundError):
         await client.get_task(pb.GetTaskRequest(id=helpers.task.id))
+    with pytest.raises(TaskNotFoundError):
+        await client.cancel_task(pb.CancelTaskRequest(id=helpers.task.id))
+    with pytest.raises(TaskNotFoundError):
+        streaming = await gateway.client()
+        async for _ in streaming.subscribe(pb.SubscribeToTaskRequest(id=helpers.task.id)):
+            pass
 
 
 async def test_list_pages_newest_first(gateway: A2aGateway) -> None:

@@ -184,7 +184,7 @@ class TaskHandler(RequestHandler):
         caller = caller_of(context)
         _check_id("id", params.id)
         record = await self.tasks.get(params.id, caller)
-        if record is None:
+        if record is None or record.agent_id != self.agent_id:
             raise TaskNotFoundError(message=f"no task {params.id}")
         if record.state.terminal:
             raise UnsupportedOperationError(

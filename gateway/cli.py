@@ -132,10 +132,10 @@ def mount_a2a(config: GatewayConfig, tasks: AgentTasks, adapters: list[PlatformA
     """Serve every agent over A2A on the HTTP API's port (`a2a.enabled`, docs/a2a.md;
     the schema requires the HTTP API). The SDK loads only here, never without A2A."""
     from adapters.http import HttpAdapter
-    from gateway.a2a.server import A2aServer, public_base_url
+    from gateway.a2a.server import A2aServer
 
     http = next(a for a in adapters if isinstance(a, HttpAdapter))
-    server = A2aServer(config, tasks, lambda: public_base_url(config, http.url))
+    server = A2aServer(config, tasks)
     http.mount(server.routes(), server.public_paths(), on_shutdown=server.close)
 
 

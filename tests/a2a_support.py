@@ -75,6 +75,7 @@ class A2aGateway:
         agent: dict[str, Any] | None = None,
         storage: dict[str, str] | None = None,
         agent_factory: Any = MemoryAgent,
+        a2a: dict[str, Any] | None = None,
     ) -> A2aGateway:
         http_settings: dict[str, Any] = {"enabled": True, "port": 0}
         if token:
@@ -82,7 +83,7 @@ class A2aGateway:
         config = GatewayConfig.model_validate(
             {
                 "platforms": {"http": http_settings},
-                "a2a": {"enabled": True},
+                "a2a": {"enabled": True, **(a2a or {})},
                 "agent": agent or {},
                 "storage": storage or {},
                 "agents": {

@@ -62,6 +62,25 @@ async def test_cards_are_public_and_name_the_endpoint_for_both_protocols(tmp_pat
     assert missing.status_code == 404
 
 
+async def test_a_card_names_the_address_it_was_asked_at(gateway: A2aGateway) -> None:
+    path = "/a2a/main/.well-known/agent-card.json"
+    async with gateway.httpx() as http:
+        named = await http.get(gateway.url + path, headers={"Host": "agents.example:8642"})
+        odd = await http.get(gateway.url + path, headers={"Host": "x y/<z>"})
+    assert named.json()["url"] == "http://agents.example:8642/a2a/main"
+    assert odd.json()["url"] == f"{gateway.url}/a2a/main"  # not repeated: the socket's
+
+
+async def test_a_card_names_the_public_url_when_one_is_set(tmp_path: Path) -> None:
+    running = await A2aGateway.started(tmp_path, a2a={"public_url": "https://agents.example/"})
+    try:
+        async with running.httpx() as http:
+            card = (await http.get(f"{running.url}/.well-known/agent-card.json")).json()
+    finally:
+        await running.stop()
+    assert card["url"] == "https://agents.example/a2a/main"
+
+
 # --- sending --------------------------------------------------------------------------------
 
 

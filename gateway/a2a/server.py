@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+import re
 from typing import Any
 
 from aiohttp import web
@@ -25,22 +25,21 @@ from gateway.a2a.handler import TaskHandler
 from gateway.a2a.jsonrpc import JsonRpcEndpoint
 from gateway.domain.agent_tasks import AgentTasks
 
-__all__ = ["CARD_PATH", "A2aServer", "public_base_url"]
+__all__ = ["CARD_PATH", "A2aServer", "base_url"]
 
 CARD_PATH = "/.well-known/agent-card.json"
+MAX_CARDS = 64  # cards kept built, per agent and address
+# A Host header as a card may repeat it: a name or address and a port, nothing else.
+_HOST = re.compile(r"[A-Za-z0-9.-]{1,253}(:[0-9]{1,5})?|\[[0-9A-Fa-f:.]{2,45}\](:[0-9]{1,5})?")
 WAIT_MARGIN_SECONDS = 30.0  # a blocking send outwaits the turn's own deadline by this
 
 
 class A2aServer:
     """Build it, hand `routes()` and `public_paths()` to the HTTP adapter's `mount`, and
-    `close()` it when the app shuts down (ends open streams). `base_url()` is read per
-    card request: the HTTP API's port is known only once it listens."""
+    `close()` it when the app shuts down (ends open streams, answers waiting sends)."""
 
-    def __init__(
-        self, config: GatewayConfig, tasks: AgentTasks, base_url: Callable[[], str]
-    ) -> None:
+    def __init__(self, config: GatewayConfig, tasks: AgentTasks) -> None:
         self.config = config
-        self.base_url = base_url
         caller = "bearer" if config.platforms.http.token else "anonymous"
         self.endpoints = {
             agent_id: JsonRpcEndpoint(
@@ -89,23 +88,35 @@ class A2aServer:
         return self._card(request, agent_id)
 
     def _card(self, request: web.Request, agent_id: str) -> web.StreamResponse:
-        body, etag = self._card_body(agent_id, self.base_url())
+        body, etag = self._card_body(agent_id, base_url(self.config, request))
         if etag in request.headers.get("If-None-Match", ""):
             return web.Response(status=304, headers={"ETag": etag})
         return web.Response(body=body, content_type="application/json", headers={"ETag": etag})
 
-    def _card_body(self, agent_id: str, base_url: str) -> tuple[bytes, str]:
+    def _card_body(self, agent_id: str, address: str) -> tuple[bytes, str]:
         """The card's JSON and its ETag, built once per agent and address."""
-        key = (agent_id, base_url)
+        key = (agent_id, address)
         cached = self._cards.get(key)
         if cached is None:
-            card: dict[str, Any] = card_json(build_card(self.config, agent_id, base_url))
+            if len(self._cards) >= MAX_CARDS:  # addresses callers name: bounded
+                self._cards.clear()
+            card: dict[str, Any] = card_json(build_card(self.config, agent_id, address))
             body = json.dumps(card, ensure_ascii=False).encode()
             cached = (body, f'W/"{hashlib.sha256(body).hexdigest()[:32]}"')
             self._cards[key] = cached
         return cached
 
 
-def public_base_url(config: GatewayConfig, http_url: str) -> str:
-    """Where callers reach this gateway: `a2a.public_url`, else the HTTP API's address."""
-    return config.a2a.public_url or http_url.rstrip("/")
+def base_url(config: GatewayConfig, request: web.Request) -> str:
+    """Where callers reach this gateway: `a2a.public_url`, else the address this request
+    came to (its Host header: right behind a wildcard bind, where the HTTP API's own
+    address would say 0.0.0.0), else the socket's own address."""
+    if config.a2a.public_url:
+        return config.a2a.public_url
+    host = request.headers.get("Host", "")
+    if not _HOST.fullmatch(host):
+        address = request.transport.get_extra_info("sockname") if request.transport else None
+        if not address:
+            return ""
+        host = f"[{address[0]}]:{address[1]}" if ":" in address[0] else f"{address[0]}:{address[1]}"
+    return f"{request.scheme}://{host}"

@@ -27,7 +27,7 @@ class A2aConfig(BaseModel):
     # Serve every agent as an A2A server on the HTTP API's port (platforms.http).
     enabled: bool = False
     # The address other agents reach this gateway at, written into the agent cards
-    # (e.g. https://agents.example.com); None: the HTTP API's own address.
+    # (e.g. https://agents.example.com); None: the address a card is asked at (its Host).
     public_url: str | None = None
     # How deep a chain of `agent_call` delegations may go (A -> B -> C is depth 2).
     max_delegation_depth: int = Field(default=3, ge=1, le=10)

@@ -35,6 +35,7 @@ from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
 from config.envfile import EnvFileError, load_env_file
 from gateway.agents.roster import Roster
+from gateway.domain.agent_tasks import AgentTasks
 from gateway.domain.session import agent_id_of_key, listing_cursor, listing_cursor_key
 from gateway.memory.embeddings import local_model_problem
 from gateway.ops.agents import add_agents_parser, run_agents_command
@@ -128,6 +129,17 @@ def check_runnable(config: GatewayConfig) -> list[PlatformAdapter]:
     return build_adapters(config)
 
 
+def mount_a2a(config: GatewayConfig, tasks: AgentTasks, adapters: list[PlatformAdapter]) -> None:
+    """Serve every agent over A2A on the HTTP API's port (`a2a.enabled`, docs/a2a.md;
+    the schema requires the HTTP API). The SDK loads only here, never without A2A."""
+    from adapters.http import HttpAdapter
+    from gateway.a2a.server import A2aServer
+
+    http = next(a for a in adapters if isinstance(a, HttpAdapter))
+    server = A2aServer(config, tasks)
+    http.mount(server.routes(), server.public_paths(), on_shutdown=server.close)
+
+
 # Estimated tokens a turn needs besides the tools and a configured prompt: the default
 # prompt's two lines, the session-context block and a short message.
 MESSAGE_ROOM = 256
@@ -185,7 +197,10 @@ async def serve(config: GatewayConfig, home: Path) -> int:
         # SQLite with the GIL released, so it overlaps the imports; a config error leaves
         # the home as it was.
         runner.store.check_soon()
-        runner.add_adapters(check_runnable(config))
+        adapters = check_runnable(config)
+        runner.add_adapters(adapters)
+        if config.a2a.enabled:
+            mount_a2a(config, runner.agent_tasks, adapters)
     except ConfigError as exc:
         log.error("configuration_error", error=f"{_where(config)}{exc}")
         return EXIT_CONFIG

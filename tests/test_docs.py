@@ -103,7 +103,7 @@ def config_keys(model: type[BaseModel], prefix: str = "") -> list[str]:
 
 def test_every_config_key_is_on_the_configuration_page() -> None:
     page = ROOT.joinpath("docs", "configuration.md").read_text()
-    documented = set(re.findall(r"`([a-z_][a-zA-Z0-9_.]*)`", page))  # a2a has digits
+    documented = set(re.findall(r"`([a-z_][a-zA-Z0-9_.]*)`", page))
     generic = {
         re.sub(r"^(platforms)\.(telegram|discord|slack|http)\.", r"\1.P.", key)
         for key in config_keys(GatewayConfig)

@@ -22,6 +22,9 @@
     GET  /healthz                            gateway health (never needs the token)
     GET  /metrics                            Prometheus text format
 
+Routes other parts serve on this port (the A2A server's, docs/a2a.md) are added with
+`mount` before `start`, behind the same token check but for the paths named public.
+
 With `platforms.http.token` set, `/v1/...` and `/metrics` need `Authorization: Bearer`.
 The API is the operator's (like `hermes-gateway sessions ...`): it lists, reads,
 searches and deletes the sessions of every platform and agent; `chat_id` narrows a
@@ -39,7 +42,7 @@ import asyncio
 import hmac
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -104,11 +107,11 @@ class RepeatLimit:
         return True
 
 
-def _needs_token(request: web.Request) -> bool:
+def _needs_token(request: web.Request, public: frozenset[str]) -> bool:
     # Decide on the matched route, not the raw path, so no spelling of a URL that reaches
     # a protected handler can skip the check. Unmatched requests get a plain 404/405.
     resource = request.match_info.route.resource
-    return resource is not None and resource.canonical not in _PUBLIC_ROUTES
+    return resource is not None and resource.canonical not in public
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
@@ -153,11 +156,29 @@ class HttpAdapter(PlatformAdapter):
         self._gone_log = RepeatLimit()
         self._registry = CollectorRegistry(auto_describe=False)  # this adapter's own
         self._registry.register(_Families(self._metric_families))
+        # Routes other parts serve on this port (the A2A server), added by `mount`.
+        self._mounted: list[web.RouteDef] = []
+        self._public = _PUBLIC_ROUTES
+        self._on_shutdown: list[Callable[[web.Application], Awaitable[None]]] = []
 
     @property
     def url(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"http://{host}:{self.port}"
+
+    def mount(
+        self,
+        routes: Iterable[web.RouteDef],
+        public_paths: Iterable[str] = (),
+        on_shutdown: Callable[[web.Application], Awaitable[None]] | None = None,
+    ) -> None:
+        """Serve `routes` beside the API's own, from the next `start()`, behind the same
+        token check but for `public_paths` (route patterns, e.g. `/a2a/{agent}/x`).
+        `on_shutdown` runs when the server begins to stop (to end open streams)."""
+        self._mounted.extend(routes)
+        self._public = self._public | frozenset(public_paths)
+        if on_shutdown is not None:
+            self._on_shutdown.append(on_shutdown)
 
     # --- lifecycle -----------------------------------------------------------------------
 
@@ -177,8 +198,10 @@ class HttpAdapter(PlatformAdapter):
                 web.get("/v1/search", self._search),
                 web.get("/healthz", self._get_health),
                 web.get("/metrics", self._get_metrics),
+                *self._mounted,
             ]
         )
+        app.on_shutdown.extend(self._on_shutdown)
         # No access log: every long-poll would log a line; errors are logged below.
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
         await runner.setup()
@@ -264,7 +287,11 @@ class HttpAdapter(PlatformAdapter):
 
     @web.middleware
     async def _auth_and_errors(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        if self.config.token and _needs_token(request) and not self._token_ok(request):
+        if (
+            self.config.token
+            and _needs_token(request, self._public)
+            and not self._token_ok(request)
+        ):
             return _error(401, "missing or wrong bearer token", **{"WWW-Authenticate": "Bearer"})
         try:
             return await handler(request)

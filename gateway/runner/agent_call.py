@@ -46,6 +46,8 @@ from gateway.tools.registry import Sources, Toolbox, TurnScope, TurnTools, agent
 
 log = structlog.get_logger("gateway.run")
 
+_A2A = Platform.A2A  # a module constant: read on every turn
+
 
 @dataclass(frozen=True, slots=True)
 class TurnOutcome:
@@ -162,7 +164,7 @@ class AgentCall:
         # A delegated agent task (gateway.runner.agent_tasks) takes no slot: its caller's
         # turn holds one while it waits for this, and with every slot so held a
         # delegation would wait forever. The delegation depth bounds them.
-        slotless = request.source.is_bot and request.source.platform is Platform.A2A
+        slotless = request.source.is_bot and request.source.platform is _A2A
         try:
             if slotless:
                 if not begun.running and begun.user_row is not None:

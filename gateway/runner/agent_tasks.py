@@ -265,6 +265,7 @@ class TaskService:
             )
             ended = [task_id] if changed else []
         for ended_id in ended:
+            self._live.pop(ended_id, None)
             self.metrics.count_a2a_task(record.agent_id, TaskState.CANCELED.value)
             await self._publish(ended_id)
         return await self.get(task_id, caller)

@@ -44,6 +44,9 @@ from gateway.tools.registry import TurnTools
 
 log = structlog.get_logger("gateway.run")
 
+# Read on every turn: a module constant costs a fraction of an enum member's look-up.
+_A2A = Platform.A2A
+
 
 def in_lane(command: Command | None) -> bool:
     """Does this command run in its session's lane (`command_syntax.LANE_COMMANDS`)?"""
@@ -323,8 +326,8 @@ class TurnEngine:
                     if isinstance(event, LaneCommand):
                         await self._run_command(key, event)
                     elif (
-                        self.tasks is not None
-                        and event.source.platform is Platform.A2A
+                        event.source.platform is _A2A
+                        and self.tasks is not None
                         and not await self.tasks.turn_began(key, event)
                     ):
                         # Its task was canceled meanwhile (on another replica, or while
@@ -408,7 +411,7 @@ class TurnEngine:
         queue = self._queues.get(key)
         waiting = queue.pop_next_turn() if queue and not self.draining else None
         then = (waiting, self.turn_text(waiting)) if waiting is not None else None
-        task = self.tasks if event.source.platform is Platform.A2A else None
+        task = self.tasks if event.source.platform is _A2A else None
         if task is not None:  # an agent task ends with its turn, in the same transaction
             settles = (*settles, task.settle(event, outcome.reply, outcome.text))
         try:

@@ -176,6 +176,13 @@ _OLD_TEXT = {
         ),  # not a text part
         (_request("SendMessage", {**_TEXT, "configuration": {"historyLength": -1}}), "1.0", -32602),
         (_request("SendMessage", _TEXT), "0.3", -32009),
+        (  # a delegation chain (from another gateway) that is not a list of agent URLs
+            _request(
+                "SendMessage", {"message": {**_TEXT["message"], "metadata": {"hermes.chain": "x"}}}
+            ),
+            "1.0",
+            -32602,
+        ),
         (_request("ListTasks", {"pageToken": "not-a-token"}), "1.0", -32602),
         (_request("ListTasks", {"pageSize": 101}), "1.0", -32602),
         (_request("ListTasks", {"status": "TASK_STATE_NONSENSE"}), "1.0", -32602),

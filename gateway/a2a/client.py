@@ -26,6 +26,7 @@ from a2a.client.client import Client, ClientCallContext
 from a2a.types import a2a_pb2 as pb
 
 from config.a2a import RemoteAgentConfig
+from gateway.a2a.convert import CHAIN_KEY
 from gateway.a2a.states import from_proto
 from gateway.domain.agent_tasks import TaskState
 
@@ -33,9 +34,6 @@ __all__ = ["CHAIN_KEY", "RemoteAgents", "RemoteError", "RemoteReply"]
 
 log = structlog.get_logger("gateway.a2a.client")
 
-#: the message metadata key the delegation chain travels in between daemons: the agents
-#: that led to this message, outermost first, each named by its A2A URL
-CHAIN_KEY = "hermes.chain"
 
 CARD_TTL_SECONDS = 300.0  # how long a fetched card is used before it is fetched again
 CARD_TIMEOUT_SECONDS = 10.0  # one card fetch, at most

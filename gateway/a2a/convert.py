@@ -10,6 +10,7 @@ from datetime import datetime
 
 from a2a.types import a2a_pb2 as pb
 from a2a.utils.errors import InvalidParamsError
+from google.protobuf.struct_pb2 import ListValue
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from gateway.a2a import states
@@ -48,6 +49,34 @@ def message_text(message: pb.Message) -> str:
     if not text.strip():
         raise InvalidParamsError(message="message text is empty")
     return text
+
+
+#: the message metadata key the delegation chain travels in between daemons: the agents
+#: that led to this message, outermost first, named by their A2A URLs
+CHAIN_KEY = "hermes.chain"
+MAX_CHAIN_ENTRIES = 16  # above a2a.max_delegation_depth's own bound
+MAX_CHAIN_ENTRY_CHARS = 2048
+
+
+def message_chain(message: pb.Message) -> tuple[str, ...]:
+    """The delegation chain a delegating gateway sent along (`CHAIN_KEY` in the message's
+    metadata), so a cycle through this gateway is refused here; () from any other
+    client. A malformed chain is refused, not ignored: ignoring it would let a cycle
+    through."""
+    if CHAIN_KEY not in message.metadata:
+        return ()
+    value = message.metadata[CHAIN_KEY]
+    entries = list(value) if isinstance(value, ListValue) else None
+    if (
+        entries is None
+        or len(entries) > MAX_CHAIN_ENTRIES
+        or not all(isinstance(e, str) and 0 < len(e) <= MAX_CHAIN_ENTRY_CHARS for e in entries)
+    ):
+        raise InvalidParamsError(
+            message=f"message.metadata[{CHAIN_KEY!r}] must be a list of at most "
+            f"{MAX_CHAIN_ENTRIES} agent URLs of 1-{MAX_CHAIN_ENTRY_CHARS} characters"
+        )
+    return tuple(entries)
 
 
 def _timestamp(moment: datetime) -> Timestamp:

@@ -99,6 +99,7 @@ class TaskHandler(RequestHandler):
         if message.role == pb.ROLE_AGENT:
             raise InvalidParamsError(message="message.role must be ROLE_USER")
         text = convert.message_text(message)
+        chain = convert.message_chain(message)
         context_id = message.context_id or None
         if message.task_id:
             context_id = await self._answered_context(message, caller)
@@ -109,6 +110,7 @@ class TaskHandler(RequestHandler):
                 message_id=message.message_id,
                 caller=caller,
                 context_id=context_id,
+                chain=chain,
             )
         except TaskRefused as exc:
             raise _refused(exc) from None

@@ -47,7 +47,7 @@ TOOL_NAME = "agent_call"
 TASK_MAX_CHARS = 16_000  # one task's text
 CANCEL_SECONDS = 5.0  # a delegate's cancel after /stop, at most
 NATIVE_MARGIN_SECONDS = 60.0  # a native task's wait past the delegate's own turn deadline
-CHAIN_KEY = "hermes.chain"  # gateway.a2a.client.CHAIN_KEY, without loading the SDK
+CHAIN_KEY = "hermes.chain"  # gateway.a2a.convert.CHAIN_KEY, without loading the SDK
 _NAMESPACE = uuid.UUID("5b0c1f3e-7c1a-4d0e-9a52-2f1d6c9e4a10")  # the ids derived here
 
 Record = Callable[[str, str, str], None]  # (agent, delegate, outcome) -> the metric

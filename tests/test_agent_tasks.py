@@ -180,7 +180,7 @@ async def _state_is(tasks: Any, task: TaskRecord, state: TaskState) -> bool:
 
 
 async def test_cancel_a_queued_task_drops_it_alone(make: Make) -> None:
-    runner = await make(agent={"backend": "echo", "delay_seconds": 0.5})
+    runner = await make(agent={"backend": "echo", "delay_seconds": 1.5})
     tasks = runner.agent_tasks
     first = await tasks.send("main", "first", message_id="m1", caller="c")
     second = await tasks.send(
@@ -193,7 +193,7 @@ async def test_cancel_a_queued_task_drops_it_alone(make: Make) -> None:
 
 
 async def test_a_full_queue_rejects_the_task(make: Make) -> None:
-    runner = await make(agent={"backend": "echo", "delay_seconds": 0.5}, queue={"max_depth": 1})
+    runner = await make(agent={"backend": "echo", "delay_seconds": 1.5}, queue={"max_depth": 1})
     tasks = runner.agent_tasks
     first = await tasks.send("main", "one", message_id="m1", caller="c")
     ctx = first.context_id
@@ -204,7 +204,7 @@ async def test_a_full_queue_rejects_the_task(make: Make) -> None:
 
 
 async def test_subscribe_sees_working_then_completed(make: Make) -> None:
-    runner = await make(agent={"backend": "echo", "delay_seconds": 0.5})
+    runner = await make(agent={"backend": "echo", "delay_seconds": 1})
     tasks = runner.agent_tasks
     sent = await tasks.send("main", "hi", message_id="m1", caller="c")
     states = []
@@ -222,15 +222,17 @@ async def test_subscribe_sees_working_then_completed(make: Make) -> None:
 
 
 class StreamingAgent:
-    """Streams a first part, then waits for the test to have seen it, then answers."""
+    """Streams a first part once the test listens (`listening`), then waits for the test
+    to have seen it (`release`), then answers."""
 
-    def __init__(self, release: asyncio.Event) -> None:
-        self.release = release
+    def __init__(self, listening: asyncio.Event, release: asyncio.Event) -> None:
+        self.listening, self.release = listening, release
 
     async def run_turn(self, request: TurnRequest) -> TurnResult:
         return TurnResult("unused")
 
     async def stream_turn(self, request: TurnRequest, on_text: Callable[[str], None]) -> TurnResult:
+        await self.listening.wait()
         first = "streamed part one, long enough to be shown at once. "
         on_text(first)
         await self.release.wait()
@@ -243,10 +245,10 @@ class StreamingAgent:
 async def test_subscribe_sees_the_streamed_deltas(
     tmp_path: Path, store_backend: StorageBackend
 ) -> None:
-    release = asyncio.Event()
+    listening, release = asyncio.Event(), asyncio.Event()
     config = store_backend.apply(GatewayConfig.model_validate({"timezone": "UTC"}))
     runner = GatewayRunner(
-        config, [], agent_factory=lambda key: StreamingAgent(release), home=tmp_path
+        config, [], agent_factory=lambda key: StreamingAgent(listening, release), home=tmp_path
     )
     await runner.start()
     try:
@@ -255,6 +257,7 @@ async def test_subscribe_sees_the_streamed_deltas(
         deltas, states = [], []
         async with asyncio.timeout(20):
             async for update in tasks.subscribe(sent.task_id, "c"):
+                listening.set()  # subscribed: what streams from now on reaches us
                 if update.delta is not None:
                     deltas.append(update.delta)
                     release.set()

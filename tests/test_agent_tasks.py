@@ -127,6 +127,7 @@ async def test_list_is_scoped_to_the_caller_newest_first_and_paged(make: Make) -
     page = await tasks.list("alice", limit=2)
     rest = await tasks.list("alice", limit=2, after=page[-1].task_id)
     assert [t.task_id for t in page + rest] == [t.task_id for t in listed]
+    assert await tasks.list("bob", after=page[-1].task_id) == []  # not bob's: nothing after
     only = await tasks.list("alice", context_id=sent[1].context_id)
     assert [t.task_id for t in only] == [sent[1].task_id]
     assert await tasks.list("alice", state=TaskState.FAILED) == []

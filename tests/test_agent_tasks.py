@@ -591,3 +591,29 @@ async def test_a_task_canceled_on_another_replica_before_its_turn_never_runs(
     assert (await transcript(a, ctx))[:2] == ["first", "echo: first"]
     assert "echo: second" not in await transcript(a, ctx)
     assert (await a.agent_tasks.get(second.task_id, "c")) == canceled
+
+
+async def test_a_task_whose_turn_kills_every_start_fails_once_given_up(
+    tmp_path: Path, store_backend: StorageBackend
+) -> None:
+    """The stuck-loop guard: a turn cut off by a crash at every start is given up on,
+    and its task fails with the notice the chat would get."""
+    settings: dict[str, Any] = {"timezone": "UTC", "agent": {"backend": "echo"}}
+    if store_backend.postgres:
+        settings["storage"] = store_backend.storage()
+        settings["cluster"] = {"failover_seconds": 1}
+    home = tmp_path / "home"
+    for _ in range(3):
+        child = await asyncio.to_thread(run_until_killed, home, settings, "after_turn_begin")
+        assert child.returncode == -signal.SIGKILL, child.stderr
+    config = store_backend.apply(GatewayConfig.model_validate(settings))
+    runner = GatewayRunner(config, [], home=home)
+    await runner.start()
+    try:
+        async with asyncio.timeout(20):
+            failed = await runner.agent_tasks.wait(task_id_of("main", "c", "k1"), "c")
+        assert failed is not None and failed.state is TaskState.FAILED
+        assert failed.error and failed.result_text is None
+        assert "echo: survive" not in await transcript(runner, "ctx-k")
+    finally:
+        await runner.stop()

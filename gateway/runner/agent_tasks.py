@@ -35,7 +35,6 @@ from typing import Any
 
 import structlog
 
-from config import GatewayConfig
 from gateway.agents.roster import Roster
 from gateway.domain.agent_tasks import TaskRecord, TaskRefused, TaskState, TaskUpdate
 from gateway.domain.command_syntax import MessageKind, classify
@@ -111,7 +110,6 @@ class TaskService:
 
     def __init__(
         self,
-        config: GatewayConfig,
         roster: Roster,
         store: SessionStore,
         engine: TurnEngine,
@@ -120,7 +118,6 @@ class TaskService:
         approvals: Approvals,
         accepting: Callable[[], bool],
     ) -> None:
-        self.config = config
         self.roster = roster
         self.store = store
         self.engine = engine

@@ -35,7 +35,6 @@ from typing import Any
 
 import structlog
 
-from config import GatewayConfig
 from gateway.agents.roster import Roster
 from gateway.domain.agent_tasks import TaskRecord, TaskRefused, TaskState, TaskUpdate
 from gateway.domain.command_syntax import MessageKind, classify
@@ -48,6 +47,7 @@ from gateway.runner.placement import Placement
 from gateway.runner.task_channel import TaskChannel
 from gateway.store import agent_tasks as rows
 from gateway.store.outage import StoreUnwritable
+from gateway.store.pg import driver_errors
 from gateway.store.session_store import SessionStore
 from gateway.tools.approval import Verdict
 
@@ -61,6 +61,7 @@ MAX_CALLER_CHARS = 512
 MAX_TEXT_CHARS = 100_000
 MAX_LIST = 100
 MAX_CHAIN = 16  # past a2a.max_delegation_depth's bound: agent_call refuses before
+MAX_CHAIN_ENTRY_CHARS = 2048  # an agent id, or a remote agent's URL
 #: streamed deltas a subscriber may have waiting; past them a slow one loses deltas,
 #: never a state change
 MAX_PENDING_DELTAS = 256
@@ -109,7 +110,6 @@ class TaskService:
 
     def __init__(
         self,
-        config: GatewayConfig,
         roster: Roster,
         store: SessionStore,
         engine: TurnEngine,
@@ -118,7 +118,6 @@ class TaskService:
         approvals: Approvals,
         accepting: Callable[[], bool],
     ) -> None:
-        self.config = config
         self.roster = roster
         self.store = store
         self.engine = engine
@@ -147,9 +146,12 @@ class TaskService:
     ) -> TaskRecord:
         self._check(agent_id, text, message_id, caller, context_id)
         if len(chain) > MAX_CHAIN or not all(
-            isinstance(agent, str) and 0 < len(agent) <= MAX_MESSAGE_ID_CHARS for agent in chain
+            isinstance(agent, str) and 0 < len(agent) <= MAX_CHAIN_ENTRY_CHARS for agent in chain
         ):
-            raise TaskRefused(f"the delegation chain must be at most {MAX_CHAIN} agent names")
+            raise TaskRefused(
+                f"the delegation chain must be at most {MAX_CHAIN} agent ids or URLs"
+                f" of at most {MAX_CHAIN_ENTRY_CHARS} characters"
+            )
         if not self._accepting():
             raise TaskRefused("the gateway is stopping", retry_after=_RETRY_SECONDS)
         task_id = task_id_of(agent_id, caller, message_id)
@@ -191,9 +193,10 @@ class TaskService:
             key = self._key(source, record.agent_id)
             event = MessageEvent(source, record.request_text, message_id=task_id)
             accepted = await self.placement.intake(key, event, MessageKind.QUEUE, None)
-        except StoreUnwritable as exc:
+        except (StoreUnwritable, *driver_errors()) as exc:
+            reason = exc.reason if isinstance(exc, StoreUnwritable) else "unreachable"
             raise TaskRefused(
-                f"the store cannot write ({exc.reason})", retry_after=_RETRY_SECONDS
+                f"the store is unavailable ({reason})", retry_after=_RETRY_SECONDS
             ) from None
         if accepted.status is AcceptStatus.UNAVAILABLE:
             raise TaskRefused(accepted.detail or "unavailable", retry_after=_RETRY_SECONDS)

@@ -206,7 +206,6 @@ class GatewayRunner:
         # Agent tasks (A2A, native delegation): their platform is in process, always
         # there, so a task's turn is answered and resumed like any chat's.
         self.agent_tasks = TaskService(
-            config,
             self.roster,
             self.store,
             self.engine,

@@ -25,17 +25,20 @@ as one turn). A successful turn clears its count.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import structlog
 
+from gateway.domain.agent_tasks import TaskState
 from gateway.domain.command_syntax import MessageKind
 from gateway.domain.events import MessageEvent
-from gateway.domain.session import schedule_id_of_key
+from gateway.domain.session import Platform, SessionSource, schedule_id_of_key
 from gateway.runner.ports import RecoveryHost
-from gateway.store import journal
+from gateway.store import agent_tasks, journal
 from gateway.util.fsutil import atomic_write_bytes
 
 log = structlog.get_logger("gateway.recovery")
@@ -176,6 +179,7 @@ class Recovery:
             lambda events: split(
                 source, stuck_notice(events or [marker["event"]], marker["session_key"])
             ),
+            task_failure(source),
         )
 
     async def resume(self) -> int:
@@ -228,3 +232,15 @@ def _read_counts(path: Path) -> dict[str, dict[str, int]]:
         for key, value in data.items()
         if isinstance(value, dict)
     }
+
+
+def task_failure(source: SessionSource) -> Callable[[Any, str], None] | None:
+    """For a turn given up on: the write that fails its agent task with the notice
+    (None: not an agent task's turn)."""
+    if source.platform is not Platform.A2A or not source.message_id:
+        return None
+    return partial(_fail_task, source.message_id)
+
+
+def _fail_task(task_id: str, conn: Any, notice: str) -> None:
+    agent_tasks.settle(conn, task_id, TaskState.FAILED, time.time(), error=notice)

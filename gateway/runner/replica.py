@@ -46,7 +46,7 @@ from gateway.domain.command_syntax import MessageKind
 from gateway.domain.events import MessageEvent
 from gateway.runner.housekeeping import RESEND_AFTER_SECONDS
 from gateway.runner.ports import ReplicaHost
-from gateway.runner.recovery import STUCK_LOOP_THRESHOLD, stuck_notice
+from gateway.runner.recovery import STUCK_LOOP_THRESHOLD, stuck_notice, task_failure
 from gateway.store import codec, journal, schedules
 
 log = structlog.get_logger("gateway.replica")
@@ -372,6 +372,7 @@ class Replica:
                 marker["inbox_ids"],
                 source,
                 lambda events: runner.split_reply(source, stuck_notice(events or [data], key)),
+                task_failure(source),
             )
             log.warning("stuck_session_suspended", session_key=key, takeovers=attempts)
             await runner.delivery.send_recorded(source, list(zip(ids, chunks, strict=True)), None)

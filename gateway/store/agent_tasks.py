@@ -122,7 +122,7 @@ def listed(
     after: str | None = None,
 ) -> list[TaskRecord]:
     """The caller's tasks, newest first; `after`: the last task id of the previous page
-    (a task id of another caller, or none at all, starts from the newest)."""
+    (one that is not the caller's, or gone, ends the listing: nothing after it)."""
     where, params = ["caller = ?"], [caller]
     for column, value in (("agent_id", agent_id), ("context_id", context_id), ("state", state)):
         if value is not None:
@@ -133,9 +133,10 @@ def listed(
             "SELECT created_at FROM agent_tasks WHERE task_id = ? AND caller = ?",
             (after, caller),
         ).fetchone()
-        if mark is not None:
-            where.append("(created_at < ? OR (created_at = ? AND task_id < ?))")
-            params += [mark[0], mark[0], after]
+        if mark is None:
+            return []
+        where.append("(created_at < ? OR (created_at = ? AND task_id < ?))")
+        params += [mark[0], mark[0], after]
     rows = conn.execute(
         f"SELECT {_COLUMNS} FROM agent_tasks WHERE {' AND '.join(where)}"
         " ORDER BY created_at DESC, task_id DESC LIMIT ?",

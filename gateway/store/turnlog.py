@@ -361,11 +361,13 @@ class TurnLog:
         inbox_ids: list[int],
         target: SessionSource,
         notice: Callable[[list[dict[str, Any]]], list[str]],
+        settle: Callable[[sqlite3.Connection, str], object] | None = None,
     ) -> tuple[list[int], list[str]]:
         """The stuck-loop guard gives up on the key's turn: its marker goes, its messages
         are set aside (kept for /retry, `set_aside_messages`), and `notice(their events)`
         is recorded for `target`, all in one transaction: a crash cannot set them aside
-        without the user being told. Returns the notice's delivery ids and chunks."""
+        without the user being told. `settle(conn, notice text)` runs in it too (an
+        agent task's end). Returns the notice's delivery ids and chunks."""
         now = time.time()
         fence = self.fence
 
@@ -381,6 +383,8 @@ class TurnLog:
             delivery = journal.record_outbound(
                 conn, target, chunks, reply_to=None, session_key=session_key, now=now
             )
+            if settle is not None:
+                settle(conn, "\n".join(chunks))
             return delivery, chunks
 
         return await self.store.write(tx, dirty=False)

@@ -423,6 +423,14 @@ class GatewayConfig(BaseModel):
         """The zone daily resets are evaluated in (cached by resolve_timezone)."""
         return resolve_timezone(self.timezone)
 
+    def takes_agent_tasks(self) -> bool:
+        """Whether agents are given tasks: served over A2A (`a2a.enabled`), or delegated to
+        by another agent of this gateway (a native id in some agent's `delegates`)."""
+        if self.a2a.enabled:
+            return True
+        agents = [self.agent, *self.agents.values()]
+        return any(name not in self.remote_agents for agent in agents for name in agent.delegates)
+
     def connected_platforms(self) -> list[str]:
         """Names of the enabled platforms, in schema order."""
         return [name for name, platform in self._platforms() if platform.enabled]

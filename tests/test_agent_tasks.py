@@ -22,6 +22,10 @@ from tests.waiting import wait_for
 
 Make = Callable[..., Awaitable[GatewayRunner]]
 
+# Agents take tasks when served over A2A (or delegated to natively): the task platform
+# is there only then.
+A2A_ON = {"a2a": {"enabled": True}}
+
 
 @pytest.fixture
 async def make(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterator[Make]:
@@ -30,7 +34,7 @@ async def make(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterator[M
     made: list[GatewayRunner] = []
 
     async def start(home: str = "home", **settings: Any) -> GatewayRunner:
-        settings = {"timezone": "UTC", "agent": {"backend": "echo"}, **settings}
+        settings = {"timezone": "UTC", "agent": {"backend": "echo"}, **A2A_ON, **settings}
         config = store_backend.apply(GatewayConfig.model_validate(settings))
         runner = GatewayRunner(config, [], home=tmp_path / home)
         await runner.start()
@@ -241,7 +245,7 @@ async def test_subscribe_sees_the_streamed_deltas(
     tmp_path: Path, store_backend: StorageBackend
 ) -> None:
     listening, release = asyncio.Event(), asyncio.Event()
-    config = store_backend.apply(GatewayConfig.model_validate({"timezone": "UTC"}))
+    config = store_backend.apply(GatewayConfig.model_validate({"timezone": "UTC", **A2A_ON}))
     runner = GatewayRunner(
         config, [], agent_factory=lambda key: StreamingAgent(listening, release), home=tmp_path
     )
@@ -331,6 +335,7 @@ async def test_a_delegation_does_not_wait_for_the_slot_its_caller_holds(
         "timezone": "UTC",
         "agent": {"backend": "echo", "max_concurrent_turns": 1},
         "agents": {"helper": {"backend": "echo"}},
+        **A2A_ON,
     }
     config = store_backend.apply(GatewayConfig.model_validate(settings))
     agent = DelegatingAgent()
@@ -373,6 +378,7 @@ async def replicas(tmp_path: Path) -> AsyncIterator[Replicas]:
                     "agent": agent,
                     "storage": {"backend": "postgres", "dsn": dsn},
                     "cluster": {"failover_seconds": 2},
+                    **A2A_ON,
                 }
                 runner = GatewayRunner(
                     GatewayConfig.model_validate(settings), [], home=tmp_path / f"home{i}"
@@ -495,7 +501,7 @@ class AskingAgent:
 async def test_a_turn_waiting_for_an_approval_is_input_required_until_answered(
     tmp_path: Path, store_backend: StorageBackend
 ) -> None:
-    config = store_backend.apply(GatewayConfig.model_validate({"timezone": "UTC"}))
+    config = store_backend.apply(GatewayConfig.model_validate({"timezone": "UTC", **A2A_ON}))
     agent = AskingAgent()
     runner = GatewayRunner(config, [], agent_factory=lambda key: agent, home=tmp_path)
     agent.runner = runner

@@ -21,7 +21,7 @@ from gateway.domain.agent_tasks import TaskState
 from gateway.run import GatewayRunner
 from gateway.runner.agent_tasks import task_id_of
 from tests.pg_support import StorageBackend
-from tests.test_agent_tasks import transcript
+from tests.test_agent_tasks import A2A_ON, transcript
 
 CHILD = """
 import asyncio, json, sys
@@ -63,7 +63,7 @@ def run_until_killed(
 async def test_a_task_cut_off_by_kill_9_completes_once(
     tmp_path: Path, store_backend: StorageBackend, point: str
 ) -> None:
-    settings: dict[str, Any] = {"timezone": "UTC", "agent": {"backend": "echo"}}
+    settings: dict[str, Any] = {"timezone": "UTC", "agent": {"backend": "echo"}, **A2A_ON}
     if store_backend.postgres:
         settings["storage"] = store_backend.storage()
         # The killed process's session lease lapses soon: the restart takes its turn over.
@@ -95,7 +95,7 @@ async def test_a_task_whose_turn_kills_every_start_fails_once_given_up(
 ) -> None:
     """The stuck-loop guard: a turn cut off by a crash at every start is given up on,
     and its task fails with the notice the chat would get."""
-    settings: dict[str, Any] = {"timezone": "UTC", "agent": {"backend": "echo"}}
+    settings: dict[str, Any] = {"timezone": "UTC", "agent": {"backend": "echo"}, **A2A_ON}
     if store_backend.postgres:
         settings["storage"] = store_backend.storage()
         settings["cluster"] = {"failover_seconds": 1}

@@ -203,8 +203,9 @@ class GatewayRunner:
             )
         )
         self.engine.placement = self.placement
-        # Agent tasks (A2A, native delegation): their platform is in process, always
-        # there, so a task's turn is answered and resumed like any chat's.
+        # Agent tasks (A2A, native delegation): their platform is in process, there when
+        # the config gives agents tasks, so a task's turn is answered and resumed like any
+        # chat's; without, nothing of it shows in health, status or the log.
         self.agent_tasks = TaskService(
             self.roster,
             self.store,
@@ -214,7 +215,8 @@ class GatewayRunner:
             self.approvals,
             accepting=lambda: self.accepting,
         )
-        self.adapters[Platform.A2A] = self.agent_tasks.channel
+        if config.takes_agent_tasks():
+            self.adapters[Platform.A2A] = self.agent_tasks.channel
         self.engine.tasks = self.agent_tasks
         asking.agent_tasks = self.agent_tasks  # what `agent_call` hands native delegations to
         self.accepting = False

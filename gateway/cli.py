@@ -38,7 +38,7 @@ from gateway.agents.roster import Roster
 from gateway.domain.agent_tasks import AgentTasks
 from gateway.domain.session import agent_id_of_key, listing_cursor, listing_cursor_key
 from gateway.memory.embeddings import local_model_problem
-from gateway.ops.agents import add_agents_parser, run_agents_command
+from gateway.ops.agents import add_agents_parser, cmd_agents
 from gateway.ops.doctor import add_doctor_parser
 from gateway.ops.logs import LOG_LEVELS, configure_run_logging
 from gateway.ops.memory import add_memory_parser, run_memory_command
@@ -402,10 +402,6 @@ def cmd_schedules(args: argparse.Namespace, config: GatewayConfig) -> int:
             return await run_schedules_command(store, config, args)
 
     return asyncio.run(run())
-
-
-def cmd_agents(args: argparse.Namespace, config: GatewayConfig) -> int:
-    return asyncio.run(run_agents_command(config, args))
 
 
 # --- parser -----------------------------------------------------------------------------

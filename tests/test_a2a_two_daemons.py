@@ -13,37 +13,16 @@ from __future__ import annotations
 import asyncio
 import json
 import sqlite3
-from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from scripts.harness import Daemon
-from tests.fakes.openai_server import FakeOpenAI, tool_calls
+from tests.fakes.openai_server import FakeOpenAI
+from tests.test_agent_call import Models
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class Models:
-    """A script of answers per model; with none left, an answer showing what the model
-    was sent: after a tool round "<model> got: <result>", else "<model>: <text> (turn N)"."""
-
-    def __init__(self) -> None:
-        self.scripts: dict[str, deque[Any]] = defaultdict(deque)
-
-    def __call__(self, body: dict[str, Any]) -> str | dict[str, Any]:
-        model, messages = body["model"], body["messages"]
-        if self.scripts[model]:
-            return self.scripts[model].popleft()
-        if messages[-1]["role"] == "tool":
-            return f"{model} got: {messages[-1]['content']}"
-        users = [m for m in messages if m["role"] == "user"]
-        return f"{model}: {users[-1]['content']} (turn {len(users)})"
-
-    def call(self, model: str, agent: str, task: str) -> None:
-        self.scripts[model].append(tool_calls(("agent_call", {"agent": agent, "task": task})))
 
 
 def agent_yaml(fake: FakeOpenAI, model: str, delegates: list[str]) -> str:

@@ -104,3 +104,8 @@ async def run_agents_command(config: GatewayConfig, args: argparse.Namespace) ->
     report = await agents_report(config, check=not args.no_check)
     print(json.dumps(report, indent=2) if args.json else render(report))
     return 0
+
+
+def cmd_agents(args: argparse.Namespace, config: GatewayConfig) -> int:
+    """`hermes-gateway agents ...`, as the CLI's handler."""
+    return asyncio.run(run_agents_command(config, args))

@@ -237,7 +237,9 @@ class Streams:
         adapter = self.adapters.get(target.platform)
         if adapter is None or not adapter.can_stream(target):
             return None
-        platform_config = getattr(self._platforms, target.platform.value, None)
+        # Agent tasks stream to A2A callers on the HTTP API's port, at its pace.
+        name = "http" if target.platform is Platform.A2A else target.platform.value
+        platform_config = getattr(self._platforms, name, None)
         interval = float(getattr(platform_config, "edit_interval", 1.0))
         return Stream(
             adapter,

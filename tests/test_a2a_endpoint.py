@@ -53,7 +53,12 @@ async def test_a_quiet_stream_is_kept_alive(
             if lines.count(": keep-alive") >= 2:
                 break
     events = [json.loads(line[len("data: ") :]) for line in lines if line.startswith("data: ")]
-    assert events[0]["result"]["task"]["status"]["state"] == "TASK_STATE_WORKING"
+    # the task as sent (submitted, or working when its turn began first), then its turn's
+    # begin as a status update when it came later: working before the keep-alives
+    states = [events[0]["result"]["task"]["status"]["state"]] + [
+        e["result"]["statusUpdate"]["status"]["state"] for e in events[1:]
+    ]
+    assert states[-1] == "TASK_STATE_WORKING", states
     (task,) = await gateway.runner.agent_tasks.list("anonymous")
     await gateway.runner.agent_tasks.cancel(task.task_id, "anonymous")
 

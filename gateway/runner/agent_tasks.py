@@ -156,14 +156,17 @@ class TaskService:
             raise TaskRefused("the gateway is stopping", retry_after=_RETRY_SECONDS)
         task_id = task_id_of(agent_id, caller, message_id)
         try:
-            record = await self.store.read(lambda conn: rows.get(conn, task_id))
+            # The task and its context's owner in one read: one hop to the reader.
+            record, owner = await self.store.read(
+                lambda conn: (
+                    rows.get(conn, task_id),
+                    None if context_id is None else rows.context_owner(conn, agent_id, context_id),
+                )
+            )
             if record is None:
                 context = context_id or str(uuid.uuid4())
                 if context_id is not None:
                     # A context is its caller's: its session holds their conversation.
-                    owner = await self.store.read(
-                        lambda conn: rows.context_owner(conn, agent_id, context_id)
-                    )
                     if owner is not None and owner != caller:
                         raise TaskRefused(f"no context {context_id!r} of this caller")
                     answered = await self._answer_approval(agent_id, context_id, caller, text)
@@ -202,8 +205,11 @@ class TaskService:
             raise TaskRefused(accepted.detail or "unavailable", retry_after=_RETRY_SECONDS)
         if accepted.status in (AcceptStatus.REFUSED, AcceptStatus.IGNORED):
             await self._end(task_id, record.agent_id, TaskState.REJECTED)
-        found = await self.store.read(lambda conn: rows.get(conn, task_id))
-        return found if found is not None else record
+            found = await self.store.read(lambda conn: rows.get(conn, task_id))
+            return found if found is not None else record
+        # Accepted: the task as written (its turn may have begun since; GetTask, wait and
+        # subscribe read it as it stands).
+        return record
 
     async def get(self, task_id: str, caller: str) -> TaskRecord | None:
         if not isinstance(task_id, str) or len(task_id) > 64:
@@ -331,10 +337,15 @@ class TaskService:
         task_id = event.message_id or ""
         now = time.time()
         try:
-            began = await self.store.write(
-                lambda conn: rows.set_state(conn, task_id, TaskState.WORKING, now), dirty=False
+            # Marked and read back in the writer's transaction: no hop to the reader.
+            began, record = await self.store.write(
+                lambda conn: (
+                    rows.set_state(conn, task_id, TaskState.WORKING, now),
+                    rows.get(conn, task_id),
+                ),
+                dirty=False,
             )
-            record = await self._publish(task_id)
+            self._push(record)
         except Exception as exc:  # the turn runs all the same; its end is what counts
             log.warning("task_update_unwritten", task_id=task_id, error=str(exc))
             return True
@@ -432,10 +443,13 @@ class TaskService:
     async def _publish(self, task_id: str) -> TaskRecord | None:
         """The task as stored now, to this process's subscribers."""
         record = await self.store.read(lambda conn: rows.get(conn, task_id))
-        if record is not None:
-            for subscriber in self._subscribers.get(task_id, ()):
-                subscriber.push(TaskUpdate(record))
+        self._push(record)
         return record
+
+    def _push(self, record: TaskRecord | None) -> None:
+        if record is not None:
+            for subscriber in self._subscribers.get(record.task_id, ()):
+                subscriber.push(TaskUpdate(record))
 
     def _on_delta(self, task_id: str, text: str) -> None:
         record = self._live.get(task_id)

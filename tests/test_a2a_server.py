@@ -14,10 +14,8 @@ from a2a.client import A2ACardResolver
 from a2a.types import a2a_pb2 as pb
 from a2a.utils.errors import A2AError, TaskNotFoundError
 
-from gateway.agents.protocol import TurnRequest, TurnResult
-from gateway.run import GatewayRunner
-from gateway.tools.approval import ApprovalRequest
 from tests.a2a_support import TOKEN, A2aGateway, message, reply_of, send
+from tests.test_agent_tasks import AskingAgent
 from tests.waiting import wait_for
 
 
@@ -207,22 +205,6 @@ async def test_get_limits_the_history(gateway: A2aGateway) -> None:
     assert len(full.history) == 2
     assert [m.role for m in last.history] == [pb.ROLE_AGENT]
     assert len(none.history) == 0
-
-
-class AskingAgent:
-    """Asks the approval gate (as a tool marked `approve` does) and says the verdict."""
-
-    runner: GatewayRunner | None = None
-
-    async def run_turn(self, request: TurnRequest) -> TurnResult:
-        assert self.runner is not None
-        verdict = await self.runner.approvals.ask(
-            ApprovalRequest(request.session_key, request.source, "launch", {"what": "rocket"})
-        )
-        return TurnResult(f"verdict: {verdict.value}")
-
-    async def close(self) -> None:
-        return None
 
 
 async def test_a_task_waiting_for_an_approval_is_answered_through_its_task_id(

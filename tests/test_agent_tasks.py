@@ -328,6 +328,23 @@ class DelegatingAgent:
         return None
 
 
+async def test_only_a_native_delegation_runs_outside_the_agent_slots(make: Make) -> None:
+    """A chain from outside (another gateway's delegation, over A2A) is checked for
+    cycles but takes a slot like any chat: no caller can run turns past the limit."""
+    runner = await make(agent={"backend": "echo", "delay_seconds": 1.0})
+    tasks, chain = runner.agent_tasks, ("http://elsewhere/a2a/main",)
+    remote = await tasks.send("main", "r", message_id="r1", caller="bearer", chain=chain)
+    native = await tasks.send(
+        "main", "n", message_id="n1", caller="session:agent:x:http:dm:c", chain=chain
+    )
+    keys = {
+        f"agent:main:a2a:dm:{remote.context_id}": False,
+        f"agent:main:a2a:dm:{native.context_id}": True,
+    }
+    await wait_for(lambda: all(key in runner.engine.running for key in keys), within=15)
+    assert {key: runner.engine.running[key].source.is_bot for key in keys} == keys
+
+
 async def test_a_delegation_does_not_wait_for_the_slot_its_caller_holds(
     tmp_path: Path, store_backend: StorageBackend
 ) -> None:

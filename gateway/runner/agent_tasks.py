@@ -67,6 +67,8 @@ MAX_CHAIN_ENTRY_CHARS = 2048  # an agent id, or a remote agent's URL
 MAX_PENDING_DELTAS = 256
 #: how often a subscriber reads the row for changes made on another replica
 POLL_SECONDS = 2.0
+#: the caller of a native delegation: "session:<the calling session's key>"
+NATIVE_CALLER_PREFIX = "session:"
 _RETRY_SECONDS = 5.0
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
 #: a message answering a waiting approval
@@ -494,14 +496,17 @@ class TaskService:
     def _source(
         context_id: str, caller: str, task_id: str, chain: tuple[str, ...]
     ) -> SessionSource:
-        # `is_bot`: a delegation (a chain) runs outside the agent slots its caller holds.
+        # `is_bot`: a native delegation runs outside the agent slots, one of which its
+        # caller's turn in this process holds while it waits. Only a native one: an A2A
+        # caller (another gateway's delegation included) takes a slot like any chat, so
+        # no request from outside can run turns past `agent.max_concurrent_turns`.
         return SessionSource(
             platform=Platform.A2A,
             chat_id=context_id,
             chat_type="dm",
             user_id=caller,
             message_id=task_id,
-            is_bot=bool(chain),
+            is_bot=bool(chain) and caller.startswith(NATIVE_CALLER_PREFIX),
         )
 
     def _key(self, source: SessionSource, agent_id: str) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -40,6 +40,54 @@ CARD_TIMEOUT_SECONDS = 10.0  # one card fetch, at most
 PROBE_INTERVAL_SECONDS = 60.0  # the health probe reads every card this often
 CANCEL_TIMEOUT_SECONDS = 5.0  # a best-effort cancel, at most
 POLL_FIRST, POLL_MAX = 0.05, 2.0  # seconds between asking for a task that is not finished
+
+
+#: the most a remote agent's answer (its card, a task) may hold: the reply the model
+#: reads is cut far below this, and an answer read whole must not take the memory
+MAX_ANSWER_BYTES = 4 * 1024 * 1024
+
+
+class AnswerTooLarge(httpx.RemoteProtocolError):
+    """A remote's answer past `MAX_ANSWER_BYTES`: refused as it is read."""
+
+
+class _CappedStream(httpx.AsyncByteStream):
+    def __init__(self, stream: httpx.AsyncByteStream, limit: int, url: str) -> None:
+        self._stream, self._limit, self._url = stream, limit, url
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        seen = 0
+        async for chunk in self._stream:
+            seen += len(chunk)
+            if seen > self._limit:
+                raise AnswerTooLarge(f"the answer of {self._url} is over {self._limit} bytes")
+            yield chunk
+
+    async def aclose(self) -> None:
+        await self._stream.aclose()
+
+
+class _BoundedTransport(httpx.AsyncBaseTransport):
+    """httpx's own transport, with every answer's body bounded as it is read (the SDK
+    reads an answer whole before it parses it)."""
+
+    def __init__(self, limit: int) -> None:
+        self._inner = httpx.AsyncHTTPTransport()
+        self._limit = limit
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self._inner.handle_async_request(request)
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > self._limit:
+            await response.aclose()
+            raise AnswerTooLarge(f"the answer of {request.url} is over {self._limit} bytes")
+        stream = response.stream
+        assert isinstance(stream, httpx.AsyncByteStream)
+        response.stream = _CappedStream(stream, self._limit, str(request.url))
+        return response
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
 
 
 class RemoteError(Exception):
@@ -272,6 +320,7 @@ class RemoteAgents:
             remote = self._remotes[name]
             headers = {"Authorization": f"Bearer {remote.token}"} if remote.token else {}
             http = self._http[name] = httpx.AsyncClient(
+                transport=_BoundedTransport(MAX_ANSWER_BYTES),
                 headers=headers,
                 timeout=httpx.Timeout(remote.timeout_seconds, connect=self._card_timeout),
                 follow_redirects=False,

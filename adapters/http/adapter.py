@@ -72,6 +72,7 @@ from gateway.domain.session import (
     listing_cursor,
     listing_cursor_key,
 )
+from gateway.util.bounded_body import read_bounded
 
 __all__ = ["HttpAdapter"]
 
@@ -373,19 +374,12 @@ class HttpAdapter(PlatformAdapter):
     @staticmethod
     async def _read_capped(request: web.Request, limit: int) -> bytes | None:
         """The body, or None when it exceeds `limit` (also for chunked bodies)."""
-        chunks: list[bytes] = []
-        size = 0
         try:
-            while chunk := await request.content.readany():
-                size += len(chunk)
-                if size > limit:
-                    return None
-                chunks.append(chunk)
+            return await read_bounded(request.content, limit)
         except RequestPayloadError as exc:  # e.g. a Content-Encoding that does not decode
             raise BadRequest(f"the request body could not be read: {exc}") from None
         except ConnectionError as exc:  # the client closed the connection mid-body
             raise ClientGone(f"{type(exc).__name__}: {exc}") from None
-        return b"".join(chunks)
 
     async def _get_replies(self, request: web.Request) -> web.Response:
         """Up to `limit` replies (1-500, default 500) after `after` (0 to 2**63-1), waiting

@@ -53,6 +53,7 @@ from aiohttp.web_protocol import RequestPayloadError
 from google.protobuf.json_format import MessageToDict, ParseDict
 
 from gateway.a2a.handler import CALLER_KEY, TaskHandler
+from gateway.util.bounded_body import read_bounded
 
 __all__ = ["KEEPALIVE_SECONDS", "JsonRpcEndpoint"]
 
@@ -177,18 +178,14 @@ class JsonRpcEndpoint:
         limit = self.max_body_bytes
         if request.content_length is not None and request.content_length > limit:
             raise _BodyError(RpcInvalidRequest(message="Payload too large"))
-        chunks: list[bytes] = []
-        size = 0
         try:
-            while chunk := await request.content.readany():
-                size += len(chunk)
-                if size > limit:
-                    raise _BodyError(RpcInvalidRequest(message="Payload too large"))
-                chunks.append(chunk)
+            body = await read_bounded(request.content, limit)
         except RequestPayloadError as exc:  # e.g. a Content-Encoding that does not decode
             raise _BodyError(RpcParseError(message=f"the body could not be read: {exc}")) from None
+        if body is None:
+            raise _BodyError(RpcInvalidRequest(message="Payload too large"))
         try:
-            return json.loads(b"".join(chunks))
+            return json.loads(body)
         except (ValueError, UnicodeDecodeError) as exc:  # JSONDecodeError is a ValueError
             raise _BodyError(RpcParseError(message=str(exc))) from None
 

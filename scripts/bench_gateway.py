@@ -483,7 +483,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="only long-term memory: recall p50/p99 over 100,000 chunks (--recall-chunks)"
         " and the closed loop's per-turn cost with transcript indexing on vs off",
     )
-    parser.add_argument("--recall-chunks", type=int, default=100_000, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--recall-chunks",
+        type=int,
+        default=100_000,
+        help="with --recall: chunks of the latency run (0: only the on/off A/B)",
+    )
+    parser.add_argument(
+        "--recall-pairs",
+        type=int,
+        default=3,
+        help="with --recall: interleaved on/off pairs of closed loops (3)",
+    )
     parser.add_argument(
         "--schedules",
         type=int,
@@ -536,39 +547,65 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.open_messages = min(args.messages, int(args.rate * 10))
     if args.rate <= 0 or args.concurrency < 1 or args.messages < 1:
         parser.error("--rate, --concurrency and --messages must be positive")
+    if args.recall_pairs < 1 or args.recall_chunks < 0:
+        parser.error("--recall-pairs must be positive and --recall-chunks at least 0")
     if args.worker_home is None and min(args.sizes) <= args.concurrency:
         parser.error("every size must be larger than --concurrency")
     return args
 
 
 def recall_section(args: argparse.Namespace) -> int:
-    """Long-term memory: recall latency, and what indexing costs a turn."""
+    """Long-term memory: recall latency, and what indexing costs a turn.
+
+    The cost is an interleaved A/B in this one run: --recall-pairs pairs of closed loops,
+    indexing on and off alternately (the order swapped every pair), each on a fresh copy
+    of the same filled home, so that a machine whose load drifts shifts both sides alike.
+    The share is the median of the pairs' on/off - 1."""
     from scripts import bench_recall
 
-    recall_args = bench_recall.parse_args(["--chunks", str(args.recall_chunks)])
-    result = bench_recall.run(recall_args)
-    print(
-        f"recall over {result['chunks']} chunks of one user: p50 {result['p50_ms']:.1f} ms,"
-        f" p99 {result['p99_ms']:.1f} ms, max {result['max_ms']:.1f} ms"
-        f" ({recall_args.queries} queries; indexing them took {result['index_s']:.1f} s)"
-    )
+    if args.recall_chunks > 0:
+        recall_args = bench_recall.parse_args(["--chunks", str(args.recall_chunks)])
+        result = bench_recall.run(recall_args)
+        print(
+            f"recall over {result['chunks']} chunks of one user: p50 {result['p50_ms']:.1f} ms,"
+            f" p99 {result['p99_ms']:.1f} ms, max {result['max_ms']:.1f} ms"
+            f" ({recall_args.queries} queries; indexing them took {result['index_s']:.1f} s)",
+            flush=True,
+        )
     n = min(args.sizes)
     root = Path(tempfile.mkdtemp(prefix="bench-recall-turns-"))
+    cpu: dict[bool, list[float]] = {True: [], False: []}
     try:
-        for indexing in (False, True):
-            args.worker_index = "on" if indexing else "off"
-            home = root / f"home-{indexing}"
-            home.mkdir(mode=0o700)
-            asyncio.run(fill_home(home, n))
-            closed = run_worker(home, n, args)["closed"]
-            print(
-                f"closed loop, {n} sessions, transcript indexing {'on ' if indexing else 'off'}:"
-                f" cpu_us/turn {closed['cpu_us_per_turn']:.0f},"
-                f" p50 {closed['p50_ms']:.2f} ms, p99 {closed['p99_ms']:.2f} ms,"
-                f" {closed['turns_per_s']:.0f} turns/s"
-            )
+        filled = root / "filled"
+        filled.mkdir(mode=0o700)
+        asyncio.run(fill_home(filled, n))
+        for pair in range(args.recall_pairs):
+            order = (True, False) if pair % 2 == 0 else (False, True)
+            for indexing in order:
+                args.worker_index = "on" if indexing else "off"
+                home = root / f"home-{pair}-{args.worker_index}"
+                shutil.copytree(filled, home)
+                closed = run_worker(home, n, args)["closed"]
+                shutil.rmtree(home, ignore_errors=True)
+                cpu[indexing].append(closed["cpu_us_per_turn"])
+                print(
+                    f"pair {pair + 1}, {n} sessions, transcript indexing {args.worker_index:>3}:"
+                    f" cpu_us/turn {closed['cpu_us_per_turn']:.0f},"
+                    f" p50 {closed['p50_ms']:.2f} ms, p99 {closed['p99_ms']:.2f} ms,"
+                    f" {closed['turns_per_s']:.0f} turns/s",
+                    flush=True,
+                )
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    ratios = [on / off for on, off in zip(cpu[True], cpu[False], strict=True) if off > 0]
+    if ratios:
+        share = statistics.median(ratios) - 1
+        print(
+            f"indexing on vs off over {len(ratios)} pairs: cpu_us/turn median"
+            f" {statistics.median(cpu[True]):.0f} on, {statistics.median(cpu[False]):.0f} off;"
+            f" median of the pairs' on/off {share:+.1%}"
+            f" (pairs: {', '.join(f'{r - 1:+.0%}' for r in ratios)})"
+        )
     return 0
 
 

@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from gateway.memory.vector_blob import decode_rows
 from gateway.store import codec
 
 CANDIDATES = 64  # per signal, before the fusion
@@ -169,8 +170,7 @@ class VectorCache:
                 deletes, 0, 0, np.zeros(0, dtype=np.int64), np.zeros((0, 0), np.float32)
             )
         if rows:
-            matrix = np.frombuffer(b"".join(bytes(row[2]) for row in rows), dtype="<f4")
-            matrix = matrix.reshape(len(rows), -1)
+            matrix = decode_rows([bytes(row[2]) for row in rows])
             if entry.count and matrix.shape[1] != entry.cols.shape[0]:
                 raise ValueError(f"vectors of {namespace} differ in size within model {model}")
             if not entry.count:

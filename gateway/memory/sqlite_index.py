@@ -38,6 +38,7 @@ from gateway.memory.index import (
     TranscriptChunk,
 )
 from gateway.memory.retrieval import SqliteRecallSql
+from gateway.memory.vector_blob import encode_rows
 from gateway.store import codec
 from gateway.store.fts import connect_index
 
@@ -377,8 +378,9 @@ class SqliteIndexSql(SqliteRecallSql):
     def put_vectors(
         self, conn: sqlite3.Connection, chunk_ids: list[int], data: np.ndarray, model_id: str
     ) -> None:
-        """An old vector is deleted first, which `vector_deletes` counts."""
-        blob, width = data.tobytes(), data.shape[1] * 4 if data.ndim == 2 else 0
+        """An old vector is deleted first, which `vector_deletes` counts. Each is stored
+        in its smaller form (gateway.memory.vector_blob)."""
+        blobs = encode_rows(data)
         ids = codec.dumps(chunk_ids)
         conn.execute(
             "DELETE FROM vectors WHERE chunk_id IN (SELECT value FROM json_each(?))", (ids,)
@@ -386,10 +388,7 @@ class SqliteIndexSql(SqliteRecallSql):
         conn.executemany(
             "INSERT INTO vectors (chunk_id, namespace, model, vec)"
             " SELECT id, namespace, ?, ? FROM chunks WHERE id = ?",
-            [
-                (model_id, blob[i * width : (i + 1) * width], chunk_id)
-                for i, chunk_id in enumerate(chunk_ids)
-            ],
+            [(model_id, blob, chunk_id) for blob, chunk_id in zip(blobs, chunk_ids, strict=True)],
         )
         conn.execute(
             "DELETE FROM pending_vectors WHERE chunk_id IN (SELECT value FROM json_each(?))",

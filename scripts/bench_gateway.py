@@ -585,14 +585,16 @@ def recall_section(args: argparse.Namespace) -> int:
                 args.worker_index = "on" if indexing else "off"
                 home = root / f"home-{pair}-{args.worker_index}"
                 shutil.copytree(filled, home)
-                closed = run_worker(home, n, args)["closed"]
+                result = run_worker(home, n, args)
+                closed = result["closed"]
                 shutil.rmtree(home, ignore_errors=True)
                 cpu[indexing].append(closed["cpu_us_per_turn"])
                 print(
                     f"pair {pair + 1}, {n} sessions, transcript indexing {args.worker_index:>3}:"
                     f" cpu_us/turn {closed['cpu_us_per_turn']:.0f},"
                     f" p50 {closed['p50_ms']:.2f} ms, p99 {closed['p99_ms']:.2f} ms,"
-                    f" {closed['turns_per_s']:.0f} turns/s",
+                    f" {closed['turns_per_s']:.0f} turns/s,"
+                    f" peak RSS {result['rss_bytes'] / 2**20:.0f} MiB",
                     flush=True,
                 )
     finally:

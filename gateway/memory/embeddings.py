@@ -82,25 +82,37 @@ class HashEmbedder:
 
     def embed_sync(self, texts: Sequence[str]) -> np.ndarray:
         dims, slots = self.dimensions, self._slots
-        rows: list[int] = []
-        found: list[int] = []
-        for row, text in enumerate(texts):
-            for word in _WORD.findall(text.lower()):
-                slot = slots.get(word)
+        counts: list[int] = []
+        words: list[str] = []
+        for text in texts:
+            found = _WORD.findall(text.lower())
+            counts.append(len(found))
+            words.extend(found)
+        # The look-ups in one C-level pass; only words never seen are hashed in Python.
+        signed = list(map(slots.get, words))
+        if None in signed:
+            for i, slot in enumerate(signed):
                 if slot is None:
-                    digest = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest())
-                    slot = digest % dims + 1
-                    if not digest >> 63:
-                        slot = -slot
-                    if len(slots) < SLOT_CACHE_WORDS:
-                        slots[word] = slot
-                rows.append(row)
-                found.append(slot)
-        out = np.zeros((len(texts), dims), dtype=np.float32)
-        if found:
-            signed = np.array(found, dtype=np.int64)
-            np.add.at(out, (np.array(rows), np.abs(signed) - 1), np.sign(signed))
-        return unit_rows(out)
+                    signed[i] = self._slot(words[i])
+        flat = np.zeros(len(texts) * dims, dtype=np.float32)
+        if signed:
+            at = np.array(signed, dtype=np.int64)
+            rows = np.repeat(np.arange(len(texts), dtype=np.int64), counts)
+            # Counts per (row, dimension), signed: one bincount instead of np.add.at.
+            flat += np.bincount(
+                rows * dims + np.abs(at) - 1, weights=np.sign(at), minlength=len(flat)
+            ).astype(np.float32)
+        return unit_rows(flat.reshape(len(texts), dims))
+
+    def _slot(self, word: str) -> int:
+        """A word's signed slot (dimension + 1, negative for -1), hashed and kept."""
+        digest = int.from_bytes(hashlib.blake2b(word.encode(), digest_size=8).digest())
+        slot = digest % self.dimensions + 1
+        if not digest >> 63:
+            slot = -slot
+        if len(self._slots) < SLOT_CACHE_WORDS:
+            self._slots[word] = slot
+        return slot
 
     async def close(self) -> None:
         return None

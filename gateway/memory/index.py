@@ -48,6 +48,7 @@ NOTE_PAGE = 2_000  # note log entries per round
 MESSAGE_PAGE = 5_000  # message log entries (or rebuilt messages) per round
 INDEXED_ROLES = ("user", "assistant")
 INLINE_VECTORS = 2 * MESSAGE_PAGE  # vectors made inside a round, at most (the rest wait)
+INLINE_BATCH = 256  # of those, embedded and stored at a time
 
 # A transcript chunk to upsert: (namespace, session id, hash, text, message time).
 TranscriptChunk = tuple[str, str, str, str, float]
@@ -369,10 +370,14 @@ class MemoryIndex:
         self.sql.put_vectors(conn, chunk_ids, data, model_id)
 
     def _embed_waiting(self, conn: Any, embedder: SyncEmbedder, limit: int) -> None:
+        """In slices of INLINE_BATCH: a round's vectors at once would be a dense matrix
+        of tens of MB, freed again at once, which leaves the allocator's heap fragmented
+        (the process keeps it); a slice's is a fraction of a MB, reused round after round."""
         waiting = self.sql.pending_chunks(conn, limit)
-        if waiting:
-            vectors = embedder.embed_sync([row[1] for row in waiting])
-            self._put_vectors(conn, [row[0] for row in waiting], vectors, embedder.model_id)
+        for first in range(0, len(waiting), INLINE_BATCH):
+            batch = waiting[first : first + INLINE_BATCH]
+            vectors = embedder.embed_sync([row[1] for row in batch])
+            self._put_vectors(conn, [row[0] for row in batch], vectors, embedder.model_id)
 
     # --- forgetting --------------------------------------------------------------------
 

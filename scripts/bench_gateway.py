@@ -7,7 +7,7 @@ Per size N, on a fresh HERMES home:
    clean-shutdown marker is left, as a gateway stopped with SIGTERM leaves them;
 2. start-up: `python -m gateway.cli run` (HTTP adapter on a free 127.0.0.1 port) from
    process start until /healthz says accepting, median of a few runs, each stopped with
-   SIGTERM;
+   SIGTERM; the project's modules byte-compiled first, as an installed gateway's are;
 3. in-process: the real GatewayRunner (real store, echo agent, production settings) with
    an in-process adapter (no network, scripts/gateway_driver.py) in a fresh Python
    process, so its peak RSS is its own. Closed loop: C chats, each sending its next
@@ -25,8 +25,10 @@ the same number of turns (--messages) on keys drawn at random, every session sta
 with no messages and every turn reading up to `agent.history_limit` (100) of its
 session's newest messages, as the gateway's turn does (so both read the same history:
 about 40 messages per turn at 1,000 sessions by the end of a run, about none at
-100,000). The floor commits --concurrency turns at once (one commit per round of the
-closed loop's chats); it neither decodes what it reads nor runs an agent.
+100,000), and decodes it as the turn does. The floor commits --floor-batch turns at once
+(16 by default: about what the gateway's group commit reaches with the closed loop's 64
+chats, as --split prints it; a floor committing all 64 at once flattered itself); it
+runs no agent.
 
     .venv/bin/python scripts/bench_gateway.py                  # 1k, 10k, 100k
     taskset -c 0 .venv/bin/python scripts/bench_gateway.py     # pinned to one CPU
@@ -51,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import compileall
 import json
 import os
 import platform
@@ -73,7 +76,7 @@ from gateway.session import SessionSource
 from gateway.store import entries
 from gateway.store.session_store import SESSIONS_JSON, SessionStore
 from gateway.util.fsutil import atomic_write_bytes
-from scripts.bench_floor import measure_floor
+from scripts.bench_floor import GATEWAY_TURNS_PER_COMMIT, measure_floor
 from scripts.gateway_driver import (
     USER_TEXT,
     gateway_config,
@@ -137,8 +140,23 @@ async def fill_home(home: Path, n: int) -> float:
 # --- 2. start-up --------------------------------------------------------------------------
 
 
+# The project's own packages, byte-compiled before start-up is timed (`compile_project`).
+PACKAGES = ("gateway", "adapters", "config")
+
+
+def compile_project() -> None:
+    """Byte-compile the project's packages, as installing them does. With
+    PYTHONDONTWRITEBYTECODE set (as in some shells and containers) an editable checkout
+    is never cached, and every start compiled all of its modules from source first."""
+    root = Path(__file__).resolve().parent.parent
+    for package in PACKAGES:
+        compileall.compile_dir(root / package, quiet=1)
+
+
 def measure_startup(home: Path, timeout: float = 60.0) -> float:
-    """Seconds from process start until /healthz says accepting; stopped with SIGTERM."""
+    """Seconds from process start until /healthz says accepting; stopped with SIGTERM.
+    The project is byte-compiled first (`compile_project`), as a deployed one is."""
+    compile_project()
     daemon = Daemon(home)
     started = time.perf_counter()
     daemon.start(wait_ready=False)
@@ -316,7 +334,7 @@ def run_floor(root: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
     return measure_floor(
         n,
         args.messages,
-        args.concurrency,
+        args.floor_batch,
         root,
         history=0,
         read_limit=gateway_config().agent.history_limit,
@@ -445,6 +463,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sizes", type=int, nargs="+", default=None)
     parser.add_argument("--messages", type=int, default=None, help="closed loop (20000)")
     parser.add_argument("--concurrency", type=int, default=64, help="closed-loop chats")
+    parser.add_argument(
+        "--floor-batch",
+        type=int,
+        default=GATEWAY_TURNS_PER_COMMIT,
+        help=f"the floor's turns per commit ({GATEWAY_TURNS_PER_COMMIT}: what the gateway reaches)",
+    )
     parser.add_argument("--rate", type=float, default=1000.0, help="open loop, messages/s")
     parser.add_argument(
         "--open-messages", type=int, default=None, help="open loop (10 s worth, <= messages)"
@@ -545,8 +569,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setattr(args, name, value)
     if args.open_messages is None:
         args.open_messages = min(args.messages, int(args.rate * 10))
-    if args.rate <= 0 or args.concurrency < 1 or args.messages < 1:
-        parser.error("--rate, --concurrency and --messages must be positive")
+    if args.rate <= 0 or args.concurrency < 1 or args.messages < 1 or args.floor_batch < 1:
+        parser.error("--rate, --concurrency, --messages and --floor-batch must be positive")
     if args.recall_pairs < 1 or args.recall_chunks < 0:
         parser.error("--recall-pairs must be positive and --recall-chunks at least 0")
     if args.worker_home is None and min(args.sizes) <= args.concurrency:
@@ -692,7 +716,8 @@ def main(argv: list[str] | None = None) -> int:
         "latencies: handle_message -> adapter.send of the last chunk; o_ = open loop;"
         " cpu_us: process CPU per closed-loop turn (all threads); floor: floor_us, the"
         " same turns as the least SQL a durable turn can be (scripts/bench_floor.py, same"
-        " sessions, same history read); cpu/fl: cpu_us / floor_us"
+        f" sessions, same history read and decoded, {args.floor_batch} turns per commit);"
+        " cpu/fl: cpu_us / floor_us"
     )
     print(HEADER, flush=True)
     rows = []

@@ -316,11 +316,14 @@ class SqliteRecallSql:
         tags: tuple[str, ...],
     ) -> dict[int, float]:
         where, params = _tag_filter(tags)
+        # FTS5's `rank` (bm25 here) orders the matches inside FTS5, each scored once; the
+        # chunks are then read in that order only until CANDIDATES of the namespace are
+        # found, instead of every match read, scored and sorted outside it.
         rows = conn.execute(
-            "SELECT c.id, -bm25(chunks_fts) FROM chunks_fts"
-            " JOIN chunks c ON c.id = chunks_fts.rowid"
-            f" WHERE chunks_fts MATCH ? AND c.namespace = ?{where}"
-            " ORDER BY bm25(chunks_fts) LIMIT ?",
+            "SELECT c.id, -f.rank FROM chunks_fts f"
+            " JOIN chunks c ON c.id = f.rowid"
+            f" WHERE f.chunks_fts MATCH ? AND c.namespace = ?{where}"
+            " ORDER BY f.rank LIMIT ?",
             (" OR ".join(_phrase(word) for word in words), namespace, *params, CANDIDATES),
         ).fetchall()
         return dict(rows)
@@ -367,24 +370,38 @@ def vector_rows(
     return ids, matrix
 
 
+def is_sparse(query_vec: np.ndarray) -> bool:
+    """Whether a query has few enough nonzero dimensions (a hash embedding of a few
+    words) to be scored row by row (`vector_scores`)."""
+    return np.count_nonzero(query_vec) * 4 <= len(query_vec)
+
+
 def vector_scores(
     rows: tuple[np.ndarray, np.ndarray] | None, query_vec: np.ndarray | None, min_similarity: float
 ) -> dict[int, float]:
     """The numpy half: cosine of every chunk (unit vectors: a dot product), the best
-    CANDIDATES of those at or above `min_similarity`. A query with few nonzero
-    dimensions (a hash embedding) is multiplied with those dimensions' rows only: the
-    same sums, with the zero terms left out."""
+    CANDIDATES of those at or above `min_similarity`.
+
+    A sparse query (`is_sparse`) adds up its own dimensions' rows, each scaled by its
+    weight: the same sums with the zero terms left out, in numpy's own loops. Not a
+    matrix product of those rows: that copies them first, and BLAS hands a product this
+    size to its thread pool, whose threads wait for cores the gateway's own threads hold
+    (a product of a few rows then took 20 times its own time on a busy machine). Only
+    the chunks at or above the floor are ranked (a hash query's floor leaves out most)."""
     if rows is None or query_vec is None:
         return {}
     ids, matrix = rows
-    nonzero = np.flatnonzero(query_vec)
-    if len(nonzero) * 4 <= len(query_vec):
-        sims = query_vec[nonzero] @ matrix[nonzero]
+    if is_sparse(query_vec):
+        sims = np.zeros(matrix.shape[1], dtype=np.float32)
+        term = np.empty_like(sims)
+        for dim in np.flatnonzero(query_vec):
+            sims += np.multiply(matrix[dim], query_vec[dim], out=term)
     else:
         sims = query_vec @ matrix
-    top = min(CANDIDATES, len(sims))
-    best = np.argpartition(sims, -top)[-top:]
-    return {int(ids[i]): float(sims[i]) for i in best if sims[i] >= min_similarity and sims[i] > 0}
+    found = np.flatnonzero(sims >= max(min_similarity, np.nextafter(np.float32(0), 1)))
+    if len(found) > CANDIDATES:
+        found = found[np.argpartition(sims[found], -CANDIDATES)[-CANDIDATES:]]
+    return {int(ids[i]): float(sims[i]) for i in found}
 
 
 def ranks(scores: dict[int, float]) -> dict[int, int]:
@@ -433,15 +450,40 @@ def hybrid(
     rows = (
         vector_rows(conn, cache, namespace, model, query_vec, tags, sql) if vector_weight else None
     )
-    # The matrix product releases the GIL: it runs on a thread of its own while SQLite
-    # (which releases it too) ranks the text on this one.
-    scoring = _MATH.submit(vector_scores, rows, query_vec, min_similarity)
+    scoring = None
+    if rows is not None and query_vec is not None and not is_sparse(query_vec):
+        # A dense product releases the GIL for long: it runs on a thread of its own while
+        # SQLite (which releases it too) ranks the text on this one. A sparse one costs
+        # less than the hand-off and runs here.
+        scoring = _MATH.submit(vector_scores, rows, query_vec, min_similarity)
     text = text_scores(conn, namespace, query, tags, sql) if text_weight > 0 else {}
-    merged = fused(scoring.result(), text, vector_weight, text_weight)
-    found = sql.rows(conn, list(merged), exclude)
-    if notes_only:
-        found = [row for row in found if row[1] == "note"]
-    hits = [
+    vector = scoring.result() if scoring else vector_scores(rows, query_vec, min_similarity)
+    merged = fused(vector, text, vector_weight, text_weight)
+    # Best first; the rows (is each still alive, its times) are read a slice at a time,
+    # a tie always whole (its order is the rows' times), until `k` are found.
+    order = sorted(merged, key=lambda chunk_id: -round(merged[chunk_id], 9))
+    hits: list[Scored] = []
+    start, size = 0, 2 * k
+    while start < len(order):
+        end = min(start + size, len(order))
+        while end < len(order) and _tied(merged, order[end - 1], order[end]):
+            end += 1
+        hits += _scored(sql.rows(conn, order[start:end], exclude), merged, notes_only)
+        start, size = end, 4 * size
+        best = _best(hits, k)
+        if len(best) == k:
+            return best
+    return _best(hits, k)
+
+
+def _tied(scores: dict[int, float], one: int, other: int) -> bool:
+    return round(scores[one], 9) == round(scores[other], 9)
+
+
+def _scored(
+    found: list[tuple[Any, ...]], scores: dict[int, float], notes_only: bool
+) -> list[Scored]:
+    return [
         Scored(
             chunk_id,
             kind,
@@ -449,16 +491,22 @@ def hybrid(
             session_id,
             body,
             tags_of(note_tags),
-            merged[chunk_id],
+            scores[chunk_id],
             created,
             updated,
         )
         for chunk_id, kind, note_id, session_id, body, note_tags, created, updated in found
+        if kind == "note" or not notes_only
     ]
-    hits.sort(key=lambda hit: (-round(hit.score, 9), -hit.updated_at, -hit.chunk_id))
+
+
+def _best(hits: list[Scored], k: int) -> list[Scored]:
+    """The best `k` of `hits`, one per note: equal scores by the newer update, then the
+    newer chunk."""
+    ordered = sorted(hits, key=lambda hit: (-round(hit.score, 9), -hit.updated_at, -hit.chunk_id))
     out: list[Scored] = []
     notes_seen: set[str] = set()
-    for hit in hits:
+    for hit in ordered:
         if hit.note_id is not None:
             if hit.note_id in notes_seen:
                 continue

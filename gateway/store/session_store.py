@@ -51,6 +51,9 @@ SESSIONS_JSON = "sessions.json"
 PRUNE_PAGE = 500  # routing entries dropped per write by prune_old_entries
 #: the most user turns one /undo takes back (and what SQLite's LIMIT can take at all)
 MAX_REWIND = 1_000
+#: messages and characters of a transcript read on the event loop's thread; a longer
+#: one is read again whole on the reader thread
+SMALL_TRANSCRIPT = (200, 256 * 1024)
 
 
 def _utcnow() -> datetime:
@@ -257,10 +260,10 @@ class SessionStore:
         route = self._routing_tx(source, key, force_new, now)
 
         def tx(conn: sqlite3.Connection) -> SessionEntry:
-            entry, fresh = route(conn, entries.load_entry(conn, key))
-            if not fresh:
-                entry.updated_at = now
-                entries.save_hot(conn, entry)
+            loaded = entries.load_to_touch(conn, key)
+            entry, fresh = route(conn, loaded[0] if loaded else None)
+            if not fresh and loaded:
+                entries.touch(conn, entry, loaded[1], now)
             return entry
 
         return tx
@@ -481,7 +484,7 @@ class SessionStore:
     # --- queries -----------------------------------------------------------------------
 
     async def get_entry(self, session_key: str) -> SessionEntry | None:
-        return await self._db.read(lambda conn: entries.load_entry(conn, session_key))
+        return await self._db.read_now(lambda conn: entries.load_entry(conn, session_key))
 
     async def expired_entries(self, limit: int = 1000, page: int = 1000) -> list[SessionEntry]:
         """Up to `limit` entries whose reset policy has expired and that are not finalized.
@@ -542,11 +545,11 @@ class SessionStore:
         return page, page[-1].session_key
 
     async def lookup_by_session_id(self, session_id: str) -> SessionEntry | None:
-        return await self._db.read(lambda conn: entries.load_by_session_id(conn, session_id))
+        return await self._db.read_now(lambda conn: entries.load_by_session_id(conn, session_id))
 
     async def has_any_sessions(self) -> bool:
         """Whether any session was ever created (history, not just live entries)."""
-        return await self._db.read(
+        return await self._db.read_now(
             lambda conn: conn.execute("SELECT 1 FROM sessions LIMIT 1").fetchone() is not None
         )
 
@@ -581,6 +584,11 @@ class SessionStore:
         )
 
     async def load_transcript(self, session_id: str) -> list[dict[str, Any]]:
+        small = await self._db.read_now(
+            lambda conn: transcript.load_small(conn, session_id, *SMALL_TRANSCRIPT)
+        )
+        if small is not None:
+            return small
         return await self._db.read(lambda conn: transcript.load(conn, session_id))
 
     async def count_messages(self, session_id: str) -> int:

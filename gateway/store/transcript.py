@@ -77,6 +77,21 @@ def load(conn: sqlite3.Connection, session_id: str) -> list[dict[str, Any]]:
     return [codec.loads(message) for (message,) in rows]
 
 
+def load_small(
+    conn: sqlite3.Connection, session_id: str, max_messages: int, max_chars: int
+) -> list[dict[str, Any]] | None:
+    """`load`, or None when the transcript has more than `max_messages` messages or
+    more than `max_chars` characters of them: a read too long for the event loop's own
+    thread (`Database.read_now`)."""
+    rows = conn.execute(
+        "SELECT message FROM messages WHERE session_id = ? AND active = 1 ORDER BY id LIMIT ?",
+        (session_id, max_messages + 1),
+    ).fetchall()
+    if len(rows) > max_messages or sum(len(message) for (message,) in rows) > max_chars:
+        return None
+    return [codec.loads(message) for (message,) in rows]
+
+
 def load_row(conn: sqlite3.Connection, row_id: int) -> dict[str, Any] | None:
     row = conn.execute("SELECT message FROM messages WHERE id = ?", (row_id,)).fetchone()
     return codec.loads(row[0]) if row else None

@@ -51,9 +51,6 @@ SESSIONS_JSON = "sessions.json"
 PRUNE_PAGE = 500  # routing entries dropped per write by prune_old_entries
 #: the most user turns one /undo takes back (and what SQLite's LIMIT can take at all)
 MAX_REWIND = 1_000
-#: messages and characters of a transcript read on the event loop's thread; a longer
-#: one is read again whole on the reader thread
-SMALL_TRANSCRIPT = (200, 256 * 1024)
 
 
 def _utcnow() -> datetime:
@@ -584,12 +581,10 @@ class SessionStore:
         )
 
     async def load_transcript(self, session_id: str) -> list[dict[str, Any]]:
-        small = await self._db.read_now(
-            lambda conn: transcript.load_small(conn, session_id, *SMALL_TRANSCRIPT)
-        )
-        if small is not None:
-            return small
-        return await self._db.read(lambda conn: transcript.load(conn, session_id))
+        messages = await self._db.read_now(lambda conn: transcript.load_small(conn, session_id))
+        if messages is None:  # too long to read on the event loop's thread
+            messages = await self._db.read(lambda conn: transcript.load(conn, session_id))
+        return messages
 
     async def count_messages(self, session_id: str) -> int:
         return await self._db.read(lambda conn: transcript.count_active(conn, session_id))

@@ -41,7 +41,7 @@ from gateway.store.mirror import (
     read_sessions_json,
 )
 from gateway.store.pg.search import PgSearchIndex
-from gateway.store.session_routing import ActiveCheck, expiry_cutoff, route_entry
+from gateway.store.session_routing import ActiveCheck, ResetPolicies, expiry_cutoff, route_entry
 
 log = structlog.get_logger(__name__)
 NEVER_RESET = SessionResetPolicy(mode="none")
@@ -70,6 +70,7 @@ class SessionStore:
         self.config = config
         self.has_active_processes_fn = has_active_processes_fn
         self._active_check = ActiveCheck()
+        self._policy = ResetPolicies(config)
         self.db_path = self.sessions_dir / STATE_DB
         self.json_path = self.sessions_dir / SESSIONS_JSON
         # On PostgreSQL every replica shares the tables; search.db and sessions.json are
@@ -169,7 +170,7 @@ class SessionStore:
         return self._active_check(self.has_active_processes_fn, session_key)
 
     def _policy_for(self, entry: SessionEntry) -> Any:
-        return self.config.get_reset_policy(entry.platform or Platform.LOCAL, entry.chat_type)
+        return self._policy(entry.platform or Platform.LOCAL, entry.chat_type)
 
     def _is_session_expired(self, entry: SessionEntry, now: datetime | None = None) -> bool:
         """Policy check from the entry alone (the expiry watcher has no source)."""
@@ -293,7 +294,7 @@ class SessionStore:
     ) -> Callable[[sqlite3.Connection, SessionEntry | None], tuple[SessionEntry, bool]]:
         """The state machine (gateway.store.session_routing) on a loaded entry (None:
         the key has none), with this source's policy and the key's running processes."""
-        policy = self.config.get_reset_policy(source.platform, source.chat_type)
+        policy = self._policy(source.platform, source.chat_type)
         if schedule_id_of_key(key) is not None:
             # A scheduled job's session keeps its context from run to run.
             policy = NEVER_RESET

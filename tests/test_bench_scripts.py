@@ -156,3 +156,13 @@ def test_bench_tool_journal_times_a_round_each_way() -> None:
     out = run_script("bench_tool_journal.py", "--rounds", "50", timeout=120)
     assert "journaled: median" in out and "plain: median" in out, out
     assert re.search(r"journal per round of one call: -?\d+ us", out), out
+
+
+def test_bench_store_api_sets_each_call_beside_plain_sqlite() -> None:
+    out = run_script(
+        "bench_store_api.py", *("--sizes", "300", "--visits", "40", "--runs", "2"), timeout=120
+    )
+    for call in ("get_or_create_session", "append_to_transcript", "load_transcript"):
+        row = next((line for line in out.splitlines() if f" {call} " in line), None)
+        assert row is not None, out
+        assert re.search(r"[\d.]+ / [\d.]+ / [\d.]+x$", row), row

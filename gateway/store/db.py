@@ -45,6 +45,7 @@ import structlog
 
 from gateway.store.batch import Outcome, commit_batch, probe, refusal
 from gateway.store.checkpoint import SAFETY_NET_PAGES, WAL_SIZE_LIMIT, Checkpointer
+from gateway.store.loop_reader import LoopReadBusy, LoopReader
 from gateway.store.migrations import migrate
 from gateway.store.outage import Outage, StoreUnwritable
 from gateway.util.fsutil import fsync_dir
@@ -113,6 +114,7 @@ class Database:
         self.path = path
         self._writer: sqlite3.Connection | None = None
         self._reader: aiosqlite.Connection | None = None
+        self._loop_reader: LoopReader | None = None  # None: every read takes `read()`
         self._pending: list[tuple[WriteFn, Settles, bool]] = []  # fn, future, persist
         self._parked: list[tuple[WriteFn, Settles]] = []  # refused, to retry
         self._flush: asyncio.Handle | None = None
@@ -153,6 +155,7 @@ class Database:
             self._reader = await aiosqlite.connect(self.path, isolation_level=None)
             await self._reader.execute("PRAGMA query_only=1")
             await self._reader.execute("PRAGMA busy_timeout=5000")
+            self._loop_reader = LoopReader(self.path)
             self._checkpointer = Checkpointer(self.path, lambda: self.commits)
             self._checkpointer.start()
         except sqlite3.DatabaseError as exc:
@@ -190,6 +193,23 @@ class Database:
             with contextlib.suppress(StoreUnwritable):
                 await self.write_soon(_nothing)
         return await self._reader._execute(_read_snapshot, self._reader._conn, fn)
+
+    async def read_now(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        """`read()` on the event loop's own thread (`gateway.store.loop_reader`), for a
+        read of a few rows only: the loop waits for it."""
+        if self._loop_reader is None:  # PostgreSQL's reads all go to its readers
+            return await self.read(fn)
+        self._require_open()
+        if self._pending:
+            with contextlib.suppress(StoreUnwritable):
+                await self.write_soon(_nothing)
+        reader = self._loop_reader
+        try:
+            if reader is not None:  # None: closed meanwhile, which read() reports
+                return reader.read(fn)
+        except LoopReadBusy:
+            pass
+        return await self.read(fn)
 
     async def write(self, fn: Callable[[sqlite3.Connection], T], *, persist: bool = False) -> T:
         """Run `fn(conn)` in a committed transaction; returns once it is committed.
@@ -352,6 +372,9 @@ class Database:
                 future.set_exception(StoreUnwritable(reason))
 
     async def _close_connections(self) -> None:
+        if self._loop_reader is not None:
+            self._loop_reader.close()
+            self._loop_reader = None
         if self._reader is not None:
             await self._reader.close()
             self._reader = None

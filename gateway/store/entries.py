@@ -78,6 +78,7 @@ _SELECT_ENTRY = (
     " h.resume_pending, h.resume_reason, h.last_resume_marked_at"
     " FROM session_entries h LEFT JOIN session_entry_docs d ON d.session_key = h.session_key"
 )
+_SELECT_ENTRY_AND_MINUTE = _SELECT_ENTRY.replace(" FROM ", ", h.active_minute FROM ", 1)
 #: the hot fields of one key's entry, in the field order of `SessionEntry`, and the row's
 #: active_minute last
 _SELECT_HOT = (
@@ -169,6 +170,33 @@ def save_hot(conn: sqlite3.Connection, entry: SessionEntry) -> None:
         conn.execute(
             "UPDATE session_entries SET active_minute = ? WHERE session_key = ?",
             (minute, entry.session_key),
+        )
+
+
+def load_to_touch(conn: sqlite3.Connection, session_key: str) -> tuple[SessionEntry, int] | None:
+    """`load_entry`, and the row's active_minute for `touch`."""
+    row = conn.execute(
+        f"{_SELECT_ENTRY_AND_MINUTE} WHERE h.session_key = ?", (session_key,)
+    ).fetchone()
+    return (_entry_of(row[:-1]), row[-1]) if row else None
+
+
+def touch(conn: sqlite3.Connection, entry: SessionEntry, minute: int, now: datetime) -> None:
+    """`entry.updated_at` moved to `now` and nothing else (a session that continues, loaded
+    by `load_to_touch` in this transaction, its row's active_minute `minute`): one UPDATE
+    of that column, not the whole hot row, and of active_minute (whose index it rewrites)
+    only when the minute changed."""
+    entry.updated_at = now
+    moment, new_minute = now.timestamp(), minute_of(now)
+    if new_minute == minute:
+        conn.execute(
+            "UPDATE session_entries SET updated_at = ? WHERE session_key = ?",
+            (moment, entry.session_key),
+        )
+    else:
+        conn.execute(
+            "UPDATE session_entries SET active_minute = ?, updated_at = ? WHERE session_key = ?",
+            (new_minute, moment, entry.session_key),
         )
 
 

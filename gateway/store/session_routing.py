@@ -12,6 +12,7 @@ from __future__ import annotations
 import sqlite3
 from collections.abc import Callable
 from datetime import datetime, timedelta, tzinfo
+from enum import Enum
 
 import structlog
 
@@ -78,6 +79,22 @@ def expiry_cutoff(config: GatewayConfig, now: datetime, tz: tzinfo) -> datetime 
         if policy.mode in ("daily", "both"):
             cutoffs.append(last_daily_boundary(now, policy.at_hour, tz))
     return max(cutoffs) if cutoffs else None
+
+
+class ResetPolicies:
+    """The reset policy of each platform and chat type, looked up in the config once
+    (it is frozen): a lookup walks pydantic models, and every message routes."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self._config = config
+        self._known: dict[tuple[str | Enum, str], SessionResetPolicy] = {}
+
+    def __call__(self, platform: str | Enum, chat_type: str) -> SessionResetPolicy:
+        policy = self._known.get((platform, chat_type))
+        if policy is None:
+            policy = self._config.get_reset_policy(platform, chat_type)
+            self._known[(platform, chat_type)] = policy
+        return policy
 
 
 class ActiveCheck:

@@ -41,7 +41,7 @@ from gateway.store.mirror import (
     read_sessions_json,
 )
 from gateway.store.pg.search import PgSearchIndex
-from gateway.store.session_routing import ActiveCheck, expiry_cutoff, route_entry
+from gateway.store.session_routing import ActiveCheck, ResetPolicies, expiry_cutoff, route_entry
 
 log = structlog.get_logger(__name__)
 NEVER_RESET = SessionResetPolicy(mode="none")
@@ -70,6 +70,7 @@ class SessionStore:
         self.config = config
         self.has_active_processes_fn = has_active_processes_fn
         self._active_check = ActiveCheck()
+        self._policy = ResetPolicies(config)
         self.db_path = self.sessions_dir / STATE_DB
         self.json_path = self.sessions_dir / SESSIONS_JSON
         # On PostgreSQL every replica shares the tables; search.db and sessions.json are
@@ -169,7 +170,7 @@ class SessionStore:
         return self._active_check(self.has_active_processes_fn, session_key)
 
     def _policy_for(self, entry: SessionEntry) -> Any:
-        return self.config.get_reset_policy(entry.platform or Platform.LOCAL, entry.chat_type)
+        return self._policy(entry.platform or Platform.LOCAL, entry.chat_type)
 
     def _is_session_expired(self, entry: SessionEntry, now: datetime | None = None) -> bool:
         """Policy check from the entry alone (the expiry watcher has no source)."""
@@ -257,10 +258,10 @@ class SessionStore:
         route = self._routing_tx(source, key, force_new, now)
 
         def tx(conn: sqlite3.Connection) -> SessionEntry:
-            entry, fresh = route(conn, entries.load_entry(conn, key))
-            if not fresh:
-                entry.updated_at = now
-                entries.save_hot(conn, entry)
+            loaded = entries.load_to_touch(conn, key)
+            entry, fresh = route(conn, loaded[0] if loaded else None)
+            if not fresh and loaded:
+                entries.touch(conn, entry, loaded[1], now)
             return entry
 
         return tx
@@ -293,7 +294,7 @@ class SessionStore:
     ) -> Callable[[sqlite3.Connection, SessionEntry | None], tuple[SessionEntry, bool]]:
         """The state machine (gateway.store.session_routing) on a loaded entry (None:
         the key has none), with this source's policy and the key's running processes."""
-        policy = self.config.get_reset_policy(source.platform, source.chat_type)
+        policy = self._policy(source.platform, source.chat_type)
         if schedule_id_of_key(key) is not None:
             # A scheduled job's session keeps its context from run to run.
             policy = NEVER_RESET
@@ -481,7 +482,7 @@ class SessionStore:
     # --- queries -----------------------------------------------------------------------
 
     async def get_entry(self, session_key: str) -> SessionEntry | None:
-        return await self._db.read(lambda conn: entries.load_entry(conn, session_key))
+        return await self._db.read_now(lambda conn: entries.load_entry(conn, session_key))
 
     async def expired_entries(self, limit: int = 1000, page: int = 1000) -> list[SessionEntry]:
         """Up to `limit` entries whose reset policy has expired and that are not finalized.
@@ -542,11 +543,11 @@ class SessionStore:
         return page, page[-1].session_key
 
     async def lookup_by_session_id(self, session_id: str) -> SessionEntry | None:
-        return await self._db.read(lambda conn: entries.load_by_session_id(conn, session_id))
+        return await self._db.read_now(lambda conn: entries.load_by_session_id(conn, session_id))
 
     async def has_any_sessions(self) -> bool:
         """Whether any session was ever created (history, not just live entries)."""
-        return await self._db.read(
+        return await self._db.read_now(
             lambda conn: conn.execute("SELECT 1 FROM sessions LIMIT 1").fetchone() is not None
         )
 
@@ -581,7 +582,10 @@ class SessionStore:
         )
 
     async def load_transcript(self, session_id: str) -> list[dict[str, Any]]:
-        return await self._db.read(lambda conn: transcript.load(conn, session_id))
+        messages = await self._db.read_now(lambda conn: transcript.load_small(conn, session_id))
+        if messages is None:  # too long to read on the event loop's thread
+            messages = await self._db.read(lambda conn: transcript.load(conn, session_id))
+        return messages
 
     async def count_messages(self, session_id: str) -> int:
         return await self._db.read(lambda conn: transcript.count_active(conn, session_id))

@@ -13,6 +13,10 @@ from typing import Any
 from gateway.store import codec
 
 ROLES = frozenset({"user", "assistant", "system", "tool"})
+#: the most messages, and characters of them, `load_small` reads: few enough that
+#: decoding them on the event loop's thread holds it up less than a thread hop would
+SMALL_MESSAGES = 200
+SMALL_CHARS = 256 * 1024
 
 
 def validate_message(message: Any) -> dict[str, Any]:
@@ -74,6 +78,24 @@ def load(conn: sqlite3.Connection, session_id: str) -> list[dict[str, Any]]:
         "SELECT message FROM messages WHERE session_id = ? AND active = 1 ORDER BY id",
         (session_id,),
     )
+    return [codec.loads(message) for (message,) in rows]
+
+
+def load_small(
+    conn: sqlite3.Connection,
+    session_id: str,
+    max_messages: int = SMALL_MESSAGES,
+    max_chars: int = SMALL_CHARS,
+) -> list[dict[str, Any]] | None:
+    """`load`, or None when the transcript has more than `max_messages` messages or
+    more than `max_chars` characters of them: a read too long for the event loop's own
+    thread (`Database.read_now`), to be made on the reader thread instead."""
+    rows = conn.execute(
+        "SELECT message FROM messages WHERE session_id = ? AND active = 1 ORDER BY id LIMIT ?",
+        (session_id, max_messages + 1),
+    ).fetchall()
+    if len(rows) > max_messages or sum(len(message) for (message,) in rows) > max_chars:
+        return None
     return [codec.loads(message) for (message,) in rows]
 
 

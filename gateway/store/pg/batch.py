@@ -41,6 +41,7 @@ def commit_pipelined(conn: PgConn, fns: list[Callable[[Any], Any]]) -> Outcome:
             conn.execute("BEGIN")
             for fn in fns:
                 results.append((True, fn(conn)))
+            conn.run_checks()
             conn.execute("COMMIT")
     except Exception as exc:
         _rollback(conn)

@@ -231,7 +231,9 @@ class PgConn:
 
     Inside `pipelined()` statements are sent without waiting for their results (psycopg's
     pipeline mode): a write function that reads nothing back costs no round trip of its
-    own, and an error surfaces at the next result asked for or at the end of the block."""
+    own, and an error surfaces at the next result asked for or at the end of the block.
+    Code that reaches the psycopg connection itself (`raw`) inside a write reads a result
+    through `fetch*`, which waits for it; `rowcount` there is not waited for."""
 
     dialect = "postgres"
 
@@ -240,6 +242,7 @@ class PgConn:
         self._changes = 0
         self._unsettled: list[psycopg.Cursor[Any]] = []  # writes whose counts are to come
         self._pipeline: psycopg.Pipeline | None = None
+        self._checks: list[Callable[[], None]] = []
         self._trace: Callable[[str], object] | None = None
 
     @property
@@ -269,11 +272,31 @@ class PgConn:
                     yield
                 finally:
                     self._pipeline = None
+                    self._checks = []
         except psycopg.Error as exc:
             _reraise(exc)
         finally:
             self._unsettled = [c for c in self._unsettled if c.pgresult is not None]
             self._settle_changes()
+
+    def check_later(self, check: Callable[[], None]) -> None:
+        """Run `check` (which raises to fail the transaction) once the results sent so far
+        are in: in pipeline mode at `run_checks`, before the COMMIT, so the statements
+        after it need not wait for its result; else now. What a write did after a check
+        that fails is rolled back with the rest of its transaction."""
+        if self._pipeline is None:
+            check()
+        else:
+            self._checks.append(check)
+
+    def run_checks(self) -> None:
+        """The deferred checks (`check_later`), after one wait for every result."""
+        if not self._checks:
+            return
+        self.sync()
+        checks, self._checks = self._checks, []
+        for check in checks:
+            check()
 
     def sync(self) -> None:
         """Wait for the results of every statement sent so far (pipeline mode)."""

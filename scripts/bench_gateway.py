@@ -661,29 +661,30 @@ def stream_section(args: argparse.Namespace) -> int:
 def replicas_section(args: argparse.Namespace) -> int:
     """Replicas on PostgreSQL: closed-loop turns/s and reply latency over the
     HTTP API, SQLite on one node first."""
-    from scripts import bench_replicas
+    from scripts import bench_replicas, replicas_report
 
     runs = [("sqlite", 1)]
     if args.backend == "postgres":
         runs += [("postgres", n) for n in args.replicas or [1, 2, 3]]
     window = ["--seconds", "3", "--warmup", "1"] if args.quick else []
-    print(bench_replicas.machine_line())
+    print(replicas_report.machine_line())
     print(
         f"closed loop: {args.concurrency} chats, chat i on replica i % N, POST then long-poll"
         " the reply on the same replica; echo agent; CPU in % of one core"
     )
-    print(bench_replicas.HEADER, flush=True)
+    print(replicas_report.HEADER, flush=True)
     failed = False
+    replica_args = bench_replicas.parse_args(["--chats", str(args.concurrency), *window])
+    results = []
     for backend, replicas in runs:
-        options = ["--backend", backend, "--replicas", str(replicas)]
-        replica_args = bench_replicas.parse_args(
-            [*options, "--chats", str(args.concurrency), *window]
-        )
-        result = bench_replicas.run(replica_args)
-        print(bench_replicas.format_row(result), flush=True)
-        for line in bench_replicas.notes(result):
+        result = bench_replicas.run(replica_args, backend, replicas)
+        results.append(result)
+        print(replicas_report.format_row(result), flush=True)
+        for line in replicas_report.notes(result):
             print(f"  {line}", flush=True)
-        failed = failed or bool(bench_replicas.failures(result))
+        failed = failed or bool(replicas_report.failures(result))
+    for line in replicas_report.ratio_lines(results):
+        print(line, flush=True)
     return 1 if failed else 0
 
 

@@ -1,11 +1,17 @@
 """Several gateway replicas on one PostgreSQL, beside one node on SQLite:
 closed-loop turns/s and reply latency over the real daemons' HTTP APIs.
 
-    .venv/bin/python scripts/bench_replicas.py --backend postgres --replicas 3
-    .venv/bin/python scripts/bench_replicas.py --backend sqlite        # the baseline
+    .venv/bin/python scripts/bench_replicas.py --backend postgres --replicas 1,2,3
+    .venv/bin/python scripts/bench_replicas.py --backend postgres --replicas 3 --no-baseline
+    .venv/bin/python scripts/bench_replicas.py --backend sqlite        # the baseline alone
     .venv/bin/python scripts/bench_gateway.py --backend postgres --replicas 1,2,3
 
-It starts N daemons (`python -m gateway.cli run`, scripts/harness.py Daemon, each in a
+`--replicas` takes a count or counts separated by commas; on PostgreSQL each count is run
+in turn, after one node on SQLite in the same invocation (unless `--no-baseline`), and the
+ratios are printed against the targets: one replica at least `TARGET_ONE` of the SQLite
+node's turns/s, two replicas at least `TARGET_TWO` of one replica's.
+
+For each row it starts N daemons (`python -m gateway.cli run`, scripts/harness.py Daemon, each in a
 home of its own with its HTTP API on a free 127.0.0.1 port; echo agent, production
 settings otherwise) on a PostgreSQL schema it creates for the run and drops at the end
 (`--dsn`, else $HERMES_TEST_PG_DSN, else the local trust-auth server), or one daemon on
@@ -37,7 +43,6 @@ import contextlib
 import json
 import math
 import os
-import platform
 import secrets
 import shutil
 import sys
@@ -48,7 +53,6 @@ from array import array
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +63,7 @@ if __package__ in (None, ""):  # run as a file: make the repo root importable
 
 from scripts.harness import Daemon, cpu_seconds, percentile
 from scripts.load_http import ACCEPTED, ECHO_PREFIX, POLL_WAIT, Client
+from scripts.replicas_report import HEADER, failures, format_row, machine_line, notes, ratio_lines
 
 DEFAULT_DSN = "postgresql://postgres@127.0.0.1:5432/test"
 REPLY_TIMEOUT = 30.0  # seconds a chat waits for one reply before it counts as an error
@@ -66,10 +71,6 @@ MAX_TURNS_PER_CHAT = 100_000  # a bound on each chat's loop besides its deadline
 FINAL_PAGES = 1_000  # pages of 500 replies read per chat at the end, at most
 SETTLE_SECONDS = 0.5  # after the last reply: time for a reply sent twice to show up
 WAIT_SAMPLE = 0.02  # seconds between two looks at what the PostgreSQL backends do
-HEADER = (
-    f"{'backend':<8} {'replicas':>8} {'turns/s':>8} {'p50_ms':>7} {'p99_ms':>7} {'max_ms':>7}"
-    f" {'errors':>6} {'missing':>7} {'dup':>4} {'gw_cpu%':>7} {'pg_cpu%':>7} {'client%':>7}"
-)
 
 
 # --- the daemons ------------------------------------------------------------------------------
@@ -390,15 +391,23 @@ async def drive(
 # --- a run ------------------------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def plan(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """The rows of an invocation: (backend, replicas) in the order they run."""
+    if args.backend == "sqlite":
+        return [("sqlite", 1)]
+    baseline = [] if args.no_baseline else [("sqlite", 1)]
+    return baseline + [("postgres", n) for n in args.replicas]
+
+
+def run(args: argparse.Namespace, backend: str, replicas: int) -> dict[str, Any]:
     """Start the daemons, drive the loop, stop them (SIGTERM); the figures of the run."""
     root = Path(tempfile.mkdtemp(prefix="bench-replicas-"))
-    result: dict[str, Any] = {"backend": args.backend, "replicas": args.replicas}
+    result: dict[str, Any] = {"backend": backend, "replicas": replicas}
     try:
         with contextlib.ExitStack() as stack:
-            dsn = stack.enter_context(pg_schema(args.dsn)) if args.backend == "postgres" else None
+            dsn = stack.enter_context(pg_schema(args.dsn)) if backend == "postgres" else None
             settings = replica_settings(dsn, args.delay)
-            daemons = [Daemon(root / f"replica{i}", settings) for i in range(args.replicas)]
+            daemons = [Daemon(root / f"replica{i}", settings) for i in range(replicas)]
             try:
                 for daemon in daemons:  # one by one: the first runs the migrations
                     daemon.start(timeout=60)
@@ -425,77 +434,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def machine_line() -> str:
-    return (
-        f"python {platform.python_version()}, {os.cpu_count()} CPUs, client, daemons and"
-        f" PostgreSQL on this machine, {datetime.now(UTC):%Y-%m-%d %H:%M} UTC,"
-        f" load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
-    )
-
-
-def format_row(r: dict[str, Any]) -> str:
-    cpu = r["cpu_percent"]
-    pg = "-" if math.isnan(cpu["pg"]) else f"{cpu['pg']:.0f}"
-    return (
-        f"{r['backend']:<8} {r['replicas']:>8} {r['turns_per_s']:>8.0f} {r['p50_ms']:>7.1f}"
-        f" {r['p99_ms']:>7.1f} {r['max_ms']:>7.1f} {r['errors']:>6} {r['missing']:>7}"
-        f" {r['duplicated']:>4} {cpu['daemons']:>7.0f} {pg:>7} {cpu['client']:>7.0f}"
-    )
-
-
-def waits_line(r: dict[str, Any]) -> str | None:
-    """Where the replicas' PostgreSQL backends spent the window (sampled), or None."""
-    waits = dict(r.get("pg_waits") or {})
-    samples = waits.pop("(samples)", 0)
-    if not samples:
-        return None
-    busy = sum(waits.values())
-    shares = ", ".join(f"{what} {100 * n / busy:.0f}%" for what, n in Counter(waits).most_common(5))
-    return (
-        f"PostgreSQL: {r['pg_backends']} backends of the replicas, on average"
-        f" {busy / samples:.2f} busy ({samples} samples){': ' + shares if busy else ''}"
-    )
-
-
-def failures(r: dict[str, Any]) -> list[str]:
-    """What went wrong in a run, one line each (none when it was clean)."""
-    lines = []
-    if r["errors"]:
-        lines.append(f"errors: {r['error_kinds']}")
-    if r["missing"] or r["duplicated"] or r["unexpected"]:
-        lines.append(
-            f"replies missing {r['missing']}, duplicated {r['duplicated']},"
-            f" unexpected {r['unexpected']}"
-        )
-    if any(code != 0 for code in r.get("exit_codes", [])):
-        lines.append(f"daemon exit codes after SIGTERM: {r['exit_codes']}")
-    return lines
-
-
-def notes(r: dict[str, Any]) -> list[str]:
-    """The failures, then the daemons' log warnings (shown, not failing the run: a
-    replica that stops logs the leader role it gives up as a warning)."""
-    lines = failures(r)
-    cpu = r["cpu_percent"]
-    pg_runq = (
-        "" if math.isnan(cpu["pg_runq"]) else f", its PostgreSQL processes {cpu['pg_runq']:.0f}%"
-    )
-    lines.append(
-        f"waiting for a CPU (runnable, not running; % of one core): the daemons' threads"
-        f" {cpu['daemons_runq']:.0f}%{pg_runq}"
-    )
-    if (waits := waits_line(r)) is not None:
-        lines.append(waits)
-    if r["log_problems"]:
-        lines.append(f"daemon log warnings/errors: {r['log_problems']}")
-        lines += [f"  {sample}" for sample in r["log_samples"][:5]]
-    return lines
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backend", choices=("sqlite", "postgres"), default="postgres")
-    parser.add_argument("--replicas", type=int, default=1, help="daemons (sqlite: 1)")
+    parser.add_argument(
+        "--replicas",
+        type=_counts,
+        default=[1],
+        help="daemons on PostgreSQL: a count, or counts separated by commas (1,2,3) run in"
+        " turn (sqlite: 1)",
+    )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="postgres: skip the SQLite node run first for the ratios",
+    )
     parser.add_argument("--chats", type=int, default=64, help="concurrent chats")
     parser.add_argument("--seconds", type=float, default=10.0, help="measured window")
     parser.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds first")
@@ -507,7 +460,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args(argv)
-    if not 1 <= args.replicas <= 16 or (args.backend == "sqlite" and args.replicas != 1):
+    if not all(1 <= n <= 16 for n in args.replicas) or (
+        args.backend == "sqlite" and args.replicas != [1]
+    ):
         parser.error("--replicas: 1..16 on postgres, 1 on sqlite (one node owns its home)")
     if not 1 <= args.chats <= 1000:
         parser.error("--chats must be 1..1000")
@@ -524,13 +479,29 @@ def main(argv: list[str] | None = None) -> int:
         f" measured; echo agent, delay {args.delay:g} s; CPU in % of one core"
     )
     print(HEADER, flush=True)
-    result = run(args)
-    print(format_row(result))
-    for line in notes(result):
-        print(f"  {line}")
+    results = []
+    for backend, replicas in plan(args):
+        result = run(args, backend, replicas)
+        results.append(result)
+        print(format_row(result), flush=True)
+        for line in notes(result):
+            print(f"  {line}", flush=True)
+    for line in ratio_lines(results):
+        print(line)
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=1))
-    return 1 if failures(result) else 0
+        args.json.write_text(json.dumps(results if len(results) > 1 else results[0], indent=1))
+    return 1 if any(failures(result) for result in results) else 0
+
+
+def _counts(text: str) -> list[int]:
+    """`--replicas`: "3" or "1,2,3"."""
+    try:
+        counts = [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError("counts separated by commas, such as 1,2,3") from None
+    if not counts:
+        raise argparse.ArgumentTypeError("at least one count")
+    return counts
 
 
 if __name__ == "__main__":

@@ -145,6 +145,41 @@ def test_bench_gateway_replicas_prints_sqlite_then_each_postgres_count() -> None
         assert row[header.index("errors")] == "0", out
 
 
+def test_bench_replicas_takes_counts_and_runs_the_sqlite_node_first() -> None:
+    """`--replicas 1,2,3` as the docs write it: each count in one invocation, after the
+    SQLite node the ratios are taken against; the ratios name their targets."""
+    from scripts import bench_replicas, replicas_report
+
+    args = bench_replicas.parse_args(["--backend", "postgres", "--replicas", "1,2,3"])
+    assert bench_replicas.plan(args) == [
+        ("sqlite", 1),
+        ("postgres", 1),
+        ("postgres", 2),
+        ("postgres", 3),
+    ]
+    args = bench_replicas.parse_args(["--replicas", "3", "--no-baseline"])
+    assert bench_replicas.plan(args) == [("postgres", 3)]
+    assert bench_replicas.plan(bench_replicas.parse_args(["--backend", "sqlite"])) == [
+        ("sqlite", 1)
+    ]
+    for wrong in (
+        ["--replicas", "1,x"],
+        ["--replicas", "0"],
+        ["--backend", "sqlite", "--replicas", "2"],
+    ):
+        with pytest.raises(SystemExit):
+            bench_replicas.parse_args(wrong)
+    rows = [
+        {"backend": "sqlite", "replicas": 1, "turns_per_s": 1000.0},
+        {"backend": "postgres", "replicas": 1, "turns_per_s": 500.0},
+        {"backend": "postgres", "replicas": 2, "turns_per_s": 900.0},
+    ]
+    assert replicas_report.ratio_lines(rows) == [
+        "ratio 1 replica / SQLite node: 0.50 (target >= 0.6: NOT met)",
+        "ratio 2 replicas / 1 replica: 1.80 (target >= 1.6: met)",
+    ]
+
+
 def test_bench_mcp_call_times_the_three_ways_of_one_call() -> None:
     out = run_script("bench_mcp_call.py", "--calls", "20", timeout=120)
     for way in ("sdk", "hub", "turn"):

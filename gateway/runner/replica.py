@@ -262,9 +262,16 @@ class Replica:
 
     def fence(self, conn: Any, key: str) -> None:
         """In a turn's own transaction: renew `key`'s lease, or fail the transaction when
-        another replica holds it now (the turn is theirs to resume)."""
-        if conn.execute(_FENCE, (self.ttl, lease_name(key), self.owner)).rowcount != 1:
-            raise LeaseLost(f"session {key} is run by another replica now")
+        another replica holds it now (the turn is theirs to resume). The check waits for
+        the end of the batch (`PgConn.check_later`): the transaction fails all the same,
+        and the batch's other statements need not wait for this one's answer."""
+        renewed = conn.execute(_FENCE, (self.ttl, lease_name(key), self.owner))
+
+        def check() -> None:
+            if renewed.rowcount != 1:
+                raise LeaseLost(f"session {key} is run by another replica now")
+
+        conn.check_later(check)
 
     async def forward(self, key: str, event: MessageEvent, kind: MessageKind) -> int | None:
         """Another replica runs `key`: journal the message for it and wake it."""

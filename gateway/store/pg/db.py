@@ -1,11 +1,14 @@
 """The store on PostgreSQL: the same `Database` (group commit, parked writes while the
 database is away, reads that see every write queued before them), with the writer and the
-readers on threads of their own, each holding a sync psycopg connection (`PgConn`).
+readers on threads of their own, on sync psycopg connections (`PgConn`).
 
 Why threads and not the event loop's own thread (as for SQLite): a PostgreSQL statement is
 a network round trip, and psycopg releases the GIL while it waits, so the loop keeps
 serving while a batch commits. Writes queued while one batch is in flight form the next
 one: a busy gateway still pays one COMMIT per batch.
+
+The writer sends a batch's statements in pipeline mode (`gateway.store.pg.batch`); the
+readers take their connections from a pool (`gateway.store.pg.readers`).
 
 A lost connection fails the batch with `StoreUnwritable` ("database unreachable"): new
 messages are refused (HTTP 503, platforms redeliver), acknowledged work is parked and
@@ -26,12 +29,14 @@ from typing import Any, TypeVar
 import psycopg
 import structlog
 
-from gateway.store.batch import commit_batch, probe, refusal
+from gateway.store.batch import probe, refusal
 from gateway.store.db import Database, DatabaseError, DatabaseUnreachable, _settle
 from gateway.store.outage import Outage, StoreUnwritable
 from gateway.store.pg import schema
+from gateway.store.pg.batch import commit_pipelined
 from gateway.store.pg.dialect import PgConn, configure, unreachable
 from gateway.store.pg.dsn import redact
+from gateway.store.pg.readers import Readers
 
 T = TypeVar("T")
 
@@ -65,8 +70,10 @@ class PgDatabase(Database):
         self.unwritable = Outage(log, "store_unwritable", database=redact(dsn))
         self._writer_pool = ThreadPoolExecutor(1, thread_name_prefix="pg-writer")
         self._reader_pool = ThreadPoolExecutor(readers, thread_name_prefix="pg-reader")
+        self._readers = Readers(dsn, readers, CONNECT_TIMEOUT)
+        self._readers_open = False
         self._local = threading.local()
-        self._conns: list[PgConn] = []  # every connection opened, closed at close()
+        self._conns: list[PgConn] = []  # the writer's connections, closed at close()
         self._conns_lock = threading.Lock()
         self._in_flight = False  # a batch is committing on the writer thread
         self._trace: Callable[[str], object] | None = None
@@ -88,22 +95,24 @@ class PgDatabase(Database):
                 f"the PostgreSQL store at {redact(self.dsn)} cannot be used ({_reason(exc)})"
             ) from None
         self._writer = conn  # type: ignore[assignment]
+        self._readers.open()
+        self._readers_open = True
 
     def _open_writer(self) -> PgConn:
-        conn = self._connection(read_only=False)
+        conn = self._connection()
         schema.migrate(conn.raw)
         return conn
 
-    def _connection(self, *, read_only: bool) -> PgConn:
-        """This thread's connection, (re)opened when absent or broken."""
+    def _connection(self) -> PgConn:
+        """The writer thread's connection, (re)opened when absent or broken."""
         conn: PgConn | None = getattr(self._local, "conn", None)
         if conn is not None and not conn.raw.closed and not conn.raw.broken:
             return conn
         if conn is not None:
             with contextlib.suppress(psycopg.Error):
                 conn.close()
-        conn = connect(self.dsn, read_only=read_only)
-        if self._trace is not None and not read_only:
+        conn = connect(self.dsn)
+        if self._trace is not None:
             conn.set_trace_callback(self._trace)
         self._local.conn = conn
         with self._conns_lock:
@@ -116,19 +125,7 @@ class PgDatabase(Database):
             with contextlib.suppress(StoreUnwritable):
                 await self.write_soon(_nothing)
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._reader_pool, self._read, fn)
-
-    def _read(self, fn: Callable[[Any], T]) -> T:
-        conn = self._connection(read_only=True)
-        try:
-            conn.execute("BEGIN")
-            try:
-                return fn(conn)
-            finally:
-                if not conn.raw.broken:
-                    conn.execute("COMMIT")
-        except psycopg.Error as exc:
-            raise unreachable(exc) or exc from None
+        return await loop.run_in_executor(self._reader_pool, self._readers.read, fn)
 
     def data_version(self) -> int:
         """Counts this replica's commits: on PostgreSQL other writers are announced by
@@ -162,11 +159,11 @@ class PgDatabase(Database):
 
     def _commit_batch(self, fns: list[Callable[[Any], Any]]) -> tuple[Any, int]:
         try:
-            conn = self._connection(read_only=False)
+            conn = self._connection()
         except (psycopg.Error, StoreUnwritable) as exc:
             return [(False, refusal(unreachable(exc) or exc))] * len(fns), 0
         before = conn.total_changes
-        outcome = commit_batch(conn, fns)  # type: ignore[arg-type]
+        outcome = commit_pipelined(conn, fns)
         return outcome, conn.total_changes - before
 
     def _committed(self, batch: list[Any], done: asyncio.Future[Any]) -> None:
@@ -209,6 +206,9 @@ class PgDatabase(Database):
         self._writer = None
         self._writer_pool.shutdown(wait=False)
         self._reader_pool.shutdown(wait=False)
+        if self._readers_open:
+            self._readers_open = False
+            await asyncio.get_running_loop().run_in_executor(None, self._readers.close)
 
 
 def _nothing(conn: Any) -> None:

@@ -28,10 +28,11 @@ port, never the password.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import psycopg
 from psycopg import errors as pg_errors
@@ -176,51 +177,135 @@ def _first_line(exc: BaseException) -> str:
 
 
 class PgCursor:
-    """The part of `sqlite3.Cursor` the store uses."""
+    """The part of `sqlite3.Cursor` the store uses. In pipeline mode a statement's result
+    arrives later than its `execute`: the row count, the new row's id and the rows are
+    waited for (one round trip for everything queued so far) only when asked for."""
 
-    __slots__ = ("_cursor", "lastrowid", "rowcount")
+    __slots__ = ("_conn", "_cursor", "_lastrowid", "_returns_id")
 
-    def __init__(self, cursor: psycopg.Cursor[Any], rowcount: int, lastrowid: int | None) -> None:
+    def __init__(self, conn: PgConn, cursor: psycopg.Cursor[Any], returns_id: bool) -> None:
+        self._conn = conn
         self._cursor = cursor
-        self.rowcount = rowcount
-        self.lastrowid = lastrowid
+        self._returns_id = returns_id
+        self._lastrowid: int | None = None
+
+    def _result(self) -> psycopg.Cursor[Any]:
+        if self._cursor.pgresult is None:
+            self._conn.sync()
+        if self._returns_id:  # RETURNING id: read once, before any fetch of the caller's
+            self._returns_id = False
+            row = self._cursor.fetchone()
+            self._lastrowid = row[0] if row else None
+        return self._cursor
+
+    @property
+    def rowcount(self) -> int:
+        return self._result().rowcount
+
+    @property
+    def lastrowid(self) -> int | None:
+        self._result()
+        return self._lastrowid
 
     def fetchone(self) -> Any:
-        if self._cursor.description is None:
-            return None
-        return self._cursor.fetchone()
+        cursor = self._result()
+        return None if cursor.description is None else cursor.fetchone()
 
     def fetchall(self) -> list[Any]:
-        if self._cursor.description is None:
-            return []
-        return self._cursor.fetchall()
+        cursor = self._result()
+        return [] if cursor.description is None else cursor.fetchall()
 
     def fetchmany(self, size: int) -> list[Any]:
-        if self._cursor.description is None:
-            return []
-        return self._cursor.fetchmany(size)
+        cursor = self._result()
+        return [] if cursor.description is None else cursor.fetchmany(size)
 
     def __iter__(self) -> Iterator[Any]:
-        if self._cursor.description is None:
-            return iter(())
-        return iter(self._cursor)
+        cursor = self._result()
+        return iter(()) if cursor.description is None else iter(cursor)
 
 
 class PgConn:
     """A psycopg connection spoken to like the store's `sqlite3.Connection`: statements
     translated (`translate`), transactions by `BEGIN`/`COMMIT` statements (the
-    connection is in autocommit mode, as `isolation_level=None` is for sqlite3)."""
+    connection is in autocommit mode, as `isolation_level=None` is for sqlite3).
+
+    Inside `pipelined()` statements are sent without waiting for their results (psycopg's
+    pipeline mode): a write function that reads nothing back costs no round trip of its
+    own, and an error surfaces at the next result asked for or at the end of the block.
+    Code that reaches the psycopg connection itself (`raw`) inside a write reads a result
+    through `fetch*`, which waits for it; `rowcount` there is not waited for."""
 
     dialect = "postgres"
 
     def __init__(self, conn: psycopg.Connection[Any]) -> None:
         self.raw = conn
-        self.total_changes = 0
+        self._changes = 0
+        self._unsettled: list[psycopg.Cursor[Any]] = []  # writes whose counts are to come
+        self._pipeline: psycopg.Pipeline | None = None
+        self._checks: list[Callable[[], None]] = []
         self._trace: Callable[[str], object] | None = None
 
     @property
     def in_transaction(self) -> bool:
         return self.raw.info.transaction_status != TransactionStatus.IDLE
+
+    @property
+    def total_changes(self) -> int:
+        if self._unsettled:
+            if any(cursor.pgresult is None for cursor in self._unsettled):
+                self.sync()
+            self._settle_changes()
+        return self._changes
+
+    def _settle_changes(self) -> None:
+        cursors, self._unsettled = self._unsettled, []
+        self._changes += sum(max(cursor.rowcount, 0) for cursor in cursors)
+
+    @contextlib.contextmanager
+    def pipelined(self) -> Iterator[None]:
+        """Pipeline mode for the block; its results are all in when it ends (errors are
+        raised as `execute` raises them)."""
+        try:
+            with self.raw.pipeline() as pipeline:
+                self._pipeline = pipeline
+                try:
+                    yield
+                finally:
+                    self._pipeline = None
+                    self._checks = []
+        except psycopg.Error as exc:
+            _reraise(exc)
+        finally:
+            self._unsettled = [c for c in self._unsettled if c.pgresult is not None]
+            self._settle_changes()
+
+    def check_later(self, check: Callable[[], None]) -> None:
+        """Run `check` (which raises to fail the transaction) once the results sent so far
+        are in: in pipeline mode at `run_checks`, before the COMMIT, so the statements
+        after it need not wait for its result; else now. What a write did after a check
+        that fails is rolled back with the rest of its transaction."""
+        if self._pipeline is None:
+            check()
+        else:
+            self._checks.append(check)
+
+    def run_checks(self) -> None:
+        """The deferred checks (`check_later`), after one wait for every result."""
+        if not self._checks:
+            return
+        self.sync()
+        checks, self._checks = self._checks, []
+        for check in checks:
+            check()
+
+    def sync(self) -> None:
+        """Wait for the results of every statement sent so far (pipeline mode)."""
+        if self._pipeline is None:
+            return
+        try:
+            self._pipeline.sync()
+        except psycopg.Error as exc:
+            _reraise(exc)
 
     def execute(self, sql: str, params: Sequence[Any] | dict[str, Any] = ()) -> PgCursor:
         statement = translate(sql)
@@ -229,18 +314,12 @@ class PgConn:
         try:
             cursor = self.raw.execute(statement.sql, params or None)
         except psycopg.Error as exc:
-            refused = unreachable(exc)
-            if refused is not None:
-                raise refused from exc
-            raise
-        rowcount = cursor.rowcount
-        lastrowid = None
-        if statement.returns_id:
-            row = cursor.fetchone()
-            lastrowid = row[0] if row else None
-        if statement.writes and rowcount > 0:
-            self.total_changes += rowcount
-        return PgCursor(cursor, rowcount, lastrowid)
+            _reraise(exc)
+        if statement.writes:
+            self._unsettled.append(cursor)
+            if self._pipeline is None:
+                self._settle_changes()
+        return PgCursor(self, cursor, statement.returns_id)
 
     def executemany(self, sql: str, seq: Iterable[Sequence[Any]]) -> PgCursor:
         statement = translate(sql)
@@ -252,20 +331,49 @@ class PgConn:
         try:
             with self.raw.cursor() as cursor:
                 cursor.executemany(sql_text, list(seq))
+                if self._pipeline is not None:  # the count is known once the rows are in
+                    self._pipeline.sync()
                 rowcount = cursor.rowcount
         except psycopg.Error as exc:
-            refused = unreachable(exc)
-            if refused is not None:
-                raise refused from exc
-            raise
-        self.total_changes += max(rowcount, 0)
-        return PgCursor(self.raw.cursor(), rowcount, None)
+            _reraise(exc)
+        self._changes += max(rowcount, 0)
+        return _Done(rowcount)  # type: ignore[return-value]
 
     def set_trace_callback(self, callback: Callable[[str], object] | None) -> None:
         self._trace = callback
 
     def close(self) -> None:
         self.raw.close()
+
+
+class _Done:
+    """What `executemany` returns: its row count, and no rows."""
+
+    __slots__ = ("lastrowid", "rowcount")
+
+    def __init__(self, rowcount: int) -> None:
+        self.rowcount = rowcount
+        self.lastrowid = None
+
+    def fetchone(self) -> Any:
+        return None
+
+    def fetchall(self) -> list[Any]:
+        return []
+
+    def fetchmany(self, size: int) -> list[Any]:
+        return []
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+
+def _reraise(exc: psycopg.Error) -> NoReturn:
+    """Raise `exc`, or the `StoreUnwritable` it means."""
+    refused = unreachable(exc)
+    if refused is not None:
+        raise refused from exc
+    raise exc
 
 
 __all__ = ["PgConn", "PgCursor", "configure", "is_postgres", "translate", "unreachable"]

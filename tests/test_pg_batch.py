@@ -23,7 +23,7 @@ __all__ = ["pg_schema_dsn"]  # the fixture, imported for pytest
 
 @pytest.fixture
 async def db(pg_schema_dsn: str) -> AsyncIterator[PgDatabase]:
-    database = PgDatabase(pg_schema_dsn)
+    database = PgDatabase(pg_schema_dsn, pipeline=True)
     await database.open()
     yield database
     await database.close()

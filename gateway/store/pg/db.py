@@ -7,8 +7,9 @@ a network round trip, and psycopg releases the GIL while it waits, so the loop k
 serving while a batch commits. Writes queued while one batch is in flight form the next
 one: a busy gateway still pays one COMMIT per batch.
 
-The writer sends a batch's statements in pipeline mode (`gateway.store.pg.batch`); the
-readers take their connections from a pool (`gateway.store.pg.readers`).
+The readers take their connections from a pool (`gateway.store.pg.readers`). With
+`pipeline` the writer sends a batch's statements in psycopg's pipeline mode
+(`gateway.store.pg.batch`) and each read its BEGIN with its first statement.
 
 A lost connection fails the batch with `StoreUnwritable` ("database unreachable"): new
 messages are refused (HTTP 503, platforms redeliver), acknowledged work is parked and
@@ -29,7 +30,7 @@ from typing import Any, TypeVar
 import psycopg
 import structlog
 
-from gateway.store.batch import probe, refusal
+from gateway.store.batch import commit_batch, probe, refusal
 from gateway.store.db import Database, DatabaseError, DatabaseUnreachable, _settle
 from gateway.store.outage import Outage, StoreUnwritable
 from gateway.store.pg import schema
@@ -43,6 +44,12 @@ T = TypeVar("T")
 log = structlog.get_logger("gateway.store.pg")
 
 READERS = 4  # reader connections: reads of different turns run side by side
+# Pipeline mode saves round trips but costs this process more CPU per statement, and most
+# of a turn's writes read their result back (a new row's id, a row count), which waits
+# anyway: measured on a loaded 2-core machine with the server on 127.0.0.1, the store
+# spent more CPU per write and did fewer turns with it. Off by default; worth turning on
+# where a round trip costs more than that CPU (a server across a network).
+PIPELINE = False
 CONNECT_TIMEOUT = 5  # seconds
 
 
@@ -64,13 +71,14 @@ def connect(dsn: str, *, read_only: bool = False) -> PgConn:
 class PgDatabase(Database):
     """`Database` on PostgreSQL (see the module's docstring)."""
 
-    def __init__(self, dsn: str, readers: int = READERS) -> None:
+    def __init__(self, dsn: str, readers: int = READERS, *, pipeline: bool = PIPELINE) -> None:
         super().__init__(path=None)  # type: ignore[arg-type]
         self.dsn = dsn
+        self.pipeline = pipeline
         self.unwritable = Outage(log, "store_unwritable", database=redact(dsn))
         self._writer_pool = ThreadPoolExecutor(1, thread_name_prefix="pg-writer")
         self._reader_pool = ThreadPoolExecutor(readers, thread_name_prefix="pg-reader")
-        self._readers = Readers(dsn, readers, CONNECT_TIMEOUT)
+        self._readers = Readers(dsn, readers, CONNECT_TIMEOUT, pipeline=pipeline)
         self._readers_open = False
         self._local = threading.local()
         self._conns: list[PgConn] = []  # the writer's connections, closed at close()
@@ -163,7 +171,7 @@ class PgDatabase(Database):
         except (psycopg.Error, StoreUnwritable) as exc:
             return [(False, refusal(unreachable(exc) or exc))] * len(fns), 0
         before = conn.total_changes
-        outcome = commit_pipelined(conn, fns)
+        outcome = commit_pipelined(conn, fns) if self.pipeline else commit_batch(conn, fns)  # type: ignore[arg-type]
         return outcome, conn.total_changes - before
 
     def _committed(self, batch: list[Any], done: asyncio.Future[Any]) -> None:

@@ -360,6 +360,21 @@ async def test_cache_never_evicts_an_agent_in_use():
     assert "c" in cache and "d" in cache and len(cache) == 2
 
 
+async def test_eviction_takes_the_least_recently_released_agents_past_those_in_use():
+    cache = AgentCache(Builder(), max_size=2)
+    a, b = [await cache.acquire(key, "s1") for key in ("a", "b")]
+    c = await use(cache, "c")  # over the size: nothing was idle to make room
+    assert len(cache) == 3 and not c.closed
+    d = await use(cache, "d")  # c is the one idle agent: it goes, a and b stay
+    assert c.closed and not (a.closed or b.closed or d.closed)
+    cache.release("b")
+    cache.release("a")  # idle, least recently released first: d, b, a
+    e = await use(cache, "e")
+    assert d.closed and b.closed and not a.closed and not e.closed
+    assert "a" in cache and "e" in cache and len(cache) == 2
+    assert cache.stats()["evictions"] == 3
+
+
 async def test_cache_rebuilds_and_closes_old_agent_when_signature_changes():
     builder = Builder()
     cache = AgentCache(builder)

@@ -53,7 +53,10 @@ class AgentCache:
         self.max_size = max_size
         self.idle_ttl = idle_ttl
         self._clock = clock
-        self._entries: OrderedDict[str, _CacheEntry] = OrderedDict()
+        self._entries: dict[str, _CacheEntry] = {}
+        # The keys of the agents not in use, least recently released first: eviction
+        # takes from its front, so no acquire scans past the agents in use.
+        self._idle: OrderedDict[str, None] = OrderedDict()
         # Agents replaced (signature change) while in use; closed when the key goes idle.
         self._retired: dict[str, list[Agent]] = {}
         self._closing: set[asyncio.Task[None]] = set()
@@ -82,7 +85,8 @@ class AgentCache:
         to_close: list[Agent] = []
         if entry is not None and entry.signature == signature:
             self._hits += 1
-            self._entries.move_to_end(session_key)
+            if not entry.in_use:
+                del self._idle[session_key]
             entry.in_use += 1
         else:
             self._misses += 1
@@ -90,6 +94,7 @@ class AgentCache:
             in_use = 1
             if entry is not None:
                 del self._entries[session_key]
+                self._idle.pop(session_key, None)
                 if entry.in_use:
                     # Another lease still runs on the old agent: close it once the key is idle.
                     self._retired.setdefault(session_key, []).append(entry.agent)
@@ -119,6 +124,8 @@ class AgentCache:
             del self._entries[session_key]
             self._evictions += 1
             self._close_in_background(entry.agent, session_key)
+        else:
+            self._idle[session_key] = None
 
     def lease(self, session_key: str, signature: str) -> AgentLease:
         """``async with cache.lease(key, sig) as agent:`` = acquire, then release in finally."""
@@ -134,6 +141,7 @@ class AgentCache:
             entry.evict_on_release = True
             return False
         del self._entries[session_key]
+        del self._idle[session_key]
         self._evictions += 1
         await self._close_quietly(entry.agent, session_key)
         return True
@@ -141,11 +149,9 @@ class AgentCache:
     async def sweep_idle(self) -> int:
         """Evict agents not in use and unused for longer than ``idle_ttl``; returns how many."""
         cutoff = self._clock() - self.idle_ttl
-        stale = [
-            key
-            for key, entry in self._entries.items()
-            if not entry.in_use and entry.last_used < cutoff
-        ]
+        stale = [key for key in self._idle if self._entries[key].last_used < cutoff]
+        for key in stale:
+            del self._idle[key]
         victims = [(key, self._entries.pop(key).agent) for key in stale]
         self._evictions += len(victims)
         for key, agent in victims:
@@ -157,6 +163,7 @@ class AgentCache:
         victims = [(key, entry.agent) for key, entry in self._entries.items()]
         victims += [(key, agent) for key, agents in self._retired.items() for agent in agents]
         self._entries.clear()
+        self._idle.clear()
         self._retired.clear()
         for key, agent in victims:
             await self._close_quietly(agent, key)
@@ -165,17 +172,12 @@ class AgentCache:
 
     def _pop_lru_overflow(self) -> list[Agent]:
         overflow = len(self._entries) - self.max_size
-        if overflow <= 0:
-            return []
-        # Oldest first (LRU order): the first idle entries are the victims, so stop there
-        # instead of scanning the whole cache on every acquire.
-        idle_keys: list[str] = []
-        for key, entry in self._entries.items():
-            if not entry.in_use:
-                idle_keys.append(key)
-                if len(idle_keys) == overflow:
-                    break
-        victims = [self._entries.pop(key).agent for key in idle_keys]
+        victims: list[Agent] = []
+        idle = self._idle
+        while overflow > 0 and idle:
+            key, _ = idle.popitem(last=False)
+            victims.append(self._entries.pop(key).agent)
+            overflow -= 1
         self._evictions += len(victims)
         return victims
 

@@ -27,12 +27,22 @@ def _boundary_on(day: date, at_hour: int, tz: tzinfo) -> datetime:
     return datetime.combine(day, time(hour=at_hour), tzinfo=tz)
 
 
+#: per (hour, zone), the last boundary computed and the one after it: every turn asks,
+#: and all the turns between two boundaries get the same answer without the zone's
+#: arithmetic
+_BOUNDARIES: dict[tuple[int, tzinfo], tuple[datetime, datetime]] = {}
+
+
 def last_daily_boundary(now: datetime, at_hour: int, tz: tzinfo) -> datetime:
     """The most recent `at_hour` o'clock in `tz` at or before `now`."""
+    known = _BOUNDARIES.get((at_hour, tz))
+    if known is not None and known[0] <= now < known[1]:
+        return known[0]
     local_day = now.astimezone(tz).date()
     boundary = _boundary_on(local_day, at_hour, tz)
     if boundary > now:
         boundary = _boundary_on(local_day - timedelta(days=1), at_hour, tz)
+    _BOUNDARIES[(at_hour, tz)] = (boundary, next_daily_boundary(boundary, at_hour, tz))
     return boundary
 
 

@@ -28,12 +28,12 @@ from gateway.domain.session import (
     SessionContext,
     SessionSource,
     TokenUsage,
-    build_session_context_prompt,
 )
 from gateway.mcp import McpHub
 from gateway.memory.recall import Recall
 from gateway.ops.metrics import Metrics
 from gateway.runner.deadlines import Deadlines
+from gateway.runner.prompts import SystemPrompts
 from gateway.runner.streaming import Stream
 from gateway.schedules.book import ScheduleBook
 from gateway.store.session_store import SessionStore
@@ -98,6 +98,7 @@ class AgentCall:
         self._approvals = approvals  # asked by a tool with `approve` (None: such calls fail)
         # agent id -> (its tool list's version, its default system prompt)
         self._default_prompts: dict[str, tuple[int, str]] = {}
+        self._prompts = SystemPrompts()
         # Each agent's tools: the built-ins it is given, then the MCP tools its selection
         # takes; None for the echo backend (no model calls tools) and for `tools: []`:
         # such turns build no tool machinery at all.
@@ -255,7 +256,6 @@ class AgentCall:
     def system_prompt(self, context: SessionContext, agent: AgentSpec) -> str:
         """The agent's configured prompt, or two lines saying what it is and which tools
         it has; then the session's context."""
-        block = build_session_context_prompt(context, redact_pii=agent.config.redact_pii)
         custom = agent.config.system_prompt
         if custom is None:  # built once per agent and tool list (MCP lists may change)
             toolbox = self.toolbox_for(agent.agent_id)
@@ -270,4 +270,4 @@ class AgentCall:
                     + (f"Tools you may call: {names}." if names else "You have no tools."),
                 )
             custom = made[1]
-        return f"{custom}\n\n{block}" if custom else block
+        return self._prompts.prompt(context, custom, agent.config.redact_pii)

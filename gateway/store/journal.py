@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Any
 
 from gateway.domain.session import SessionSource
@@ -238,6 +239,26 @@ def delivery_target(data: object) -> str:
     return codec.dumps({name: data[name] for name in DELIVERY_FIELDS if data.get(name)})
 
 
+def encoded_target(target: SessionSource) -> str:
+    """`delivery_target` of a reply's target, encoded once per chat and reused: every
+    reply of a conversation goes to the same chat, and only the chat's fields (not the
+    message or its sender) make the key."""
+    return _encoded_target(
+        target.platform.value,
+        target.chat_id,
+        target.chat_type,
+        target.thread_id,
+        target.parent_chat_id,
+        target.guild_id,
+        target.chat_id_alt,
+    )
+
+
+@lru_cache(maxsize=4096)
+def _encoded_target(*fields: str | None) -> str:
+    return delivery_target(dict(zip(DELIVERY_FIELDS, fields, strict=True)))
+
+
 def record_outbound(
     conn: sqlite3.Connection,
     target: SessionSource,
@@ -252,7 +273,7 @@ def record_outbound(
 
     `edits`: the platform messages a streamed reply showed so far; chunk i is delivered
     as an edit of `edits[i]` (the rest as new messages)."""
-    target_json = delivery_target(target.to_dict())
+    target_json = encoded_target(target)
     ids = []
     for index, chunk in enumerate(chunks):
         cursor = conn.execute(
@@ -284,7 +305,7 @@ def record_attachments(
 ) -> list[int]:
     """Record a reply's attachments (`Attachment.to_dict()`) as pending, after its text
     chunks; returns their delivery ids."""
-    target_json = delivery_target(target.to_dict())
+    target_json = encoded_target(target)
     ids = []
     for attachment in attachments:
         cursor = conn.execute(

@@ -571,10 +571,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.open_messages = min(args.messages, int(args.rate * 10))
     if args.rate <= 0 or args.concurrency < 1 or args.messages < 1 or args.floor_batch < 1:
         parser.error("--rate, --concurrency, --messages and --floor-batch must be positive")
-    if args.recall_pairs < 1 or args.recall_chunks < 0:
-        parser.error("--recall-pairs must be positive and --recall-chunks at least 0")
     if args.worker_home is None and min(args.sizes) <= args.concurrency:
         parser.error("every size must be larger than --concurrency")
+    if args.recall_pairs < 1 or args.recall_chunks < 0:
+        parser.error("--recall-pairs must be positive and --recall-chunks at least 0")
     return args
 
 

@@ -38,14 +38,17 @@ def encode_rows(data: np.ndarray) -> list[bytes]:
     entries = np.empty(len(at_row), dtype=_ENTRY)
     entries["dim"], entries["value"] = at_dim, data[at_row, at_dim]
     packed, prefix = entries.tobytes(), SPARSE_MARK + dims.to_bytes(2, "little")
-    ends = np.cumsum(counts) * _ENTRY.itemsize
+    ends = (np.cumsum(counts) * _ENTRY.itemsize).tolist()
+    headers: dict[int, bytes] = {}  # by count: a few distinct counts per batch
     blobs: list[bytes] = []
     start = 0
-    for i in range(rows):
-        end = int(ends[i])
-        if sparse[i]:
-            count = int(counts[i])
-            blobs.append(prefix + count.to_bytes(2, "little") + packed[start:end])
+    for i, (count, small) in enumerate(zip(counts.tolist(), sparse.tolist(), strict=True)):
+        end = ends[i]
+        if small:
+            header = headers.get(count)
+            if header is None:
+                header = headers[count] = prefix + count.to_bytes(2, "little")
+            blobs.append(header + packed[start:end])
         else:
             blobs.append(data[i].tobytes())
         start = end

@@ -73,12 +73,11 @@ def append(conn: sqlite3.Connection, session_id: str, message: dict[str, Any]) -
     return insert_message(conn, session_id, message)
 
 
+_ACTIVE = "SELECT message FROM messages WHERE session_id = ? AND active = 1 ORDER BY id"
+
+
 def load(conn: sqlite3.Connection, session_id: str) -> list[dict[str, Any]]:
-    rows = conn.execute(
-        "SELECT message FROM messages WHERE session_id = ? AND active = 1 ORDER BY id",
-        (session_id,),
-    )
-    return [codec.loads(message) for (message,) in rows]
+    return [codec.loads(message) for (message,) in conn.execute(_ACTIVE, (session_id,))]
 
 
 def load_small(
@@ -90,13 +89,16 @@ def load_small(
     """`load`, or None when the transcript has more than `max_messages` messages or
     more than `max_chars` characters of them: a read too long for the event loop's own
     thread (`Database.read_now`), to be made on the reader thread instead."""
-    rows = conn.execute(
-        "SELECT message FROM messages WHERE session_id = ? AND active = 1 ORDER BY id LIMIT ?",
-        (session_id, max_messages + 1),
-    ).fetchall()
-    if len(rows) > max_messages or sum(len(message) for (message,) in rows) > max_chars:
-        return None
-    return [codec.loads(message) for (message,) in rows]
+    # Row by row, so a transcript past either bound is given up as soon as it is known
+    # to be, not after reading it.
+    kept: list[str] = []
+    chars = 0
+    for (message,) in conn.execute(f"{_ACTIVE} LIMIT ?", (session_id, max_messages + 1)):
+        chars += len(message)
+        if len(kept) == max_messages or chars > max_chars:
+            return None
+        kept.append(message)
+    return [codec.loads(message) for message in kept]
 
 
 def load_row(conn: sqlite3.Connection, row_id: int) -> dict[str, Any] | None:

@@ -37,12 +37,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gateway.domain.session import (
-    _SOURCE_ID_FIELDS,  # the id fields from_dict coerces: read, to take the same cases
-    Platform,
-    SessionSource,
-    is_shared_multi_user_session,
-)
+from gateway.domain.session import SessionSource, is_shared_multi_user_session
 from gateway.memory.chunking import chunk_text, content_hash
 from gateway.memory.retrieval import RecallSql
 from gateway.store import codec
@@ -439,8 +434,6 @@ def transcript_namespace(key: str, origin: object, settings: IndexSettings) -> s
     """The memory a session's transcript belongs to, or None (no single user)."""
     if not isinstance(origin, dict) or not key.startswith("agent:"):
         return None
-    if (direct := _direct_message_namespace(key, origin)) is not None:
-        return direct
     try:
         source = SessionSource.from_dict(origin)
     except (KeyError, TypeError, ValueError):
@@ -454,32 +447,6 @@ def transcript_namespace(key: str, origin: object, settings: IndexSettings) -> s
     agent_id = key.split(":", 2)[1]
     platform = getattr(source.platform, "value", source.platform)
     return f"memory:{agent_id}:{platform}:{source.user_id}"
-
-
-_PLATFORMS = frozenset(platform.value for platform in Platform)
-
-
-def _direct_message_namespace(key: str, origin: dict[str, Any]) -> str | None:
-    """The namespace of a direct chat whose origin is plain strings, read off the dict:
-    what `SessionSource.from_dict` and the sharing rules give for it (a direct chat is
-    never shared), without building the source. None: any other origin (the full path
-    decides). A busy gateway meets a new session in most rounds' messages."""
-    platform, user_id = origin.get("platform"), origin.get("user_id")
-    if (
-        origin.get("chat_type", "dm") != "dm"
-        or type(platform) is not str
-        or platform not in _PLATFORMS
-        or type(user_id) is not str
-        or not user_id
-        or type(origin.get("chat_id")) is not str
-        or any(
-            type(value) is not str
-            for name in _SOURCE_ID_FIELDS
-            if (value := origin.get(name)) is not None
-        )
-    ):
-        return None
-    return f"memory:{key.split(':', 2)[1]}:{platform}:{user_id}"
 
 
 def now() -> float:

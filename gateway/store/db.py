@@ -45,7 +45,7 @@ import structlog
 
 from gateway.store.batch import Outcome, commit_batch, probe, refusal
 from gateway.store.checkpoint import SAFETY_NET_PAGES, WAL_SIZE_LIMIT, Checkpointer
-from gateway.store.loop_reader import LoopReadBusy, LoopReader
+from gateway.store.loop_reader import LoopReadBusy, LoopReader, read_snapshot
 from gateway.store.migrations import migrate
 from gateway.store.outage import Outage, StoreUnwritable
 from gateway.util.fsutil import fsync_dir
@@ -188,11 +188,15 @@ class Database:
         includes every write queued before this call."""
         self._require_open()
         assert self._reader is not None
+        await self._settle_queued()
+        return await self._reader._execute(read_snapshot, self._reader._conn, fn)
+
+    async def _settle_queued(self) -> None:
+        """Before a read: every write queued so far committed (or refused)."""
         if self._pending:
             # A refused batch committed nothing before this read: it sees what is there.
             with contextlib.suppress(StoreUnwritable):
                 await self.write_soon(_nothing)
-        return await self._reader._execute(_read_snapshot, self._reader._conn, fn)
 
     async def read_now(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """`read()` on the event loop's own thread (`gateway.store.loop_reader`), for a
@@ -200,9 +204,7 @@ class Database:
         if self._loop_reader is None:  # PostgreSQL's reads all go to its readers
             return await self.read(fn)
         self._require_open()
-        if self._pending:
-            with contextlib.suppress(StoreUnwritable):
-                await self.write_soon(_nothing)
+        await self._settle_queued()
         reader = self._loop_reader
         try:
             if reader is not None:  # None: closed meanwhile, which read() reports
@@ -512,13 +514,3 @@ def _settle(batch: list[tuple[WriteFn, Settles, bool]], outcome: Outcome) -> Non
 
 def _nothing(conn: sqlite3.Connection) -> None:
     """A place in the write queue: `read()` waits for it to see the writes before it."""
-
-
-def _read_snapshot(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
-    """Reader-thread side of `read()`: one transaction, so a read of several statements
-    sees one state even while the writer commits beside it."""
-    conn.execute("BEGIN")
-    try:
-        return fn(conn)
-    finally:
-        conn.execute("COMMIT")

@@ -40,13 +40,8 @@ class LoopReader:
 
     def read(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """`fn(conn)` in one snapshot of committed data (a read transaction)."""
-        conn = self._conn
         try:
-            conn.execute("BEGIN")
-            try:
-                return fn(conn)
-            finally:
-                conn.execute("COMMIT")
+            return read_snapshot(self._conn, fn)
         except sqlite3.OperationalError as exc:
             if exc.sqlite_errorcode in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
                 raise LoopReadBusy(str(exc)) from exc
@@ -54,3 +49,13 @@ class LoopReader:
 
     def close(self) -> None:
         self._conn.close()
+
+
+def read_snapshot(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> T:
+    """`fn(conn)` in one read transaction, so a read of several statements sees one
+    state even while the writer commits beside it (the reader thread's and the loop's)."""
+    conn.execute("BEGIN")
+    try:
+        return fn(conn)
+    finally:
+        conn.execute("COMMIT")

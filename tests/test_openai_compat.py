@@ -3,7 +3,9 @@ unmodified `openai` SDK, against a live daemon (`hermes-gateway run` subprocess)
 agent's model is the fake OpenAI server in this process: answers, streamed and not,
 with the turn's usage; conversations kept by the gateway (the model sees the earlier
 exchange; two sessions of one user apart); dedup by message id; refusals (a wrong
-token, client tools, an unknown model, bad input)."""
+token, client tools, an unknown model, bad input). Then, in this process over the A2A
+tests' harness (tests/a2a_support.py, which mounts both protocols) where a test needs
+the runner's hand: a tool approval asked and answered, a client gone mid-stream."""
 
 from __future__ import annotations
 
@@ -18,8 +20,12 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from gateway.domain.agent_tasks import TaskState
 from scripts.harness import Daemon
+from tests.a2a_support import A2aGateway
 from tests.fakes.openai_server import FakeOpenAI
+from tests.test_agent_tasks import AskingAgent
+from tests.waiting import wait_for
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -220,3 +226,63 @@ async def test_text_parts_are_joined_and_unknown_fields_ignored(rig: Rig) -> Non
         max_tokens=5,
     )
     assert answer.choices[0].message.content == "fake: one\ntwo"
+
+
+# --- in process: the runner's hand ------------------------------------------------------
+
+
+def sdk(gateway: A2aGateway) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0)
+
+
+async def test_an_approval_question_is_the_answer_and_approve_gets_the_reply(
+    tmp_path: Path,
+) -> None:
+    agent = AskingAgent()
+    running = await A2aGateway.started(tmp_path, agent_factory=lambda key: agent)
+    agent.runner = running.runner
+    client = sdk(running)
+    try:
+        asked = await client.chat.completions.create(model="main", messages=user("go"))
+        answered = await client.chat.completions.create(model="main", messages=user("/approve"))
+    finally:
+        await client.close()
+        await running.stop()
+    question = asked.choices[0].message.content or ""
+    assert "launch" in question and "/approve" in question
+    assert asked.choices[0].finish_reason == "stop"
+    assert answered.choices[0].message.content == "verdict: approved"
+    assert answered.id == asked.id  # the answer continued the waiting turn
+
+
+async def test_a_client_gone_mid_stream_leaves_the_turn_running_to_its_end(
+    tmp_path: Path,
+) -> None:
+    running = await A2aGateway.started(tmp_path)
+    client = sdk(running)
+    words = " ".join(f"stream{n}" for n in range(40))  # "stream": 0.05 s a word
+    try:
+        stream = await client.chat.completions.create(
+            model="main", messages=user(words), user="ann", stream=True
+        )
+        first = await anext(aiter(stream))
+        await stream.close()  # gone, the turn still running
+        tasks = running.runner.agent_tasks
+        await wait_for(
+            lambda: _done(tasks, "openai:ann"),
+            within=30,
+        )
+        after = await client.chat.completions.create(
+            model="main", messages=user("next"), user="ann"
+        )
+    finally:
+        await client.close()
+        await running.stop()
+    assert first.choices[0].delta.role == "assistant"
+    # the agent says the user's previous message: the one whose stream was left
+    assert after.choices[0].message.content == f"echo: next (after: {words})"
+
+
+async def _done(tasks: Any, caller: str) -> bool:
+    listed = await tasks.list(caller)
+    return bool(listed) and listed[-1].state is TaskState.COMPLETED

@@ -19,6 +19,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
+from datetime import datetime
 from typing import Any
 
 from aiohttp import web
@@ -159,11 +160,12 @@ class OpenAiServer:
             text = convert.new_text(parsed)
         except BadInput as exc:
             return _error(400, str(exc), param=exc.param)
+        message_id = message_id or str(uuid.uuid4())
         try:
             record = await self.tasks.send(
                 parsed.model,
                 text,
-                message_id=message_id or str(uuid.uuid4()),
+                message_id=message_id,
                 caller=caller,
                 context_id=convert.context_of(caller, session),
             )
@@ -212,7 +214,9 @@ class OpenAiServer:
                 )
         return parsed
 
-    async def _answer(self, record: TaskRecord, caller: str, asked_before: Any) -> web.Response:
+    async def _answer(
+        self, record: TaskRecord, caller: str, asked_before: datetime | None
+    ) -> web.Response:
         """Wait for the task's end (or its question); its reply as a `chat.completion`."""
         if not self._settled(record, asked_before):
             found = await self._bounded(record, self._until_settled(record, caller, asked_before))
@@ -225,7 +229,7 @@ class OpenAiServer:
         return self._ended_badly(record).response()
 
     async def _until_settled(
-        self, record: TaskRecord, caller: str, asked_before: Any
+        self, record: TaskRecord, caller: str, asked_before: datetime | None
     ) -> TaskRecord:
         updates = self.tasks.subscribe(record.task_id, caller)
         try:
@@ -242,7 +246,7 @@ class OpenAiServer:
         request: web.Request,
         record: TaskRecord,
         caller: str,
-        asked_before: Any,
+        asked_before: datetime | None,
         include_usage: bool,
     ) -> web.StreamResponse:
         response = web.StreamResponse(headers=_SSE_HEADERS)
@@ -310,7 +314,7 @@ class OpenAiServer:
         return None
 
     @staticmethod
-    def _settled(record: TaskRecord, asked_before: Any) -> bool:
+    def _settled(record: TaskRecord, asked_before: datetime | None) -> bool:
         """Where an answer is given: the task ended, or waits for a tool approval (a
         question newer than the one an approval's answer replied to)."""
         if record.state.terminal:

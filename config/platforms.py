@@ -86,6 +86,9 @@ class HttpConfig(PlatformConfig):
     # Backpressure: while this many sessions (on every platform) have a turn running or
     # waiting, a POST /v1/messages that would start a turn gets 503 with Retry-After.
     max_busy_sessions: int = Field(default=1024, ge=1)
+    # The OpenAI-compatible endpoint (`/v1/chat/completions`, `/v1/models`) on this port,
+    # behind the same token: on wherever the HTTP API is.
+    openai: bool = True
 
     @field_validator("token")
     @classmethod

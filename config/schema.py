@@ -424,12 +424,20 @@ class GatewayConfig(BaseModel):
         return resolve_timezone(self.timezone)
 
     def takes_agent_tasks(self) -> bool:
-        """Whether agents are given tasks: served over A2A (`a2a.enabled`), or delegated to
-        by another agent of this gateway (a native id in some agent's `delegates`)."""
-        if self.a2a.enabled:
+        """Whether agents are given tasks: served over A2A (`a2a.enabled`) or the
+        OpenAI-compatible endpoint (`platforms.http.openai` where the HTTP API runs), or
+        delegated to by another agent of this gateway (a native id in some agent's
+        `delegates`)."""
+        if self.a2a.enabled or self.serves_openai():
             return True
         agents = [self.agent, *self.agents.values()]
         return any(name not in self.remote_agents for agent in agents for name in agent.delegates)
+
+    def serves_openai(self) -> bool:
+        """The OpenAI-compatible endpoint is on: the HTTP API runs (enabled, or the
+        zero-config fallback when no platform is) and `platforms.http.openai` is set."""
+        http = self.platforms.http
+        return http.openai and (http.enabled or not self.connected_platforms())
 
     def connected_platforms(self) -> list[str]:
         """Names of the enabled platforms, in schema order."""

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -129,15 +129,20 @@ def check_runnable(config: GatewayConfig) -> list[PlatformAdapter]:
     return build_adapters(config)
 
 
-def mount_a2a(config: GatewayConfig, tasks: AgentTasks, adapters: list[PlatformAdapter]) -> None:
-    """Serve every agent over A2A on the HTTP API's port (`a2a.enabled`, docs/a2a.md;
-    the schema requires the HTTP API). The SDK loads only here, never without A2A."""
+def mount_apis(config: GatewayConfig, tasks: AgentTasks, adapters: list[PlatformAdapter]) -> None:
+    """Serve the agents on the HTTP API's port over A2A (`a2a.enabled`, docs/a2a.md) and
+    OpenAI's chat API (`config.serves_openai()`); A2A's SDK loads only while A2A is on."""
     from adapters.http import HttpAdapter
-    from gateway.a2a.server import A2aServer
+    from gateway.openai_compat.server import OpenAiServer
 
-    http = next(a for a in adapters if isinstance(a, HttpAdapter))
-    server = A2aServer(config, tasks)
-    http.mount(server.routes(), server.public_paths(), on_shutdown=server.close)
+    servers: list[Any] = [OpenAiServer(config, tasks)] if config.serves_openai() else []
+    if config.a2a.enabled:  # the schema requires the HTTP API
+        from gateway.a2a.server import A2aServer
+
+        servers.append(A2aServer(config, tasks))
+    for server in servers:
+        http = next(a for a in adapters if isinstance(a, HttpAdapter))
+        http.mount(server.routes(), server.public_paths(), on_shutdown=server.close)
 
 
 # Estimated tokens a turn needs besides the tools and a configured prompt: the default
@@ -199,8 +204,7 @@ async def serve(config: GatewayConfig, home: Path) -> int:
         runner.store.check_soon()
         adapters = check_runnable(config)
         runner.add_adapters(adapters)
-        if config.a2a.enabled:
-            mount_a2a(config, runner.agent_tasks, adapters)
+        mount_apis(config, runner.agent_tasks, adapters)
     except ConfigError as exc:
         log.error("configuration_error", error=f"{_where(config)}{exc}")
         return EXIT_CONFIG
@@ -376,32 +380,27 @@ async def _sessions_show(store: SessionStore, args: argparse.Namespace) -> int:
     return 0
 
 
+def _on_store(config: GatewayConfig, command: Callable[[SessionStore], Awaitable[int]]) -> int:
+    async def run() -> int:
+        async with SessionStore(sessions_dir(hermes_home()), config) as store:
+            return await command(store)
+
+    return asyncio.run(run())
+
+
 def cmd_sessions(args: argparse.Namespace, config: GatewayConfig) -> int:
     handler = {"list": _sessions_list, "show": _sessions_show}.get(
         args.sessions_command, run_sessions_command
     )
-
-    async def run() -> int:
-        async with SessionStore(sessions_dir(hermes_home()), config) as store:
-            return await handler(store, args)
-
-    return asyncio.run(run())
+    return _on_store(config, lambda store: handler(store, args))
 
 
 def cmd_memory(args: argparse.Namespace, config: GatewayConfig) -> int:
-    async def run() -> int:
-        async with SessionStore(sessions_dir(hermes_home()), config) as store:
-            return await run_memory_command(store, config, args)
-
-    return asyncio.run(run())
+    return _on_store(config, lambda store: run_memory_command(store, config, args))
 
 
 def cmd_schedules(args: argparse.Namespace, config: GatewayConfig) -> int:
-    async def run() -> int:
-        async with SessionStore(sessions_dir(hermes_home()), config) as store:
-            return await run_schedules_command(store, config, args)
-
-    return asyncio.run(run())
+    return _on_store(config, lambda store: run_schedules_command(store, config, args))
 
 
 # --- parser -----------------------------------------------------------------------------

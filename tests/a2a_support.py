@@ -1,6 +1,6 @@
 """What the A2A server tests share (tests/test_a2a_server.py, tests/test_a2a_endpoint.py):
 a runner in the test's loop with its HTTP API and the A2A routes the composition root
-mounts (`gateway.cli.mount_a2a`) over the runner's real task service and store, clients
+mounts (`gateway.cli.mount_apis`) over the runner's real task service and store, clients
 of it made by the unmodified a2a-sdk, and a test agent.
 
 The agent streams its reply word by word and says what it remembers of the session
@@ -21,7 +21,7 @@ from a2a.types import a2a_pb2 as pb
 from adapters.http import HttpAdapter
 from config import GatewayConfig
 from gateway.agents.protocol import TurnRequest, TurnResult
-from gateway.cli import check_runnable, mount_a2a
+from gateway.cli import check_runnable, mount_apis
 from gateway.run import GatewayRunner
 
 TOKEN = "s3cret-a2a-token"
@@ -93,7 +93,7 @@ class A2aGateway:
         )
         adapters = check_runnable(config)
         runner = GatewayRunner(config, adapters, agent_factory=agent_factory, home=home)
-        mount_a2a(config, runner.agent_tasks, adapters)
+        mount_apis(config, runner.agent_tasks, adapters)
         await runner.start()
         (http,) = (a for a in adapters if isinstance(a, HttpAdapter))
         return cls(runner, http, token)

@@ -394,7 +394,7 @@ async def openai_gateway(fake: FakeOpenAI, home: Path, **agent: Any) -> GatewayR
 
 
 def http_url(runner: GatewayRunner) -> str:
-    (adapter,) = runner.adapters.values()
+    adapter = runner.adapters[Platform.HTTP]  # beside it: `a2a`, the OpenAI endpoint's tasks
     assert isinstance(adapter, HttpAdapter)
     return adapter.url
 

@@ -109,9 +109,12 @@ def test_each_turn_logs_one_line_without_its_text_and_a_reset_its_reason(
     assert reset["new_session_id"] == second_session != first_session
     assert turns[1]["session_id"] == second_session
 
-    (listening,) = events(lines, "adapter_connected")
-    assert listening["platform"] == "http" and listening["listen"] == daemon.url
-    assert events(lines, "adapter_stopped")[0]["platform"] == "http"
+    # (the agent tasks' in-process platform, `a2a`, connects too: the HTTP API serves
+    # OpenAI's chat API over it)
+    connected = {e["platform"]: e for e in events(lines, "adapter_connected")}
+    assert set(connected) == {"http", "a2a"}
+    assert connected["http"]["listen"] == daemon.url
+    assert "http" in {e["platform"] for e in events(lines, "adapter_stopped")}
 
 
 def turn_running(daemon: Daemon) -> bool:

@@ -62,6 +62,9 @@ class TaskRecord:
     error: str | None = None
     #: the delegation chain that led here, outermost agent first (cycle and depth guard)
     chain: tuple[str, ...] = ()
+    #: the turn's token counts once it ended, as its model reported them (None: none)
+    input_tokens: int | None = None
+    output_tokens: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,7 +39,7 @@ from gateway.agents.roster import Roster
 from gateway.domain.agent_tasks import TaskRecord, TaskRefused, TaskState, TaskUpdate
 from gateway.domain.command_syntax import MessageKind, classify
 from gateway.domain.events import AcceptStatus, MessageEvent
-from gateway.domain.session import Platform, SessionSource, build_session_key
+from gateway.domain.session import Platform, SessionSource, TokenUsage, build_session_key
 from gateway.ops.metrics import Metrics
 from gateway.runner.approvals import Approvals
 from gateway.runner.engine import TurnEngine
@@ -357,10 +357,13 @@ class TaskService:
         self._live[task_id] = record
         return True
 
-    def settle(self, event: MessageEvent, reply: str | None, text: str) -> Callable[[Any], object]:
+    def settle(
+        self, event: MessageEvent, reply: str | None, text: str, usage: TokenUsage | None
+    ) -> Callable[[Any], object]:
         task_id = event.message_id or ""
         state = TaskState.COMPLETED if reply is not None else TaskState.FAILED
         now = time.time()
+        tokens = None if usage is None else (usage.input_tokens, usage.output_tokens)
 
         def write(conn: Any) -> None:
             if rows.settle(
@@ -370,6 +373,7 @@ class TaskService:
                 now,
                 result_text=reply,
                 error=None if reply is not None else text,
+                tokens=tokens,
             ):
                 self._ended[task_id] = state
 

@@ -413,7 +413,7 @@ class TurnEngine:
         then = (waiting, self.turn_text(waiting)) if waiting is not None else None
         task = self.tasks if event.source.platform is _A2A else None
         if task is not None:  # an agent task ends with its turn, in the same transaction
-            settles = (*settles, task.settle(event, outcome.reply, outcome.text))
+            settles = (*settles, task.settle(event, outcome.reply, outcome.text, outcome.usage))
         try:
             ids, next_start = await self.turnlog.finish(
                 key,

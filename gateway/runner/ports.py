@@ -27,7 +27,7 @@ from gateway.agents.cache import AgentCache
 from gateway.agents.roster import Roster
 from gateway.domain.command_syntax import MessageKind
 from gateway.domain.events import Accepted, MessageEvent
-from gateway.domain.session import Platform, SessionEntry, SessionSource
+from gateway.domain.session import Platform, SessionEntry, SessionSource, TokenUsage
 from gateway.memory.summaries import Memory
 from gateway.schedules.book import ScheduleBook
 from gateway.schedules.loop import RecordedSender, Scheduler
@@ -191,7 +191,7 @@ class TaskHooks(Protocol):
         ...
 
     def settle(
-        self, event: MessageEvent, reply: str | None, text: str
+        self, event: MessageEvent, reply: str | None, text: str, usage: TokenUsage | None
     ) -> Callable[[Any], object]: ...
 
     def settled(self, event: MessageEvent) -> None: ...

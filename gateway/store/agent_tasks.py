@@ -19,7 +19,7 @@ from gateway.store import codec
 
 _COLUMNS = (
     "task_id, agent_id, context_id, message_id, caller, state, request_text, result_text,"
-    " error, chain, session_key, created_at, updated_at"
+    " error, chain, session_key, created_at, updated_at, input_tokens, output_tokens"
 )
 _NAMES = tuple(name.strip() for name in _COLUMNS.split(","))
 #: the states a task may still leave
@@ -47,6 +47,8 @@ def record(values: tuple[Any, ...] | list[Any]) -> TaskRecord:
         result_text=row["result_text"],
         error=row["error"],
         chain=tuple(str(agent) for agent in chain),
+        input_tokens=row["input_tokens"],
+        output_tokens=row["output_tokens"],
     )
 
 
@@ -81,6 +83,8 @@ def insert(
             session_key,
             now,
             now,
+            None,
+            None,
         ),
     )
     found = get(conn, task_id)
@@ -185,14 +189,17 @@ def settle(
     *,
     result_text: str | None = None,
     error: str | None = None,
+    tokens: tuple[int, int] | None = None,
 ) -> bool:
-    """The task's end, in its turn's finish transaction; False when it ended before (a
-    cancel that won the race)."""
+    """The task's end, in its turn's finish transaction, with its turn's (input, output)
+    token counts when the model reported them; False when it ended before (a cancel
+    that won the race)."""
+    used = tokens or (None, None)
     return (
         conn.execute(
-            "UPDATE agent_tasks SET state = ?, result_text = ?, error = ?, updated_at = ?"
-            f" WHERE task_id = ? AND {_OPEN_SQL}",
-            (state.value, result_text, error, now, task_id, *OPEN),
+            "UPDATE agent_tasks SET state = ?, result_text = ?, error = ?, updated_at = ?,"
+            f" input_tokens = ?, output_tokens = ? WHERE task_id = ? AND {_OPEN_SQL}",
+            (state.value, result_text, error, now, *used, task_id, *OPEN),
         ).rowcount
         > 0
     )

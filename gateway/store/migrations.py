@@ -15,7 +15,7 @@ from typing import Any
 from gateway.domain.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 19
+SCHEMA_VERSION = 20
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -386,6 +386,12 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         PRIMARY KEY (session_key, remote)
     ) WITHOUT ROWID;
     CREATE INDEX remote_contexts_by_session ON remote_contexts(session_id);
+    """,
+    # A task's turn's token counts (the OpenAI-compatible endpoint's `usage`): NULL
+    # until it ends, and for a turn whose model reported none.
+    20: """
+    ALTER TABLE agent_tasks ADD COLUMN input_tokens INTEGER;
+    ALTER TABLE agent_tasks ADD COLUMN output_tokens INTEGER;
     """,
 }
 

@@ -418,6 +418,11 @@ _STEPS: dict[int, str] = {
     );
     CREATE INDEX remote_contexts_by_session ON remote_contexts(session_id);
     """,
+    # a task's turn's token counts (the OpenAI-compatible endpoint's `usage`)
+    20: """
+    ALTER TABLE agent_tasks ADD COLUMN input_tokens BIGINT;
+    ALTER TABLE agent_tasks ADD COLUMN output_tokens BIGINT;
+    """,
 }
 
 #: the tables of the baseline that hold the gateway's data, parents before children

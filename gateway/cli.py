@@ -137,7 +137,12 @@ def mount_a2a(config: GatewayConfig, tasks: AgentTasks, adapters: list[PlatformA
 
     http = next(a for a in adapters if isinstance(a, HttpAdapter))
     server = A2aServer(config, tasks)
-    http.mount(server.routes(), server.public_paths(), on_shutdown=server.close)
+    http.mount(
+        server.routes(),
+        server.public_paths(),
+        on_shutdown=server.close,
+        docs=server.route_docs(),
+    )
 
 
 # Estimated tokens a turn needs besides the tools and a configured prompt: the default

@@ -80,17 +80,22 @@ def _models(routes: list[RouteDoc]) -> list[type[BaseModel]]:
         if route.body is not None:
             found[route.body] = None
         for answer in route.responses.values():
-            if isinstance(answer, type):
-                found[answer] = None
+            for each in answer if isinstance(answer, tuple) else (answer,):
+                if isinstance(each, type):
+                    found[each] = None
     return list(found)
 
 
 def _response(status: int, answer: Any, refs: dict[Any, Any]) -> dict[str, Any]:
     response: dict[str, Any] = {"description": _REASONS.get(status, "")}
-    if isinstance(answer, str):
-        response["content"] = {answer.split(";")[0].strip(): {"schema": {"type": "string"}}}
-    elif answer is not None:
-        response["content"] = {"application/json": {"schema": refs[(answer, "validation")]}}
+    content: dict[str, Any] = {}
+    for each in answer if isinstance(answer, tuple) else (answer,):
+        if isinstance(each, str):
+            content[each.split(";")[0].strip()] = {"schema": {"type": "string"}}
+        elif each is not None:
+            content["application/json"] = {"schema": refs[(each, "validation")]}
+    if content:
+        response["content"] = content
     return response
 
 

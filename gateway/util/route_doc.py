@@ -14,8 +14,9 @@ from pydantic import BaseModel
 
 #: A response: a pydantic model (its JSON Schema, as `application/json`), or a media
 #: type string for a body that is no JSON object (`text/event-stream`, `text/plain`), or
-#: None for a response with no body (304).
-ResponseDoc = type[BaseModel] | str | None
+#: None for a response with no body (304), or a tuple of models and media types for a
+#: status answered in several (JSON, or server-sent events when the client streams).
+ResponseDoc = type[BaseModel] | str | None | tuple[type[BaseModel] | str, ...]
 
 
 @dataclass(frozen=True)

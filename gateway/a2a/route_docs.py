@@ -50,7 +50,10 @@ class AgentCard(_Open):
 
 
 class AgentPath(BaseModel):
-    agent: str = Field(description="an agent id (`main`, or one of `agents:`)")
+    agent: str = Field(
+        description="an agent id (`main`, or one of `agents:`)",
+        pattern=r"^[a-z0-9][a-z0-9_-]{0,31}$",
+    )
 
 
 class A2aError(BaseModel):

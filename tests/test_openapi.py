@@ -141,3 +141,26 @@ async def test_a_mounted_route_contributes_its_description_and_the_spec_is_built
     }
     assert first["components"]["schemas"]["Said"]["required"] == ["said"]
     assert builds == [1]
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/chats/c1/messages", "/v1/sessions", "/v1/search?q=x", "/v1/sessions/s1"]
+)
+async def test_a_query_parameter_the_spec_does_not_name_is_400_naming_it(path: str):
+    adapter = HttpAdapter(http_config())
+    gateway = FakeGateway()
+    adapter.bind(gateway)
+    await adapter.start()
+    try:
+        separator = "&" if "?" in path else "?"
+        async with (
+            aiohttp.ClientSession() as client,
+            client.get(f"{adapter.url}{path}{separator}limt=5") as resp,
+        ):
+            assert resp.status == 400
+            error = (await resp.json())["error"]
+    finally:
+        await adapter.stop()
+    assert error.startswith("unknown query parameter(s) 'limt'; allowed: "), error
+    assert "limit" in error
+    assert gateway.reads == [] and gateway.listings == []

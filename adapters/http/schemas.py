@@ -106,9 +106,9 @@ def _chat_type(raw: Any) -> str:
 
 
 class _Query(BaseModel):
-    """Query parameters: those not named are ignored, as before there was a schema."""
+    """Query parameters: any not named is refused (`validation.query_of`)."""
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 class ChatPath(BaseModel):
@@ -277,7 +277,7 @@ API_ROUTES: tuple[RouteDoc, ...] = (
         "GET",
         "/v1/chats/{chat_id}/messages",
         "The chat's replies after a cursor (long poll)",
-        {200: Replies, **_MAY_FAIL, **_NO_ROUTE},
+        {200: Replies, **_MAY_FAIL, **_NO_ROUTE, **_NOT_READY},
         path_params=ChatPath,
         query=RepliesQuery,
     ),
@@ -285,7 +285,7 @@ API_ROUTES: tuple[RouteDoc, ...] = (
         "GET",
         "/v1/chats/{chat_id}/stream",
         "Server-sent events: `delta` while a reply is written, `final` per reply",
-        {200: "text/event-stream", **_MAY_FAIL, **_NO_ROUTE},
+        {200: "text/event-stream", **_MAY_FAIL, **_NO_ROUTE, **_NOT_READY},
         path_params=ChatPath,
         query=StreamQuery,
         description="Events `delta` (data {text}) and `final` (data {seq, text}), a "

@@ -5,13 +5,14 @@ parameters, query parameters and the JSON body of POST /v1/messages. Every refus
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
 from adapters.base import MessageEvent
-from adapters.http.inputs import BadRequest, json_type
+from adapters.http.inputs import BadRequest, json_type, shown
 from adapters.http.schemas import MessageIn
 from gateway.domain.session import Platform, SessionSource
 
@@ -26,7 +27,14 @@ def path_of(request: web.Request, model: type[Model]) -> Model:
 
 
 def query_of(request: web.Request, model: type[Model]) -> Model:
-    """The model's parameters, each given at most once; other parameters are ignored."""
+    """The model's parameters, each given at most once; any other is refused (a typo
+    such as `limt` would otherwise pass unnoticed)."""
+    unknown = sorted(set(request.query) - set(model.model_fields))
+    if unknown:
+        raise BadRequest(
+            f"unknown query parameter(s) {', '.join(shown(name) for name in unknown[:5])}; "
+            f"allowed: {', '.join(model.model_fields) or 'none'}"
+        )
     given: dict[str, str] = {}
     for name in model.model_fields:
         values = request.query.getall(name, [])
@@ -53,7 +61,7 @@ def message_of(body: bytes) -> MessageEvent:
     try:
         message = MessageIn.model_validate(data)
     except ValidationError as exc:
-        raise refusal(exc) from None
+        raise refusal(exc, allowed=MessageIn.model_fields) from None
     source = SessionSource(
         platform=Platform.HTTP,
         chat_id=message.chat_id,
@@ -66,14 +74,15 @@ def message_of(body: bytes) -> MessageEvent:
     return MessageEvent(source=source, text=message.text, message_id=message.message_id)
 
 
-def refusal(exc: ValidationError, prefix: str = "") -> BadRequest:
-    """One message for the client: unknown fields first, then a missing one, then the
-    first field refused (the models' validators say what was wrong in full)."""
+def refusal(exc: ValidationError, prefix: str = "", allowed: Iterable[str] = ()) -> BadRequest:
+    """One message for the client: unknown fields first (`allowed` lists the known),
+    then a missing one, then the first field refused (the models' validators say what
+    was wrong in full)."""
     errors = exc.errors(include_url=False, include_input=False)
     unknown = sorted(str(e["loc"][0]) for e in errors if e["type"] == "extra_forbidden")
     if unknown:
-        allowed = ", ".join(MessageIn.model_fields)
-        return BadRequest(f"unknown field(s) {', '.join(unknown)}; allowed: {allowed}")
+        known = ", ".join(allowed)
+        return BadRequest(f"unknown field(s) {', '.join(unknown)}; allowed: {known}")
     missing = [e for e in errors if e["type"] == "missing"]
     first = (missing or errors)[0]
     name = ".".join(str(part) for part in first["loc"])

@@ -8,7 +8,7 @@ the leaf helpers so the parts that mount routes need not import the adapter."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pydantic import BaseModel
 
@@ -36,4 +36,4 @@ class RouteDoc:
     query: type[BaseModel] | None = None
     body: type[BaseModel] | None = None
     description: str = ""
-    tags: tuple[str, ...] = field(default_factory=tuple)
+    tags: tuple[str, ...] = ()

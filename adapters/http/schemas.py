@@ -56,6 +56,10 @@ def _id_check(*, required: bool) -> Any:
 # terms (pydantic's own constraints would run again after the validators, on the value
 # they return).
 Seq = _query_whole_number(0, MAX_SEQ)
+PollLimit = _query_whole_number(1, MAX_REPLIES_PER_POLL)
+ListingLimit = _query_whole_number(1, MAX_LISTING_PAGE)
+SessionLimit = _query_whole_number(1, MAX_SESSION_PAGE)
+SearchLimit = _query_whole_number(1, MAX_SEARCH_LIMIT)
 Wait = Annotated[
     float,
     _query_check(inputs.seconds),
@@ -121,7 +125,7 @@ class SessionPath(BaseModel):
 
 class RepliesQuery(_Query):
     after: Seq = Field(0, description="the last `seq` read (replies after it come)")
-    limit: _query_whole_number(1, MAX_REPLIES_PER_POLL) = MAX_REPLIES_PER_POLL  # type: ignore[valid-type]
+    limit: PollLimit = MAX_REPLIES_PER_POLL
     wait: Wait = Field(0.0, description="seconds to wait for the first reply (long poll)")
 
 
@@ -132,7 +136,7 @@ class StreamQuery(_Query):
 
 
 class SessionsQuery(_Query):
-    limit: _query_whole_number(1, MAX_LISTING_PAGE) = LISTING_PAGE  # type: ignore[valid-type]
+    limit: ListingLimit = LISTING_PAGE
     after: Annotated[
         str | None,
         _query_check(inputs.listing_key),
@@ -145,14 +149,14 @@ class SessionsQuery(_Query):
 
 class SessionQuery(_Query):
     after: Seq = Field(0, description="the transcript id messages come after")
-    limit: _query_whole_number(1, MAX_SESSION_PAGE) = SESSION_PAGE  # type: ignore[valid-type]
+    limit: SessionLimit = SESSION_PAGE
 
 
 class SearchQuery(_Query):
     q: Annotated[str, _query_check(inputs.search_text)] = Field(description="the words")
     chat_id: PathId | None = Field(None, description="only this HTTP chat's sessions")
     agent: AgentId | None = Field(None, description="only this agent's sessions")
-    limit: _query_whole_number(1, MAX_SEARCH_LIMIT) = SEARCH_LIMIT  # type: ignore[valid-type]
+    limit: SearchLimit = SEARCH_LIMIT
 
 
 class MessageIn(BaseModel):
@@ -164,9 +168,7 @@ class MessageIn(BaseModel):
     chat_id: BodyId = Field(description="the chat (not blank)")
     user_id: BodyId = Field(description="the sender (not blank)")
     text: Annotated[str, BeforeValidator(_text)]
-    chat_type: Annotated[
-        Literal["dm", "group", "channel", "thread"], BeforeValidator(_chat_type)
-    ] = "dm"
+    chat_type: Annotated[Literal[CHAT_TYPES], BeforeValidator(_chat_type)] = "dm"
     thread_id: OptionalBodyId = None
     message_id: OptionalBodyId = Field(None, description="dedup key within the chat")
     user_name: Annotated[str | None, BeforeValidator(_optional_text)] = None

@@ -142,7 +142,12 @@ def mount_apis(config: GatewayConfig, tasks: AgentTasks, adapters: list[Platform
         servers.append(A2aServer(config, tasks))
     for server in servers:
         http = next(a for a in adapters if isinstance(a, HttpAdapter))
-        http.mount(server.routes(), server.public_paths(), on_shutdown=server.close)
+        http.mount(
+            server.routes(),
+            server.public_paths(),
+            on_shutdown=server.close,
+            docs=server.route_docs(),
+        )
 
 
 # Estimated tokens a turn needs besides the tools and a configured prompt: the default

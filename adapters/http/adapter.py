@@ -21,9 +21,14 @@
                                              agent's; &limit=N)
     GET  /healthz                            gateway health (never needs the token)
     GET  /metrics                            Prometheus text format
+    GET  /openapi.json                       this API as OpenAPI 3.1 (never needs the token)
+
+Each route's parameters and body are read through its pydantic models, and the same
+models describe it in /openapi.json (`adapters.http.schemas`, `adapters.http.openapi`).
 
 Routes other parts serve on this port (the A2A server's, docs/a2a.md) are added with
-`mount` before `start`, behind the same token check but for the paths named public.
+`mount` before `start`, behind the same token check but for the paths named public,
+with their `RouteDoc`s for /openapi.json.
 
 With `platforms.http.token` set, `/v1/...` and `/metrics` need `Authorization: Bearer`.
 The API is the operator's (like `hermes-gateway sessions ...`): it lists, reads,
@@ -41,8 +46,8 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
-import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
+from importlib import metadata
 from typing import Any
 
 from aiohttp import web
@@ -52,60 +57,29 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from adapters.base import AcceptStatus, PlatformAdapter, SendResult
-from adapters.http.inputs import (
-    BadRequest,
-    ClientGone,
-    agent_param,
-    check_id,
-    int_param,
-    is_encodable,
-    parse_message,
-    query_value,
-    shown,
-    wait_param,
-)
+from adapters.http import schemas
+from adapters.http.counting import FunctionCollector, RepeatLimit
+from adapters.http.inputs import BadRequest, ClientGone
+from adapters.http.openapi import build_spec
+from adapters.http.schemas import API_ROUTES, MAX_REPLIES_PER_POLL, PROMETHEUS_CONTENT_TYPE
+from adapters.http.validation import message_of, path_of, query_of
 from config import HttpConfig
 from gateway.domain import command_syntax
-from gateway.domain.session import (
-    Platform,
-    SessionSource,
-    listing_cursor,
-    listing_cursor_key,
-)
+from gateway.domain.session import Platform, SessionSource, listing_cursor
 from gateway.util.bounded_body import read_bounded
+from gateway.util.route_doc import RouteDoc
 
 __all__ = ["HttpAdapter"]
 
-MAX_REPLIES_PER_POLL = 500
-MAX_SEQ = 2**63 - 1  # reply numbers are SQLite integers: 64-bit signed
-SEARCH_LIMIT, MAX_SEARCH_LIMIT = 20, 100
-SESSION_PAGE, MAX_SESSION_PAGE = 100, 500
-LISTING_PAGE, MAX_LISTING_PAGE = 100, 1000  # GET /v1/sessions
-_PUBLIC_ROUTES = frozenset({"/healthz"})  # probes must work without the token
-_PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+# Probes must work without the token; the API's description holds no secret, and a
+# client learns from it that a token is needed.
+_PUBLIC_ROUTES = frozenset({"/healthz", "/openapi.json"})
+OPENAPI_ROUTE = RouteDoc(
+    "GET", "/openapi.json", "This API as OpenAPI 3.1 (no token needed)", {200: "application/json"}
+)
 RETRY_AFTER_SECONDS = 1
 STREAM_KEEPALIVE_SECONDS = 15.0
 STORE_RETRY_AFTER_SECONDS = 5  # a full disk is not freed in a second
-
-
-class RepeatLimit:
-    """At most one log line per `seconds` for a kind of per-client event: `due()` says
-    whether this one is logged, and `unlogged` counts those skipped since the last line
-    (the next line carries them), so many clients cannot flood the log."""
-
-    def __init__(self, seconds: float = 60.0, clock: Callable[[], float] = time.monotonic):
-        self.seconds = seconds
-        self.clock = clock
-        self.unlogged = 0
-        self._logged_at: float | None = None
-
-    def due(self) -> bool:
-        now = self.clock()
-        if self._logged_at is not None and now - self._logged_at < self.seconds:
-            self.unlogged += 1
-            return False
-        self._logged_at = now
-        return True
 
 
 def _needs_token(request: web.Request, public: frozenset[str]) -> bool:
@@ -156,9 +130,11 @@ class HttpAdapter(PlatformAdapter):
         self.clients_gone_total = 0  # requests whose client left before sending them whole
         self._gone_log = RepeatLimit()
         self._registry = CollectorRegistry(auto_describe=False)  # this adapter's own
-        self._registry.register(_Families(self._metric_families))
+        self._registry.register(FunctionCollector(self._metric_families))
         # Routes other parts serve on this port (the A2A server), added by `mount`.
         self._mounted: list[web.RouteDef] = []
+        self._mounted_docs: list[RouteDoc] = []
+        self._spec: bytes | None = None  # /openapi.json, built at the first start
         self._public = _PUBLIC_ROUTES
         self._on_shutdown: list[Callable[[web.Application], Awaitable[None]]] = []
 
@@ -172,11 +148,15 @@ class HttpAdapter(PlatformAdapter):
         routes: Iterable[web.RouteDef],
         public_paths: Iterable[str] = (),
         on_shutdown: Callable[[web.Application], Awaitable[None]] | None = None,
+        docs: Iterable[RouteDoc] = (),
     ) -> None:
         """Serve `routes` beside the API's own, from the next `start()`, behind the same
         token check but for `public_paths` (route patterns, e.g. `/a2a/{agent}/x`).
-        `on_shutdown` runs when the server begins to stop (to end open streams)."""
+        `on_shutdown` runs when the server begins to stop (to end open streams). `docs`
+        describe the routes in /openapi.json (one `RouteDoc` per method and path)."""
         self._mounted.extend(routes)
+        self._mounted_docs.extend(docs)
+        self._spec = None
         self._public = self._public | frozenset(public_paths)
         if on_shutdown is not None:
             self._on_shutdown.append(on_shutdown)
@@ -188,20 +168,27 @@ class HttpAdapter(PlatformAdapter):
             middlewares=[self._auth_and_errors],
             client_max_size=self.config.max_body_bytes,
         )
+        handlers = {
+            "POST /v1/messages": self._post_message,
+            "GET /v1/chats/{chat_id}/messages": self._get_replies,
+            "GET /v1/chats/{chat_id}/stream": self._get_stream,
+            "GET /v1/sessions": self._get_sessions,
+            "GET /v1/sessions/{session_id}": self._get_session,
+            "DELETE /v1/sessions/{session_id}": self._delete_session,
+            "GET /v1/search": self._search,
+            "GET /healthz": self._get_health,
+            "GET /metrics": self._get_metrics,
+            "GET /openapi.json": self._get_openapi,
+        }
         app.add_routes(
             [
-                web.post("/v1/messages", self._post_message),
-                web.get("/v1/chats/{chat_id}/messages", self._get_replies),
-                web.get("/v1/chats/{chat_id}/stream", self._get_stream),
-                web.get("/v1/sessions", self._get_sessions),
-                web.get("/v1/sessions/{session_id}", self._get_session),
-                web.delete("/v1/sessions/{session_id}", self._delete_session),
-                web.get("/v1/search", self._search),
-                web.get("/healthz", self._get_health),
-                web.get("/metrics", self._get_metrics),
-                *self._mounted,
+                web.route(doc.method, doc.path, handlers[f"{doc.method} {doc.path}"])
+                for doc in (*API_ROUTES, OPENAPI_ROUTE)
             ]
+            + self._mounted
         )
+        if self._spec is None:
+            self._spec = self._build_spec()
         app.on_shutdown.extend(self._on_shutdown)
         # No access log: every long-poll would log a line; errors are logged below.
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=5.0)
@@ -327,6 +314,19 @@ class HttpAdapter(PlatformAdapter):
         )
         self._gone_log.unlogged = 0
 
+    def _build_spec(self) -> bytes:
+        try:
+            version = metadata.version("hermes-gateway")
+        except metadata.PackageNotFoundError:
+            version = "0"
+        spec = build_spec(
+            [*API_ROUTES, OPENAPI_ROUTE, *self._mounted_docs],
+            self._public,
+            title="hermes-gateway HTTP API",
+            version=version,
+        )
+        return json.dumps(spec, ensure_ascii=False).encode()
+
     # --- routes --------------------------------------------------------------------------
 
     async def _post_message(self, request: web.Request) -> web.Response:
@@ -338,7 +338,7 @@ class HttpAdapter(PlatformAdapter):
             return _error(413, f"request body is larger than {limit} bytes")
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
-        event = parse_message(body)
+        event = message_of(body)
         busy = self.gateway.busy_sessions()
         if busy >= self.config.max_busy_sessions and command_syntax.starts_work(event.text):
             return self._shed(busy)
@@ -384,12 +384,11 @@ class HttpAdapter(PlatformAdapter):
     async def _get_replies(self, request: web.Request) -> web.Response:
         """Up to `limit` replies (1-500, default 500) after `after` (0 to 2**63-1), waiting
         up to `wait` seconds (0-60) for the first; each in plain ASCII digits."""
-        chat_id = request.match_info["chat_id"]
-        check_id("chat_id", chat_id)
-        after = int_param(request, "after", 0, 0, MAX_SEQ)
-        limit = int_param(request, "limit", MAX_REPLIES_PER_POLL, 1, MAX_REPLIES_PER_POLL)
-        wait = wait_param(request)
-        assert self.gateway is not None
+        chat_id = path_of(request, schemas.ChatPath).chat_id
+        query = query_of(request, schemas.RepliesQuery)
+        after, limit, wait = query.after, query.limit, query.wait
+        if self.gateway is None:
+            return _error(503, "the gateway is not ready")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait
         while True:
@@ -418,10 +417,10 @@ class HttpAdapter(PlatformAdapter):
         reply is written, a `final` event per recorded reply (seq and whole text), a
         comment every `STREAM_KEEPALIVE_SECONDS`. With `after`, the finals after it are
         sent first (a reconnecting client loses none); without, only new ones."""
-        chat_id = request.match_info["chat_id"]
-        check_id("chat_id", chat_id)
-        after = int_param(request, "after", -1, 0, MAX_SEQ) if "after" in request.query else None
-        assert self.gateway is not None
+        chat_id = path_of(request, schemas.ChatPath).chat_id
+        after = query_of(request, schemas.StreamQuery).after
+        if self.gateway is None:
+            return _error(503, "the gateway is not ready")
         queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
         response = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
@@ -463,34 +462,24 @@ class HttpAdapter(PlatformAdapter):
     async def _get_sessions(self, request: web.Request) -> web.Response:
         """A page of the session entries: up to `limit` (1-1000, default 100) after the
         cursor `after`; `next` is the cursor of the following page, null on the last."""
-        agent = agent_param(request)
-        limit = int_param(request, "limit", LISTING_PAGE, 1, MAX_LISTING_PAGE)
-        cursor = query_value(request, "after")
-        after = None
-        if cursor is not None:
-            try:
-                after = listing_cursor_key(cursor)
-            except ValueError:
-                raise BadRequest(
-                    f"query parameter after must be a `next` cursor of this listing, "
-                    f"got {shown(cursor)}"
-                ) from None
+        query = query_of(request, schemas.SessionsQuery)
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
-        page, next_key = await self.gateway.list_sessions_page(agent, after, limit)
+        page, next_key = await self.gateway.list_sessions_page(
+            query.agent, query.after, query.limit
+        )
         next_cursor = None if next_key is None else listing_cursor(next_key)
         return web.json_response({"sessions": page, "next": next_cursor})
 
     async def _get_session(self, request: web.Request) -> web.Response:
         """A session and up to `limit` (1-500, default 100) of its messages after transcript
         id `after`; `next` is the `after` of the following page."""
-        session_id = request.match_info["session_id"]
-        check_id("session_id", session_id)
-        after = int_param(request, "after", 0, 0, MAX_SEQ)
-        limit = int_param(request, "limit", SESSION_PAGE, 1, MAX_SESSION_PAGE)
+        session_id = path_of(request, schemas.SessionPath).session_id
+        query = query_of(request, schemas.SessionQuery)
+        after = query.after
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
-        session = await self.gateway.get_session(session_id, after, limit)
+        session = await self.gateway.get_session(session_id, after, query.limit)
         if session is None:
             return _error(404, f"no session {session_id}")
         messages = session["messages"]
@@ -498,8 +487,7 @@ class HttpAdapter(PlatformAdapter):
         return web.json_response(session)
 
     async def _delete_session(self, request: web.Request) -> web.Response:
-        session_id = request.match_info["session_id"]
-        check_id("session_id", session_id)
+        session_id = path_of(request, schemas.SessionPath).session_id
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
         done = await self.gateway.delete_session(session_id)
@@ -514,24 +502,15 @@ class HttpAdapter(PlatformAdapter):
     async def _search(self, request: web.Request) -> web.Response:
         """Transcript search: `q` (any text), `chat_id` (one HTTP chat's sessions), `agent`
         (one agent's sessions), `limit` (1-100, default 20)."""
-        query = query_value(request, "q")
-        if query is None:
-            raise BadRequest("query parameter q is required")
-        if not is_encodable(query):
-            raise BadRequest("query parameter q contains an unpaired surrogate")
-        chat_id = query_value(request, "chat_id")
-        if chat_id is not None:
-            check_id("chat_id", chat_id)
-        agent = agent_param(request)
-        limit = int_param(request, "limit", SEARCH_LIMIT, 1, MAX_SEARCH_LIMIT)
+        query = query_of(request, schemas.SearchQuery)
         if self.gateway is None:
             return _error(503, "the gateway is not ready")
         results = await self.gateway.search_sessions(
-            query,
-            platform=None if chat_id is None else self.platform.value,
-            chat_id=chat_id,
-            agent=agent,
-            limit=limit,
+            query.q,
+            platform=None if query.chat_id is None else self.platform.value,
+            chat_id=query.chat_id,
+            agent=query.agent,
+            limit=query.limit,
         )
         return web.json_response({"results": results})
 
@@ -545,8 +524,11 @@ class HttpAdapter(PlatformAdapter):
             return _error(503, "the gateway is not ready")
         text = self.gateway.metrics_text() + generate_latest(self._registry).decode("utf-8")
         return web.Response(
-            body=text.encode("utf-8"), headers={"Content-Type": _PROMETHEUS_CONTENT_TYPE}
+            body=text.encode("utf-8"), headers={"Content-Type": PROMETHEUS_CONTENT_TYPE}
         )
+
+    async def _get_openapi(self, request: web.Request) -> web.Response:
+        return web.Response(body=self._spec, content_type="application/json")
 
     def _metric_families(self) -> Iterator[Metric]:
         """This adapter's counters for /metrics (after the gateway's), read when scraped."""
@@ -560,13 +542,6 @@ class HttpAdapter(PlatformAdapter):
             "Requests whose client closed the connection before sending them whole",
             value=self.clients_gone_total,
         )
-
-
-class _Families:
-    """A prometheus_client collector made of a function that yields metric families."""
-
-    def __init__(self, collect: Callable[[], Iterator[Metric]]) -> None:
-        self.collect = collect
 
 
 def _event(name: str, data: dict[str, Any]) -> bytes:

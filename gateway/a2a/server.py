@@ -23,7 +23,9 @@ from config import MAIN_AGENT, GatewayConfig
 from gateway.a2a.card import build_card, card_json
 from gateway.a2a.handler import TaskHandler
 from gateway.a2a.jsonrpc import JsonRpcEndpoint
+from gateway.a2a.route_docs import a2a_route_docs
 from gateway.domain.agent_tasks import AgentTasks
+from gateway.util.route_doc import RouteDoc
 
 __all__ = ["CARD_PATH", "A2aServer", "base_url"]
 
@@ -35,8 +37,9 @@ WAIT_MARGIN_SECONDS = 30.0  # a blocking send outwaits the turn's own deadline b
 
 
 class A2aServer:
-    """Build it, hand `routes()` and `public_paths()` to the HTTP adapter's `mount`, and
-    `close()` it when the app shuts down (ends open streams, answers waiting sends)."""
+    """Build it, hand `routes()`, `public_paths()` and `route_docs()` to the HTTP
+    adapter's `mount`, and `close()` it when the app shuts down (ends open streams,
+    answers waiting sends)."""
 
     def __init__(self, config: GatewayConfig, tasks: AgentTasks) -> None:
         self.config = config
@@ -59,6 +62,11 @@ class A2aServer:
             web.get("/a2a/{agent}" + CARD_PATH, self._agent_card),
             web.post("/a2a/{agent}", self._post),
         ]
+
+    @staticmethod
+    def route_docs() -> list[RouteDoc]:
+        """`routes()` as /openapi.json describes them (loosely: JSON-RPC objects)."""
+        return a2a_route_docs(CARD_PATH)
 
     @staticmethod
     def public_paths() -> frozenset[str]:

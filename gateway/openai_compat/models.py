@@ -158,3 +158,9 @@ class ErrorBody(BaseModel):
     `{"error": "..."}`, which OpenAI clients read as an authentication error)."""
 
     error: ErrorDetail
+
+
+class TokenRefused(BaseModel):
+    """The token check's answer (the HTTP API's own body, 401)."""
+
+    error: str

@@ -31,39 +31,49 @@ from gateway.openai_compat import convert
 from gateway.openai_compat.convert import BadInput
 from gateway.openai_compat.models import (
     ChatCompletion,
-    ChatCompletionChunk,
     ChatCompletionRequest,
     Delta,
     ErrorBody,
     Model,
     ModelList,
+    TokenRefused,
 )
 from gateway.util.bounded_body import read_bounded
+from gateway.util.route_doc import ResponseDoc, RouteDoc
 
-__all__ = ["ROUTES", "STREAM_EVENT", "OpenAiServer"]
+__all__ = ["ROUTE_DOCS", "OpenAiServer"]
 
-#: (method, path, request model, {status: response model}): what an OpenAPI document
-#: says of these routes. A streamed answer (`stream: true`) is `text/event-stream` of
-#: STREAM_EVENT objects instead of the 200's JSON.
-ROUTES: list[tuple[str, str, type[BaseModel] | None, dict[int, type[BaseModel]]]] = [
-    (
+_ERRORS: dict[int, ResponseDoc] = {
+    401: TokenRefused,
+    **{status: ErrorBody for status in (400, 404, 409, 413, 502, 503, 504)},
+}
+#: these routes as `/openapi.json` tells them. A streamed answer (`stream: true`) is
+#: `text/event-stream` of `ChatCompletionChunk` objects instead of the 200's JSON; the
+#: conversation headers (`X-Hermes-Session`, `X-Hermes-Message-Id`) are in the text.
+ROUTE_DOCS = [
+    RouteDoc(
         "post",
         "/v1/chat/completions",
-        ChatCompletionRequest,
-        {
-            200: ChatCompletion,
-            400: ErrorBody,
-            404: ErrorBody,
-            409: ErrorBody,
-            413: ErrorBody,
-            502: ErrorBody,
-            503: ErrorBody,
-            504: ErrorBody,
-        },
+        "One turn of the caller's conversation with an agent (OpenAI's chat API)",
+        {200: (ChatCompletion, "text/event-stream"), **_ERRORS},
+        body=ChatCompletionRequest,
+        description=(
+            "`model` names an agent. The gateway keeps the conversation: only the last"
+            " user message is new. `X-Hermes-Session` picks one of a user's"
+            " conversations, `X-Hermes-Message-Id` makes a resent request the same turn."
+            " With `stream: true` the 200 is `text/event-stream` of"
+            " `chat.completion.chunk` objects, then `data: [DONE]`."
+        ),
+        tags=("openai",),
     ),
-    ("get", "/v1/models", None, {200: ModelList}),
+    RouteDoc(
+        "get",
+        "/v1/models",
+        "The agents, as OpenAI models",
+        {200: ModelList, 401: TokenRefused},
+        tags=("openai",),
+    ),
 ]
-STREAM_EVENT = ChatCompletionChunk
 
 SESSION_HEADER = "X-Hermes-Session"
 MESSAGE_ID_HEADER = "X-Hermes-Message-Id"
@@ -130,6 +140,10 @@ class OpenAiServer:
     def public_paths() -> frozenset[str]:
         """None: every route needs the HTTP API's token when one is set."""
         return frozenset()
+
+    @staticmethod
+    def route_docs() -> list[RouteDoc]:
+        return ROUTE_DOCS
 
     async def close(self, app: web.Application | None = None) -> None:
         self._closing.set()

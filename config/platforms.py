@@ -86,6 +86,9 @@ class HttpConfig(PlatformConfig):
     # Backpressure: while this many sessions (on every platform) have a turn running or
     # waiting, a POST /v1/messages that would start a turn gets 503 with Retry-After.
     max_busy_sessions: int = Field(default=1024, ge=1)
+    # The operator's web console at /console/ (docs/console.md); without `token` it is
+    # served only while the API listens on a loopback address.
+    console: bool = True
 
     @field_validator("token")
     @classmethod

@@ -56,14 +56,15 @@ def post_form(
     )
 
 
-def table(headers: Iterable[str], rows: Iterable[Iterable[str]], empty: str) -> str:
-    """A table of cells already escaped (each row's cells are HTML)."""
+def table(headers: Iterable[str], rows: Iterable[Iterable[str]], empty: str, cls: str = "") -> str:
+    """A table of cells already escaped (each row's cells are HTML); `cls` names it
+    for the stylesheet."""
     body = "".join("<tr>" + "".join(f"<td>{c}</td>" for c in row) + "</tr>" for row in rows)
     if not body:
         return f'<p class="empty">{esc(empty)}</p>'
     head = "".join(f"<th>{esc(h)}</th>" for h in headers)
     return (
-        f'<div class="scroll"><table><thead><tr>{head}</tr></thead>'
+        f'<div class="scroll {esc(cls)}"><table><thead><tr>{head}</tr></thead>'
         f"<tbody>{body}</tbody></table></div>"
     )
 

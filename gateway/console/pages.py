@@ -109,8 +109,8 @@ def sessions_body(
     filters: dict[str, str], page: list[dict[str, Any]], next_key: str | None, agents: list[str]
 ) -> str:
     options = "".join(
-        f'<option value="{esc(a)}"{" selected" if filters.get("agent") == a else ""}>{esc(a)}'
-        "</option>"
+        f'<option value="{esc(a)}"{" selected" if filters.get("agent") == a else ""}>'
+        f"{esc(a or 'all')}</option>"
         for a in ["", *agents]
     )
     form = (
@@ -129,7 +129,7 @@ def sessions_body(
             f"<code>{esc(s['session_key'])}</code>",
             esc(s["platform"]),
             esc(s["user_name"] or s["user_id"]),
-            esc((s["updated_at"] or "")[:19]),
+            esc((s["updated_at"] or "")[:19].replace("T", " ")),
             esc(f"{s['total_tokens']:,}"),
         )
         for s in page
@@ -144,6 +144,7 @@ def sessions_body(
             ("Title", "Key", "Platform", "User", "Updated (UTC)", "Tokens"),
             rows,
             "No sessions on this page match." if next_key else "No sessions match.",
+            cls="sessions",
         )
         + more
     )

@@ -364,3 +364,28 @@ async def test_a_users_notes_are_listed_and_deleted(tmp_path: Path) -> None:
             _, page, _ = await browser.get("/console/notes?user=http:alice")
             assert "Deleted the note." in page and "No notes for this user." in page
         assert [n["text"] for n in await runner.recall.export("http", "bob")] == ["likes coffee"]
+
+
+async def test_wrong_tokens_are_slowed_to_ten_a_minute(tmp_path: Path) -> None:
+    async with in_process(tmp_path, {"port": 0, "token": TOKEN}) as (_, url):
+        async with aiohttp.ClientSession() as http:
+            browser = Browser(url, http)
+            for _ in range(10):
+                status, _, _ = await browser.post("/console/login", {"token": "guess"})
+                assert status == 403
+            status, body, _ = await browser.post("/console/login", {"token": TOKEN})
+            assert status == 429 and "wait a minute" in json.loads(body)["error"]
+
+
+def test_console_sessions_expire_and_are_bounded_in_count() -> None:
+    from gateway.console import auth
+
+    now = [1000.0]
+    sessions = auth.ConsoleSessions(clock=lambda: now[0])
+    first, session = sessions.open()
+    assert sessions.find(first) is session and auth.csrf_ok(session, session.csrf)
+    assert not auth.csrf_ok(session, "0" * 64) and not auth.csrf_ok(session, None)
+    now[0] += auth.SESSION_SECONDS
+    assert sessions.find(first) is None
+    opened = [sessions.open()[0] for _ in range(auth.MAX_SESSIONS + 1)]
+    assert sessions.find(opened[0]) is None and sessions.find(opened[-1]) is not None

@@ -241,9 +241,7 @@ def search_body(query: str, results: list[dict[str, Any]]) -> str:
 # --- schedules, notes, pairing -------------------------------------------------------------
 
 
-def schedules_body(
-    schedules: list[dict[str, Any]], csrf: str, message: str | None, error: bool
-) -> str:
+def schedules_body(schedules: list[dict[str, Any]], csrf: str) -> str:
     def actions(s: dict[str, Any]) -> str:
         base = f"/console/schedules/{path_part(s['id'])}"
         buttons = []
@@ -271,7 +269,7 @@ def schedules_body(
         )
         for s in schedules
     )
-    return notice(message, error) + table(
+    return table(
         ("Id", "Agent", "Chat", "Cadence", "Status", "Next run", "Last run", "Prompt", ""),
         rows,
         "No schedules.",
@@ -293,16 +291,14 @@ def runs_body(schedule_id: str, runs: list[dict[str, Any]]) -> str:
     )
 
 
-def notes_body(
-    user: str, notes: list[dict[str, Any]], csrf: str, message: str | None, error: bool
-) -> str:
+def notes_body(user: str, notes: list[dict[str, Any]], csrf: str) -> str:
     form = (
         '<form method="get" action="/console/notes" class="filters">'
         f'<label>User (PLATFORM:USER_ID) <input name="user" value="{esc(user)}" required'
         ' placeholder="telegram:12345"></label><button type="submit">Show notes</button></form>'
     )
     if not user:
-        return notice(message, error) + form
+        return form
     rows = (
         (
             esc(n["agent"]),
@@ -320,16 +316,12 @@ def notes_body(
         )
         for n in notes
     )
-    return (
-        notice(message, error)
-        + form
-        + table(("Agent", "Note", "Tags", "Updated (UTC)", ""), rows, "No notes for this user.")
+    return form + table(
+        ("Agent", "Note", "Tags", "Updated (UTC)", ""), rows, "No notes for this user."
     )
 
 
-def pairing_body(
-    requests: list[dict[str, Any]], csrf: str, message: str | None, error: bool
-) -> str:
+def pairing_body(requests: list[dict[str, Any]], csrf: str) -> str:
     def actions(r: dict[str, Any]) -> str:
         fields = {"platform": r["platform"], "code": r["code"]}
         return post_form("/console/pairing/approve", csrf, "Approve", fields) + post_form(
@@ -347,6 +339,6 @@ def pairing_body(
         )
         for r in requests
     )
-    return notice(message, error) + table(
+    return table(
         ("Platform", "User", "User id", "Code", "Asked (UTC)", ""), rows, "No pending requests."
     )

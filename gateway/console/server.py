@@ -81,9 +81,9 @@ class ConsoleError(Exception):
 
 @dataclass(slots=True)
 class Visit:
-    """One request's console session (None only on the login page) and its form."""
+    """One request's console session and its form (a POST's)."""
 
-    session: ConsoleSession | None
+    session: ConsoleSession
     form: dict[str, str]
 
 
@@ -197,12 +197,13 @@ class ConsoleServer:
             secure=request.secure,
         )
 
-    def _html(
-        self, title: str, body: str, visit: Visit, active: str, status: int = 200
-    ) -> web.Response:
-        csrf = visit.session.csrf if visit.session else None
-        text = layout(title, body, csrf, active, logout=bool(self.http.token))
-        return web.Response(text=text, status=status, content_type="text/html")
+    def _html(self, title: str, body: str, visit: Visit, active: str) -> web.Response:
+        """The page, after what the last action did (the session's flash, shown once)."""
+        message, error = visit.session.take_flash()
+        text = layout(
+            title, notice(message, error) + body, visit.session.csrf, active, bool(self.http.token)
+        )
+        return web.Response(text=text, content_type="text/html")
 
     # --- login ---------------------------------------------------------------------------
 
@@ -214,7 +215,8 @@ class ConsoleServer:
     ) -> web.StreamResponse:
         if not self.http.token:
             return _redirect("/console/")
-        return self._html("Log in", pages.login_body(error), Visit(None, {}), "", status)
+        text = layout("Log in", pages.login_body(error), None)
+        return web.Response(text=text, status=status, content_type="text/html")
 
     async def _login(self, request: web.Request) -> web.StreamResponse:
         if not self.http.token:
@@ -303,12 +305,7 @@ class ConsoleServer:
         query = SessionQuery(agent, filters["platform"], filters["user"], filters["q"])
         page, next_key = await self.port.sessions_page(query, after, PAGE_SIZE)
         body = pages.sessions_body(filters, page, next_key, self.agents)
-        return self._flashed("Sessions", body, visit, "/console/sessions")
-
-    def _flashed(self, title: str, body: str, visit: Visit, active: str) -> web.Response:
-        assert visit.session is not None
-        message, error = visit.session.take_flash()
-        return self._html(title, notice(message, error) + body, visit, active)
+        return self._html("Sessions", body, visit, "/console/sessions")
 
     async def _transcript(self, request: web.Request, visit: Visit) -> web.StreamResponse:
         session_id = _session_id(request)
@@ -321,9 +318,8 @@ class ConsoleServer:
         if len(messages) > TRANSCRIPT_PAGE:
             del messages[TRANSCRIPT_PAGE:]
             next_after = messages[-1]["id"]
-        assert visit.session is not None
         body = pages.transcript_body(found, visit.session.csrf, next_after)
-        return self._flashed(found["title"], body, visit, "/console/sessions")
+        return self._html(found["title"], body, visit, "/console/sessions")
 
     async def _export(self, request: web.Request, visit: Visit) -> web.StreamResponse:
         session_id = _session_id(request)
@@ -346,7 +342,6 @@ class ConsoleServer:
     async def _delete(self, request: web.Request, visit: Visit) -> web.StreamResponse:
         session_id = _session_id(request)
         done = await self.port.delete_session(session_id)
-        assert visit.session is not None
         if done["status"] == "not_found":
             raise ConsoleError(404, f"no session {session_id}")
         if done["status"] == "busy":
@@ -364,10 +359,8 @@ class ConsoleServer:
     # --- schedules, notes, pairing ---------------------------------------------------------
 
     async def _schedules(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        assert visit.session is not None
-        message, error = visit.session.take_flash()
         listed = await self.port.schedules()
-        body = pages.schedules_body(listed, visit.session.csrf, message, error)
+        body = pages.schedules_body(listed, visit.session.csrf)
         return self._html("Schedules", body, visit, "/console/schedules")
 
     async def _runs(self, request: web.Request, visit: Visit) -> web.StreamResponse:
@@ -384,7 +377,6 @@ class ConsoleServer:
         action = request.match_info["action"]
         if action not in ("pause", "resume", "run", "remove"):
             raise ConsoleError(404, f"no schedule action {action[:32]!r}")
-        assert visit.session is not None
         try:
             visit.session.flash = (await self.port.change_schedule(schedule_id, action), False)
         except ConsoleRefused as exc:
@@ -392,21 +384,18 @@ class ConsoleServer:
         return _redirect("/console/schedules")
 
     async def _notes(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        assert visit.session is not None
-        message, error = visit.session.take_flash()
         user = _query(request, "user")
         notes = []
         if user:
             platform, user_id = _user(user)
             notes = await self.port.notes(platform, user_id)
-        body = pages.notes_body(user, notes, visit.session.csrf, message, error)
+        body = pages.notes_body(user, notes, visit.session.csrf)
         return self._html("Notes", body, visit, "/console/notes")
 
     async def _delete_note(self, request: web.Request, visit: Visit) -> web.StreamResponse:
         user = _field(visit.form, "user")
         platform, user_id = _user(user)
         note_id = _field(visit.form, "note_id")
-        assert visit.session is not None
         deleted = await self.port.delete_note(platform, user_id, note_id)
         visit.session.flash = (
             ("Deleted the note.", False) if deleted else (f"{user} has no note {note_id}.", True)
@@ -414,10 +403,8 @@ class ConsoleServer:
         return _redirect("/console/notes?" + urlencode({"user": user}))
 
     async def _pairing(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        assert visit.session is not None
-        message, error = visit.session.take_flash()
         listed = await self.port.pairing_requests()
-        body = pages.pairing_body(listed, visit.session.csrf, message, error)
+        body = pages.pairing_body(listed, visit.session.csrf)
         return self._html("Pairing requests", body, visit, "/console/pairing")
 
     async def _decide_pairing(self, request: web.Request, visit: Visit) -> web.StreamResponse:
@@ -425,7 +412,6 @@ class ConsoleServer:
         if decision not in ("approve", "deny"):
             raise ConsoleError(404, f"no pairing decision {decision[:32]!r}")
         platform, code = _field(visit.form, "platform"), _field(visit.form, "code")
-        assert visit.session is not None
         if await self.port.decide_pairing(platform, code, decision == "approve"):
             done = "Approved" if decision == "approve" else "Denied"
             visit.session.flash = (f"{done} {platform} code {code}.", False)

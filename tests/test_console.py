@@ -181,6 +181,8 @@ async def test_the_listing_filters_by_platform_and_user_and_pages(browser: Brows
     assert page.count('class="title"') == len(SEEDED)
     _, page, _ = await browser.get("/console/sessions?user=bob")
     assert 'class="title"' not in page
+    _, page, _ = await browser.get("/console/sessions?agent=main&q=lisbon")
+    assert page.count('class="title"') == 1
 
 
 async def test_bad_input_is_a_4xx_json_error(browser: Browser) -> None:
@@ -389,3 +391,29 @@ def test_console_sessions_expire_and_are_bounded_in_count() -> None:
     assert sessions.find(first) is None
     opened = [sessions.open()[0] for _ in range(auth.MAX_SESSIONS + 1)]
     assert sessions.find(opened[0]) is None and sessions.find(opened[-1]) is not None
+
+
+async def test_a_transcript_folds_tool_calls_and_escapes_every_text(tmp_path: Path) -> None:
+    from gateway.domain.session import Platform, SessionSource
+
+    async with in_process(tmp_path, {"port": 0, "token": TOKEN}) as (runner, url):
+        source = SessionSource(platform=Platform.HTTP, chat_id="tools", user_id="alice")
+        entry = await runner.store.get_or_create_session(source)
+        saved = {"name": "memory_save", "arguments": '{"content": "<tea>"}'}
+        call = {"id": "call_1", "type": "function", "function": saved}
+        for message in (
+            {"role": "user", "content": "remember <script>alert(1)</script>"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "name": "memory_save", "content": "ok"},
+            {"role": "assistant", "content": "Saved."},
+        ):
+            await runner.store.append_to_transcript(entry.session_id, message)
+        async with aiohttp.ClientSession() as http:
+            browser = Browser(url, http)
+            await browser.login()
+            status, page, _ = await browser.get(f"/console/sessions/{entry.session_id}")
+    assert status == 200
+    assert "<script>alert" not in page and "&lt;script&gt;alert(1)&lt;/script&gt;" in page
+    assert "<details><summary>Tool call: memory_save</summary>" in page
+    assert "<details><summary>Tool result: memory_save" in page
+    assert "&lt;tea&gt;" in page and "Saved." in page

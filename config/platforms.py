@@ -89,6 +89,9 @@ class HttpConfig(PlatformConfig):
     # The OpenAI-compatible endpoint (`/v1/chat/completions`, `/v1/models`) on this port,
     # behind the same token: on wherever the HTTP API is.
     openai: bool = True
+    # The operator's web console at /console/ (docs/console.md); without `token` it is
+    # served only while the API listens on a loopback address.
+    console: bool = True
 
     @field_validator("token")
     @classmethod

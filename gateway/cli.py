@@ -24,7 +24,6 @@ import threading
 import time
 import traceback
 from collections.abc import Awaitable, Callable, Sequence
-from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -35,8 +34,8 @@ from adapters.base import PlatformAdapter
 from config import EXIT_CONFIG, ConfigError, GatewayConfig, hermes_home, load_config
 from config.envfile import EnvFileError, load_env_file
 from gateway.agents.roster import Roster
+from gateway.console.auth import check_config_line
 from gateway.domain.agent_tasks import AgentTasks
-from gateway.domain.session import agent_id_of_key, listing_cursor, listing_cursor_key
 from gateway.memory.embeddings import local_model_problem
 from gateway.ops.agents import add_agents_parser, cmd_agents
 from gateway.ops.doctor import add_doctor_parser
@@ -45,7 +44,16 @@ from gateway.ops.memory import add_memory_parser, run_memory_command
 from gateway.ops.schedules import add_schedules_parser, run_schedules_command
 from gateway.ops.sdnotify import SystemdNotifier, run_watchdog
 from gateway.ops.service import add_service_parser
-from gateway.ops.sessions import add_sessions_subcommands, agent_id, run_sessions_command
+from gateway.ops.sessions import (
+    LISTING_PAGE,
+    MAX_LISTING_PAGE,
+    add_sessions_subcommands,
+    agent_id,
+    listing_after,
+    listing_limit,
+    run_sessions_command,
+    sessions_list,
+)
 from gateway.ops.status import add_status_parser
 from gateway.ops.storage import add_storage_parser
 from gateway.runner.pairing import add_pairing_parser
@@ -53,14 +61,12 @@ from gateway.store.db import DatabaseError, DatabaseUnreachable
 from gateway.store.entries import load_session_row
 from gateway.store.homelock import HomeInUse, HomeLock, HomeUnusable
 from gateway.store.session_store import SessionStore
-from gateway.store.titles import titles_for
 from gateway.store.transcript import count_undone
 
 EXIT_RESTART = 75  # EX_TEMPFAIL: drained for a restart; the service manager starts us again
 EXIT_SOFTWARE = 70  # EX_SOFTWARE: an internal error (a bug), reported with its traceback
 LINGER_SECONDS = 2.0  # how long worker threads get to end after the command is over
 SESSION_ID_RE = re.compile(r"^\d{8}_\d{6}_[0-9a-f]{8}$")
-LISTING_PAGE, MAX_LISTING_PAGE = 100, 1000  # `sessions list`, as GET /v1/sessions
 
 
 def sessions_dir(home: Path) -> Path:
@@ -77,6 +83,9 @@ def _where(config: GatewayConfig) -> str:
 
 def cmd_check_config(args: argparse.Namespace, config: GatewayConfig) -> int:
     check_runnable(config)
+    console = check_config_line(config)
+    if console is not None:
+        print(console)
     where = config.source_path or "(no file: zero-config defaults)"
     print(f"config ok: {where}")
     return 0
@@ -150,6 +159,18 @@ def mount_apis(config: GatewayConfig, tasks: AgentTasks, adapters: list[Platform
         )
 
 
+def mount_console(config: GatewayConfig, runner: Any, adapters: list[PlatformAdapter]) -> None:
+    """Serve the operator's console at /console/ (`platforms.http.console`, docs/console.md)."""
+    from adapters.http import HttpAdapter
+    from gateway.console.server import ConsoleServer
+    from gateway.runner.console_desk import ConsoleDesk
+
+    http = next((a for a in adapters if isinstance(a, HttpAdapter)), None)
+    if http is not None and config.platforms.http.console:
+        server = ConsoleServer(config, ConsoleDesk(runner))
+        http.mount(server.routes(), server.public_paths(), on_shutdown=server.close)
+
+
 # Estimated tokens a turn needs besides the tools and a configured prompt: the default
 # prompt's two lines, the session-context block and a short message.
 MESSAGE_ROOM = 256
@@ -210,6 +231,7 @@ async def serve(config: GatewayConfig, home: Path) -> int:
         adapters = check_runnable(config)
         runner.add_adapters(adapters)
         mount_apis(config, runner.agent_tasks, adapters)
+        mount_console(config, runner, adapters)
     except ConfigError as exc:
         log.error("configuration_error", error=f"{_where(config)}{exc}")
         return EXIT_CONFIG
@@ -279,66 +301,6 @@ def cmd_run(args: argparse.Namespace, config: GatewayConfig) -> int:
         return asyncio.run(serve(config, home))
 
 
-def _entry_row(entry: Any) -> dict[str, Any]:
-    return {
-        "session_key": entry.session_key,
-        "session_id": entry.session_id,
-        "updated_at": entry.updated_at.isoformat(),
-        "total_tokens": entry.total_tokens,
-        "flags": ",".join(
-            name
-            for name in ("suspended", "resume_pending", "was_auto_reset", "expiry_finalized")
-            if getattr(entry, name)
-        ),
-    }
-
-
-async def _sessions_list(store: SessionStore, args: argparse.Namespace) -> int:
-    entries, next_key = await store.list_sessions_page(
-        args.after, args.limit, active_minutes=args.active_minutes, agent_id=args.agent
-    )
-    titles = await store.read(lambda conn: titles_for(conn, (e.session_id for e in entries)))
-    next_cursor = None if next_key is None else listing_cursor(next_key)
-    if args.json:
-        listed = [
-            {**e.to_dict(), "agent": agent_id_of_key(e.session_key), "title": titles[e.session_id]}
-            for e in entries
-        ]
-        print(json.dumps({"sessions": listed, "next": next_cursor}, indent=2))
-        return 0
-    if not entries:
-        print("no sessions")
-        return 0
-    print(f"{'UPDATED (UTC)':20} {'SESSION ID':25} {'TOKENS':>8}  KEY  [FLAGS]  TITLE")
-    for row in (_entry_row(e) for e in entries):
-        updated = datetime.fromisoformat(row["updated_at"]).astimezone(UTC)
-        flags = f"  [{row['flags']}]" if row["flags"] else ""
-        print(
-            f"{updated:%Y-%m-%d %H:%M:%S}  {row['session_id']:25} {row['total_tokens']:>8}"
-            f"  {row['session_key']}{flags}  {titles[row['session_id']]}"
-        )
-    if next_cursor is not None:
-        print(f"more: the same command with --after {next_cursor}")
-    return 0
-
-
-def _listing_limit(text: str) -> int:
-    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= MAX_LISTING_PAGE:
-        raise argparse.ArgumentTypeError(f"must be a whole number 1-{MAX_LISTING_PAGE}")
-    return int(text)
-
-
-def _listing_after(text: str) -> str:
-    """An `--after` value: the `next` cursor of the page before, as the session key it
-    resumes after."""
-    try:
-        return listing_cursor_key(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            "must be the cursor a listing printed (`more: ... --after CURSOR` or `next`)"
-        ) from None
-
-
 async def _sessions_show(store: SessionStore, args: argparse.Namespace) -> int:
     target = args.key_or_id
     entry = await store.lookup_by_session_id(target) if SESSION_ID_RE.match(target) else None
@@ -394,7 +356,7 @@ def _on_store(config: GatewayConfig, command: Callable[[SessionStore], Awaitable
 
 
 def cmd_sessions(args: argparse.Namespace, config: GatewayConfig) -> int:
-    handler = {"list": _sessions_list, "show": _sessions_show}.get(
+    handler = {"list": sessions_list, "show": _sessions_show}.get(
         args.sessions_command, run_sessions_command
     )
     return _on_store(config, lambda store: handler(store, args))
@@ -499,13 +461,13 @@ def build_parser() -> argparse.ArgumentParser:
     listing.add_argument("--agent", type=agent_id, default=None, help="only this agent's")
     listing.add_argument(
         "--limit",
-        type=_listing_limit,
+        type=listing_limit,
         default=LISTING_PAGE,
         help=f"at most N entries, in session-key order (1-{MAX_LISTING_PAGE}, {LISTING_PAGE})",
     )
     listing.add_argument(
         "--after",
-        type=_listing_after,
+        type=listing_after,
         default=None,
         metavar="CURSOR",
         help="the page after the one that printed this cursor",

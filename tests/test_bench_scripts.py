@@ -201,3 +201,10 @@ def test_bench_store_api_sets_each_call_beside_plain_sqlite() -> None:
         row = next((line for line in out.splitlines() if f" {call} " in line), None)
         assert row is not None, out
         assert re.search(r"[\d.]+ / [\d.]+ / [\d.]+x$", row), row
+
+
+def test_bench_console_times_each_sessions_page() -> None:
+    out = run_script("bench_console.py", "--sessions", "500", "--runs", "2")
+    for page in ("first page", "deep page", "q search", "q, last match"):
+        assert re.search(rf"^{re.escape(page)} +[\d.]+ +[\d.]+$", out, re.M), out
+    assert "slowest median" in out, out

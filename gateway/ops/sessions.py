@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any
 
 from config import AGENT_ID_PATTERN
+from gateway.domain.session import agent_id_of_key, listing_cursor, listing_cursor_key
 from gateway.memory.recall import Recall
 from gateway.store import archive, media_files, purge, search
 from gateway.store.session_store import SessionStore
+from gateway.store.titles import titles_for
 
 FORMATS = ("json", "markdown")
+LISTING_PAGE, MAX_LISTING_PAGE = 100, 1000  # `sessions list`, as GET /v1/sessions
 
 
 def add_sessions_subcommands(sub: Any, parents: list[argparse.ArgumentParser]) -> None:
@@ -48,6 +51,66 @@ def agent_id(text: str) -> str:
     if not AGENT_ID_PATTERN.fullmatch(text):
         raise argparse.ArgumentTypeError("must be an agent id (1-32 of a-z, 0-9, - and _)")
     return text
+
+
+def _entry_row(entry: Any) -> dict[str, Any]:
+    return {
+        "session_key": entry.session_key,
+        "session_id": entry.session_id,
+        "updated_at": entry.updated_at.isoformat(),
+        "total_tokens": entry.total_tokens,
+        "flags": ",".join(
+            name
+            for name in ("suspended", "resume_pending", "was_auto_reset", "expiry_finalized")
+            if getattr(entry, name)
+        ),
+    }
+
+
+async def sessions_list(store: SessionStore, args: argparse.Namespace) -> int:
+    entries, next_key = await store.list_sessions_page(
+        args.after, args.limit, active_minutes=args.active_minutes, agent_id=args.agent
+    )
+    titles = await store.read(lambda conn: titles_for(conn, (e.session_id for e in entries)))
+    next_cursor = None if next_key is None else listing_cursor(next_key)
+    if args.json:
+        listed = [
+            {**e.to_dict(), "agent": agent_id_of_key(e.session_key), "title": titles[e.session_id]}
+            for e in entries
+        ]
+        print(json.dumps({"sessions": listed, "next": next_cursor}, indent=2))
+        return 0
+    if not entries:
+        print("no sessions")
+        return 0
+    print(f"{'UPDATED (UTC)':20} {'SESSION ID':25} {'TOKENS':>8}  KEY  [FLAGS]  TITLE")
+    for row in (_entry_row(e) for e in entries):
+        updated = datetime.fromisoformat(row["updated_at"]).astimezone(UTC)
+        flags = f"  [{row['flags']}]" if row["flags"] else ""
+        print(
+            f"{updated:%Y-%m-%d %H:%M:%S}  {row['session_id']:25} {row['total_tokens']:>8}"
+            f"  {row['session_key']}{flags}  {titles[row['session_id']]}"
+        )
+    if next_cursor is not None:
+        print(f"more: the same command with --after {next_cursor}")
+    return 0
+
+
+def listing_limit(text: str) -> int:
+    if not text.isascii() or not text.isdigit() or not 1 <= int(text) <= MAX_LISTING_PAGE:
+        raise argparse.ArgumentTypeError(f"must be a whole number 1-{MAX_LISTING_PAGE}")
+    return int(text)
+
+
+def listing_after(text: str) -> str:
+    """An `--after` value: the `next` cursor of the page before, as the session key it
+    resumes after."""
+    try:
+        return listing_cursor_key(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            "must be the cursor a listing printed (`more: ... --after CURSOR` or `next`)"
+        ) from None
 
 
 def _positive(text: str) -> int:

@@ -191,6 +191,19 @@ class Pairing:
 
         return await self.store.write(tx, dirty=False)
 
+    async def deny(self, platform: str, code: str) -> bool:
+        """Drop a pending code (the user may ask again later); False when none such."""
+        code = code.strip().upper()
+        return await self.store.write(
+            lambda conn: (
+                conn.execute(
+                    "DELETE FROM pairing_codes WHERE platform = ? AND code = ?", (platform, code)
+                ).rowcount
+                > 0
+            ),
+            dirty=False,
+        )
+
     async def revoke(self, platform: str, user_id: str) -> bool:
         return await self.store.write(
             lambda conn: (

@@ -86,7 +86,14 @@ class Run:
 def settings(
     model_url: str, dsn: str | None, tool: str = "memory_save", home: Path | None = None
 ) -> str:
-    storage = f"storage:\n  backend: postgres\n  dsn: {json.dumps(dsn)}\n" if dsn else ""
+    # On PostgreSQL the restarted daemon takes over the killed one's sessions once its
+    # lease has lapsed: a short failover (the cluster tests' 3 s), not the default 15 s.
+    storage = (
+        f"storage:\n  backend: postgres\n  dsn: {json.dumps(dsn)}\n"
+        "cluster:\n  failover_seconds: 3\n"
+        if dsn
+        else ""
+    )
     agent = f"agent:\n  backend: openai\n  base_url: {model_url}\n  model: fake\n"
     if tool == "memory_save":
         return agent + "  tools: [memory_save]\n" + storage

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import subprocess
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import settings
@@ -20,6 +22,30 @@ from tests.pg_support import StorageBackend, fresh_schema
 settings.register_profile("ci", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+# --- temporary files in RAM -------------------------------------------------------------
+# The suite's stores, daemons and scripts commit (and so fsync) thousands of times; on a
+# disk shared with other work each fsync costs milliseconds to seconds, most of some
+# tests' time. Where Linux offers a RAM file system (/dev/shm) pytest's tmp_path and
+# every `tempfile` here and in the processes the tests start go there. No test rests on
+# data outliving the machine: their crashes are kill -9, which the page cache survives
+# on a disk too. A TMPDIR set by the caller is left as it is, and so is a small /dev/shm
+# (a container's default is 64 MiB: the benchmark scripts' stores would fill it).
+RAM_TMP = Path("/dev/shm")
+RAM_TMP_MIN_FREE = 2 * 1024**3
+
+
+def _ram_tmp_usable() -> bool:
+    if not (RAM_TMP.is_dir() and os.access(RAM_TMP, os.W_OK | os.X_OK)):
+        return False
+    fs = os.statvfs(RAM_TMP)
+    return fs.f_bavail * fs.f_frsize >= RAM_TMP_MIN_FREE
+
+
+if "TMPDIR" not in os.environ and _ram_tmp_usable():
+    os.environ["TMPDIR"] = str(RAM_TMP)
+    tempfile.tempdir = None  # gettempdir() may have been asked already: ask it again
 
 
 # --- store backends ---------------------------------------------------------------------

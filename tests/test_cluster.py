@@ -62,8 +62,11 @@ def replicas(tmp_path: Path, dsn: str) -> Iterator[list[Daemon]]:
     settings = replica_settings(tmp_path / "turns.jsonl", dsn)
     made = [Daemon(tmp_path / f"replica{i}", settings) for i in range(3)]
     try:
+        # Started together, then each waited for: three interpreter start-ups overlap.
         for daemon in made:
-            daemon.start()
+            daemon.start(wait_ready=False)
+        for daemon in made:
+            daemon.wait_ready()
         yield made
     finally:
         for daemon in made:
@@ -231,8 +234,10 @@ def test_a_replica_that_loses_the_database_stops_and_comes_back(tmp_path: Path, 
     a = Daemon(tmp_path / "a", replica_settings(record, via_proxy, turn_seconds=2.5))
     b = Daemon(tmp_path / "b", replica_settings(record, dsn, turn_seconds=2.5))
     try:
-        a.start()
-        b.start()
+        a.start(wait_ready=False)
+        b.start(wait_ready=False)
+        a.wait_ready()
+        b.wait_ready()
         assert a.proc is not None
         a_pid = a.proc.pid
         a.post("c1", "long job", message_id="job-1")

@@ -76,8 +76,13 @@ async def make_bot(dc: FakeDiscord, tmp_path: Path) -> AsyncIterator[MakeBot]:
         config = GatewayConfig.model_validate(
             {"timezone": "UTC", "platforms": {"discord": settings}}
         )
+        # reconnect_delay: a connect() ended by an error is retried at once, not after
+        # the production backoff's first second (that the retry happens is what is judged).
         adapter = DiscordAdapter(
-            config.platforms.discord, guild_ready_timeout=0.05, ready_timeout=5.0
+            config.platforms.discord,
+            guild_ready_timeout=0.05,
+            ready_timeout=5.0,
+            reconnect_delay=0.02,
         )
         runner = GatewayRunner(
             config, [adapter], agent_factory=ScriptedAgent, home=tmp_path / f"home{len(made)}"

@@ -1023,8 +1023,13 @@ async def start_discord(tmp_path: Path) -> DiscordRig:
     settings_ = {**LOCKED, "token": DC_TOKEN, "api_base_url": dc.api_base_url}
     runner, adapter = make_runner(
         {"discord": settings_},
+        # A frame too deep to decode ends the connection (about one example in six): the
+        # reconnect is what is judged, not the production backoff's first second.
         lambda config: DiscordAdapter(
-            config.platforms.discord, guild_ready_timeout=0.05, ready_timeout=5.0
+            config.platforms.discord,
+            guild_ready_timeout=0.05,
+            ready_timeout=5.0,
+            reconnect_delay=0.02,
         ),
         tmp_path / "home",
     )

@@ -97,7 +97,9 @@ class DiscordAdapter(PlatformAdapter):
     """A Discord bot. Bind it to a gateway, then `start()` (returns once READY arrived).
 
     `guild_ready_timeout` is how long discord.py waits after the last GUILD_CREATE before
-    it calls the connection ready (seconds; discord.py's default is 2).
+    it calls the connection ready (seconds; discord.py's default is 2). `reconnect_delay`
+    is the first wait before a fresh connect() after one ended with an error (seconds,
+    doubling to 60).
     """
 
     @property
@@ -114,6 +116,7 @@ class DiscordAdapter(PlatformAdapter):
         *,
         guild_ready_timeout: float = 2.0,
         ready_timeout: float = READY_TIMEOUT_SECONDS,
+        reconnect_delay: float = 1.0,
     ) -> None:
         if not config.token:
             raise ValueError(
@@ -128,7 +131,7 @@ class DiscordAdapter(PlatformAdapter):
         self.client: _Client | None = None
         self._connection: asyncio.Task[None] | None = None
         self._supervisor: asyncio.Task[None] | None = None
-        self._backoff = Backoff(initial=1.0, maximum=60.0)
+        self._backoff = Backoff(initial=reconnect_delay, maximum=60.0)
         self._ready = asyncio.Event()
         self._stopping = False
         self.lost_total = 0  # messages the gateway could not store (Discord never resends)

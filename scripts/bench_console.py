@@ -10,9 +10,10 @@ port (no token: the console needs no login on a loopback address). Each page is 
 
     first page      /console/sessions
     deep page       the page after the middle key (a cursor, as the Next link gives)
-    q search        /console/sessions?q=TEXT (title or key contains; one window of
-                    entries is read per page, so a rare match costs the same)
-    q, last match   the same for the text of the last key only
+    q search        /console/sessions?q=TEXT (title or key contains; the database
+                    scans the keys and the titles once per page)
+    q, last match   the same for the text of the last key only (the rarest match: one
+                    page walks every entry)
 
 The target (issue 31): a console page answers in under 300 ms with 100,000 sessions.
 """

@@ -53,19 +53,39 @@ async def test_filters_by_platform_user_and_title_or_key(store: SessionStore) ->
     assert found[0]["title"] == "New Session"
 
 
-async def test_a_rare_match_reads_one_window_per_page_and_the_cursor_goes_on(
+async def test_a_rare_match_is_found_in_one_request_by_the_database(
     store: SessionStore, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(console_reads, "FILTER_WINDOW", 8)  # not used: the database filters
+    found, after = await page(store, text="chat-29")
+    assert [e["user_id"] for e in found] == ["u29"] and after is None
+    found, after = await page(store, limit=2, user="NAME2")  # Name2, Name20..29: 11
+    assert len(found) == 2 and after == found[-1]["session_key"]
+    rest, _ = await page(store, after=after, limit=50, user="NAME2")
+    named = {"u2", *(f"u{i}" for i in range(20, 30))}
+    assert sorted(e["user_id"] for e in found + rest) == sorted(named)
+    # LIKE's wildcards in the text are taken literally: no key holds "chat_0" or "chat%0"
+    assert (await page(store, text="chat_0"))[0] == []
+    assert (await page(store, text="chat%0"))[0] == []
+
+
+async def test_a_filter_outside_ascii_walks_one_window_per_page_and_the_cursor_goes_on(
+    store: SessionStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = SessionSource(
+        platform=Platform.TELEGRAM, chat_id="chat-zz", user_id="uz", user_name="Zoë"
+    )
+    await store.get_or_create_session(source)
     monkeypatch.setattr(console_reads, "FILTER_WINDOW", 8)
     after, pages, found = None, 0, []
     while True:
-        listed, after = await page(store, after=after, text="chat-29")
+        listed, after = await page(store, after=after, user="ZOË")  # folded as Python folds
         pages += 1
         found += listed
         if after is None:
             break
-    assert [e["user_id"] for e in found] == ["u29"]
-    assert pages == 4  # 30 entries, 8 a window
+    assert [e["user_id"] for e in found] == ["uz"]
+    assert pages == 4  # 31 entries, 8 a window
 
 
 async def test_session_counts_of_an_unknown_session_are_zero(store: SessionStore) -> None:

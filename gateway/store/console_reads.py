@@ -1,10 +1,13 @@
 """The operator console's reads over the session tables: a filtered page of session
 entries and one session's counters. Plain functions run by the database reader.
 
-A filtered page walks the entries in session-key order through the primary key, one
-window of at most `FILTER_WINDOW` entries per request, and filters the window: a page
-costs its window however many sessions the store holds, and a filter that matches
-little gives short pages with a cursor to go on from, never a scan of every session.
+A filtered page walks the entries in session-key order through the primary key. The
+filters are asked of the database first (a platform, an ASCII case-blind `LIKE` on the
+user fields, the title and the key), so a rare match anywhere among every session is
+found in one request, in the database's own loop; what it returns is checked again
+exactly here (Unicode case folding). A filter with letters outside ASCII, which the
+database's `lower()` may not fold, walks at most `FILTER_WINDOW` entries a request
+instead and gives a cursor to go on from.
 """
 
 from __future__ import annotations
@@ -16,7 +19,17 @@ from gateway.store import codec
 from gateway.store.entries import agent_key_range
 from gateway.store.titles import shown
 
-FILTER_WINDOW = 2000  # entries one filtered page looks at
+FILTER_WINDOW = 2000  # entries one request looks at when the database cannot filter
+ROUNDS = 8  # database rounds a page may take when exact checks drop candidates
+_COLUMNS = (
+    "SELECT h.session_key, h.session_id, h.updated_at, h.total_tokens, d.platform,"
+    " d.origin, s.title"
+)
+_LIKE = "lower(%s) LIKE ? ESCAPE '\\'"
+_JOINS = (
+    " LEFT JOIN session_entry_docs d ON d.session_key = h.session_key"
+    " LEFT JOIN sessions s ON s.session_id = h.session_id"
+)
 
 
 def filtered_page(
@@ -33,33 +46,113 @@ def filtered_page(
     user id or name or whose title or key holds `user` or `text` (case-blind) when
     given; and the key the next page starts after (None when the walk reached the end)."""
     wanted = (platform or None, (user or "").casefold(), (text or "").casefold())
-    window = FILTER_WINDOW if any(wanted) else limit + 1
+    if not any(wanted):
+        rows = _walk(conn, after, agent, limit + 1)
+        page = [_listed(*row) for row in rows[:limit]]
+        return page, (page[-1]["session_key"] if len(rows) > limit else None)
+    if not _can_prefilter(wanted[1]) or not _can_prefilter(wanted[2]):
+        return _window_page(conn, after, limit, agent, wanted)
+    page: list[dict[str, Any]] = []
+    batch = limit + 1
+    for _ in range(ROUNDS):
+        rows = _walk(conn, after, agent, batch, wanted)
+        if _fill(page, rows, limit, wanted):
+            return page, page[-1]["session_key"]
+        if len(rows) < batch:
+            return page, None
+        after = rows[-1][0]
+    return page, after  # the exact checks dropped many: the cursor goes on
+
+
+def _walk(
+    conn: sqlite3.Connection,
+    after: str | None,
+    agent: str | None,
+    count: int,
+    wanted: tuple[str | None, str, str] | None = None,
+) -> list[tuple[Any, ...]]:
+    """The next `count` entries in key order, with the database's own pre-filter of
+    `wanted` (a superset of what `_matches` keeps, for ASCII filters)."""
     terms, params = ["1 = 1"], []
     if after is not None:
-        terms.append("session_key > ?")
+        terms.append("h.session_key > ?")
         params.append(after)
     if agent is not None:
-        terms.append("session_key >= ? AND session_key < ?")
+        terms.append("h.session_key >= ? AND h.session_key < ?")
         params.extend(agent_key_range(agent))
-    rows = conn.execute(
-        "SELECT h.session_key, h.session_id, h.updated_at, h.total_tokens,"
-        " d.platform, d.origin, s.title"
-        " FROM (SELECT session_key, session_id, updated_at, total_tokens FROM session_entries"
-        f" WHERE {' AND '.join(terms)} ORDER BY session_key LIMIT ?) h"
-        " LEFT JOIN session_entry_docs d ON d.session_key = h.session_key"
-        " LEFT JOIN sessions s ON s.session_id = h.session_id"
-        " ORDER BY h.session_key",
-        (*params, window),
+    if wanted is not None:
+        # As sets the database builds once (a scan of one table each), not as a test of
+        # every entry's joined rows: a look-up per entry cost ten times as much.
+        platform, user, text = wanted
+        if platform:
+            # `platform` NULL: written before the column; `_matches` reads its origin
+            terms.append(
+                "h.session_key IN (SELECT session_key FROM session_entry_docs"
+                " WHERE platform = ? OR platform IS NULL)"
+            )
+            params.append(platform)
+        if user:
+            terms.append(
+                "h.session_key IN (SELECT session_key FROM session_entry_docs"
+                f" WHERE {_LIKE % 'origin'})"
+            )
+            params.append(_contains(user))
+        if text:
+            terms.append(
+                f"({_LIKE % 'h.session_key'} OR h.session_id IN"
+                f" (SELECT session_id FROM sessions WHERE {_LIKE % 'title'}))"
+            )
+            params.extend([_contains(text)] * 2)
+    return conn.execute(
+        f"{_COLUMNS} FROM session_entries h{_JOINS} WHERE {' AND '.join(terms)}"
+        " ORDER BY h.session_key LIMIT ?",
+        (*params, count),
     ).fetchall()
+
+
+def _can_prefilter(needle: str) -> bool:
+    """The database's `lower()` folds ASCII only, and the user fields are matched in
+    their JSON text, where a quote, a backslash or a control character is escaped."""
+    return needle.isascii() and needle.isprintable() and '"' not in needle and "\\" not in needle
+
+
+def _contains(needle: str) -> str:
+    """A LIKE pattern for `needle` anywhere (its own % _ and \\ taken literally)."""
+    escaped = needle.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+    return f"%{escaped}%"
+
+
+def _window_page(
+    conn: sqlite3.Connection,
+    after: str | None,
+    limit: int,
+    agent: str | None,
+    wanted: tuple[str | None, str, str],
+) -> tuple[list[dict[str, Any]], str | None]:
+    """One window of entries filtered here: short pages and a cursor for a rare match."""
+    rows = _walk(conn, after, agent, FILTER_WINDOW)
     page: list[dict[str, Any]] = []
-    for key, session_id, updated, tokens, platform, origin, title in rows:
-        entry = _listed(key, session_id, updated, tokens, platform, origin, title)
+    if _fill(page, rows, limit, wanted):
+        return page, page[-1]["session_key"]
+    return page, (rows[-1][0] if len(rows) == FILTER_WINDOW and rows else None)
+
+
+def _fill(
+    page: list[dict[str, Any]],
+    rows: list[tuple[Any, ...]],
+    limit: int,
+    wanted: tuple[str | None, str, str],
+) -> bool:
+    """Add the rows `wanted` keeps to `page`; True once a match beyond `limit` shows
+    there is more (the page is full and its last key is the cursor)."""
+    for row in rows:
+        entry = _listed(*row)
         if not _matches(entry, wanted):
             continue
         if len(page) == limit:
-            return page, page[-1]["session_key"]
+            return True
         page.append(entry)
-    return page, (rows[-1][0] if len(rows) == window and rows else None)
+    return False
 
 
 def _listed(
@@ -81,6 +174,7 @@ def _listed(
         "user_id": source.get("user_id"),
         "user_name": source.get("user_name"),
         "title": shown(title),
+        "raw_title": title or "",
     }
 
 
@@ -93,7 +187,7 @@ def _matches(entry: dict[str, Any], wanted: tuple[str | None, str, str]) -> bool
         if not any(user in name.casefold() for name in names):
             return False
     if text:
-        return text in entry["title"].casefold() or text in entry["session_key"].casefold()
+        return text in entry["raw_title"].casefold() or text in entry["session_key"].casefold()
     return True
 
 

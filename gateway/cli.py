@@ -168,7 +168,12 @@ def mount_console(config: GatewayConfig, runner: Any, adapters: list[PlatformAda
     http = next((a for a in adapters if isinstance(a, HttpAdapter)), None)
     if http is not None and config.platforms.http.console:
         server = ConsoleServer(config, ConsoleDesk(runner))
-        http.mount(server.routes(), server.public_paths(), on_shutdown=server.close)
+        http.mount(
+            server.routes(),
+            server.public_paths(),
+            on_shutdown=server.close,
+            docs=server.route_docs(),
+        )
 
 
 # Estimated tokens a turn needs besides the tools and a configured prompt: the default

@@ -21,7 +21,7 @@ from a2a.types import a2a_pb2 as pb
 from adapters.http import HttpAdapter
 from config import GatewayConfig
 from gateway.agents.protocol import TurnRequest, TurnResult
-from gateway.cli import check_runnable, mount_apis
+from gateway.cli import check_runnable, mount_apis, mount_console
 from gateway.run import GatewayRunner
 
 TOKEN = "s3cret-a2a-token"
@@ -76,6 +76,7 @@ class A2aGateway:
         storage: dict[str, str] | None = None,
         agent_factory: Any = MemoryAgent,
         a2a: dict[str, Any] | None = None,
+        console: bool = False,
     ) -> A2aGateway:
         http_settings: dict[str, Any] = {"enabled": True, "port": 0}
         if token:
@@ -94,6 +95,8 @@ class A2aGateway:
         adapters = check_runnable(config)
         runner = GatewayRunner(config, adapters, agent_factory=agent_factory, home=home)
         mount_apis(config, runner.agent_tasks, adapters)
+        if console:
+            mount_console(config, runner, adapters)
         await runner.start()
         (http,) = (a for a in adapters if isinstance(a, HttpAdapter))
         return cls(runner, http, token)

@@ -199,6 +199,18 @@ async def test_bad_input_is_a_4xx_json_error(browser: Browser) -> None:
         status, body, _ = await browser.get(path)
         assert status == status_wanted, (path, body)
         assert words in json.loads(body)["error"], (path, body)
+    csrf = await browser.csrf()
+    for path, form, status_wanted, words in (
+        ("/console/notes/delete", {"user": "tg:1"}, 400, "form field note_id is required"),
+        ("/console/notes/delete", {"user": "tg", "note_id": "n"}, 400, "PLATFORM:USER_ID"),
+        ("/console/pairing/deny", {"platform": " ", "code": "1"}, 400, "platform is required"),
+        ("/console/pairing/maybe", {"platform": "tg", "code": "1"}, 404, "no pairing decision"),
+        ("/console/schedules/s1/explode", {}, 404, "no schedule action"),
+        ("/console/sessions/a%20b/delete", {}, 400, "not a session id"),
+    ):
+        status, body, _ = await browser.post(path, {"csrf": csrf, **form})
+        assert status == status_wanted, (path, body)
+        assert words in json.loads(body)["error"], (path, body)
 
 
 async def test_a_post_without_the_right_csrf_token_changes_nothing(

@@ -204,6 +204,7 @@ def test_fts_query_quotes_everything_but_a_trailing_star() -> None:
     assert fts_query("AND OR NOT") == '"AND" "OR" "NOT"'
     assert fts_query('"*():^-') is None
     assert fts_query("   ") is None
+    assert fts_query("pine\x00apple") == '"pine" "apple"'  # a NUL would end FTS5's query
 
 
 async def test_search_is_scoped_to_the_asking_chat(gateway: Gateway) -> None:

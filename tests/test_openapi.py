@@ -1,6 +1,7 @@
 """GET /openapi.json (adapters/http/openapi.py): generated from the route models, valid
-OpenAPI 3.1, every served route in it (the A2A server's too, through `mount`), the
-bearer requirement on all but the public routes, and the models' rules in it."""
+OpenAPI 3.1, every served route in it (the A2A server's and the console's too, mounted
+as `hermes-gateway run` mounts them), the bearer requirement on all but the public
+routes and the console's (its cookie instead), and the models' rules in it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from adapters.http import HttpAdapter
 from adapters.http import adapter as adapter_module
 from adapters.http.openapi import build_spec
 from adapters.http.schemas import API_ROUTES, ErrorBody, MessageIn
+from gateway.console.auth import COOKIE
+from gateway.console.route_docs import console_route_docs
 from gateway.util.route_doc import RouteDoc
 from tests.a2a_support import A2aGateway
 from tests.test_http_adapter import TOKEN, FakeGateway, http_config
@@ -27,12 +30,16 @@ PUBLIC = {
     ("GET", "/openapi.json"),
     ("GET", "/.well-known/agent-card.json"),
     ("GET", "/a2a/{agent}/.well-known/agent-card.json"),
+    ("GET", "/console"),
+    ("GET", "/console/login"),
+    ("POST", "/console/login"),
+    ("GET", "/console/static/{name}"),
 }
 
 
 @pytest.fixture
 async def a2a_gateway(tmp_path: Path) -> AsyncIterator[A2aGateway]:
-    running = await A2aGateway.started(tmp_path, token=TOKEN)
+    running = await A2aGateway.started(tmp_path, token=TOKEN, console=True)
     yield running
     await running.stop()
 
@@ -63,15 +70,29 @@ async def test_every_served_route_is_described_and_valid_openapi_3_1(a2a_gateway
         if route.method != "HEAD" and route.resource is not None
     }
     assert set(operations(spec)) == served
-    assert {("POST", "/a2a/{agent}"), ("GET", "/v1/chats/{chat_id}/stream")} <= served
+    assert {
+        ("POST", "/a2a/{agent}"),
+        ("GET", "/v1/chats/{chat_id}/stream"),
+        ("POST", "/console/pairing/{decision}"),
+        ("GET", "/console/events"),
+    } <= served
 
 
-async def test_bearer_on_every_route_but_the_public_ones(a2a_gateway):
+async def test_bearer_on_every_route_but_the_public_ones_and_the_consoles_cookie(a2a_gateway):
     spec = await fetch_spec(a2a_gateway.url)
-    assert spec["components"]["securitySchemes"] == {"bearer": {"type": "http", "scheme": "bearer"}}
+    assert spec["components"]["securitySchemes"] == {
+        "bearer": {"type": "http", "scheme": "bearer"},
+        COOKIE: {"type": "apiKey", "in": "cookie", "name": COOKIE},
+    }
     for key, operation in operations(spec).items():
-        assert operation["security"] == ([] if key in PUBLIC else [{"bearer": []}]), key
-        if key not in PUBLIC:
+        if key in PUBLIC:
+            assert operation["security"] == [], key
+        elif key[1].startswith("/console/"):
+            # the console checks its own login: a redirect to it, or 401/403 (events, POSTs)
+            assert operation["security"] == [{COOKIE: []}], key
+            assert {"303", "401", "403"} & set(operation["responses"]), key
+        else:
+            assert operation["security"] == [{"bearer": []}], key
             assert "401" in operation["responses"], key
 
 
@@ -102,8 +123,58 @@ async def test_the_models_rules_are_in_the_spec(a2a_gateway):
     assert list(metrics) == ["text/plain"]
     a2a = ops["POST", "/a2a/{agent}"]["responses"]["200"]["content"]
     assert set(a2a) == {"application/json", "text/event-stream"}
-    # the API's, /openapi.json, A2A's three, the OpenAI-compatible two
-    assert len(ops) == len(API_ROUTES) + 1 + 3 + 2
+    # the API's, /openapi.json, A2A's three, the OpenAI-compatible two, the console's
+    assert len(ops) == len(API_ROUTES) + 1 + 3 + 2 + len(console_route_docs())
+
+
+async def test_the_consoles_inputs_are_in_the_spec(a2a_gateway):
+    spec = await fetch_spec(a2a_gateway.url)
+    ops = operations(spec)
+    body = ops["POST", "/console/notes/delete"]["requestBody"]["content"]
+    assert list(body) == ["application/x-www-form-urlencoded"]
+    form = spec["components"]["schemas"][
+        body["application/x-www-form-urlencoded"]["schema"]["$ref"].rsplit("/", 1)[1]
+    ]
+    assert set(form["required"]) == {"user", "note_id"} and "csrf" in form["properties"]
+    static = {p["name"]: p for p in ops["GET", "/console/static/{name}"]["parameters"]}
+    assert static["name"]["schema"]["enum"] == ["console.css", "console.js"]
+    action = {
+        p["name"]: p for p in ops["POST", "/console/schedules/{schedule_id}/{action}"]["parameters"]
+    }
+    assert action["action"]["schema"]["enum"] == ["pause", "resume", "run", "remove"]
+    assert action["schedule_id"]["schema"]["pattern"] == "^[A-Za-z0-9_-]{1,64}$"
+    listing = {p["name"]: p for p in ops["GET", "/console/sessions"]["parameters"]}
+    assert set(listing) == {"q", "agent", "platform", "user", "after"}
+    assert listing["q"]["schema"] == {"type": "string", "maxLength": 200, "default": ""}
+    transcript = {p["name"]: p for p in ops["GET", "/console/sessions/{session_id}"]["parameters"]}
+    assert transcript["after"]["schema"]["type"] == "integer"
+    assert list(ops["GET", "/console/"]["responses"]["200"]["content"]) == ["text/html"]
+    assert "content" not in ops["GET", "/console/"]["responses"]["303"]
+
+
+@pytest.mark.parametrize(
+    ("path", "status", "words"),
+    [
+        ("/console/sessions", 303, None),  # well-formed: log in first
+        ("/console/sessions/a%20b", 400, "not a session id"),
+        ("/console/sessions/s1?after=1e3", 400, "after must be a whole number"),
+        ("/console/sessions?q=x&q=y", 400, "given more than once"),
+        ("/console/notes?user=nocolon", 400, "PLATFORM:USER_ID"),
+        ("/console/static/secret.txt", 404, "no file"),
+    ],
+)
+async def test_a_console_page_reads_its_input_before_asking_for_the_login(
+    a2a_gateway, path: str, status: int, words: str | None
+):
+    async with (
+        aiohttp.ClientSession() as client,
+        client.get(f"{a2a_gateway.url}{path}", allow_redirects=False) as resp,
+    ):
+        assert resp.status == status, await resp.text()
+        if words is None:
+            assert resp.headers["Location"] == "/console/login"
+        else:
+            assert words in (await resp.json())["error"]
 
 
 class Said(BaseModel):

@@ -2,12 +2,19 @@
 operation of its /openapi.json fuzzed with valid and invalid input, no server error,
 and every answer as the description says (status, content type, body).
 
+The console's routes (their security is the console's session cookie) are fuzzed twice:
+logged in (the cookie of a real login, fixed like the bearer token) and with a cookie
+naming no console session (pages answer a redirect to the login, changes 403). Their
+changes never happen: the CSRF token schemathesis makes up is never the session's.
+
 Exclusions, each for a reason:
 - `GET /v1/chats/{chat_id}/stream` is not called: its 200 is a server-sent event stream
   that lasts until the client goes, so a client that reads the whole response never
   ends. Its path and query go through the same models as the long poll's (ChatPath,
   and the same digits rule), which are fuzzed here; its stream is tested in
   tests/test_streaming.py.
+- `GET /console/events` is not called either: the console's overview stream, unending
+  like the API's; its login answer (401) is tested in tests/test_console.py.
 - The long poll's `wait` is cut to at most 0.05 s before each call: a valid `wait` up
   to 60 s on a chat with no reply would make one example last a minute. Whatever `wait`
   schemathesis chose, invalid ones included, is sent as it was otherwise.
@@ -24,6 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
 from schemathesis.checks import not_a_server_error
@@ -34,6 +42,7 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 
+from gateway.console.auth import COOKIE
 from tests.commandline import finish, spawn, wait_ready
 
 TOKEN = "fuzz-token-0123"
@@ -46,7 +55,11 @@ CHECKS = [
     response_schema_conformance,
     negative_data_rejection,
 ]
-NOT_CALLED = {"GET /v1/chats/{chat_id}/stream"}  # an unending response (module docstring)
+NOT_CALLED = {  # unending responses (module docstring)
+    "GET /v1/chats/{chat_id}/stream",
+    "GET /console/events",
+}
+NO_SESSION = "0" * 64  # a cookie of the right shape naming no console session
 _DIGITS = re.compile(r"[0-9]+(?:\.[0-9]+)?")
 
 
@@ -82,7 +95,16 @@ def _bounded_wait(case: schemathesis.Case) -> None:
             case.query["wait"] = "0.05"
 
 
+def _console_login(url: str) -> str:
+    response = requests.post(
+        f"{url}/console/login", data={"token": TOKEN}, allow_redirects=False, timeout=10
+    )
+    assert response.status_code == 303, response.text
+    return response.cookies[COOKIE]
+
+
 def test_schemathesis_finds_no_server_error_and_no_schema_violation(daemon_url: str) -> None:
+    logged_in = {COOKIE: _console_login(daemon_url)}
     schema = schemathesis.openapi.from_url(f"{daemon_url}/openapi.json", timeout=10)
     began = time.monotonic()
     tested = []
@@ -96,10 +118,13 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(daemon_url: 
         modes = [schemathesis.GenerationMode.POSITIVE]
         if "parameters" in raw or "requestBody" in raw:  # else there is nothing to spoil
             modes.append(schemathesis.GenerationMode.NEGATIVE)
-        for mode in modes:
-            # The token is fixed, never spoilt: a case made invalid by its header
-            # alone would be a valid request once the token is added.
-            strategy = operation.as_strategy(generation_mode=mode, headers=AUTH)
+        cookies: list[dict[str, str] | None] = [None]
+        if {COOKIE: []} in raw["security"]:
+            cookies = [logged_in, {COOKIE: NO_SESSION}]
+        for mode, cookie in [(mode, cookie) for mode in modes for cookie in cookies]:
+            # The token and the cookie are fixed, never spoilt: a case made invalid by
+            # them alone would be a valid request once they are added.
+            strategy = operation.as_strategy(generation_mode=mode, headers=AUTH, cookies=cookie)
 
             @given(case=strategy)
             @settings(
@@ -128,4 +153,6 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(daemon_url: 
     )
     assert 401 not in statuses, statuses  # the token went with every case
     assert statuses[200] and statuses[202] and statuses[400], statuses
+    assert statuses[303] and statuses[403], statuses  # the console's login and CSRF answers
+    assert {"GET /console/sessions", "POST /console/notes/delete"} <= set(tested)
     assert time.monotonic() - began < 40, "schemathesis took too long; lower EXAMPLES"

@@ -1,7 +1,7 @@
 """`GET /openapi.json`: an OpenAPI 3.1 description built from the routes' own pydantic
 models (`RouteDoc`s: the API's in `adapters.http.schemas`, mounted parts' beside them),
 once at start; no copy is kept by hand. Every route but the public ones carries the
-bearer security requirement."""
+bearer security requirement, or the cookie its `RouteDoc` names (the console's)."""
 
 from __future__ import annotations
 
@@ -17,12 +17,15 @@ REF_TEMPLATE = "#/components/schemas/{model}"
 _REASONS = {
     200: "OK",
     202: "Accepted",
+    303: "See Other: the Location header names where to go",
     304: "Not Modified",
     400: "Bad request: the error names the field",
     401: "Missing or wrong bearer token",
+    403: "Forbidden: the error says why",
     404: "Not found",
     409: "Conflict",
     413: "Request body too large",
+    429: "Too many requests: wait, then try again",
     503: "Not ready or busy; see Retry-After where given",
 }
 
@@ -35,6 +38,7 @@ def build_spec(
     models = _models(routes)
     refs, defs = models_json_schema([(m, "validation") for m in models], ref_template=REF_TEMPLATE)
     paths: dict[str, dict[str, Any]] = {}
+    schemes: dict[str, Any] = {"bearer": {"type": "http", "scheme": "bearer"}}
     for route in routes:
         operation: dict[str, Any] = {
             "summary": route.summary,
@@ -57,9 +61,13 @@ def build_spec(
         if route.body is not None:
             operation["requestBody"] = {
                 "required": True,
-                "content": {"application/json": {"schema": refs[(route.body, "validation")]}},
+                "content": {route.body_media: {"schema": refs[(route.body, "validation")]}},
             }
-        operation["security"] = [] if route.path in public else [{"bearer": []}]
+        if route.cookie is not None:
+            schemes[route.cookie] = {"type": "apiKey", "in": "cookie", "name": route.cookie}
+            operation["security"] = [{route.cookie: []}]
+        else:
+            operation["security"] = [] if route.path in public else [{"bearer": []}]
         paths.setdefault(route.path, {})[route.method.lower()] = operation
     return {
         "openapi": "3.1.0",
@@ -67,7 +75,7 @@ def build_spec(
         "paths": paths,
         "components": {
             "schemas": defs.get("$defs", {}),
-            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "securitySchemes": schemes,
         },
         "security": [{"bearer": []}],
     }
@@ -126,7 +134,7 @@ def _without_null(schema: dict[str, Any]) -> dict[str, Any]:
     parameter is absent or text, never JSON null."""
     branches = schema.get("anyOf")
     if branches is None:
-        return schema
+        return {k: v for k, v in schema.items() if not (k == "default" and v is None)}
     kept = [b for b in branches if b.get("type") != "null"]
     rest = {k: v for k, v in schema.items() if k not in ("anyOf", "default")}
     if "default" in schema and schema["default"] is not None:

@@ -17,22 +17,27 @@ server's: public for the API's bearer check, guarded here by the console's own l
 
 Every POST carries its console session's CSRF token (form field `csrf` or header
 `X-CSRF-Token`) and, when the browser sends one, an Origin of this very server.
+
+Each route's input is read through its models (`gateway.console.inputs`), which also
+describe it in /openapi.json (`route_docs`). A page's path and query are read before the
+login is asked for: a malformed request is refused alike for anyone, and only a
+well-formed one is sent to log in. A change's form is read after its CSRF check.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 from aiohttp import web
+from pydantic import BaseModel
 
 from config import GatewayConfig
 from gateway.console import pages
@@ -47,8 +52,29 @@ from gateway.console.auth import (
     token_matches,
 )
 from gateway.console.html import layout, notice
+from gateway.console.inputs import (
+    MAX_FIELD_CHARS,
+    ConsoleError,
+    CsrfForm,
+    LoginForm,
+    NoteForm,
+    NotesQuery,
+    PairingForm,
+    PairingPath,
+    ScheduleActionPath,
+    SchedulePath,
+    SearchQuery,
+    SessionPath,
+    SessionsQuery,
+    StaticPath,
+    TranscriptQuery,
+    form_of,
+    path_of,
+    query_of,
+)
 from gateway.console.port import ConsolePort, ConsoleRefused, SessionQuery
-from gateway.domain.session import listing_cursor_key
+from gateway.console.route_docs import console_route_docs
+from gateway.util.route_doc import RouteDoc
 
 __all__ = ["ConsoleServer"]
 
@@ -56,13 +82,10 @@ PAGE_SIZE = 50  # sessions per listing page
 SEARCH_LIMIT = 50
 TRANSCRIPT_PAGE = 200  # messages per transcript page
 MAX_EXPORT_MESSAGES = 20_000
-MAX_FIELD_CHARS = 200  # any query or form value
 UPCOMING_SHOWN = 5
 EVENTS_SECONDS = 3.0  # how often an open overview is refreshed
 KEEPALIVE_SECONDS = 15.0
 MAX_STREAMS = 16  # open overview streams at once
-_SESSION_ID = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-_SCHEDULE_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _STATIC = {"console.css": "text/css", "console.js": "text/javascript"}
 _HEADERS = {
     "Content-Security-Policy": "default-src 'self'; frame-ancestors 'none'; form-action 'self'",
@@ -73,18 +96,23 @@ _HEADERS = {
 }
 
 
-class ConsoleError(Exception):
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
+Model = TypeVar("Model", bound=BaseModel)
 
 
 @dataclass(slots=True)
 class Visit:
-    """One request's console session and its form (a POST's)."""
+    """One request's console session and its input, read through the route's models:
+    path parameters, query parameters, form fields (each None where the route takes
+    none)."""
 
     session: ConsoleSession
-    form: dict[str, str]
+    path: BaseModel | None = None
+    query: BaseModel | None = None
+    form: BaseModel | None = None
+
+    def of(self, part: BaseModel | None, model: type[Model]) -> Model:
+        assert isinstance(part, model), (part, model)  # the route table pairs them
+        return part
 
 
 Handler = Callable[[web.Request, Visit], Awaitable[web.StreamResponse]]
@@ -112,21 +140,37 @@ class ConsoleServer:
             web.get("/console/events", page(self._events)),
             web.get("/console/login", self._guarded(self._login_page)),
             web.post("/console/login", self._guarded(self._login)),
-            web.post("/console/logout", post(self._logout)),
-            web.get("/console/sessions", page(self._sessions)),
-            web.get("/console/sessions/{session_id}", page(self._transcript)),
-            web.get("/console/sessions/{session_id}/export", page(self._export)),
-            web.post("/console/sessions/{session_id}/delete", post(self._delete)),
-            web.get("/console/search", page(self._search)),
+            web.post("/console/logout", post(self._logout, form=CsrfForm)),
+            web.get("/console/sessions", page(self._sessions, query=SessionsQuery)),
+            web.get(
+                "/console/sessions/{session_id}",
+                page(self._transcript, path=SessionPath, query=TranscriptQuery),
+            ),
+            web.get("/console/sessions/{session_id}/export", page(self._export, path=SessionPath)),
+            web.post(
+                "/console/sessions/{session_id}/delete",
+                post(self._delete, path=SessionPath, form=CsrfForm),
+            ),
+            web.get("/console/search", page(self._search, query=SearchQuery)),
             web.get("/console/schedules", page(self._schedules)),
-            web.get("/console/schedules/{schedule_id}", page(self._runs)),
-            web.post("/console/schedules/{schedule_id}/{action}", post(self._change_schedule)),
-            web.get("/console/notes", page(self._notes)),
-            web.post("/console/notes/delete", post(self._delete_note)),
+            web.get("/console/schedules/{schedule_id}", page(self._runs, path=SchedulePath)),
+            web.post(
+                "/console/schedules/{schedule_id}/{action}",
+                post(self._change_schedule, path=ScheduleActionPath, form=CsrfForm),
+            ),
+            web.get("/console/notes", page(self._notes, query=NotesQuery)),
+            web.post("/console/notes/delete", post(self._delete_note, form=NoteForm)),
             web.get("/console/pairing", page(self._pairing)),
-            web.post("/console/pairing/{decision}", post(self._decide_pairing)),
+            web.post(
+                "/console/pairing/{decision}",
+                post(self._decide_pairing, path=PairingPath, form=PairingForm),
+            ),
             web.get("/console/static/{name}", self._guarded(self._static_file)),
         ]
+
+    def route_docs(self) -> list[RouteDoc]:
+        """The routes as /openapi.json tells them, one per method and path."""
+        return console_route_docs()
 
     def public_paths(self) -> frozenset[str]:
         """Every console route: the console checks its own login, not the bearer token."""
@@ -155,8 +199,15 @@ class ConsoleServer:
 
         return guarded
 
-    def _page(self, handler: Handler) -> Any:
+    def _page(
+        self,
+        handler: Handler,
+        path: type[BaseModel] | None = None,
+        query: type[BaseModel] | None = None,
+    ) -> Any:
         async def page(request: web.Request) -> web.StreamResponse:
+            path_given = path_of(request, path) if path is not None else None
+            query_given = query_of(request, query) if query is not None else None
             sid = request.cookies.get(COOKIE)
             session = self.sessions.find(sid)
             fresh = None
@@ -166,23 +217,31 @@ class ConsoleServer:
                         raise ConsoleError(401, "log in first: /console/login")
                     return _redirect("/console/login")
                 fresh, session = self.sessions.open()  # no token: loopback only, no login
-            response = await handler(request, Visit(session, {}))
+            response = await handler(request, Visit(session, path_given, query_given))
             if fresh is not None and not response.prepared:
                 self._set_cookie(request, response, fresh)
             return response
 
         return self._guarded(page)
 
-    def _post(self, handler: Handler) -> Any:
+    def _post(
+        self,
+        handler: Handler,
+        path: type[BaseModel] | None = None,
+        form: type[BaseModel] | None = None,
+    ) -> Any:
         async def post(request: web.Request) -> web.StreamResponse:
             session = self.sessions.find(request.cookies.get(COOKIE))
-            form = await _form(request)
+            fields = await _form(request)
             if session is None:
                 raise ConsoleError(403, "no console session: open /console/ (and log in) first")
-            given = form.get("csrf") or request.headers.get("X-CSRF-Token")
+            given = fields.get("csrf") or request.headers.get("X-CSRF-Token")
             if not csrf_ok(session, given) or not _same_origin(request):
                 raise ConsoleError(403, "missing or wrong CSRF token: reload the page, try again")
-            return await handler(request, Visit(session, form))
+            visit = Visit(session)
+            visit.path = path_of(request, path) if path is not None else None
+            visit.form = form_of(fields, form) if form is not None else None
+            return await handler(request, visit)
 
         return self._guarded(post)
 
@@ -221,12 +280,12 @@ class ConsoleServer:
     async def _login(self, request: web.Request) -> web.StreamResponse:
         if not self.http.token:
             return _redirect("/console/")
-        form = await _form(request)
+        form = form_of(await _form(request), LoginForm)
         if not _same_origin(request):
             raise ConsoleError(403, "the login came from another site")
         if not self.sessions.login_allowed():
             raise ConsoleError(429, "too many wrong tokens in the last minute; wait a minute")
-        if not token_matches(form.get("token", ""), self.http.token):
+        if not token_matches(form.token, self.http.token):
             self.sessions.login_failed()
             return await self._login_page(request, "That is not the token.", 403)
         sid, _ = self.sessions.open()
@@ -241,9 +300,7 @@ class ConsoleServer:
         return response
 
     async def _static_file(self, request: web.Request) -> web.StreamResponse:
-        name = request.match_info["name"]
-        if name not in _STATIC:
-            raise ConsoleError(404, f"no file {name[:64]!r}")
+        name = path_of(request, StaticPath).name
         return web.Response(body=self._static[name], content_type=_STATIC[name])
 
     # --- overview ------------------------------------------------------------------------
@@ -291,25 +348,20 @@ class ConsoleServer:
     # --- sessions ------------------------------------------------------------------------
 
     async def _sessions(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        filters = {name: _query(request, name) for name in ("q", "agent", "platform", "user")}
-        agent = filters["agent"] or None
+        given = visit.of(visit.query, SessionsQuery)
+        filters = {"q": given.q, "agent": given.agent, "platform": given.platform}
+        filters["user"] = given.user
+        agent = given.agent or None
         if agent is not None and agent not in self.agents:
             raise ConsoleError(400, f"no agent {agent!r} (agents: {', '.join(self.agents)})")
-        cursor = _query(request, "after")
-        after = None
-        if cursor:
-            try:
-                after = listing_cursor_key(cursor)
-            except ValueError:
-                raise ConsoleError(400, "after must be a cursor of this listing") from None
-        query = SessionQuery(agent, filters["platform"], filters["user"], filters["q"])
-        page, next_key = await self.port.sessions_page(query, after, PAGE_SIZE)
+        query = SessionQuery(agent, given.platform, given.user, given.q)
+        page, next_key = await self.port.sessions_page(query, given.after, PAGE_SIZE)
         body = pages.sessions_body(filters, page, next_key, self.agents)
         return self._html("Sessions", body, visit, "/console/sessions")
 
     async def _transcript(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        session_id = _session_id(request)
-        after = _int_query(request, "after")
+        session_id = visit.of(visit.path, SessionPath).session_id
+        after = visit.of(visit.query, TranscriptQuery).after
         found = await self.port.session(session_id, after, TRANSCRIPT_PAGE + 1)
         if found is None:
             raise ConsoleError(404, f"no session {session_id}")
@@ -322,7 +374,7 @@ class ConsoleServer:
         return self._html(found["title"], body, visit, "/console/sessions")
 
     async def _export(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        session_id = _session_id(request)
+        session_id = visit.of(visit.path, SessionPath).session_id
         doc = await self.port.session(session_id, 0, 500)
         if doc is None:
             raise ConsoleError(404, f"no session {session_id}")
@@ -340,7 +392,7 @@ class ConsoleServer:
         )
 
     async def _delete(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        session_id = _session_id(request)
+        session_id = visit.of(visit.path, SessionPath).session_id
         done = await self.port.delete_session(session_id)
         if done["status"] == "not_found":
             raise ConsoleError(404, f"no session {session_id}")
@@ -352,7 +404,7 @@ class ConsoleServer:
         return _redirect("/console/sessions")
 
     async def _search(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        text = _query(request, "q")
+        text = visit.of(visit.query, SearchQuery).q
         results = await self.port.search(text, SEARCH_LIMIT) if text.strip() else []
         return self._html("Search", pages.search_body(text, results), visit, "/console/search")
 
@@ -364,7 +416,7 @@ class ConsoleServer:
         return self._html("Schedules", body, visit, "/console/schedules")
 
     async def _runs(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        schedule_id = _schedule_id(request)
+        schedule_id = visit.of(visit.path, SchedulePath).schedule_id
         try:
             runs = await self.port.schedule_runs(schedule_id)
         except ConsoleRefused as exc:
@@ -373,10 +425,8 @@ class ConsoleServer:
         return self._html(f"Runs of {schedule_id}", body, visit, "/console/schedules")
 
     async def _change_schedule(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        schedule_id = _schedule_id(request)
-        action = request.match_info["action"]
-        if action not in ("pause", "resume", "run", "remove"):
-            raise ConsoleError(404, f"no schedule action {action[:32]!r}")
+        given = visit.of(visit.path, ScheduleActionPath)
+        schedule_id, action = given.schedule_id, given.action
         try:
             visit.session.flash = (await self.port.change_schedule(schedule_id, action), False)
         except ConsoleRefused as exc:
@@ -384,7 +434,7 @@ class ConsoleServer:
         return _redirect("/console/schedules")
 
     async def _notes(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        user = _query(request, "user")
+        user = visit.of(visit.query, NotesQuery).user
         notes = []
         if user:
             platform, user_id = _user(user)
@@ -393,9 +443,9 @@ class ConsoleServer:
         return self._html("Notes", body, visit, "/console/notes")
 
     async def _delete_note(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        user = _field(visit.form, "user")
+        form = visit.of(visit.form, NoteForm)
+        user, note_id = form.user, form.note_id
         platform, user_id = _user(user)
-        note_id = _field(visit.form, "note_id")
         deleted = await self.port.delete_note(platform, user_id, note_id)
         visit.session.flash = (
             ("Deleted the note.", False) if deleted else (f"{user} has no note {note_id}.", True)
@@ -408,10 +458,9 @@ class ConsoleServer:
         return self._html("Pairing requests", body, visit, "/console/pairing")
 
     async def _decide_pairing(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        decision = request.match_info["decision"]
-        if decision not in ("approve", "deny"):
-            raise ConsoleError(404, f"no pairing decision {decision[:32]!r}")
-        platform, code = _field(visit.form, "platform"), _field(visit.form, "code")
+        decision = visit.of(visit.path, PairingPath).decision
+        form = visit.of(visit.form, PairingForm)
+        platform, code = form.platform, form.code
         if await self.port.decide_pairing(platform, code, decision == "approve"):
             done = "Approved" if decision == "approve" else "Denied"
             visit.session.flash = (f"{done} {platform} code {code}.", False)
@@ -434,23 +483,6 @@ def _per_minute(counted: deque[tuple[float, int]]) -> float | None:
     return (last - first) * 60.0 / (last_at - first_at) if last_at > first_at else None
 
 
-def _query(request: web.Request, name: str) -> str:
-    values = request.query.getall(name, [])
-    if len(values) > 1:
-        raise ConsoleError(400, f"query parameter {name} is given more than once")
-    value = values[0].strip() if values else ""
-    if len(value) > MAX_FIELD_CHARS:
-        raise ConsoleError(400, f"query parameter {name} is longer than {MAX_FIELD_CHARS}")
-    return value
-
-
-def _int_query(request: web.Request, name: str) -> int:
-    value = _query(request, name) or "0"
-    if not value.isascii() or not value.isdigit() or len(value) > 18:
-        raise ConsoleError(400, f"query parameter {name} must be a whole number")
-    return int(value)
-
-
 async def _form(request: web.Request) -> dict[str, str]:
     form = await request.post()
     fields: dict[str, str] = {}
@@ -459,27 +491,6 @@ async def _form(request: web.Request) -> dict[str, str]:
             raise ConsoleError(400, f"form field {name[:32]!r} is not a short text")
         fields[name] = value
     return fields
-
-
-def _field(form: dict[str, str], name: str) -> str:
-    value = form.get(name, "").strip()
-    if not value:
-        raise ConsoleError(400, f"form field {name} is required")
-    return value
-
-
-def _session_id(request: web.Request) -> str:
-    session_id = request.match_info["session_id"]
-    if not _SESSION_ID.fullmatch(session_id):
-        raise ConsoleError(400, "not a session id")
-    return session_id
-
-
-def _schedule_id(request: web.Request) -> str:
-    schedule_id = request.match_info["schedule_id"]
-    if not _SCHEDULE_ID.fullmatch(schedule_id):
-        raise ConsoleError(400, "not a schedule id")
-    return schedule_id
 
 
 def _user(text: str) -> tuple[str, str]:

@@ -67,7 +67,8 @@ def fts_query(text: str) -> str | None:
     """The user's words as an FTS5 query that cannot be a syntax error; None when there
     is no word to search for."""
     phrases = []
-    for word in text.split():
+    # FTS5 reads the query as a C string: a NUL would end it inside a phrase.
+    for word in text.replace("\x00", " ").split():
         prefix = word.endswith("*") and word.rstrip("*") != ""
         word = word.rstrip("*") if prefix else word
         phrases.append('"' + word.replace('"', '""') + '"' + ("*" if prefix else ""))

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 #: A response: a pydantic model (its JSON Schema, as `application/json`), or a media
-#: type string for a body that is no JSON object (`text/event-stream`, `text/plain`), or
-#: None for a response with no body (304), or a tuple of models and media types for a
-#: status answered in several (JSON, or server-sent events when the client streams).
+#: type string for a body that is no JSON object (`text/event-stream`, `text/plain`,
+#: `text/html`), or None for a response with no body (304, a 303 redirect), or a tuple
+#: of models and media types for a status answered in several (JSON, or server-sent
+#: events when the client streams).
 ResponseDoc = type[BaseModel] | str | None | tuple[type[BaseModel] | str, ...]
 
 
@@ -25,8 +26,11 @@ class RouteDoc:
 
     `path` is the aiohttp pattern (`/v1/chats/{chat_id}/messages`); `path_params`,
     `query` and `body` are pydantic models whose fields are the route's path parameters,
-    query parameters and JSON body; `responses` maps each status the route answers to
-    what comes with it. `description` may say where the models are loose."""
+    query parameters and body (`body_media` names its media type: JSON, or an HTML
+    form's `application/x-www-form-urlencoded`); `responses` maps each status the route
+    answers to what comes with it. A route that checks a cookie of its own instead of the
+    bearer token names it in `cookie` (an `apiKey` in cookie scheme of that name).
+    `description` may say where the models are loose."""
 
     method: str
     path: str
@@ -35,5 +39,7 @@ class RouteDoc:
     path_params: type[BaseModel] | None = None
     query: type[BaseModel] | None = None
     body: type[BaseModel] | None = None
+    body_media: str = "application/json"
+    cookie: str | None = None
     description: str = ""
     tags: tuple[str, ...] = ()

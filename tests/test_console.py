@@ -61,12 +61,12 @@ class Browser:
             return r.status, await r.text(), r
 
     def _headers(self, extra: dict[str, str]) -> dict[str, str]:
-        return {**({"Cookie": f"hermes_console={self.cookie}"} if self.cookie else {}), **extra}
+        return {**({"Cookie": f"hermes-console={self.cookie}"} if self.cookie else {}), **extra}
 
     async def login(self) -> None:
         status, _, response = await self.post("/console/login", {"token": TOKEN})
         assert status == 303, status
-        self.cookie = response.cookies["hermes_console"].value
+        self.cookie = response.cookies["hermes-console"].value
 
     async def csrf(self) -> str:
         _, page, _ = await self.get("/console/sessions")
@@ -103,7 +103,7 @@ async def test_a_wrong_token_opens_nothing_and_the_right_one_sets_a_strict_cooki
     status, _, response = await browser.post("/console/login", {"token": TOKEN})
     assert (status, response.headers["Location"]) == (303, "/console/")
     cookie = response.headers["Set-Cookie"]
-    sid = response.cookies["hermes_console"].value
+    sid = response.cookies["hermes-console"].value
     assert re.fullmatch(r"[0-9a-f]{64}", sid) and TOKEN not in cookie
     flags = {part.strip().split("=")[0].lower(): part for part in cookie.split(";")}
     assert "httponly" in flags

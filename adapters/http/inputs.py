@@ -98,9 +98,15 @@ def listing_key(label: str, raw: Any) -> str:
         ) from None
 
 
+#: a search's words: more than anyone types, and a bound on the full-text query built
+MAX_SEARCH_CHARS = 1000
+
+
 def search_text(label: str, raw: Any) -> str:
     if not isinstance(raw, str):
         raise ValueError(f"{label} must be text, got {json_type(raw)}")
+    if len(raw) > MAX_SEARCH_CHARS:
+        raise ValueError(f"{label} must be at most {MAX_SEARCH_CHARS} characters")
     if not is_encodable(raw):
         raise ValueError(f"{label} contains an unpaired surrogate")
     return raw

@@ -153,7 +153,11 @@ class SessionQuery(_Query):
 
 
 class SearchQuery(_Query):
-    q: Annotated[str, _query_check(inputs.search_text)] = Field(description="the words")
+    q: Annotated[
+        str,
+        _query_check(inputs.search_text),
+        WithJsonSchema({"type": "string", "maxLength": inputs.MAX_SEARCH_CHARS}),
+    ] = Field(description="the words")
     chat_id: PathId | None = Field(None, description="only this HTTP chat's sessions")
     agent: AgentId | None = Field(None, description="only this agent's sessions")
     limit: SearchLimit = SEARCH_LIMIT

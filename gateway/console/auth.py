@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from config import GatewayConfig, HttpConfig
 
-COOKIE = "hermes_console"
+COOKIE = "hermes-console"
 COOKIE_PATH = "/console"
 SESSION_SECONDS = 12 * 3600  # a login lasts this long
 MAX_SESSIONS = 256  # the oldest is forgotten past this many

@@ -49,7 +49,7 @@ class SessionExport(BaseModel):
 
 
 _BEHIND_LOGIN = (
-    "Needs a console session: the `hermes_console` cookie from `POST /console/login` (with"
+    "Needs a console session: the `hermes-console` cookie from `POST /console/login` (with"
     " no `platforms.http.token`, served on a loopback address only and the cookie comes"
     " with the first page). 403 text: the console is not served (the loopback rule)."
 )

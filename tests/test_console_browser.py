@@ -1,10 +1,13 @@
 """The console in a real headless browser: Debian's chromium (/usr/bin/chromium, never a
 downloaded one) driven by Playwright against a live daemon: log in, find a session by
 its title, open its transcript, pause a schedule, delete a session (through the confirm
-dialog), with screenshots kept under the test's tmp dir (their paths are printed)."""
+dialog), with screenshots kept as the test's artifacts in `test-artifacts/console/` at
+the repository's root (gitignored; `HERMES_TEST_ARTIFACTS` names another directory;
+their paths are printed), where a passing run's tmp dir is removed."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,6 +17,11 @@ import pytest
 from tests.console_support import SEEDED, TOKEN, Daemon, start_daemon, stop_daemon
 
 CHROMIUM = Path("/usr/bin/chromium")
+ARTIFACTS = Path(
+    os.environ.get(
+        "HERMES_TEST_ARTIFACTS", Path(__file__).resolve().parent.parent / "test-artifacts"
+    )
+)
 
 
 @pytest.fixture
@@ -40,7 +48,7 @@ def test_an_operator_logs_in_finds_a_session_pauses_a_schedule_and_deletes_a_ses
     from playwright.sync_api import expect, sync_playwright
 
     (schedule_id,) = daemon.schedule_ids()
-    shots = tmp_path / "screenshots"
+    shots = ARTIFACTS / "console"
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(
             executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox"]

@@ -11,6 +11,7 @@ load goes on to the two left. Then, from the replies and the agent's record:
 
 from __future__ import annotations
 
+import html
 import itertools
 import json
 import socket
@@ -124,6 +125,12 @@ def sent_texts(dsn: str) -> dict[str, list[str]]:
 def test_three_replicas_survive_a_sigkill(replicas: list[Daemon], tmp_path: Path, dsn: str) -> None:
     record = tmp_path / "turns.jsonl"
     first = wait_for("housekeeping leader", lambda: leader(replicas), FAILOVER * 3)
+    # The console's overview lists every replica from the leases table, with its roles.
+    owners = [d.get("/healthz")["replica"]["owner"] for d in replicas]
+    with urllib.request.urlopen(replicas[1].url + "/console/", timeout=5) as page:
+        overview = html.unescape(page.read().decode())
+    assert all(owner in overview for owner in owners), overview
+    assert overview.count("(this one)") == 1 and HOUSEKEEPING in overview
     victim = first
     others = [d for d in replicas if d is not victim]
     post_round(replicas, range(3))

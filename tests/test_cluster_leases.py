@@ -583,3 +583,17 @@ class Relay:
         await asyncio.gather(*self.tasks, return_exceptions=True)
         for writer in self.writers:
             writer.close()
+
+
+def test_live_lists_each_owner_with_its_sessions_and_other_leases(dsn: str) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for key in ("agent:main:http:dm:a", "agent:main:http:dm:b"):
+            assert leases.try_acquire(conn, f"session:{key}", "r1", 30)
+        assert leases.try_acquire(conn, "session:agent:main:http:dm:c", "r2", 30)
+        assert leases.try_acquire(conn, "scheduler", "r1/lead", 30)
+        assert leases.try_acquire(conn, "session:agent:main:http:dm:gone", "r3", -1)  # expired
+        assert leases.live(conn) == [
+            ("r1", 2, []),
+            ("r1/lead", 0, ["scheduler"]),
+            ("r2", 1, []),
+        ]

@@ -52,6 +52,16 @@ WHERE name IN (
 RELEASE_SQL = "DELETE FROM leases WHERE name = %s AND owner = %s"
 RELEASE_ALL_SQL = "DELETE FROM leases WHERE owner = %s"
 HOLDER_SQL = f"SELECT owner, expires_at - {NOW} FROM leases WHERE name = %s AND expires_at >= {NOW}"
+# Every live lease, one row per owner: how many sessions it holds and its other leases
+# (leader roles); `left()`, not LIKE, keeps the statement free of `%`.
+LIVE_SQL = f"""
+SELECT owner,
+       count(*) FILTER (WHERE left(name, 8) = 'session:'),
+       coalesce(array_agg(name ORDER BY name) FILTER (WHERE left(name, 8) <> 'session:'),
+                ARRAY[]::text[])
+FROM leases WHERE expires_at >= {NOW} GROUP BY owner ORDER BY owner
+"""
+MAX_LIVE_OWNERS = 64  # a status view, not an inventory
 
 
 def make_owner_id() -> str:
@@ -80,6 +90,15 @@ def holder(conn: psycopg.Connection[Any], name: str) -> str | None:
     """The owner of lease `name` if it is live, else None."""
     row = conn.execute(HOLDER_SQL, (name,)).fetchone()
     return None if row is None else row[0]
+
+
+def live(conn: psycopg.Connection[Any]) -> list[tuple[str, int, list[str]]]:
+    """Who holds live leases: (owner, sessions held, the names of its other leases),
+    by owner, at most `MAX_LIVE_OWNERS`."""
+    return [
+        (owner, int(sessions), list(others))
+        for owner, sessions, others in conn.execute(LIVE_SQL).fetchmany(MAX_LIVE_OWNERS)
+    ]
 
 
 async def atry_acquire(

@@ -64,10 +64,23 @@ def overview_live(snapshot: dict[str, Any], per_minute: float | None) -> str:
                     "None.",
                 )
             )
-    replica = health.get("replica")
-    if replica:
+    replicas = snapshot.get("replicas")
+    if replicas is not None:
         parts.append("<h2>Replicas</h2>")
-        parts.append(f"<pre>{esc(json.dumps(replica, indent=1, default=str))}</pre>")
+        parts.append(
+            table(
+                ("Replica", "Sessions held", "Leader of"),
+                (
+                    (
+                        esc(r["owner"]) + (" <small>(this one)</small>" if r["this"] else ""),
+                        esc(r["sessions_held"]),
+                        esc(", ".join(r["leader_of"]) or "-"),
+                    )
+                    for r in replicas
+                ),
+                "No replica holds a lease.",
+            )
+        )
     return "".join(parts)
 
 

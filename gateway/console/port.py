@@ -23,8 +23,10 @@ class SessionQuery:
 
 
 class ConsolePort(Protocol):
-    def overview(self) -> dict[str, Any]:
-        """The status snapshot (`status_snapshot()`) with `turns_total` (a counter)."""
+    async def overview(self) -> dict[str, Any]:
+        """The status snapshot (`status_snapshot()`) with `turns_total` (a counter) and,
+        on PostgreSQL, `replicas`: every replica holding a lease (owner, sessions_held,
+        leader_of, this)."""
         ...
 
     async def upcoming_schedules(self, limit: int) -> list[dict[str, Any]]: ...

@@ -306,7 +306,7 @@ class ConsoleServer:
     # --- overview ------------------------------------------------------------------------
 
     async def _overview(self, request: web.Request, visit: Visit) -> web.StreamResponse:
-        live = pages.overview_live(self.port.overview(), None)
+        live = pages.overview_live(await self.port.overview(), None)
         upcoming = await self.port.upcoming_schedules(UPCOMING_SHOWN)
         return self._html("Overview", pages.overview_body(live, upcoming), visit, "/console/")
 
@@ -322,7 +322,7 @@ class ConsoleServer:
         try:
             await response.prepare(request)
             while not self._closing.is_set():
-                snapshot = self.port.overview()
+                snapshot = await self.port.overview()
                 now = time.monotonic()
                 counted.append((now, int(snapshot.get("turns_total", 0))))
                 while counted and now - counted[0][0] > 60:

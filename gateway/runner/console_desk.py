@@ -22,8 +22,13 @@ from gateway.schedules.book import (
 from gateway.schedules.loop import Scheduler
 from gateway.store import console_reads
 from gateway.store import schedules as rows
+from gateway.store.pg import driver_errors
 
 _SCHEDULE_ACTIONS = ("pause", "resume", "run", "remove")
+
+
+class Cluster(Protocol):
+    async def cluster(self) -> list[dict[str, Any]] | None: ...
 
 
 class RunnerParts(Protocol):
@@ -35,6 +40,7 @@ class RunnerParts(Protocol):
     pairing: Pairing
     recall: Recall
     metrics: Metrics
+    placement: Cluster
 
     def status_snapshot(self) -> dict[str, Any]: ...
 
@@ -46,8 +52,15 @@ class ConsoleDesk:
         self.parts = parts
         self.store = parts.sessions.store
 
-    def overview(self) -> dict[str, Any]:
-        return {**self.parts.status_snapshot(), "turns_total": self.parts.metrics.turns_total}
+    async def overview(self) -> dict[str, Any]:
+        snapshot = {**self.parts.status_snapshot(), "turns_total": self.parts.metrics.turns_total}
+        try:
+            replicas = await self.parts.placement.cluster()
+        except driver_errors():  # the database is away: the rest of the page still shows
+            replicas = None
+        if replicas is not None:
+            snapshot["replicas"] = replicas
+        return snapshot
 
     async def upcoming_schedules(self, limit: int) -> list[dict[str, Any]]:
         listed = await self.parts.schedule_book.list(None)

@@ -79,6 +79,11 @@ class Placement(Protocol):
         """The replica's part of the health report (None: one process alone)."""
         ...
 
+    async def cluster(self) -> list[dict[str, Any]] | None:
+        """Every replica holding a lease, with its sessions and leader roles (None: one
+        process alone)."""
+        ...
+
     async def stop_leading(self) -> None:
         """First step of a shutdown."""
         ...
@@ -168,6 +173,9 @@ class LocalPlacement:
         return False
 
     def status(self) -> dict[str, Any] | None:
+        return None
+
+    async def cluster(self) -> list[dict[str, Any]] | None:
         return None
 
     async def stop_leading(self) -> None:
@@ -322,6 +330,9 @@ class ReplicaPlacement:
 
     def status(self) -> dict[str, Any] | None:
         return self.replica.status()
+
+    async def cluster(self) -> list[dict[str, Any]] | None:
+        return await self.replica.cluster()
 
     async def stop_leading(self) -> None:
         await self.replica.stop_leading()  # another replica leads from now on

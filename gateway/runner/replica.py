@@ -92,6 +92,9 @@ class LeaseClaim:
         return self.won
 
 
+PRESENCE_PREFIX = "replica:"  # a replica's own lease, held while it lives
+
+
 def lease_name(session_key: str) -> str:
     return f"session:{session_key}"
 
@@ -174,6 +177,12 @@ class Replica:
 
     async def start(self) -> None:
         self.runner.turnlog.fence = self.fence
+        # Present while alive: the heartbeat renews this with the rest, and `cluster()`
+        # lists a replica holding nothing else.
+        presence, owner, ttl = f"{PRESENCE_PREFIX}{self.owner}", self.owner, self.ttl
+        await self.runner.store.write(
+            lambda conn: leases.try_acquire(conn.raw, presence, owner, ttl)
+        )
         self.listener.start()
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(self.ttl):
@@ -209,6 +218,22 @@ class Replica:
             await self.runner.store.write(lambda conn: _notify(conn, INBOX_CHANNEL, ""))
         await self.heartbeat.stop()
         await self.listener.stop()
+
+    async def cluster(self) -> list[dict[str, Any]]:
+        """Every replica that holds a live lease, from the leases table: its sessions
+        and leader roles (a leader lease's owner is `<replica>/lead`)."""
+        rows = await self.runner.store.read(lambda conn: leases.live(conn.raw))
+        replicas: dict[str, dict[str, Any]] = {}
+        for owner, sessions, others in rows:
+            name = owner.removesuffix("/lead")
+            found = replicas.setdefault(
+                name, {"owner": name, "sessions_held": 0, "leader_of": [], "this": False}
+            )
+            found["this"] = name == self.owner
+            found["sessions_held"] += sessions
+            if owner.endswith("/lead"):
+                found["leader_of"].extend(others)
+        return list(replicas.values())
 
     def status(self) -> dict[str, Any]:
         return {

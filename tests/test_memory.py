@@ -63,6 +63,17 @@ def fake_reply(body: dict[str, Any]) -> str:
     return "fake: " + last_user_content(body)
 
 
+NOTICE = re.compile(r"\(Earlier messages were condensed into a summary: ([\d,]+) messages?\.\)\n\n")
+
+
+def split_notice(reply: str) -> tuple[int, str]:
+    """A reply's condense notice (the messages it counts; 0 without one) and the rest."""
+    match = NOTICE.match(reply)
+    if match is None:
+        return 0, reply
+    return int(match.group(1).replace(",", "")), reply[match.end() :]
+
+
 def turns_sent(fake: FakeOpenAI) -> list[dict[str, Any]]:
     return [r["json"] for r in fake.requests if not is_summary_request(r["json"])]
 

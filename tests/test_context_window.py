@@ -32,7 +32,8 @@ from tests.fakes.openai_server import (
 )
 from tests.gateway_client import GatewayClient
 from tests.pg_support import StorageBackend
-from tests.test_memory import Gateway, is_summary_request, split_notice
+from tests.test_condense_notice import split_notice
+from tests.test_memory import Gateway, is_summary_request
 
 MakeGateway = Callable[..., Awaitable[Gateway]]
 

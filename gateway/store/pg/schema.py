@@ -423,6 +423,13 @@ _STEPS: dict[int, str] = {
     ALTER TABLE agent_tasks ADD COLUMN input_tokens BIGINT;
     ALTER TABLE agent_tasks ADD COLUMN output_tokens BIGINT;
     """,
+    # a placeholder: this number is another change's
+    21: "SELECT 1",
+    # the condensed messages the user was told about (gateway.memory.notice)
+    22: """
+    ALTER TABLE summary_checkpoints ADD COLUMN told BIGINT NOT NULL DEFAULT 0;
+    UPDATE summary_checkpoints SET told = messages;
+    """,
 }
 
 #: the tables of the baseline that hold the gateway's data, parents before children

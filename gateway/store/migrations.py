@@ -15,7 +15,7 @@ from typing import Any
 from gateway.domain.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 20
+SCHEMA_VERSION = 21
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -392,6 +392,15 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     20: """
     ALTER TABLE agent_tasks ADD COLUMN input_tokens INTEGER;
     ALTER TABLE agent_tasks ADD COLUMN output_tokens INTEGER;
+    """,
+    # The model each chat picked with /model (gateway.store.chat_models), by session key:
+    # it outlives the chat's sessions (/new keeps it).
+    21: """
+    CREATE TABLE chat_models (
+        session_key TEXT PRIMARY KEY,
+        model       TEXT NOT NULL,
+        updated_at  REAL NOT NULL
+    ) WITHOUT ROWID;
     """,
 }
 

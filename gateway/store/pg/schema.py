@@ -423,6 +423,14 @@ _STEPS: dict[int, str] = {
     ALTER TABLE agent_tasks ADD COLUMN input_tokens BIGINT;
     ALTER TABLE agent_tasks ADD COLUMN output_tokens BIGINT;
     """,
+    # the model each chat picked with /model (gateway.store.chat_models)
+    21: """
+    CREATE TABLE chat_models (
+        session_key TEXT PRIMARY KEY,
+        model       TEXT NOT NULL,
+        updated_at  DOUBLE PRECISION NOT NULL
+    );
+    """,
 }
 
 #: the tables of the baseline that hold the gateway's data, parents before children
@@ -451,6 +459,7 @@ TABLES = (
     "tool_calls",
     "agent_tasks",
     "remote_contexts",
+    "chat_models",
 )
 
 

@@ -186,6 +186,18 @@ def test_check_config_exits_78_naming_the_key(tmp_path: Path) -> None:
     assert FAST_KEY not in result.stdout + result.stderr
 
 
+def test_a_pickable_model_whose_window_leaves_no_room_is_refused_at_start(tmp_path: Path) -> None:
+    (tmp_path / "hermes.yaml").write_text(
+        CATALOGUE_YAML.replace('"${FAST_KEY}"', "x").replace(
+            "model: g}", "model: g, context_window: 1024}"
+        )
+        + "agent: {backend: openai, model: fast, models: [fast, smart]}\n"
+    )
+    result = cli(tmp_path, "check-config")
+    assert result.returncode == 78, result.stdout + result.stderr
+    assert "models.smart.context_window: 1024 leaves no room for a message" in result.stderr
+
+
 # --- the whole gateway over the HTTP API ------------------------------------------------------
 
 

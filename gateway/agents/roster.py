@@ -101,6 +101,12 @@ class Roster:
         choice of model); False: every key's is `main`'s."""
         return not self._single
 
+    def every_model(self) -> Iterator[AgentSpec]:
+        """Every agent's spec with its own model, then those of the models its chats may
+        pick (start-up checks look at them all)."""
+        yield from self._specs.values()
+        yield from self._variants.values()
+
     def ids(self) -> list[str]:
         return list(self._specs)
 
@@ -134,9 +140,7 @@ class Roster:
         if self._single:
             return False
         agent_id = agent_id_of_key(session_key)
-        return any(
-            (agent_id, name) in self._variants for name in self._choices.get(agent_id, ())
-        )
+        return any((agent_id, name) in self._variants for name in self._choices.get(agent_id, ()))
 
     def choose(self, session_key: str, name: str | None) -> None:
         """The chat's choice as stored (None: the agent's own). A name its agent does not

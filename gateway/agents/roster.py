@@ -77,6 +77,7 @@ class Roster:
                     variants[agent_id, name] = _spec(agent_id, agent, model, custom, where)
         self._specs: dict[str, AgentSpec] = specs
         self._variants = variants
+        self._choosing = {agent_id for agent_id, _ in variants}  # agents that offer a choice
         self._choices = {agent_id: model_choices(config, agent_id) for agent_id in specs}
         # Session key -> the chat's chosen catalogue name, for chats that chose another
         # than their agent's own (`choose`); only agents with variants have any.
@@ -137,10 +138,7 @@ class Roster:
     def offers_choice(self, session_key: str) -> bool:
         """Whether the key's agent has a model to pick besides its own (only then is a
         chat's choice read before its turns)."""
-        if self._single:
-            return False
-        agent_id = agent_id_of_key(session_key)
-        return any((agent_id, name) in self._variants for name in self._choices.get(agent_id, ()))
+        return not self._single and agent_id_of_key(session_key) in self._choosing
 
     def choose(self, session_key: str, name: str | None) -> None:
         """The chat's choice as stored (None: the agent's own). A name its agent does not

@@ -14,6 +14,15 @@ from config.agents import (
 from config.base import ResetByType, SessionResetPolicy
 from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
 from config.mcp import McpConfig, McpSelection, McpServerConfig, McpToolFilter
+from config.models import (
+    DEFAULT_CHOICE,
+    EffectiveModel,
+    ModelConfig,
+    PriceConfig,
+    effective_agent,
+    model_choices,
+    resolve_model,
+)
 from config.platforms import (
     ChatPlatformConfig,
     DiscordConfig,
@@ -40,6 +49,7 @@ from config.schema import (
 
 __all__ = [
     "AGENT_ID_PATTERN",
+    "DEFAULT_CHOICE",
     "EXIT_CONFIG",
     "MAIN_AGENT",
     "TOOL_NAMES",
@@ -49,6 +59,7 @@ __all__ = [
     "ConfigError",
     "ContextConfig",
     "DiscordConfig",
+    "EffectiveModel",
     "GatewayConfig",
     "HousekeepingConfig",
     "HttpConfig",
@@ -60,8 +71,10 @@ __all__ = [
     "MediaConfig",
     "MemoryConfig",
     "MemoryWeights",
+    "ModelConfig",
     "PlatformConfig",
     "PlatformsConfig",
+    "PriceConfig",
     "QueueConfig",
     "RemoteAgentConfig",
     "ResetByType",
@@ -75,7 +88,10 @@ __all__ = [
     "StreamingConfig",
     "TelegramConfig",
     "TranscriptionConfig",
+    "effective_agent",
     "hermes_home",
     "load_config",
+    "model_choices",
+    "resolve_model",
     "resolve_timezone",
 ]

@@ -91,7 +91,11 @@ class AgentConfig(BaseModel):
     max_concurrent_turns: int = Field(default=16, ge=1)
     delay_seconds: float = Field(default=0.0, ge=0)  # echo backend: simulated model latency
     base_url: str = "https://api.openai.com/v1"
+    # The backend's model name, or the name of an entry of `models:` (config.models),
+    # whose base_url, api_key and context window then replace the agent's own.
     model: str = "gpt-4o-mini"
+    # The entries of `models:` a chat may pick with /model; None: just the agent's own.
+    models: tuple[str, ...] | None = None
     # Plain str rather than SecretStr so backends need no unwrapping; repr=False keeps
     # the key out of logs and tracebacks that print the config.
     api_key: str | None = Field(default=None, repr=False)
@@ -123,7 +127,7 @@ class AgentConfig(BaseModel):
     skills: list[SkillConfig] = Field(default_factory=list)
     delegates: tuple[str, ...] = ()
 
-    @field_validator("tools", "delegates", mode="before")
+    @field_validator("tools", "delegates", "models", mode="before")
     @classmethod
     def _list_to_tuple(cls, value: Any) -> Any:
         # YAML gives a list; strict mode would refuse it for a tuple.

@@ -29,6 +29,7 @@ from config.agents import (
 )
 from config.base import MODEL_CONFIG, ResetByType, SessionResetPolicy
 from config.mcp import McpConfig, parse_selection_entry
+from config.models import ModelConfig, catalogue_problems
 from config.platforms import PlatformConfig, PlatformsConfig
 
 
@@ -255,6 +256,9 @@ class GatewayConfig(BaseModel):
     # More agents beside the main one, by id; each a full section of its own that
     # inherits nothing (docs/agents.md). `routes` picks one per message.
     agents: dict[str, AgentConfig] = Field(default_factory=dict)
+    # The model catalogue (config.models): named models an agent uses (`model: NAME`)
+    # or offers a chat to pick with /model (`models: [NAME, ...]`).
+    models: dict[str, ModelConfig] = Field(default_factory=dict)
     routes: list[RouteConfig] = Field(default_factory=list)
     queue: QueueConfig = QueueConfig()
     platforms: PlatformsConfig = PlatformsConfig()
@@ -394,6 +398,14 @@ class GatewayConfig(BaseModel):
                         f"{where}.tools.{index}: {entry!r} names no server of mcp.servers"
                         f" (configured: {configured})"
                     )
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    @model_validator(mode="after")
+    def _check_models(self) -> GatewayConfig:
+        """The catalogue's names and every agent's use of it (`config.models`)."""
+        problems = catalogue_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self

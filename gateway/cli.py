@@ -191,7 +191,7 @@ def window_problem(config: GatewayConfig, roster: Roster) -> str | None:
     from gateway.tools import BUILTIN_TOOLS
     from gateway.tools.registry import Toolbox
 
-    for spec in roster:
+    for spec in roster.every_model():
         agent = spec.config
         if agent.backend == "echo" or not agent.builtin_tools:
             continue  # the echo agent calls no model and carries no tools
@@ -199,8 +199,12 @@ def window_problem(config: GatewayConfig, roster: Roster) -> str | None:
         fixed = int((tools + text_tokens(agent.system_prompt or "")) * UNCALIBRATED_FACTOR)
         if fixed + MESSAGE_ROOM > spec.plan.budget:
             where = f"agents.{spec.agent_id}" if spec.agent_id in config.agents else "agent"
+            window = f"{where}.context.window_tokens"
+            name = spec.model.name
+            if name is not None and config.models[name].context_window is not None:
+                window = f"models.{name}.context_window"  # the chosen model's own window
             return (
-                f"{where}.context.window_tokens: {agent.context.window_tokens} leaves no"
+                f"{window}: {agent.context.window_tokens} leaves no"
                 f" room for a message (about {MESSAGE_ROOM} tokens with the session's"
                 f" context): the {len(agent.builtin_tools)} tools' specs"
                 + (" and the system prompt" if agent.system_prompt else "")

@@ -66,11 +66,13 @@ def pg_tables(conn: psycopg.Connection) -> dict[str, dict[str, bool]]:
 def test_sqlite_v14_has_the_tables_this_test_expects() -> None:
     """The comparison below is only as good as the list it reads: it must see them all."""
     tables = sqlite_tables()
-    # v14's 19, the tool-call journal (v17), agent tasks (v18), remote contexts (v19)
-    assert len(tables) == 22
+    # v14's 19, the tool-call journal (v17), agent tasks (v18), remote contexts (v19),
+    # chat models (v21)
+    assert len(tables) == 23
     assert tables["tool_calls"]["result"] is True  # NULL: a call in flight
     assert tables["agent_tasks"]["result_text"] is True  # NULL: no reply yet
     assert tables["remote_contexts"]["context_id"] is False
+    assert tables["chat_models"]["model"] is False
     assert "messages" in tables and "outbound" in tables
     assert tables["outbound"]["attachment"] is True
     assert tables["messages"]["id"] is False

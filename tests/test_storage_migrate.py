@@ -21,6 +21,7 @@ from gateway.schedules.book import ScheduleBook
 from gateway.session import Platform, SessionSource
 from gateway.store import (
     agent_tasks,
+    chat_models,
     journal,
     remote_contexts,
     schedules,
@@ -101,6 +102,7 @@ async def _fill(home: Path) -> None:
                 now=now,
             )
             remote_contexts.save(conn, key, "partner", sid, "remote-ctx-1", now)
+            chat_models.save(conn, key, "smart", now)
             summary_checkpoints.write(
                 conn,
                 sid,

@@ -1,6 +1,6 @@
 """Chat commands: /new /reset /stop /queue /status /resume /retry /undo /help, the
-session memory commands /title /search /forget /compress, and the tool commands /tools
-/approve /deny (`tool_commands`).
+session memory commands /title /search /forget /compress, the tool commands /tools
+/approve /deny (`tool_commands`) and /model (`model_commands`).
 
 Each handler gets the command context (`ports.CommandContext`: the runner, seen through
 what commands use) and the event and returns the text to send back (or None
@@ -24,6 +24,7 @@ from gateway.domain.command_syntax import NAMES, Command
 from gateway.domain.events import Accepted, AcceptStatus, MessageEvent
 from gateway.domain.policy import next_reset_at
 from gateway.domain.session import agent_id_of_key
+from gateway.runner.model_commands import cmd_model
 from gateway.runner.ports import CommandContext
 from gateway.runner.schedule_commands import cmd_schedule, cmd_sethome, next_run_line
 from gateway.runner.tool_commands import cmd_approve, cmd_deny, cmd_tools
@@ -322,6 +323,7 @@ HANDLERS: dict[str, Handler] = {
     "tools": cmd_tools,
     "approve": cmd_approve,
     "deny": cmd_deny,
+    "model": cmd_model,
 }
 assert HANDLERS.keys() == NAMES, "every command word has exactly one handler"
 HELP_TEXT = """Commands:
@@ -341,6 +343,7 @@ HELP_TEXT = """Commands:
 /sethome — make this chat the platform's home channel (for scheduled tasks)
 /tools — the agent's tools (and which ask first) and the tool servers' states
 /approve, /deny — answer a tool call waiting for your yes
+/model [NAME] — list this chat's models, or switch to one (/model default: the agent's)
 /restart — restart the gateway (admins only)
 /help — this list
 Messages sent while a reply is running are combined into the next turn."""

@@ -92,7 +92,7 @@ class GatewayRunner:
         # context plan (what its turns load). One agent: nothing per key to look up.
         self.roster = Roster(config, agent_factory)
         main = self.roster.main
-        plan_for = self.roster.plan_for if len(self.roster) > 1 else None
+        plan_for = self.roster.plan_for if self.roster.per_key else None
         self.turnlog = TurnLog(
             self.store, history_limit=main.config.history_limit, plan=main.plan, plan_for=plan_for
         )

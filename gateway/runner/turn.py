@@ -29,6 +29,7 @@ from gateway.ops.metrics import Metrics
 from gateway.runner.agent_call import AgentCall, TurnOutcome
 from gateway.runner.delivery import Delivery
 from gateway.runner.media import MediaIntake
+from gateway.runner.model_commands import load_choice
 from gateway.runner.recovery import Recovery
 from gateway.runner.streaming import Stream, Streams
 from gateway.schedules.loop import Scheduler
@@ -114,6 +115,9 @@ class TurnRunner:
         finished = False  # the turn's end is recorded (its message answered)
         asking = self.asking
         try:
+            # The chat's /model choice, as stored (another replica or a restart may have
+            # set it): the key's spec, plan and cache signature follow it.
+            await load_choice(self.store, self.roster, key)
             if begun is None:
                 begun = await self.turnlog.begin(
                     event, key, self.lane.turn_text(event), running=asking.slot_free()

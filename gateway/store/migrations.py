@@ -393,8 +393,15 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     ALTER TABLE agent_tasks ADD COLUMN input_tokens INTEGER;
     ALTER TABLE agent_tasks ADD COLUMN output_tokens INTEGER;
     """,
-    # A placeholder: this number is another change's.
-    21: "",
+    # The model each chat picked with /model (gateway.store.chat_models), by session key:
+    # it outlives the chat's sessions (/new keeps it).
+    21: """
+    CREATE TABLE chat_models (
+        session_key TEXT PRIMARY KEY,
+        model       TEXT NOT NULL,
+        updated_at  REAL NOT NULL
+    ) WITHOUT ROWID;
+    """,
     # How many condensed messages the user was told about (a notice with the next reply,
     # gateway.memory.notice). Summaries written before the notice existed are not owed.
     22: """

@@ -119,6 +119,8 @@ def delete_session(
         entries.drop_entry(conn, key)
         # A streamed reply's message ids, left by a turn that never finished.
         conn.execute("DELETE FROM streams WHERE session_key = ?", (key,))
+        if erase:  # the chat's /model choice: its key names the user
+            conn.execute("DELETE FROM chat_models WHERE session_key = ?", (key,))
     return {
         "session_id": session_id,
         "session_key": key,

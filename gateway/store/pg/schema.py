@@ -423,8 +423,14 @@ _STEPS: dict[int, str] = {
     ALTER TABLE agent_tasks ADD COLUMN input_tokens BIGINT;
     ALTER TABLE agent_tasks ADD COLUMN output_tokens BIGINT;
     """,
-    # a placeholder: this number is another change's
-    21: "SELECT 1",
+    # the model each chat picked with /model (gateway.store.chat_models)
+    21: """
+    CREATE TABLE chat_models (
+        session_key TEXT PRIMARY KEY,
+        model       TEXT NOT NULL,
+        updated_at  DOUBLE PRECISION NOT NULL
+    );
+    """,
     # the condensed messages the user was told about (gateway.memory.notice)
     22: """
     ALTER TABLE summary_checkpoints ADD COLUMN told BIGINT NOT NULL DEFAULT 0;
@@ -458,6 +464,7 @@ TABLES = (
     "tool_calls",
     "agent_tasks",
     "remote_contexts",
+    "chat_models",
 )
 
 

@@ -10,8 +10,9 @@ backend's model name, with the agent's own `base_url`, `api_key` and
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from pydantic import BaseModel, Field
 
@@ -19,7 +20,6 @@ from config.base import MODEL_CONFIG
 
 if TYPE_CHECKING:
     from config.agents import AgentConfig
-    from config.schema import GatewayConfig
 
 # Catalogue names are typed in chats (`/model NAME`) and stored per chat: short, one word.
 MODEL_NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")  # fullmatch it
@@ -70,17 +70,33 @@ class EffectiveModel:
         return f"EffectiveModel(name={self.name!r}, model={self.model!r}, api_key={key})"
 
 
-def agent_of(config: GatewayConfig, agent_id: str) -> AgentConfig:
+class CatalogueConfig(Protocol):
+    """What these functions read of the whole config (`config.schema.GatewayConfig`,
+    which validates its catalogue with them, so it is named here by its shape)."""
+
+    @property
+    def models(self) -> Mapping[str, ModelConfig]: ...
+
+    @property
+    def agent(self) -> AgentConfig: ...
+
+    @property
+    def agents(self) -> Mapping[str, AgentConfig]: ...
+
+    def agent_configs(self) -> dict[str, AgentConfig]: ...
+
+
+def agent_of(config: CatalogueConfig, agent_id: str) -> AgentConfig:
     """The agent's section (`main` is `agent:`); KeyError for an unknown id."""
     return config.agent_configs()[agent_id]
 
 
-def own_model_name(config: GatewayConfig, agent: AgentConfig) -> str | None:
+def own_model_name(config: CatalogueConfig, agent: AgentConfig) -> str | None:
     """The catalogue entry the agent's `model` names, or None (a plain model name)."""
     return agent.model if agent.model in config.models else None
 
 
-def model_choices(config: GatewayConfig, agent_id: str) -> tuple[str, ...]:
+def model_choices(config: CatalogueConfig, agent_id: str) -> tuple[str, ...]:
     """The catalogue names a chat of the agent may pick with `/model`: `agent.models`,
     or by default just the agent's own entry (none when its model is a plain name)."""
     agent = agent_of(config, agent_id)
@@ -90,7 +106,7 @@ def model_choices(config: GatewayConfig, agent_id: str) -> tuple[str, ...]:
     return (own,) if own is not None else ()
 
 
-def resolve_model(config: GatewayConfig, agent_id: str, chosen: str | None) -> EffectiveModel:
+def resolve_model(config: CatalogueConfig, agent_id: str, chosen: str | None) -> EffectiveModel:
     """The settings the agent's turns use with `chosen` (a name from `model_choices`, or
     None for the agent's own). A chosen name the agent no longer offers (the config
     changed since it was picked) resolves to the agent's own."""
@@ -131,7 +147,7 @@ def effective_agent(agent: AgentConfig, model: EffectiveModel) -> AgentConfig:
     )
 
 
-def catalogue_problems(config: GatewayConfig) -> list[str]:
+def catalogue_problems(config: CatalogueConfig) -> list[str]:
     """The `models:` problems, each one line starting with its key path: bad names,
     names an agent lists that the catalogue lacks, and catalogue entries used by an
     agent whose backend is not `openai` (only that backend speaks to them)."""
@@ -151,9 +167,7 @@ def catalogue_problems(config: GatewayConfig) -> list[str]:
         uses_catalogue = agent.model in config.models
         for index, name in enumerate(agent.models or ()):
             if name not in config.models:
-                problems.append(
-                    f"{where}.models.{index}: unknown model {name!r} (models: {known})"
-                )
+                problems.append(f"{where}.models.{index}: unknown model {name!r} (models: {known})")
         if agent.backend == "openai":
             continue
         if uses_catalogue:
@@ -169,7 +183,7 @@ def catalogue_problems(config: GatewayConfig) -> list[str]:
     return problems
 
 
-def _sections(config: GatewayConfig) -> dict[str, AgentConfig]:
+def _sections(config: CatalogueConfig) -> dict[str, AgentConfig]:
     """Every agent section by its key path (`agent`, `agents.ID`)."""
     from config.agents import MAIN_AGENT
 

@@ -116,7 +116,8 @@ class TurnRunner:
         try:
             # The chat's /model choice, as stored (another replica or a restart may have
             # set it): the key's spec, plan and cache signature follow it.
-            await load_choice(self.store, self.roster, key)
+            if self.roster.offers_choice(key):  # no coroutine on the path of the rest
+                await load_choice(self.store, self.roster, key)
             if begun is None:
                 begun = await self.turnlog.begin(
                     event, key, self.lane.turn_text(event), running=asking.slot_free()

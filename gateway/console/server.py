@@ -375,18 +375,15 @@ class ConsoleServer:
 
     async def _export(self, request: web.Request, visit: Visit) -> web.StreamResponse:
         session_id = visit.of(visit.path, SessionPath).session_id
-        doc = await self.port.session(session_id, 0, 500)
+        doc = await self.port.export(session_id, MAX_EXPORT_MESSAGES + 1)
         if doc is None:
             raise ConsoleError(404, f"no session {session_id}")
-        messages = doc["messages"]
-        while messages and len(messages) < MAX_EXPORT_MESSAGES:
-            more = await self.port.session(session_id, messages[-1]["id"], 500)
-            if not more or not more["messages"]:
-                break
-            messages.extend(more["messages"])
-        doc["truncated"] = len(messages) >= MAX_EXPORT_MESSAGES
+        doc["truncated"] = len(doc["messages"]) > MAX_EXPORT_MESSAGES
+        del doc["messages"][MAX_EXPORT_MESSAGES:]
+        # Up to MAX_EXPORT_MESSAGES messages: encoded off the event loop.
+        body = await asyncio.to_thread(lambda: json.dumps(doc, ensure_ascii=False, indent=1))
         return web.Response(
-            body=json.dumps(doc, ensure_ascii=False, indent=1).encode(),
+            body=body.encode(),
             content_type="application/json",
             headers={"Content-Disposition": f'attachment; filename="session-{session_id}.json"'},
         )

@@ -20,7 +20,7 @@ from gateway.schedules.book import (
     shown_run,
 )
 from gateway.schedules.loop import Scheduler
-from gateway.store import console_reads
+from gateway.store import archive, console_reads
 from gateway.store import schedules as rows
 from gateway.store.pg import driver_errors
 
@@ -95,6 +95,9 @@ class ConsoleDesk:
             return None
         counts = await self.store.read(lambda conn: console_reads.session_counts(conn, session_id))
         return {**found, "counts": counts}
+
+    async def export(self, session_id: str, limit: int) -> dict[str, Any] | None:
+        return await self.store.read(lambda conn: archive.export_session(conn, session_id, limit))
 
     async def delete_session(self, session_id: str) -> dict[str, Any]:
         return await self.parts.sessions.delete_session(session_id)

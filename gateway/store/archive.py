@@ -93,14 +93,18 @@ def messages_page(
     return [_message(*row) for row in rows]
 
 
-def export_session(conn: sqlite3.Connection, session_id: str) -> dict[str, Any] | None:
-    """The whole session (meta and every active message), or None if unknown."""
+def export_session(
+    conn: sqlite3.Connection, session_id: str, limit: int | None = None
+) -> dict[str, Any] | None:
+    """The whole session (meta and every active message, or its first `limit`), or None
+    if unknown."""
     meta = session_meta(conn, session_id)
     if meta is None:
         return None
+    bounded = "" if limit is None else f" LIMIT {int(limit)}"
     rows = conn.execute(
         "SELECT id, message, created_at FROM messages"
-        " WHERE session_id = ? AND active = 1 ORDER BY id",
+        f" WHERE session_id = ? AND active = 1 ORDER BY id{bounded}",
         (session_id,),
     )
     return {**meta, "messages": [_message(*row) for row in rows]}

@@ -12,6 +12,7 @@ from config.agents import (
     SkillConfig,
 )
 from config.base import ResetByType, SessionResetPolicy
+from config.budgets import LIMIT_NAMES, BudgetLimits, BudgetsConfig, UserBudget
 from config.loader import EXIT_CONFIG, ConfigError, hermes_home, load_config
 from config.mcp import McpConfig, McpSelection, McpServerConfig, McpToolFilter
 from config.models import (
@@ -51,10 +52,13 @@ __all__ = [
     "AGENT_ID_PATTERN",
     "DEFAULT_CHOICE",
     "EXIT_CONFIG",
+    "LIMIT_NAMES",
     "MAIN_AGENT",
     "TOOL_NAMES",
     "A2aConfig",
     "AgentConfig",
+    "BudgetLimits",
+    "BudgetsConfig",
     "ChatPlatformConfig",
     "ConfigError",
     "ContextConfig",
@@ -88,6 +92,7 @@ __all__ = [
     "StreamingConfig",
     "TelegramConfig",
     "TranscriptionConfig",
+    "UserBudget",
     "effective_agent",
     "hermes_home",
     "load_config",

@@ -28,6 +28,7 @@ from config.agents import (
     RouteConfig,
 )
 from config.base import MODEL_CONFIG, ResetByType, SessionResetPolicy
+from config.budgets import BudgetsConfig
 from config.mcp import McpConfig, parse_selection_entry
 from config.models import ModelConfig, catalogue_problems
 from config.platforms import PlatformConfig, PlatformsConfig
@@ -277,6 +278,8 @@ class GatewayConfig(BaseModel):
     remote_agents: dict[str, RemoteAgentConfig] = Field(default_factory=dict)
     # Who may use admin commands (/restart), as "platform:user_id", e.g. "telegram:12345".
     admins: list[str] = Field(default_factory=list)
+    # Per-user limits on tokens, cost and pace (config.budgets, docs/usage.md).
+    budgets: BudgetsConfig = BudgetsConfig()
     # Set by load_config; the loader rejects it as a YAML key.
     source_path: Path | None = Field(default=None, exclude=True)
     # Set by load_config(require_env=False): key path -> the unset variable it refers to.

@@ -393,6 +393,7 @@ class TokenUsage:
     cache_read_tokens: int = 0
     cache_write_tokens: int = 0
     estimated_cost_usd: float = 0.0
+    estimated: bool = False  # the backend reported no counts: these are estimates
 
     @property
     def total_tokens(self) -> int:

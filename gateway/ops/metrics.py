@@ -52,6 +52,12 @@ class Metrics:
     a2a_tasks: dict[tuple[str, str], int] = field(default_factory=dict)
     #: `agent_call` delegations ended: (agent, delegate, outcome) -> count
     delegations: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    #: model tokens charged, by (agent, model, direction: input or output)
+    model_tokens: dict[tuple[str, str, str], int] = field(default_factory=dict)
+    #: model cost charged in USD, by (agent, model)
+    model_cost: dict[tuple[str, str], float] = field(default_factory=dict)
+    #: turns refused by a budget, by the limit that refused them
+    budget_refusals: dict[str, int] = field(default_factory=dict)
     #: the runner's gauges, read at scrape time: name -> (help, current value)
     gauges: Callable[[], dict[str, tuple[str, float]]] = field(default=dict, repr=False)
     #: the MCP tool servers' health, read at scrape time: name -> {state, tools, last_error}
@@ -72,6 +78,17 @@ class Metrics:
     def count_delegation(self, agent: str, delegate: str, outcome: str) -> None:
         key = (agent, delegate, outcome)
         self.delegations[key] = self.delegations.get(key, 0) + 1
+
+    def count_usage(
+        self, agent: str, model: str, input_tokens: int, output_tokens: int, cost: float
+    ) -> None:
+        tokens = self.model_tokens
+        tokens[agent, model, "input"] = tokens.get((agent, model, "input"), 0) + input_tokens
+        tokens[agent, model, "output"] = tokens.get((agent, model, "output"), 0) + output_tokens
+        self.model_cost[agent, model] = self.model_cost.get((agent, model), 0.0) + cost
+
+    def count_budget_refusal(self, limit: str) -> None:
+        self.budget_refusals[limit] = self.budget_refusals.get(limit, 0) + 1
 
     def observe_schedule_delay(self, seconds: float) -> None:
         self.delay_counts[bisect_left(DELAY_BUCKETS, seconds)] += 1
@@ -115,6 +132,32 @@ class Metrics:
         for labels, count in sorted(self.delegations.items()):
             delegations.add_metric(list(labels), count)
         yield delegations
+        tokens = CounterMetricFamily(
+            "hermes_model_tokens_total",
+            "Model tokens charged to turns (as the backend reported them, or estimated),"
+            " by agent, model and direction",
+            labels=["agent", "model", "direction"],
+        )
+        for labels, count in sorted(self.model_tokens.items()):
+            tokens.add_metric(list(labels), count)
+        yield tokens
+        cost = CounterMetricFamily(
+            "hermes_model_cost_usd_total",
+            "Model cost charged to turns in USD (at the models' configured price),"
+            " by agent and model",
+            labels=["agent", "model"],
+        )
+        for labels, usd in sorted(self.model_cost.items()):
+            cost.add_metric(list(labels), usd)
+        yield cost
+        refusals = CounterMetricFamily(
+            "hermes_budget_refusals_total",
+            "Turns refused before the model was called, by the budget limit reached",
+            labels=["limit"],
+        )
+        for limit, count in sorted(self.budget_refusals.items()):
+            refusals.add_metric([limit], count)
+        yield refusals
         yield _histogram(
             "schedule_fire_delay_seconds",
             "Time from a schedule's fire time to its run's turn begun",

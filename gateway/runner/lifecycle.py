@@ -44,6 +44,7 @@ from gateway.ops.status import keep_status, write_status
 from gateway.runner.agent_call import AgentCall
 from gateway.runner.agent_tasks import TaskService
 from gateway.runner.approvals import Approvals
+from gateway.runner.budgets import Budgets
 from gateway.runner.deadlines import Deadlines
 from gateway.runner.delivery import Delivery
 from gateway.runner.engine import TurnEngine
@@ -164,6 +165,11 @@ class GatewayRunner:
         # background for /healthz, never on a request's path.
         self.delegation = asking.delegation
         self._probe_task: asyncio.Task[None] | None = None
+        # Usage per user and day, charged in each turn's finish; with `budgets:` set,
+        # checked in each new turn's begin.
+        self.budgets = Budgets(config, self.metrics, self.is_admin)
+        if self.budgets.enabled:
+            self.turnlog.gate = self.budgets.gate
         turns = TurnRunner(
             config,
             self.adapters,
@@ -179,6 +185,7 @@ class GatewayRunner:
             self.media,
             self.recovery,
             asking,
+            self.budgets,
         )
         self.engine = TurnEngine(
             config,

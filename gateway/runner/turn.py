@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import structlog
@@ -26,6 +27,7 @@ from gateway.memory.summaries import Memory
 from gateway.ops.logs import TurnLine
 from gateway.ops.metrics import Metrics
 from gateway.runner.agent_call import AgentCall, TurnOutcome
+from gateway.runner.budgets import Budgets
 from gateway.runner.delivery import Delivery
 from gateway.runner.media import MediaIntake
 from gateway.runner.model_commands import load_choice
@@ -85,6 +87,7 @@ class TurnRunner:
         media: MediaIntake,
         recovery: Recovery,
         asking: AgentCall,
+        budgets: Budgets,
     ) -> None:
         self.config = config
         self.adapters = adapters
@@ -100,6 +103,7 @@ class TurnRunner:
         self.media = media
         self.recovery = recovery
         self.asking = asking
+        self.budgets = budgets
         # What every turn's session context says of the config (it does not change).
         self._platforms = tuple(config.connected_platforms())
         self._homes = config.home_channels()
@@ -124,6 +128,10 @@ class TurnRunner:
                 )
             entry = begun.entry
             turn.session_id = entry.session_id
+            if begun.refusal is not None:  # a budget: the model is not called
+                await self._refuse(key, event, begun, turn)
+                finished = True
+                return
             if begun.resumed:
                 log.info("turn_resumed", session_id=entry.session_id)
             elif begun.fresh and entry.was_auto_reset:
@@ -181,28 +189,40 @@ class TurnRunner:
             shown = await self.turnlog.stream_of(key) if event.resume else []
             stream = self.streams.open(key, source, event.reply_to, shown)
             typing = self.delivery.start_typing(source)
+            asked = False  # the model was called: its usage is charged
             try:
                 if intake is not None and intake.only_refusals:
                     outcome = TurnOutcome.failed(intake.notices[0], "too_large")
                 elif context.too_large:  # the model would refuse it: it is not asked
                     outcome = TurnOutcome.failed(too_large_text(agent.plan, context), "too_large")
                 else:
+                    asked = True
                     outcome = await asking.call(key, request, agent, stream, begun)
                 edits = await stream.finish() if stream is not None else shown
             finally:
                 if typing is not None:
                     typing.cancel()
 
-            turn.usage = outcome.usage
+            # What the model reported (learnt from below); what is charged: those counts,
+            # or estimates when it reported none, priced at the model's price.
+            reported, charged = outcome.usage, outcome
+            settles: tuple[Callable[[Any], object], ...] = ()
+            if asked and (reported is not None or outcome.reply is not None):
+                spent = self.budgets.priced(
+                    agent.model, reported, context.sent_tokens, outcome.reply or ""
+                )
+                charged = replace(outcome, usage=spent)
+                settles = (self.budgets.charge(key, source, agent.agent_id, agent.model, spent),)
+            turn.usage = charged.usage
             if self.config.logging.include_text:
                 turn.texts = (begun.text, outcome.text)
-            text, settles, run_status = outcome.text, (), None
+            text, run_status = outcome.text, None
             schedule_id = self.scheduler.schedule_of(key)
             if schedule_id is not None:  # a scheduled run: its outcome ends with the turn
                 text, settle, run_status = await self.scheduler.settle_turn(
-                    schedule_id, outcome.reply, outcome.text, outcome.usage
+                    schedule_id, outcome.reply, outcome.text, charged.usage
                 )
-                settles = (settle,)
+                settles = (*settles, settle)
             chunks = self.delivery.split(source, self._with_reset_notice(entry, text))
             turn.chunks = len(chunks)
             if intake is not None and begun.user_row is not None:
@@ -213,13 +233,13 @@ class TurnRunner:
                 entry.session_id,
                 loaded,
                 context,
-                outcome.usage if not outcome.messages else None,
+                reported if not outcome.messages else None,
             )
             ids = await self.lane.finish_turn(
                 key,
                 begun,
                 event,
-                outcome,
+                charged,
                 chunks,
                 tools,
                 settles,
@@ -227,6 +247,8 @@ class TurnRunner:
                 token_factor=factor,
             )
             finished = True
+            if charged.usage is not None and charged is not outcome:
+                self.budgets.counted(agent.agent_id, agent.model, charged.usage)
             if run_status is not None:
                 self.metrics.count_schedule_run(run_status)
             if outcome.reply is not None:
@@ -259,6 +281,31 @@ class TurnRunner:
                 self.metrics.stream_edits_total += stream.edits
                 self.metrics.stream_flood_waits_total += stream.floods
             turn.log(log)
+
+    async def _refuse(
+        self, key: str, event: MessageEvent, begun: TurnStart, turn: TurnLine
+    ) -> None:
+        """A turn its owner's budget refused: answered with the refusal, in its finish
+        (a scheduled run's outcome, an agent task's state and the next queued turn go
+        with it as with any turn); its model is never called."""
+        assert begun.refusal is not None
+        source = event.source
+        outcome = TurnOutcome.failed(begun.refusal, "refused")
+        text, settles, run_status = outcome.text, (), None
+        schedule_id = self.scheduler.schedule_of(key)
+        if schedule_id is not None:
+            text, settle, run_status = await self.scheduler.settle_turn(
+                schedule_id, None, outcome.text, None
+            )
+            settles = (settle,)
+        chunks = self.delivery.split(source, text)
+        ids = await self.lane.finish_turn(key, begun, event, outcome, chunks, None, settles)
+        if run_status is not None:
+            self.metrics.count_schedule_run(run_status)
+        turn.outcome, turn.chunks = outcome.status, len(chunks)
+        turn.sent = await self.delivery.send_recorded(
+            source, list(zip(ids, chunks, strict=False)), event.reply_to
+        )
 
     async def _answer_internal_error(
         self, key: str, event: MessageEvent, begun: TurnStart | None

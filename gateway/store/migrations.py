@@ -15,7 +15,7 @@ from typing import Any
 from gateway.domain.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 21
+SCHEMA_VERSION = 22
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -400,6 +400,29 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         session_key TEXT PRIMARY KEY,
         model       TEXT NOT NULL,
         updated_at  REAL NOT NULL
+    ) WITHOUT ROWID;
+    """,
+    # Usage per user, day, agent and model (gateway.store.usage), charged in each turn's
+    # finish transaction; and each user's turn starts of the last minute, for the
+    # `turns_per_minute` budget.
+    22: """
+    CREATE TABLE usage_days (
+        user_key        TEXT NOT NULL,
+        day             TEXT NOT NULL,
+        agent_id        TEXT NOT NULL,
+        model           TEXT NOT NULL,
+        turns           INTEGER NOT NULL DEFAULT 0,
+        input_tokens    INTEGER NOT NULL DEFAULT 0,
+        output_tokens   INTEGER NOT NULL DEFAULT 0,
+        estimated_turns INTEGER NOT NULL DEFAULT 0,
+        cost_usd        REAL NOT NULL DEFAULT 0,
+        PRIMARY KEY (user_key, day, agent_id, model)
+    ) WITHOUT ROWID;
+    CREATE INDEX usage_days_by_day ON usage_days(day);
+    CREATE TABLE budget_pace (
+        user_key   TEXT PRIMARY KEY,
+        starts     TEXT NOT NULL,
+        updated_at REAL NOT NULL
     ) WITHOUT ROWID;
     """,
 }

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from gateway.store import agent_tasks, codec, entries, journal
+from gateway.store import agent_tasks, codec, entries, journal, usage
 from gateway.store.pg import is_postgres
 
 SCRUBBED_EVENT = "{}"  # what a finished inbox row keeps of its event
@@ -239,6 +239,8 @@ def erase_user_journal(
     low, high = entries.agent_key_range(agent_id) if agent_id is not None else ("", "")
     # The tasks they asked of the agents (A2A's caller is the session's user).
     erased = agent_tasks.delete_for_caller(conn, user_id, agent_id) if platform == "a2a" else 0
+    # What they used (per day, agent and model) and the times of their last turns.
+    erased += usage.delete_user(conn, f"{platform}:{user_id}", agent_id)
     theirs, chats = [], set(dm_chats)
     for inbox_id, key, event in conn.execute(
         "SELECT id, session_key, event FROM inbox WHERE platform = ? AND state != 'accepted'"

@@ -47,6 +47,9 @@ class TurnStart:
     context: Loaded = NOTHING_LOADED  # what the context strategy read (rows, summary checkpoint)
     user_row: int | None = None  # the user message's transcript row (media rewrite it)
     running: bool = True  # its marker says it runs (else `mark_running` once it does)
+    # Why the turn may not call its model (a budget, `TurnLog.gate`): it is answered
+    # with this, and its message is not stored in the transcript.
+    refusal: str | None = None
 
 
 class TurnLog:
@@ -67,6 +70,9 @@ class TurnLog:
         # Several replicas (gateway.runner.replica): run first in a turn's begin and finish
         # transactions, it fails them when this replica no longer holds the session.
         self.fence: Callable[[Any, str], None] | None = None
+        # Budgets (gateway.runner.budgets): run in a new turn's begin transaction, it
+        # returns why the turn may not start (None: it may).
+        self.gate: Callable[[Any, str, MessageEvent], str | None] | None = None
 
     async def accept(
         self, event: MessageEvent, session_key: str, kind: str, *, done: bool = False
@@ -166,6 +172,7 @@ class TurnLog:
         now = time.time()
         plan = self.plan if self.plan_for is None else self.plan_for(session_key)
         fence = None if fenced else self.fence
+        gate = self.gate
 
         def tx(conn: sqlite3.Connection, inbox_ids: list[int]) -> TurnStart:
             if fence is not None:
@@ -194,6 +201,21 @@ class TurnLog:
                     loaded,
                     marker["user_message_id"],
                     running,
+                )
+            refusal = gate(conn, session_key, event) if gate is not None else None
+            if refusal is not None:  # its model is not called; the marker ends with it
+                journal.start_turn(
+                    conn,
+                    session_key=session_key,
+                    session_id=entry.session_id,
+                    inbox_ids=inbox_ids,
+                    user_message_id=None,
+                    event=record,
+                    now=now,
+                    running=running,
+                )
+                return TurnStart(
+                    entry, False, text, fresh, minute, NOTHING_LOADED, None, running, refusal
                 )
             loaded = turn_context.load(conn, entry.session_id, plan, factor)
             user_row = transcript.insert_message(conn, entry.session_id, user_message)

@@ -431,6 +431,28 @@ _STEPS: dict[int, str] = {
         updated_at  DOUBLE PRECISION NOT NULL
     );
     """,
+    # usage per user, day, agent and model; turn starts for `turns_per_minute`
+    # (gateway.store.usage)
+    22: """
+    CREATE TABLE usage_days (
+        user_key        TEXT NOT NULL,
+        day             TEXT NOT NULL,
+        agent_id        TEXT NOT NULL,
+        model           TEXT NOT NULL,
+        turns           BIGINT NOT NULL DEFAULT 0,
+        input_tokens    BIGINT NOT NULL DEFAULT 0,
+        output_tokens   BIGINT NOT NULL DEFAULT 0,
+        estimated_turns BIGINT NOT NULL DEFAULT 0,
+        cost_usd        DOUBLE PRECISION NOT NULL DEFAULT 0,
+        PRIMARY KEY (user_key, day, agent_id, model)
+    );
+    CREATE INDEX usage_days_by_day ON usage_days(day);
+    CREATE TABLE budget_pace (
+        user_key   TEXT PRIMARY KEY,
+        starts     TEXT NOT NULL,
+        updated_at DOUBLE PRECISION NOT NULL
+    );
+    """,
 }
 
 #: the tables of the baseline that hold the gateway's data, parents before children
@@ -460,6 +482,8 @@ TABLES = (
     "agent_tasks",
     "remote_contexts",
     "chat_models",
+    "usage_days",
+    "budget_pace",
 )
 
 

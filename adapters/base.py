@@ -123,6 +123,21 @@ class GatewayHandle(Protocol):
         """Delete a session and all it owns; `status`: deleted, not_found or busy."""
         ...
 
+    async def usage_report(
+        self,
+        *,
+        since: str | None = None,
+        until: str | None = None,
+        user_key: str | None = None,
+        agent_id: str | None = None,
+        by: tuple[str, ...] = ("user", "agent", "model"),
+    ) -> dict[str, Any]:
+        """Tokens and cost summed by `by` (user, agent, model, day) over the days from
+        `since` (YYYY-MM-DD; default this month's first) up to `until`:
+        `{"since", "until", "rows": [{..groups, turns, input_tokens, output_tokens,
+        estimated_turns, cost_usd}]}`."""
+        ...
+
     async def replies_after(
         self, platform: str, chat_id: str, after: int, limit: int
     ) -> list[dict[str, Any]]:

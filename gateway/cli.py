@@ -56,6 +56,7 @@ from gateway.ops.sessions import (
 )
 from gateway.ops.status import add_status_parser
 from gateway.ops.storage import add_storage_parser
+from gateway.ops.usage import add_usage_parser, run_usage_command
 from gateway.runner.pairing import add_pairing_parser
 from gateway.store.db import DatabaseError, DatabaseUnreachable
 from gateway.store.entries import load_session_row
@@ -379,6 +380,10 @@ def cmd_schedules(args: argparse.Namespace, config: GatewayConfig) -> int:
     return _on_store(config, lambda store: run_schedules_command(store, config, args))
 
 
+def cmd_usage(args: argparse.Namespace, config: GatewayConfig) -> int:
+    return _on_store(config, lambda store: run_usage_command(store, config, args))
+
+
 # --- parser -----------------------------------------------------------------------------
 
 # The commands that connect to the platforms: every ${NAME} in the config must be set.
@@ -492,6 +497,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub.choices["memory"].set_defaults(handler=cmd_memory)
     add_schedules_parser(sub, [common])
     sub.choices["schedules"].set_defaults(handler=cmd_schedules)
+    add_usage_parser(sub, [common])
+    sub.choices["usage"].set_defaults(handler=cmd_usage)
     add_agents_parser(sub, [common])
     sub.choices["agents"].set_defaults(handler=cmd_agents)
     add_doctor_parser(sub, [common])

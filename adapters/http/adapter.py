@@ -19,6 +19,8 @@
     GET  /v1/search?q=WORDS                  transcript search (&chat_id=C: only that
                                              HTTP chat's sessions; &agent=ID: only that
                                              agent's; &limit=N)
+    GET  /v1/usage                           tokens and cost (?since=&until=&user=&agent=
+                                             &by=user,agent,model,day)
     GET  /healthz                            gateway health (never needs the token)
     GET  /metrics                            Prometheus text format
     GET  /openapi.json                       this API as OpenAPI 3.1 (never needs the token)
@@ -180,6 +182,7 @@ class HttpAdapter(PlatformAdapter):
             "GET /v1/sessions/{session_id}": self._get_session,
             "DELETE /v1/sessions/{session_id}": self._delete_session,
             "GET /v1/search": self._search,
+            "GET /v1/usage": self._usage,
             "GET /healthz": self._get_health,
             "GET /metrics": self._get_metrics,
             "GET /openapi.json": self._get_openapi,
@@ -519,6 +522,21 @@ class HttpAdapter(PlatformAdapter):
             limit=query.limit,
         )
         return web.json_response({"results": results})
+
+    async def _usage(self, request: web.Request) -> web.Response:
+        """The operator's usage report: `since`/`until` (YYYY-MM-DD), `user`
+        (platform:user_id), `agent`, `by` (user,agent,model,day)."""
+        query = query_of(request, schemas.UsageQuery)
+        if self.gateway is None:
+            return _error(503, "the gateway is not ready")
+        report = await self.gateway.usage_report(
+            since=query.since,
+            until=query.until,
+            user_key=query.user,
+            agent_id=query.agent,
+            by=tuple(query.by.split(",")),
+        )
+        return web.json_response(report)
 
     async def _get_health(self, request: web.Request) -> web.Response:
         if self.gateway is None:

@@ -163,6 +163,24 @@ class SearchQuery(_Query):
     limit: SearchLimit = SEARCH_LIMIT
 
 
+_DAY = Annotated[str, Field(pattern=r"^\d{4}-\d{2}-\d{2}$")]
+_GROUP = "(user|agent|model|day)"
+
+
+class UsageQuery(_Query):
+    since: _DAY | None = Field(
+        None, description="from this date (the gateway's time zone; default: this month's 1st)"
+    )
+    until: _DAY | None = Field(None, description="before this date")
+    user: Annotated[str, Field(pattern=r"^[a-z0-9_]+:[^\x00-\x1f]{1,256}$")] | None = Field(
+        None, description="only this user's, as platform:user_id"
+    )
+    agent: AgentId | None = Field(None, description="only this agent's")
+    by: Annotated[str, Field(pattern=rf"^{_GROUP}(,{_GROUP}){{0,3}}$")] = Field(
+        "user,agent,model", description="what the rows sum by, comma-separated"
+    )
+
+
 class MessageIn(BaseModel):
     """One inbound message. Ids are strings, or whole JSON numbers taken as their
     digits (`42` is `"42"`); an empty `message_id` counts as none (no dedup)."""
@@ -183,6 +201,20 @@ class MessageIn(BaseModel):
 
 class _Open(BaseModel):
     model_config = ConfigDict(extra="allow")
+
+
+class UsageRow(_Open):
+    turns: int
+    input_tokens: int
+    output_tokens: int
+    estimated_turns: int = Field(description="turns whose counts are estimates")
+    cost_usd: float = Field(description="USD at the models' configured prices")
+
+
+class UsageReport(BaseModel):
+    since: str
+    until: str | None
+    rows: list[UsageRow] = Field(description="largest cost first; each names its groups")
 
 
 class ErrorBody(BaseModel):
@@ -326,6 +358,13 @@ API_ROUTES: tuple[RouteDoc, ...] = (
         "Transcript search, newest first",
         {200: SearchResults, **_MAY_FAIL, **_NOT_READY},
         query=SearchQuery,
+    ),
+    RouteDoc(
+        "GET",
+        "/v1/usage",
+        "Tokens and cost by user, agent, model or day",
+        {200: UsageReport, **_MAY_FAIL, **_NOT_READY},
+        query=UsageQuery,
     ),
     RouteDoc("GET", "/healthz", "Gateway health (no token needed)", {200: Health}),
     RouteDoc(

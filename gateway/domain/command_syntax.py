@@ -15,7 +15,7 @@ NAMES = frozenset(
     {
         *("new", "reset", "stop", "queue", "q", "status", "resume", "retry", "undo", "help"),
         *("restart", "title", "search", "forget", "compress", "schedule", "sethome"),
-        *("tools", "approve", "deny", "model"),
+        *("tools", "approve", "deny", "model", "usage"),
     }
 )
 QUEUE_COMMANDS = frozenset({"queue", "q"})

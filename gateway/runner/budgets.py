@@ -101,7 +101,7 @@ class Budgets:
         self._limits: dict[str, BudgetLimits | None] = {}
 
     def day(self, now: float) -> str:
-        return datetime.fromtimestamp(now, self.zone).strftime("%Y-%m-%d")
+        return usage.local_day(now, self.zone)
 
     def limits_for(self, owner: str) -> BudgetLimits | None:
         if owner in self.admins:

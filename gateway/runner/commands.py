@@ -1,6 +1,6 @@
 """Chat commands: /new /reset /stop /queue /status /resume /retry /undo /help, the
 session memory commands /title /search /forget /compress, the tool commands /tools
-/approve /deny (`tool_commands`) and /model (`model_commands`).
+/approve /deny (`tool_commands`), /model (`model_commands`) and /usage (`usage_commands`).
 
 Each handler gets the command context (`ports.CommandContext`: the runner, seen through
 what commands use) and the event and returns the text to send back (or None
@@ -28,6 +28,7 @@ from gateway.runner.model_commands import cmd_model
 from gateway.runner.ports import CommandContext
 from gateway.runner.schedule_commands import cmd_schedule, cmd_sethome, next_run_line
 from gateway.runner.tool_commands import cmd_approve, cmd_deny, cmd_tools
+from gateway.runner.usage_commands import cmd_usage
 from gateway.store import titles
 from gateway.store.session_store import MAX_REWIND
 
@@ -324,6 +325,7 @@ HANDLERS: dict[str, Handler] = {
     "approve": cmd_approve,
     "deny": cmd_deny,
     "model": cmd_model,
+    "usage": cmd_usage,
 }
 assert HANDLERS.keys() == NAMES, "every command word has exactly one handler"
 HELP_TEXT = """Commands:
@@ -344,6 +346,7 @@ HELP_TEXT = """Commands:
 /tools — the agent's tools (and which ask first) and the tool servers' states
 /approve, /deny — answer a tool call waiting for your yes
 /model [NAME] — list this chat's models, or switch to one (/model default: the agent's)
+/usage — your tokens and cost today and this month, and your budget (/usage all: admins)
 /restart — restart the gateway (admins only)
 /help — this list
 Messages sent while a reply is running are combined into the next turn."""

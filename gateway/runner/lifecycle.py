@@ -58,6 +58,7 @@ from gateway.runner.recovery import Recovery
 from gateway.runner.sessions import SEARCH_DEFAULT_LIMIT, SessionArchive
 from gateway.runner.streaming import Streams
 from gateway.runner.turn import TurnRunner
+from gateway.runner.usage_commands import usage_report
 from gateway.schedules.book import ScheduleBook, iso
 from gateway.schedules.loop import Scheduler
 from gateway.store import archive
@@ -470,6 +471,9 @@ class GatewayRunner:
 
     async def delete_session(self, session_id: str) -> dict[str, Any]:
         return await self.sessions.delete_session(session_id)
+
+    async def usage_report(self, **query: Any) -> dict[str, Any]:
+        return await usage_report(self.store, self.config, **query)
 
     # --- outbound (`delivery`) -----------------------------------------------------------
 

@@ -10,14 +10,24 @@ dates (`YYYY-MM-DD`) in the gateway's time zone; a month is the days that share 
 
 from __future__ import annotations
 
+import re
 import sqlite3
 from dataclasses import dataclass
+from datetime import datetime, tzinfo
 from typing import Any
 
 from gateway.store import codec
 
 #: most rows `report` returns (a report groups by user, agent or model, not by turn)
 MAX_REPORT_ROWS = 1000
+#: what a report may be grouped by, as its callers name them -> the column
+GROUPS = {"user": "user_key", "day": "day", "agent": "agent_id", "model": "model"}
+DAY_PATTERN = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+
+def local_day(now: float, zone: tzinfo) -> str:
+    """The date of the epoch time `now` in `zone`, as usage rows name days."""
+    return datetime.fromtimestamp(now, zone).strftime("%Y-%m-%d")
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +112,14 @@ def report(
     until: str | None = None,
     user_key: str | None = None,
     agent_id: str | None = None,
-    by: tuple[str, ...] = ("user_key", "agent_id", "model"),
+    by: tuple[str, ...] = ("user", "agent", "model"),
 ) -> list[dict[str, Any]]:
-    """Sums grouped `by` (columns of usage_days), largest cost first; days from `since`
-    up to, not including, `until`."""
-    for column in by:
-        if column not in ("user_key", "day", "agent_id", "model"):
-            raise ValueError(f"cannot group usage by {column!r}")
+    """Sums grouped `by` (names of `GROUPS`), largest cost first; days from `since` up
+    to, not including, `until`. Each row names its groups as `by` does."""
+    for name in by:
+        if name not in GROUPS:
+            raise ValueError(f"cannot group usage by {name!r} (one of {', '.join(GROUPS)})")
+    columns = [GROUPS[name] for name in by]
     where, params = [], []
     for clause, value in (
         ("day >= ?", since),
@@ -119,7 +130,7 @@ def report(
         if value is not None:
             where.append(clause)
             params.append(value)
-    group = ", ".join(by)
+    group = ", ".join(columns)
     sql = (
         f"SELECT {group}{', ' if by else ''}sum(turns), sum(input_tokens), sum(output_tokens),"
         " sum(estimated_turns), sum(cost_usd) FROM usage_days"

@@ -24,7 +24,12 @@ from gateway.run import GatewayRunner
 from gateway.store import usage
 from scripts.harness import Daemon, parse_metrics
 from tests.commandline import cli
-from tests.fakes.openai_server import FakeOpenAI, last_user_content, serve_in_a_thread
+from tests.fakes.openai_server import (
+    FakeOpenAI,
+    last_user_content,
+    serve_in_a_thread,
+    tool_calls,
+)
 from tests.gateway_client import GatewayClient, RunningGateway
 from tests.pg_support import StorageBackend, fresh_schema
 
@@ -231,6 +236,45 @@ async def test_admins_are_exempt_when_configured(
         assert "admins are exempt" in await gw.say("/usage", chat="c2", user="boss")
     finally:
         await gw.stop()
+
+
+async def test_a_delegated_turn_is_charged_to_the_user_whose_chat_started_it(
+    tmp_path: Path,
+) -> None:
+    tally = Tally()
+
+    def answer(body: dict[str, Any]) -> str | dict[str, Any]:
+        messages = body["messages"]
+        if body["model"] == "main-model" and messages[-1]["role"] == "user":
+            return tool_calls(("agent_call", {"agent": "helper", "task": "sub task"}))
+        return f"{body['model']} says: {messages[-1]['content']}"
+
+    async with FakeOpenAI(reply=answer, usage=tally) as server:
+        settings = {
+            "timezone": "UTC",
+            "agent": {
+                "backend": "openai",
+                "base_url": server.base_url,
+                "model": "main-model",
+                "delegates": ["helper"],
+            },
+            "agents": {
+                "helper": {"backend": "openai", "base_url": server.base_url, "model": "h-model"}
+            },
+        }
+        gw = await RunningGateway.started(settings, tmp_path / "home")
+        try:
+            reply = await gw.say("please delegate")
+            assert reply.startswith("main-model says:") and "h-model says" in reply, reply
+            report = await gw.client.get_json("/v1/usage?by=user,agent")
+        finally:
+            await gw.stop()
+    rows = {(row["user"], row["agent"]): row for row in report["rows"]}
+    assert set(rows) == {("http:u1", "main"), ("http:u1", "helper")}, rows
+    # main asked its model twice (the tool round, then the answer); the helper once.
+    assert rows["http:u1", "main"]["input_tokens"] == 2 * PROMPT
+    assert rows["http:u1", "helper"]["turns"] == 1
+    assert tally.answers == 3
 
 
 # --- two replicas on PostgreSQL ----------------------------------------------------------

@@ -85,6 +85,8 @@ class Loaded:
     summary: str | None = None
     covered_up_to: int = 0  # the summary stands for the active rows with id <= this
     epoch: int = 0
+    condensed: int = 0  # messages the summary condenses
+    told: int = 0  # of them, those the user was told about (the rest: a notice owed)
     full: bool = False  # the read hit its row limit: older unsummarized rows exist
     token_factor: float | None = None  # the session's stored calibration (None: none yet)
 

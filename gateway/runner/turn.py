@@ -21,6 +21,7 @@ from gateway.context.strategy import too_large_text
 from gateway.domain.events import MessageEvent
 from gateway.domain.policy import reset_notice
 from gateway.domain.session import Platform, SessionEntry, build_session_context
+from gateway.memory import notice
 from gateway.memory.recall import Namespace, Recall, notes_prompt
 from gateway.memory.summaries import Memory
 from gateway.ops.logs import TurnLine
@@ -203,6 +204,12 @@ class TurnRunner:
                     schedule_id, outcome.reply, outcome.text, outcome.usage
                 )
                 settles = (settle,)
+            # A summary condensed messages the user was not told about: the reply says so,
+            # and its finish marks them told.
+            condensed = notice.owed(loaded) if agent.config.context.notify else 0
+            if condensed:
+                text = f"{notice.condense_notice(condensed)}\n\n{text}"
+                settles = (*settles, notice.told_tx(entry.session_id, loaded))
             chunks = self.delivery.split(source, self._with_reset_notice(entry, text))
             turn.chunks = len(chunks)
             if intake is not None and begun.user_row is not None:

@@ -1,0 +1,202 @@
+"""The line a reply opens with after a rolling summary condensed messages
+(`agent.context.notify`): once per summary, not after /compress, not when turned off,
+and still owed after a restart.
+
+The real runner, HTTP adapter and store (SQLite and PostgreSQL), against the fake
+OpenAI-compatible server of tests/test_memory.py (its summaries name what they took in).
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from adapters.http import HttpAdapter
+from config import GatewayConfig
+from gateway.run import GatewayRunner
+from gateway.store import migrations
+from tests.fakes.openai_server import FakeOpenAI
+from tests.gateway_client import GatewayClient
+from tests.pg_support import StorageBackend
+from tests.test_memory import (
+    Gateway,
+    fake_reply,
+    fake_usage,
+    is_summary_request,
+    openai_agent,
+    text_of,
+)
+
+NOTICE = re.compile(r"\(Earlier messages were condensed into a summary: ([\d,]+) messages?\.\)\n\n")
+
+
+def split_notice(reply: str) -> tuple[int, str]:
+    """A reply's condense notice (the messages it counts; 0 without one) and the rest."""
+    match = NOTICE.match(reply)
+    if match is None:
+        return 0, reply
+    return int(match.group(1).replace(",", "")), reply[match.end() :]
+
+
+MakeGateway = Callable[..., Awaitable[Gateway]]
+
+
+@pytest.fixture
+async def make_gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIterator[MakeGateway]:
+    """Gateways on one home and one store: a second is the first restarted."""
+    made: list[Gateway] = []
+
+    async def make(fake: FakeOpenAI, **context: Any) -> Gateway:
+        config = store_backend.apply(
+            GatewayConfig.model_validate(
+                {
+                    "timezone": "UTC",
+                    "platforms": {"http": {"enabled": True, "port": 0}},
+                    "agent": openai_agent(fake, **context),
+                    "session_reset": {"mode": "none"},
+                }
+            )
+        )
+        adapter = HttpAdapter(config.platforms.http)
+        runner = GatewayRunner(config, [adapter], home=tmp_path / "home")
+        await runner.start()
+        gateway = Gateway(runner, GatewayClient(adapter.url))
+        made.append(gateway)
+        return gateway
+
+    yield make
+    for gateway in made:
+        await gateway.stop()
+
+
+async def condensed(gw: Gateway) -> int:
+    """The messages the session's summary condenses (0: none yet)."""
+    checkpoint = await gw.checkpoint()
+    return checkpoint.messages if checkpoint is not None else 0
+
+
+class Chat:
+    """Turns whose every reply is checked: it is the model's, after a notice exactly
+    when the summary the turn sent (read as the model receives the request) condenses
+    messages no earlier reply told, and then of exactly those."""
+
+    def __init__(self, gw: Gateway, fake: FakeOpenAI, told: int = 0) -> None:
+        self.gw = gw
+        self.told = told
+        self.notices: list[int] = []
+        self.at_request = 0
+        fake.on_request = self._snapshot
+
+    async def _snapshot(self, body: dict[str, Any]) -> None:
+        if not is_summary_request(body):
+            self.at_request = await condensed(self.gw)
+
+    async def say(self, text: str) -> int:
+        notice, reply = split_notice(await self.gw.say(text))
+        assert reply == "fake: " + text
+        assert notice == self.at_request - self.told, (text, notice, self.told)
+        self.told += notice
+        if notice:
+            self.notices.append(notice)
+        await self.gw.summaries_idle()  # a summary the reply started is written now
+        return notice
+
+    async def until_summarized(self, start: int) -> int:
+        """Turns until a summary condensed messages not told yet; the next number."""
+        for n in range(start, start + 30):
+            await self.say(text_of(n))
+            if await condensed(self.gw) > self.told:
+                return n + 1
+        raise AssertionError("no summary was written")
+
+
+async def test_each_summary_is_told_once_with_the_next_reply(
+    make_gateway: MakeGateway,
+) -> None:
+    async with FakeOpenAI(reply=fake_reply, usage=fake_usage) as fake:
+        gw = await make_gateway(fake)
+        chat = Chat(gw, fake)
+        n = 0
+        while len(chat.notices) < 2:
+            n = await chat.until_summarized(n)
+            owed = await condensed(gw) - chat.told
+            assert await chat.say(f"question {n}") == owed > 0
+        assert chat.told == sum(chat.notices) == await condensed(gw)
+        if await condensed(gw) == chat.told:  # no summary since the last notice
+            assert await gw.say("and then?") == "fake: and then?"
+
+
+async def test_compress_answers_for_itself_and_leaves_an_owed_notice_owed(
+    make_gateway: MakeGateway,
+) -> None:
+    async with FakeOpenAI(reply=fake_reply, usage=fake_usage) as fake:
+        gw = await make_gateway(fake)
+        chat = Chat(gw, fake)
+        await chat.until_summarized(0)
+        owed = await condensed(gw) - chat.told
+        reply = await gw.say("/compress")
+        assert re.fullmatch(r"Condensed [\d,]+ messages into [\d,]+ characters\.", reply), reply
+        assert await condensed(gw) > owed + chat.told
+        # The background summary's messages are told; what /compress condensed is not.
+        assert await gw.say("so?") == (
+            f"(Earlier messages were condensed into a summary: {owed:,} messages.)\n\nfake: so?"
+        )
+        assert (await gw.say("/compress")).startswith("Condensed 2 messages into ")
+        assert await gw.say("and?") == "fake: and?"
+
+
+async def test_no_notice_with_notify_false(make_gateway: MakeGateway) -> None:
+    async with FakeOpenAI(reply=fake_reply, usage=fake_usage) as fake:
+        gw = await make_gateway(fake, notify=False)
+        for n in range(12):
+            assert await gw.say(text_of(n)) == "fake: " + text_of(n)
+            await gw.summaries_idle()
+        assert await condensed(gw) > 0
+
+
+async def test_an_owed_notice_survives_a_restart_and_is_told_once(
+    make_gateway: MakeGateway,
+) -> None:
+    async with FakeOpenAI(reply=fake_reply, usage=fake_usage) as fake:
+        gw = await make_gateway(fake)
+        chat = Chat(gw, fake)
+        n = await chat.until_summarized(0)
+        owed = await condensed(gw) - chat.told
+        await gw.stop()
+        fake.on_request = None  # it read the stopped gateway's store
+
+        gw = await make_gateway(fake)
+        await gw.client.post("c1", "after the restart")
+        # A new client reads every reply of the chat again: this turn's is the last.
+        replies = await gw.client.replies("c1", n + 1)
+        assert split_notice(replies[-1]) == (owed, "fake: after the restart")
+        await gw.summaries_idle()
+        if await condensed(gw) == chat.told + owed:  # no summary since: nothing owed
+            assert await gw.say("once more") == "fake: once more"
+
+
+def test_summaries_from_before_the_notice_are_not_owed_one(tmp_path: Path) -> None:
+    """The migration that adds `told` counts every summary already written as told."""
+    path = tmp_path / "state.db"
+    conn = sqlite3.connect(path, isolation_level=None)
+    try:
+        migrations.migrate(conn)
+        conn.execute("ALTER TABLE summary_checkpoints DROP COLUMN told")
+        conn.execute("PRAGMA user_version = 21")
+        conn.execute(
+            "INSERT INTO sessions (session_id, session_key, started_at) VALUES ('s', 'k', 0)"
+        )
+        conn.execute(
+            "INSERT INTO summary_checkpoints (session_id, epoch, covered_up_to, summary,"
+            " messages, updated_at) VALUES ('s', 3, 40, 'old', 42, 0)"
+        )
+        migrations.migrate(conn)
+        row = conn.execute("SELECT messages, told FROM summary_checkpoints").fetchone()
+    finally:
+        conn.close()
+    assert row == (42, 42)

@@ -18,6 +18,7 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
+from gateway.memory import notice
 from gateway.run import GatewayRunner
 from gateway.store import migrations
 from tests.fakes.openai_server import FakeOpenAI
@@ -32,15 +33,7 @@ from tests.test_memory import (
     text_of,
 )
 
-NOTICE = re.compile(r"\(Earlier messages were condensed into a summary: ([\d,]+) messages?\.\)\n\n")
-
-
-def split_notice(reply: str) -> tuple[int, str]:
-    """A reply's condense notice (the messages it counts; 0 without one) and the rest."""
-    match = NOTICE.match(reply)
-    if match is None:
-        return 0, reply
-    return int(match.group(1).replace(",", "")), reply[match.end() :]
+split_notice = notice.split
 
 
 MakeGateway = Callable[..., Awaitable[Gateway]]

@@ -486,7 +486,10 @@ async def test_shutdown_cancels_a_summary_in_flight(make_gateway: MakeGateway) -
             await gw.say(text_of(n))
             n += 1
             assert n < 20, "no summary was started"
-        sid = await gw.session_id()
+            # A summary the turn started reaches the model (and is held there) before the
+            # next turn, whose arrival would cancel it at the model.
+            sid = await gw.session_id()
+            await wait_for(lambda: bool(fake.held) or not gw.runner.memory.running(sid), 15)
         assert gw.runner.memory.running(sid)
         await gw.stop()  # returns: the held summary was cancelled, not awaited
         assert not gw.runner.memory.running(sid)

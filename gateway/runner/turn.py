@@ -204,11 +204,12 @@ class TurnRunner:
                     schedule_id, outcome.reply, outcome.text, outcome.usage
                 )
                 settles = (settle,)
-            # A summary condensed messages the user was not told about: the reply says so,
-            # and its finish marks them told.
-            condensed = notice.owed(loaded) if agent.config.context.notify else 0
-            if condensed:
-                text = f"{notice.condense_notice(condensed)}\n\n{text}"
+            # A summary condensed messages the user was not told about: the reply says so
+            # (unless agent.context.notify is off), and its finish marks them told either
+            # way, so turning the notice on later does not tell of summaries long past.
+            if condensed := notice.owed(loaded):
+                if agent.config.context.notify:
+                    text = f"{notice.condense_notice(condensed)}\n\n{text}"
                 settles = (*settles, notice.told_tx(entry.session_id, loaded))
             chunks = self.delivery.split(source, self._with_reset_notice(entry, text))
             turn.chunks = len(chunks)

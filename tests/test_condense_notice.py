@@ -1,9 +1,12 @@
 """The line a reply opens with after a rolling summary condensed messages
-(`agent.context.notify`): once per summary, not after /compress, not when turned off,
-and still owed after a restart.
+(`agent.context.notify`): once per summary, and a summary once per many turns (a
+session past `agent.history_limit` condenses in chunks, not a message or two a turn);
+not after /compress, not when turned off; still owed after a restart, and after a
+kill -9 between the summary and the reply.
 
-The real runner, HTTP adapter and store (SQLite and PostgreSQL), against the fake
-OpenAI-compatible server of tests/test_memory.py (its summaries name what they took in).
+The real runner, HTTP adapter and store (SQLite and PostgreSQL), against the echo
+agent or the fake OpenAI-compatible server of tests/test_memory.py (its summaries name
+what they took in); the crash, the real daemon.
 """
 
 from __future__ import annotations
@@ -44,13 +47,13 @@ async def make_gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIt
     """Gateways on one home and one store: a second is the first restarted."""
     made: list[Gateway] = []
 
-    async def make(fake: FakeOpenAI, **context: Any) -> Gateway:
+    async def make(agent: dict[str, Any]) -> Gateway:
         config = store_backend.apply(
             GatewayConfig.model_validate(
                 {
                     "timezone": "UTC",
                     "platforms": {"http": {"enabled": True, "port": 0}},
-                    "agent": openai_agent(fake, **context),
+                    "agent": agent,
                     "session_reset": {"mode": "none"},
                 }
             )
@@ -112,7 +115,7 @@ async def test_each_summary_is_told_once_with_the_next_reply(
     make_gateway: MakeGateway,
 ) -> None:
     async with FakeOpenAI(reply=fake_reply, usage=fake_usage) as fake:
-        gw = await make_gateway(fake)
+        gw = await make_gateway(openai_agent(fake))
         chat = Chat(gw, fake)
         n = 0
         while len(chat.notices) < 2:
@@ -124,11 +127,54 @@ async def test_each_summary_is_told_once_with_the_next_reply(
             assert await gw.say("and then?") == "fake: and then?"
 
 
+async def talk(gw: Gateway, turns: range) -> list[tuple[int, int]]:
+    """The echo agent's turns, each reply checked: (turn, messages told) of the notices."""
+    notices = []
+    for n in turns:
+        told, reply = split_notice(await gw.say(f"m{n}"))
+        assert reply == f"echo: m{n}", n
+        if told:
+            notices.append((n, told))
+    return notices
+
+
+async def test_past_the_history_limit_a_summary_comes_in_chunks_each_told_once(
+    make_gateway: MakeGateway,
+) -> None:
+    """At the default `history_limit` (100) a turn whose read is full condenses down to
+    half the limit (not the one turn's worth past it), so a summary, and its notice,
+    comes once every 25 turns, each of 50 messages."""
+    gw = await make_gateway({"backend": "echo"})
+    notices = await talk(gw, range(130))
+    checkpoint = await gw.checkpoint()
+    assert checkpoint is not None
+    assert notices == [(50, 50), (75, 50), (100, 50), (125, 50)]
+    # One notice per summary written, with the reply of the turn that wrote it.
+    assert len(notices) == checkpoint.epoch
+    assert checkpoint.messages == checkpoint.told == 200
+
+
+async def test_notify_false_tells_nothing_and_leaves_nothing_owed_to_tell_later(
+    make_gateway: MakeGateway,
+) -> None:
+    echo = {"backend": "echo", "history_limit": 20}
+    gw = await make_gateway({**echo, "context": {"notify": False}})
+    assert await talk(gw, range(13)) == []
+    checkpoint = await gw.checkpoint()
+    assert checkpoint is not None and checkpoint.messages == checkpoint.told == 10
+    cursors = dict(gw.client.cursors)
+    await gw.stop()
+
+    gw = await make_gateway(echo)  # the notice on again: of new summaries only
+    gw.client.cursors.update(cursors)
+    assert await talk(gw, range(13, 20)) == [(15, 10)]
+
+
 async def test_compress_answers_for_itself_and_leaves_an_owed_notice_owed(
     make_gateway: MakeGateway,
 ) -> None:
     async with FakeOpenAI(reply=fake_reply, usage=fake_usage) as fake:
-        gw = await make_gateway(fake)
+        gw = await make_gateway(openai_agent(fake))
         chat = Chat(gw, fake)
         await chat.until_summarized(0)
         owed = await condensed(gw) - chat.told
@@ -145,7 +191,7 @@ async def test_compress_answers_for_itself_and_leaves_an_owed_notice_owed(
 
 async def test_no_notice_with_notify_false(make_gateway: MakeGateway) -> None:
     async with FakeOpenAI(reply=fake_reply, usage=fake_usage) as fake:
-        gw = await make_gateway(fake, notify=False)
+        gw = await make_gateway(openai_agent(fake, notify=False))
         for n in range(12):
             assert await gw.say(text_of(n)) == "fake: " + text_of(n)
             await gw.summaries_idle()
@@ -156,14 +202,14 @@ async def test_an_owed_notice_survives_a_restart_and_is_told_once(
     make_gateway: MakeGateway,
 ) -> None:
     async with FakeOpenAI(reply=fake_reply, usage=fake_usage) as fake:
-        gw = await make_gateway(fake)
+        gw = await make_gateway(openai_agent(fake))
         chat = Chat(gw, fake)
         n = await chat.until_summarized(0)
         owed = await condensed(gw) - chat.told
         await gw.stop()
         fake.on_request = None  # it read the stopped gateway's store
 
-        gw = await make_gateway(fake)
+        gw = await make_gateway(openai_agent(fake))
         await gw.client.post("c1", "after the restart")
         # A new client reads every reply of the chat again: this turn's is the last.
         replies = await gw.client.replies("c1", n + 1)

@@ -482,14 +482,18 @@ async def test_shutdown_cancels_a_summary_in_flight(make_gateway: MakeGateway) -
         fake.hold(is_summary_request)  # never released
         gw = await make_gateway(openai_agent(fake))
         n = 0
+        await gw.say(text_of(n))
+        sid = await gw.session_id()
+        memory = gw.runner.memory
         while not fake.held:
-            await gw.say(text_of(n))
+            # A summary the last turn started reaches the model (and is held there) before
+            # the next turn, whose arrival would cancel it at the model.
+            await wait_for(lambda: bool(fake.held) or not memory.running(sid), 15)
+            if fake.held:
+                break
             n += 1
             assert n < 20, "no summary was started"
-            # A summary the turn started reaches the model (and is held there) before the
-            # next turn, whose arrival would cancel it at the model.
-            sid = await gw.session_id()
-            await wait_for(lambda: bool(fake.held) or not gw.runner.memory.running(sid), 15)
+            await gw.say(text_of(n))
         assert gw.runner.memory.running(sid)
         await gw.stop()  # returns: the held summary was cancelled, not awaited
         assert not gw.runner.memory.running(sid)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,8 @@ from config import GatewayConfig
 from gateway.memory import notice
 from gateway.run import GatewayRunner
 from gateway.store import migrations
-from tests.fakes.openai_server import FakeOpenAI
+from scripts.harness import Daemon
+from tests.fakes.openai_server import FakeOpenAI, last_user_content, serve_in_a_thread
 from tests.gateway_client import GatewayClient
 from tests.pg_support import StorageBackend
 from tests.test_memory import (
@@ -239,3 +241,57 @@ def test_summaries_from_before_the_notice_are_not_owed_one(tmp_path: Path) -> No
     finally:
         conn.close()
     assert row == (42, 42)
+
+
+# --- the real daemon, killed between the summary and the reply ---------------------------
+
+
+def counts_of(daemon: Daemon) -> tuple[int, int] | None:
+    """The summary checkpoint's (messages, told), None before one is written."""
+    conn = daemon.db()
+    try:
+        row = conn.execute("SELECT messages, told FROM summary_checkpoints").fetchone()
+    finally:
+        conn.close()
+    return (int(row[0]), int(row[1])) if row else None
+
+
+@pytest.mark.timeout(120)
+def test_a_notice_owed_when_the_daemon_is_killed_before_the_reply_is_told_once(
+    tmp_path: Path,
+) -> None:
+    """The turn that condenses (its read hit `history_limit`) writes the summary before it
+    asks the model; a kill -9 while the model is asked leaves the notice owed, and the
+    turn re-run after the restart tells it, once."""
+    with serve_in_a_thread(reply=fake_reply, usage=fake_usage) as (fake, loop):
+        release = fake.hold(lambda body: last_user_content(body) == "crash here")
+        daemon = Daemon(
+            tmp_path / "home",
+            f"agent:\n  backend: openai\n  base_url: {fake.base_url}\n  model: m\n"
+            "  tools: []\n  history_limit: 10\n",
+        )
+        try:
+            daemon.start()
+            for n in range(5):
+                daemon.post("c1", f"m{n}", message_id=f"m{n}")
+                assert daemon.wait_replies("c1", n + 1)[-1]["text"] == f"fake: m{n}"
+            assert counts_of(daemon) is None
+            daemon.post("c1", "crash here", message_id="crash")
+            deadline = time.monotonic() + 20
+            while not fake.held and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert fake.held, daemon.log_tail()
+            # The read of 10 rows was full: the 6 oldest are condensed (the newest half
+            # from a user message on is kept), and the user is owed a word of them.
+            assert counts_of(daemon) == (6, 0)
+            daemon.kill9()
+            loop.call_soon_threadsafe(release.set)
+
+            daemon.start()
+            replies = daemon.wait_replies("c1", 6)
+            assert notice.split(replies[-1]["text"]) == (6, "fake: crash here")
+            assert counts_of(daemon) == (6, 6)
+            daemon.post("c1", "and now?", message_id="after")
+            assert daemon.wait_replies("c1", 7)[-1]["text"] == "fake: and now?"
+        finally:
+            daemon.ensure_stopped()

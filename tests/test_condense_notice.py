@@ -20,14 +20,11 @@ from typing import Any
 
 import pytest
 
-from adapters.http import HttpAdapter
 from config import GatewayConfig
 from gateway.memory import notice
-from gateway.run import GatewayRunner
 from gateway.store import migrations
 from scripts.harness import Daemon
 from tests.fakes.openai_server import FakeOpenAI, last_user_content, serve_in_a_thread
-from tests.gateway_client import GatewayClient
 from tests.pg_support import StorageBackend
 from tests.test_memory import (
     Gateway,
@@ -35,6 +32,7 @@ from tests.test_memory import (
     fake_usage,
     is_summary_request,
     openai_agent,
+    start_gateway,
     text_of,
 )
 
@@ -60,10 +58,7 @@ async def make_gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIt
                 }
             )
         )
-        adapter = HttpAdapter(config.platforms.http)
-        runner = GatewayRunner(config, [adapter], home=tmp_path / "home")
-        await runner.start()
-        gateway = Gateway(runner, GatewayClient(adapter.url))
+        gateway = await start_gateway(config, tmp_path / "home")
         made.append(gateway)
         return gateway
 

@@ -17,12 +17,10 @@ from typing import Any
 
 import pytest
 
-from adapters.http import HttpAdapter
 from config import TOOL_NAMES, GatewayConfig
 from gateway.context import condense
 from gateway.context.strategy import SUMMARY_PREFIX
 from gateway.context.tokens import MAX_FACTOR
-from gateway.run import GatewayRunner
 from gateway.store.summary_checkpoints import Checkpoint
 from tests.fakes.openai_server import (
     FakeOpenAI,
@@ -30,10 +28,9 @@ from tests.fakes.openai_server import (
     last_user_content,
     prompt_tokens,
 )
-from tests.gateway_client import GatewayClient
 from tests.pg_support import StorageBackend
 from tests.test_condense_notice import split_notice
-from tests.test_memory import Gateway, is_summary_request
+from tests.test_memory import Gateway, is_summary_request, start_gateway
 
 MakeGateway = Callable[..., Awaitable[Gateway]]
 
@@ -78,10 +75,7 @@ async def make_gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIt
                 }
             )
         )
-        adapter = HttpAdapter(config.platforms.http)
-        runner = GatewayRunner(config, [adapter], home=tmp_path / f"home{len(made)}")
-        await runner.start()
-        gateway = Gateway(runner, GatewayClient(adapter.url))
+        gateway = await start_gateway(config, tmp_path / f"home{len(made)}")
         made.append(gateway)
         return gateway
 

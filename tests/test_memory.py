@@ -103,6 +103,14 @@ class Gateway(RunningGateway):
         await wait_for(lambda: not self.runner.memory.running(sid), within=15)
 
 
+async def start_gateway(config: GatewayConfig, home: Path, agent_factory: Any = None) -> Gateway:
+    """A runner with the HTTP adapter on `config`, started, and a client of its API."""
+    adapter = HttpAdapter(config.platforms.http)
+    runner = GatewayRunner(config, [adapter], agent_factory=agent_factory, home=home)
+    await runner.start()
+    return Gateway(runner, GatewayClient(adapter.url))
+
+
 MakeGateway = Callable[..., Awaitable[Gateway]]
 
 
@@ -120,12 +128,7 @@ async def make_gateway(tmp_path: Path) -> AsyncIterator[MakeGateway]:
                 "agent": {"tools": [], **agent},
             }
         )
-        adapter = HttpAdapter(config.platforms.http)
-        runner = GatewayRunner(
-            config, [adapter], agent_factory=agent_factory, home=tmp_path / f"home{len(made)}"
-        )
-        await runner.start()
-        gateway = Gateway(runner, GatewayClient(adapter.url))
+        gateway = await start_gateway(config, tmp_path / f"home{len(made)}", agent_factory)
         made.append(gateway)
         return gateway
 
@@ -574,13 +577,7 @@ async def test_the_token_calibration_survives_a_restart(
             )
         )
 
-        async def started() -> Gateway:
-            adapter = HttpAdapter(config.platforms.http)
-            runner = GatewayRunner(config, [adapter], home=tmp_path / "home")
-            await runner.start()
-            return Gateway(runner, GatewayClient(adapter.url))
-
-        gw = await started()
+        gw = await start_gateway(config, tmp_path / "home")
         try:
             for n in range(2):
                 await gw.say(text_of(n))
@@ -591,7 +588,7 @@ async def test_the_token_calibration_survives_a_restart(
         assert learnt > 1.1  # the fake counts denser than the estimate
 
         fake.usage = {"prompt_tokens": 0, "completion_tokens": 1}  # nothing to learn from
-        gw = await started()
+        gw = await start_gateway(config, tmp_path / "home")
         try:
             # A new process: nothing learnt yet, the margin for an uncalibrated estimate.
             assert gw.runner.memory.calibration.factor(sid) == UNCALIBRATED_FACTOR

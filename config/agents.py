@@ -33,6 +33,8 @@ class ContextConfig(BaseModel):
     min_messages: int = Field(default=4, ge=1)  # summary: unsummarized messages to start
     trigger_ratio: float = Field(default=0.80, gt=0, le=1)
     target_ratio: float = Field(default=0.50, gt=0, lt=1)
+    # summary: the next reply after a rolling summary condensed messages says so
+    notify: bool = True
 
     @field_validator("target_ratio")
     @classmethod

@@ -286,7 +286,8 @@ async def chat_loop(client: Client, chat: str, tally: Tally) -> None:
                 await asyncio.sleep(0.05)
                 continue
             cursor = data["next"]
-            seen = any(m["text"] == expected for m in data["messages"])
+            # A notice (an automatic reset, a condensed history) may open the reply.
+            seen = any(m["text"].split("\n\n")[-1] == expected for m in data["messages"])
         if not seen:
             tally.errors["no reply in time"] += 1
             continue
@@ -318,6 +319,7 @@ def check_replies(accepted: set[str], texts: list[str]) -> tuple[int, int, int]:
     answered: Counter[str] = Counter()
     unexpected = 0
     for text in texts:
+        text = text.split("\n\n")[-1]  # after a notice, if any
         if text.startswith(ECHO_PREFIX) and text[len(ECHO_PREFIX) :] in accepted:
             answered[text[len(ECHO_PREFIX) :]] += 1
         else:

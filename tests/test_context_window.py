@@ -17,12 +17,10 @@ from typing import Any
 
 import pytest
 
-from adapters.http import HttpAdapter
 from config import TOOL_NAMES, GatewayConfig
 from gateway.context import condense
 from gateway.context.strategy import SUMMARY_PREFIX
 from gateway.context.tokens import MAX_FACTOR
-from gateway.run import GatewayRunner
 from gateway.store.summary_checkpoints import Checkpoint
 from tests.fakes.openai_server import (
     FakeOpenAI,
@@ -30,9 +28,9 @@ from tests.fakes.openai_server import (
     last_user_content,
     prompt_tokens,
 )
-from tests.gateway_client import GatewayClient
 from tests.pg_support import StorageBackend
-from tests.test_memory import Gateway, is_summary_request
+from tests.test_condense_notice import split_notice
+from tests.test_memory import Gateway, is_summary_request, start_gateway
 
 MakeGateway = Callable[..., Awaitable[Gateway]]
 
@@ -77,10 +75,7 @@ async def make_gateway(tmp_path: Path, store_backend: StorageBackend) -> AsyncIt
                 }
             )
         )
-        adapter = HttpAdapter(config.platforms.http)
-        runner = GatewayRunner(config, [adapter], home=tmp_path / f"home{len(made)}")
-        await runner.start()
-        gateway = Gateway(runner, GatewayClient(adapter.url))
+        gateway = await start_gateway(config, tmp_path / f"home{len(made)}")
         made.append(gateway)
         return gateway
 
@@ -115,11 +110,15 @@ async def test_no_request_exceeds_the_window_and_no_user_message_is_lost(
                 seen.append((body, await gw.checkpoint()))
 
         fake.on_request = snapshot
-        cut = 0
+        cut = told = 0
         for n in range(45):
             text = user_text(n, long)
-            assert await gw.say(text) == "noted: " + text[:60], f"turn {n}"
+            condensed, reply = split_notice(await gw.say(text))
+            assert reply == "noted: " + text[:60], f"turn {n}"
             body, checkpoint = seen[-1]
+            # Every condensed message was told once, with the first reply after it was.
+            told += condensed
+            assert told == (checkpoint.messages if checkpoint is not None else 0), n
             assert last_user_content(body) == text
             sent = {m.get("content") for m in body["messages"]}
             covered = checkpoint.covered_up_to if checkpoint is not None else 0
@@ -170,7 +169,10 @@ async def test_a_message_too_long_for_the_window_is_refused_once_and_not_sent(
         assert len(fake.requests) == 1  # only the first turn's
         # The session's turns run in order: a second answer to the long message would come
         # before this one's.
-        assert await gw.say("and now?") == "noted: and now?"
+        # The turn condensed the long message (and what came before it) to fit: its
+        # reply says so.
+        condensed, reply = split_notice(await gw.say("and now?"))
+        assert reply == "noted: and now?"
         rows = await gw.rows()
         assert [m["role"] for _, m in rows] == ["user", "assistant", "user", "user", "assistant"]
         body = fake.requests[-1]["json"]
@@ -178,6 +180,7 @@ async def test_a_message_too_long_for_the_window_is_refused_once_and_not_sent(
         checkpoint = await gw.checkpoint()
         assert checkpoint is not None and checkpoint.covered_up_to >= rows[2][0]
         assert "fact long: timber" in (checkpoint.summary or "")
+        assert condensed == checkpoint.messages == 3
         assert fake.over_window == []
 
 

@@ -85,6 +85,8 @@ class Loaded:
     summary: str | None = None
     covered_up_to: int = 0  # the summary stands for the active rows with id <= this
     epoch: int = 0
+    condensed: int = 0  # messages the summary condenses
+    told: int = 0  # of them, those the user was told about (the rest: a notice owed)
     full: bool = False  # the read hit its row limit: older unsummarized rows exist
     token_factor: float | None = None  # the session's stored calibration (None: none yet)
 
@@ -214,14 +216,21 @@ def summary_room(plan: Plan, prepared: Prepared) -> int:
 
 def catch_up_start(plan: Plan, loaded: Loaded, prepared: Prepared, summary_chars: int) -> int:
     """The first of the loaded rows a turn sends once everything older is condensed into
-    a summary of up to `summary_chars` (`token_chars`): what fits beside a summary of
-    that size, from a user message on."""
+    a summary of up to `summary_chars` (`token_chars`), from a user message on.
+
+    A catch-up condenses in a chunk, well below the limit that called for it: what is
+    kept fits `target_ratio` of the room left beside a summary of that size, and, when
+    the read hit its row limit, is at most half of it (rounded up). Cutting only to the
+    limit would condense a message or two on every turn past it (each turn adds rows),
+    and every such turn would pay a store write and tell the user of a summary."""
     summary = MESSAGE_OVERHEAD + text_tokens(SUMMARY_PREFIX) + -(-summary_chars // CHARS_PER_TOKEN)
     room = int(plan.budget / prepared.factor) - prepared.base_tokens - prepared.asked_tokens
     room -= summary
     messages = loaded.messages
     costs = [message_tokens(m) for m in messages]
-    start = fit_suffix(messages, costs, room) if room > 0 else len(messages)
+    start = fit_suffix(messages, costs, int(room * plan.target_ratio)) if room > 0 else len(costs)
+    if loaded.full:
+        start = max(start, len(messages) - (plan.rows - plan.rows // 2))
     return user_start(messages, max(start, prepared.dropped))
 
 

@@ -198,10 +198,12 @@ class Memory:
             checkpoint = summary_checkpoints.read(conn, session_id)
             epoch = covered = condensed = 0
             text, before = None, 0
+            told = 0
             if checkpoint is not None:
                 epoch, covered = checkpoint.epoch, checkpoint.covered_up_to
                 text = checkpoint.summary
                 before = checkpoint.messages if text else 0
+                told = checkpoint.told
             while rows := summary_checkpoints.rows_between(
                 conn, session_id, covered, bound, CHUNK_ROWS
             ):
@@ -221,7 +223,10 @@ class Memory:
             if not written:  # another replica's summary committed first: read it again
                 return None, 0
             total = before + condensed
-            return summary_checkpoints.Checkpoint(epoch + 1, covered, text, total), condensed
+            written_checkpoint = summary_checkpoints.Checkpoint(
+                epoch + 1, covered, text, total, told
+            )
+            return written_checkpoint, condensed
 
         for _ in range(CATCH_UP_ROUNDS):
             checkpoint, condensed = await self.store.write(catch_up, dirty=False)
@@ -245,6 +250,8 @@ class Memory:
             summary=checkpoint.summary,
             covered_up_to=checkpoint.covered_up_to,
             epoch=checkpoint.epoch,
+            condensed=checkpoint.messages,
+            told=checkpoint.told,
             full=False,
         )
 
@@ -428,6 +435,7 @@ class Memory:
                             summary=text,
                             messages=total,
                             now=time.time(),
+                            told=everything,  # /compress answers with what it condensed
                         )
                     ),
                     dirty=False,

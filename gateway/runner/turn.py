@@ -22,6 +22,7 @@ from gateway.context.strategy import too_large_text
 from gateway.domain.events import MessageEvent
 from gateway.domain.policy import reset_notice
 from gateway.domain.session import Platform, SessionEntry, build_session_context
+from gateway.memory import notice
 from gateway.memory.recall import Namespace, Recall, notes_prompt
 from gateway.memory.summaries import Memory
 from gateway.ops.logs import TurnLine
@@ -223,6 +224,13 @@ class TurnRunner:
                     schedule_id, outcome.reply, outcome.text, charged.usage
                 )
                 settles = (*settles, settle)
+            # A summary condensed messages the user was not told about: the reply says so
+            # (unless agent.context.notify is off), and its finish marks them told either
+            # way, so turning the notice on later does not tell of summaries long past.
+            if condensed := notice.owed(loaded):
+                if agent.config.context.notify:
+                    text = f"{notice.condense_notice(condensed)}\n\n{text}"
+                settles = (*settles, notice.told_tx(entry.session_id, loaded))
             chunks = self.delivery.split(source, self._with_reset_notice(entry, text))
             turn.chunks = len(chunks)
             if intake is not None and begun.user_row is not None:

@@ -15,7 +15,7 @@ from typing import Any
 from gateway.domain.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 22
+SCHEMA_VERSION = 23
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -424,6 +424,12 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         starts     TEXT NOT NULL,
         updated_at REAL NOT NULL
     ) WITHOUT ROWID;
+    """,
+    # How many condensed messages the user was told about (a notice with the next reply,
+    # gateway.memory.notice). Summaries written before the notice existed are not owed.
+    23: """
+    ALTER TABLE summary_checkpoints ADD COLUMN told INTEGER NOT NULL DEFAULT 0;
+    UPDATE summary_checkpoints SET told = messages;
     """,
 }
 

@@ -7,6 +7,12 @@ writes only if it is still the current one (`write`), so one that finishes late,
 another summary or an /undo, changes nothing. /undo and /retry (`on_rewind`) raise the
 epoch whatever they take back, and clear the summary when they reach into what it
 covers (its text speaks of messages that are gone).
+
+`told` counts the condensed messages the user was told about: an automatic summary
+raises `messages` and leaves it, so the difference is owed to the user as a notice
+with the session's next reply (`gateway.memory.notice`), which raises it in the reply's
+own transaction (`mark_told`); /compress raises both, since its answer says what it
+condensed.
 """
 
 from __future__ import annotations
@@ -28,11 +34,12 @@ class Checkpoint:
     covered_up_to: int  # 0: no summary (never written, or cleared by a rewind)
     summary: str | None
     messages: int  # how many transcript messages the summary condenses
+    told: int = 0  # how many of them the user was told about
 
 
 def read(conn: sqlite3.Connection, session_id: str) -> Checkpoint | None:
     row = conn.execute(
-        "SELECT epoch, covered_up_to, summary, messages FROM summary_checkpoints"
+        "SELECT epoch, covered_up_to, summary, messages, told FROM summary_checkpoints"
         " WHERE session_id = ?",
         (session_id,),
     ).fetchone()
@@ -48,22 +55,48 @@ def write(
     summary: str,
     messages: int,
     now: float,
+    told: bool = False,
 ) -> bool:
-    """Store a new summary if the epoch is still `expected_epoch`; False when it moved."""
+    """Store a new summary if the epoch is still `expected_epoch`; False when it moved.
+    `told`: the messages it adds are told to the user otherwise (/compress answers with
+    them), so they are not owed a notice."""
     if expected_epoch == 0:
         cursor = conn.execute(
             "INSERT INTO summary_checkpoints"
-            " (session_id, epoch, covered_up_to, summary, messages, updated_at)"
-            " VALUES (?, 1, ?, ?, ?, ?) ON CONFLICT (session_id) DO NOTHING",
-            (session_id, covered_up_to, summary, messages, now),
+            " (session_id, epoch, covered_up_to, summary, messages, told, updated_at)"
+            " VALUES (?, 1, ?, ?, ?, ?, ?) ON CONFLICT (session_id) DO NOTHING",
+            (session_id, covered_up_to, summary, messages, messages if told else 0, now),
         )
     else:
+        # Both backends read the row's old values on the right of SET: `told` grows by
+        # as much as `messages` does.
         cursor = conn.execute(
             "UPDATE summary_checkpoints SET epoch = epoch + 1, covered_up_to = ?, summary = ?,"
-            " messages = ?, updated_at = ? WHERE session_id = ? AND epoch = ?",
-            (covered_up_to, summary, messages, now, session_id, expected_epoch),
+            " messages = ?, told = CASE WHEN ? = 1 THEN told + ? - messages ELSE told END,"
+            " updated_at = ? WHERE session_id = ? AND epoch = ?",
+            (
+                covered_up_to,
+                summary,
+                messages,
+                int(told),
+                messages,
+                now,
+                session_id,
+                expected_epoch,
+            ),
         )
     return cursor.rowcount == 1
+
+
+def mark_told(conn: sqlite3.Connection, session_id: str, messages: int) -> None:
+    """The user was told the summary condenses `messages` messages (a reply carrying the
+    notice is being recorded in this transaction). A rewind since, which cleared the
+    summary (`messages` below this), leaves the row as it is."""
+    conn.execute(
+        "UPDATE summary_checkpoints SET told = ?"
+        " WHERE session_id = ? AND told < ? AND messages >= ?",
+        (messages, session_id, messages, messages),
+    )
 
 
 def on_rewind(conn: sqlite3.Connection, session_id: str, first_undone: int, now: float) -> bool:
@@ -74,14 +107,15 @@ def on_rewind(conn: sqlite3.Connection, session_id: str, first_undone: int, now:
     invalidated = before is not None and before.covered_up_to >= first_undone
     conn.execute(
         "INSERT INTO summary_checkpoints AS c (session_id, epoch, covered_up_to, summary,"
-        " messages, updated_at) VALUES (?, 1, 0, NULL, 0, ?)"
+        " messages, told, updated_at) VALUES (?, 1, 0, NULL, 0, 0, ?)"
         # Qualified: PostgreSQL reads a bare column here as ambiguous with `excluded`.
         " ON CONFLICT (session_id) DO UPDATE SET epoch = c.epoch + 1,"
         " updated_at = excluded.updated_at,"
         " covered_up_to = CASE WHEN c.covered_up_to >= ? THEN 0 ELSE c.covered_up_to END,"
         " summary = CASE WHEN c.covered_up_to >= ? THEN NULL ELSE c.summary END,"
-        " messages = CASE WHEN c.covered_up_to >= ? THEN 0 ELSE c.messages END",
-        (session_id, now, first_undone, first_undone, first_undone),
+        " messages = CASE WHEN c.covered_up_to >= ? THEN 0 ELSE c.messages END,"
+        " told = CASE WHEN c.covered_up_to >= ? THEN 0 ELSE c.told END",
+        (session_id, now, first_undone, first_undone, first_undone, first_undone),
     )
     return invalidated
 

@@ -29,19 +29,25 @@ def load(
     """The rows (and checkpoint) `plan` may send for a turn; `token_factor`: the session's
     stored calibration, read with its entry's hot row; `before`: a re-run turn's own user
     message row (what came after it is not its history)."""
-    summary, covered, epoch = None, 0, 0
+    summary, covered, epoch, condensed, told = None, 0, 0, 0, 0
     if plan.strategy == "summary":
         row = conn.execute(
-            "SELECT epoch, covered_up_to, summary FROM summary_checkpoints WHERE session_id = ?",
+            "SELECT epoch, covered_up_to, summary, messages, told FROM summary_checkpoints"
+            " WHERE session_id = ?",
             (session_id,),
         ).fetchone()
         if row is not None:
-            epoch, covered, summary = row
+            epoch, covered, summary, condensed, told = row
             if summary is None:
                 covered = 0
     if plan.rows <= 0:
         return Loaded(
-            summary=summary, covered_up_to=covered, epoch=epoch, token_factor=token_factor
+            summary=summary,
+            covered_up_to=covered,
+            epoch=epoch,
+            condensed=condensed,
+            told=told,
+            token_factor=token_factor,
         )
     rows = conn.execute(
         "SELECT id, message FROM messages WHERE session_id = ? AND active = 1"
@@ -55,6 +61,8 @@ def load(
         summary=summary,
         covered_up_to=covered,
         epoch=epoch,
+        condensed=condensed,
+        told=told,
         full=len(rows) == plan.rows,
         token_factor=token_factor,
     )

@@ -453,6 +453,11 @@ _STEPS: dict[int, str] = {
         updated_at DOUBLE PRECISION NOT NULL
     );
     """,
+    # the condensed messages the user was told about (gateway.memory.notice)
+    23: """
+    ALTER TABLE summary_checkpoints ADD COLUMN told BIGINT NOT NULL DEFAULT 0;
+    UPDATE summary_checkpoints SET told = messages;
+    """,
 }
 
 #: the tables of the baseline that hold the gateway's data, parents before children

@@ -217,6 +217,7 @@ def run_worker(home: Path, n: int, args: argparse.Namespace) -> dict[str, Any]:
         "--max-seconds",
         str(args.max_seconds),
         *(["--split"] if args.split else []),
+        *(["--budgets"] if args.budgets else []),
         *(["--worker-index", args.worker_index] if getattr(args, "worker_index", None) else []),
         "--strategy",
         args.strategy,
@@ -404,6 +405,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("summary", "window"),
         default="summary",
         help="agent.context.strategy of the gateway under test (default: summary, the default)",
+    )
+    parser.add_argument(
+        "--budgets",
+        action="store_true",
+        help="budgets on: every limit set (high enough never to refuse), so each turn is"
+        " checked and its pace recorded (default: off, the default)",
     )
     parser.add_argument("--json", type=Path, help="also write all figures to this file")
     for hidden in ("--worker-home", "--worker-result"):
@@ -616,6 +623,7 @@ def main(argv: list[str] | None = None) -> int:
         f" {datetime.now(UTC):%Y-%m-%d %H:%M} UTC, load {os.getloadavg()[0]:.2f}"
     )
     print(f"context strategy: {args.strategy} (--strategy; compare the two by cpu_us)")
+    print(f"budgets: {'on, every limit' if args.budgets else 'off (the default)'} (--budgets)")
     print(
         f"closed loop: {args.messages} messages, {args.concurrency} chats, {args.warmup} warm-up;"
         f" open loop: {args.open_messages} messages at {args.rate:g}/s;"

@@ -42,18 +42,31 @@ def source_for(i: int) -> SessionSource:
     )
 
 
+#: `--budgets`: every limit set, none ever reached by a benchmark's turns
+BENCH_BUDGETS = {
+    "default": {
+        "tokens_per_day": 10**12,
+        "tokens_per_month": 10**12,
+        "cost_per_day": 1e6,
+        "cost_per_month": 1e6,
+        "turns_per_minute": 10_000,
+    }
+}
+
+
 def gateway_config(
-    strategy: str = "summary", index_transcripts: bool | None = None
+    strategy: str = "summary", index_transcripts: bool | None = None, budgets: bool = False
 ) -> GatewayConfig:
     """Production defaults, the zero-config echo agent without delay, and the context
     strategy asked for (`agent.context.strategy`, by default the default: summary);
     `index_transcripts` True or False turns long-term memory's transcript indexing on or
-    off (None: the default, on)."""
+    off (None: the default, on); `budgets` sets every budget limit (`BENCH_BUDGETS`)."""
     memory = {} if index_transcripts is None else {"index_transcripts": index_transcripts}
     return GatewayConfig.model_validate(
         {
             "agent": {"backend": "echo", "delay_seconds": 0, "context": {"strategy": strategy}},
             "memory": memory,
+            "budgets": BENCH_BUDGETS if budgets else {},
         }
     )
 
@@ -346,6 +359,7 @@ async def run_gateway(home: Path, args: argparse.Namespace) -> dict[str, Any]:
     config = gateway_config(
         getattr(args, "strategy", "summary"),
         {"on": True, "off": False}.get(getattr(args, "worker_index", None) or ""),
+        budgets=getattr(args, "budgets", False),
     )
     runner = GatewayRunner(config, [adapter], agent_factory=None, home=home)
     driver = Driver(runner, adapter, args.worker_sessions)

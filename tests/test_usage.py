@@ -204,10 +204,12 @@ async def test_a_daily_token_budget_refuses_before_the_model_and_resets_the_next
 
 
 async def test_turns_per_minute_refuses_a_burst_without_queueing_it(
-    tmp_path: Path, tallied: tuple[FakeOpenAI, Tally]
+    tmp_path: Path, tallied: tuple[FakeOpenAI, Tally], store_backend: StorageBackend
 ) -> None:
     server, tally = tallied
-    settings = settings_of(server, budgets={"default": {"turns_per_minute": 2}})
+    settings = settings_of(
+        server, storage=store_backend.storage(), budgets={"default": {"turns_per_minute": 2}}
+    )
     gw = await RunningGateway.started(settings, tmp_path / "home")
     try:
         assert await gw.say("a") == "fake: a"

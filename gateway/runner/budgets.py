@@ -21,7 +21,6 @@ from __future__ import annotations
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -73,6 +72,13 @@ def owner_of(conn: sqlite3.Connection, key: str, source: SessionSource) -> str |
             return None
         source = SessionSource.from_dict(origin)
     return None
+
+
+def _owned_elsewhere(key: str, source: SessionSource) -> bool:
+    """Whether the turn's owner is not its sender (`owner_of` reads them from the store)."""
+    if source.platform is Platform.A2A and (source.user_id or "").startswith(_NATIVE_CALLER):
+        return True
+    return schedule_id_of_key(key) is not None
 
 
 def cost_of(model: EffectiveModel, input_tokens: int, output_tokens: int) -> float:
@@ -171,7 +177,14 @@ class Budgets:
         else:
             counted = reported
         cost = cost_of(model, counted.input_tokens, counted.output_tokens)
-        return replace(counted, estimated_cost_usd=cost)
+        return TokenUsage(
+            counted.input_tokens,
+            counted.output_tokens,
+            counted.cache_read_tokens,
+            counted.cache_write_tokens,
+            cost,
+            counted.estimated,
+        )
 
     def charge(
         self,
@@ -182,12 +195,14 @@ class Budgets:
         spent: TokenUsage,
     ) -> Callable[[sqlite3.Connection], Any]:
         """The write that charges `spent` to the turn's owner, for its finish transaction."""
-        now = self.clock()
-        day = self.day(now)
+        day = self.day(self.clock())
         name = model.name or model.model
+        # A sender is known here; a scheduled run's or a delegated turn's owner is read
+        # in the transaction.
+        known = None if _owned_elsewhere(key, source) else user_key(source)
 
         def write(conn: sqlite3.Connection) -> None:
-            owner = owner_of(conn, key, source)
+            owner = known if known is not None else owner_of(conn, key, source)
             if owner is None:
                 return
             usage.charge(

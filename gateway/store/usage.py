@@ -174,15 +174,15 @@ def take_start(
     """Record a turn start of the user unless `limit` started within `window` seconds;
     None when recorded, else when the oldest of those leaves the window (epoch).
 
-    The row is written first (an upsert that changes nothing), so on PostgreSQL it is
+    The row is written first (an upsert that returns it), so on PostgreSQL it is
     locked for the rest of the transaction: two replicas starting the same user's turns
     take turns here, and neither counts past the other's start."""
-    conn.execute(
+    row = conn.execute(
         "INSERT INTO budget_pace (user_key, starts, updated_at) VALUES (?, '[]', ?)"
-        " ON CONFLICT (user_key) DO UPDATE SET updated_at = excluded.updated_at",
+        " ON CONFLICT (user_key) DO UPDATE SET updated_at = excluded.updated_at"
+        " RETURNING starts",
         (user_key, now),
-    )
-    row = conn.execute("SELECT starts FROM budget_pace WHERE user_key = ?", (user_key,)).fetchone()
+    ).fetchone()
     starts = [t for t in _times(row[0] if row else "[]") if now - window < t <= now + window]
     if len(starts) >= limit:
         return min(starts) + window

@@ -552,7 +552,10 @@ async def test_deleting_the_current_session_leaves_nothing_naming_its_user(
         else:
             assert (await say("/forget yes")).startswith("Forgot this session")
         assert await gateway.runner.store.get_entry(KEY1) is None
-        assert await holding("zed-9") == [], forget
+        # What the user spent stays with them (counts per day, no text, no session): a
+        # deleted session does not reset a budget. Deleting the user's data takes it
+        # (tests/test_usage.py).
+        assert [t.split(".")[0] for t in await holding("zed-9")] == ["usage_days"], forget
         assert await holding("Zed Okapi") == [], forget
         assert await holding(session_id) == [], forget
         status, listed = await gateway.http("GET", "/v1/sessions")

@@ -143,6 +143,11 @@ async def test_usage_is_charged_per_user_and_shown_alike_everywhere(
     assert (rows["http:u1"]["turns"], rows["http:u2"]["turns"]) == (3, 1)
     table = cli(tmp_path / "home", "usage", "--user", "http:u2")
     assert "http:u2" in table.stdout and f"{PROMPT}" in table.stdout, table.stdout
+    # Deleting a user's data takes their usage too, and only theirs.
+    gone = cli(tmp_path / "home", "memory", "delete", "--user", "http:u1", "--all", "--yes")
+    assert gone.returncode == 0, gone.stderr
+    result = cli(tmp_path / "home", "usage", "--json", "--by", "user")
+    assert [row["user"] for row in json.loads(result.stdout)["rows"]] == ["http:u2"]
 
 
 async def test_counts_the_backend_does_not_report_are_estimated_and_marked(

@@ -19,6 +19,8 @@ from prometheus_client.core import (
     Metric,
 )
 
+from config import LIMIT_NAMES
+
 # Schedule fire delay buckets in seconds (fire time -> the run's turn begun).
 DELAY_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)
 SCHEDULE_RUN_STATUSES = ("ok", "failed", "missed", "interrupted", "undeliverable")
@@ -56,8 +58,8 @@ class Metrics:
     model_tokens: dict[tuple[str, str, str], int] = field(default_factory=dict)
     #: model cost charged in USD, by (agent, model)
     model_cost: dict[tuple[str, str], float] = field(default_factory=dict)
-    #: turns refused by a budget, by the limit that refused them
-    budget_refusals: dict[str, int] = field(default_factory=dict)
+    #: turns refused by a budget, by the limit that refused them (every limit from 0)
+    budget_refusals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(LIMIT_NAMES, 0))
     #: the runner's gauges, read at scrape time: name -> (help, current value)
     gauges: Callable[[], dict[str, tuple[str, float]]] = field(default=dict, repr=False)
     #: the MCP tool servers' health, read at scrape time: name -> {state, tools, last_error}

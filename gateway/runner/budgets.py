@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -220,6 +220,12 @@ class Budgets:
             )
 
         return write
+
+    def seed_counters(self, models: Iterable[tuple[str, EffectiveModel]]) -> None:
+        """Each (agent, model) a turn may run with, at 0: a scrape shows every series
+        from the start, not only once a turn used it."""
+        for agent_id, model in models:
+            self.metrics.count_usage(agent_id, model.name or model.model, 0, 0, 0.0)
 
     def counted(self, agent_id: str, model: EffectiveModel, spent: TokenUsage) -> None:
         """Once the finish committed: the Prometheus counters."""

@@ -169,6 +169,9 @@ class GatewayRunner:
         # Usage per user and day, charged in each turn's finish; with `budgets:` set,
         # checked in each new turn's begin.
         self.budgets = Budgets(config, self.metrics, self.is_admin)
+        self.budgets.seed_counters(
+            (spec.agent_id, spec.model) for spec in self.roster.every_model()
+        )
         if self.budgets.enabled:
             self.turnlog.gate = self.budgets.gate
         turns = TurnRunner(

@@ -105,9 +105,19 @@ class Budgets:
         self.is_admin = is_admin
         self.clock = clock
         self._limits: dict[str, BudgetLimits | None] = {}
+        # The local day last asked for, and its bounds (epoch): every turn asks.
+        self._day, self._day_start, self._day_end = "", 0.0, 0.0
 
     def day(self, now: float) -> str:
-        return usage.local_day(now, self.zone)
+        """The local date of `now` in the gateway's zone, as usage rows name days."""
+        if not self._day_start <= now < self._day_end:
+            local = datetime.fromtimestamp(now, self.zone)
+            midnight = datetime(local.year, local.month, local.day, tzinfo=self.zone)
+            # Wall-clock arithmetic: the next local midnight, whatever DST does between.
+            self._day_start = midnight.timestamp()
+            self._day_end = (midnight + timedelta(days=1)).timestamp()
+            self._day = usage.local_day(now, self.zone)
+        return self._day
 
     def limits_for(self, owner: str) -> BudgetLimits | None:
         if owner in self.admins:
@@ -123,7 +133,8 @@ class Budgets:
     def gate(self, conn: sqlite3.Connection, key: str, event: MessageEvent) -> str | None:
         """In the turn's begin transaction: None when the turn may call its model, else
         the refusal the user gets (which limit, their usage, when it resets)."""
-        owner = owner_of(conn, key, event.source)
+        source = event.source
+        owner = owner_of(conn, key, source) if _owned_elsewhere(key, source) else user_key(source)
         limits = self.limits_for(owner) if owner is not None else None
         if limits is None:
             return None

@@ -27,6 +27,7 @@ from config.models import (
 from config.platforms import (
     ChatPlatformConfig,
     DiscordConfig,
+    EmailConfig,
     HttpConfig,
     PlatformConfig,
     PlatformsConfig,
@@ -64,6 +65,7 @@ __all__ = [
     "ContextConfig",
     "DiscordConfig",
     "EffectiveModel",
+    "EmailConfig",
     "GatewayConfig",
     "HousekeepingConfig",
     "HttpConfig",

@@ -3,9 +3,10 @@ the access rules of chat platforms, and each platform's own keys."""
 
 from __future__ import annotations
 
+import ipaddress
 from typing import Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from config.base import MODEL_CONFIG, SessionResetPolicy
 
@@ -74,6 +75,72 @@ class SlackConfig(ChatPlatformConfig):
     api_base_url: str = "https://slack.com/api/"
 
 
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` names this machine only (localhost, 127.0.0.0/8, ::1)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _MailServer(BaseModel):
+    """One mail server connection: where, who, and how it is encrypted. `tls` is true
+    (TLS from the first byte), "starttls" (upgraded after the greeting) or false (plain
+    text: accepted only for a loopback host, such as a local relay or a test server)."""
+
+    model_config = MODEL_CONFIG
+
+    host: str | None = None
+    port: int = Field(default=0, ge=0, le=65535)  # 0: the protocol's port for `tls`
+    username: str | None = None
+    password: str | None = Field(default=None, repr=False)
+    tls: bool | Literal["starttls"] = True
+
+    @model_validator(mode="after")
+    def _plain_only_on_loopback(self) -> _MailServer:
+        if self.tls is False and self.host is not None and not is_loopback_host(self.host):
+            raise ValueError(
+                f"tls: false sends the password and mail in plain text; it is accepted only"
+                f" for a loopback host, not {self.host!r} (use tls: true or starttls)"
+            )
+        return self
+
+
+class ImapConfig(_MailServer):
+    folder: str = Field(default="INBOX", min_length=1, max_length=200)
+
+    @field_validator("tls")
+    @classmethod
+    def _no_starttls(cls, value: bool | str) -> bool | str:
+        if value == "starttls":
+            raise ValueError(
+                "IMAP over STARTTLS is not supported; use tls: true (port 993), which every"
+                " provider offers"
+            )
+        return value
+
+
+class SmtpConfig(_MailServer):
+    tls: bool | Literal["starttls"] = "starttls"
+
+
+class EmailConfig(ChatPlatformConfig):
+    """Email over IMAP (in) and SMTP (out): a sender is a user, a thread a session."""
+
+    # A mail thread is edited by nobody: replies go whole.
+    streaming: bool = False
+    address: str | None = None  # the bot's address: From of every reply
+    display_name: str | None = None  # shown with it ("Hermes <hermes@example.org>")
+    imap: ImapConfig = ImapConfig()
+    smtp: SmtpConfig = SmtpConfig()
+    # Without IMAP IDLE (or while it is not answered), the folder is searched this often.
+    poll_interval: float = Field(default=60.0, ge=0.05, le=3600)
+    # Mail larger than this (as the server declares it) is marked seen and not read.
+    max_message_bytes: int = Field(default=25 * 1024 * 1024, ge=1024, le=200 * 1024 * 1024)
+
+
 class HttpConfig(PlatformConfig):
     """The local HTTP API; ``token`` is the bearer token clients must send."""
 
@@ -112,4 +179,5 @@ class PlatformsConfig(BaseModel):
     telegram: TelegramConfig = TelegramConfig()
     discord: DiscordConfig = DiscordConfig()
     slack: SlackConfig = SlackConfig()
+    email: EmailConfig = EmailConfig()
     http: HttpConfig = HttpConfig()

@@ -113,6 +113,10 @@ def build_adapters(config: GatewayConfig) -> list[PlatformAdapter]:
             from adapters.slack import SlackAdapter
 
             adapters.append(SlackAdapter(platforms.slack))
+        if platforms.email.enabled:
+            from adapters.mail import EmailAdapter
+
+            adapters.append(EmailAdapter(platforms.email))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     http = config.platforms.http

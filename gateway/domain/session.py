@@ -55,6 +55,7 @@ class Platform(StrEnum):
     TELEGRAM = "telegram"
     DISCORD = "discord"
     SLACK = "slack"
+    EMAIL = "email"
     HTTP = "http"
     A2A = "a2a"  # agent tasks: the A2A server's and native delegations' sessions
     LOCAL = "local"

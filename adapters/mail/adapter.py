@@ -46,6 +46,7 @@ from gateway.util.backoff import Backoff
 
 IMAP_TIMEOUT = 30.0  # seconds for one IMAP command
 SMTP_TIMEOUT = 60.0
+STOP_SECONDS = 5.0
 IDLE_SECONDS = 25 * 60  # servers drop IDLE after 30 minutes (RFC 2177)
 BATCH = 50  # messages read per pass; the rest the next pass
 MAX_SEND_FILE = 20 * 1024 * 1024  # a reply's attachment
@@ -92,7 +93,8 @@ class EmailAdapter(PlatformAdapter):
     async def stop(self) -> None:
         if self._task is not None:
             self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+            # Bounded: a library call that ignores its cancellation must not hold the stop.
+            await asyncio.wait([self._task], timeout=STOP_SECONDS)
             self._task = None
         self.set_state("stopped")
 
@@ -108,7 +110,7 @@ class EmailAdapter(PlatformAdapter):
                     await self._serve(imap)
                 finally:
                     self._imap = None
-                    await _quietly(imap.logout())
+                    _close(imap)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # the server, the network, a protocol surprise
@@ -324,7 +326,7 @@ class EmailAdapter(PlatformAdapter):
             fetched = _ok(await imap.uid("fetch", uids[0].decode(), "(BODY.PEEK[])"), "fetch")
             raw = next((bytes(x) for x in fetched.lines if isinstance(x, bytearray)), None)
         finally:
-            await _quietly(imap.logout())
+            _close(imap)
         if raw is None:
             return None
         assert self.config.address is not None
@@ -360,8 +362,9 @@ def _guess_mime(name: str, default: str) -> str:
     return mimetypes.guess_type(name)[0] or default
 
 
-async def _quietly(coro: Any) -> None:
-    try:
-        await asyncio.wait_for(coro, 5)
-    except Exception:  # already gone: nothing to close
-        return
+def _close(imap: aioimaplib.IMAP4) -> None:
+    """Drop the connection at once (no LOGOUT: a server forgets a closed session, and a
+    stop or a broken link is no time to wait for an answer)."""
+    transport = getattr(getattr(imap, "protocol", None), "transport", None)
+    if transport is not None:
+        transport.close()

@@ -50,7 +50,7 @@ def outbox() -> Iterator[Outbox]:
     box.stop()
 
 
-def settings(imap: Imap, outbox: Outbox, folder: str) -> str:
+def settings(imap: Imap, outbox: Outbox, folder: str, poll: float = 0.5) -> str:
     """The daemon's email section (it follows `platforms: http:` in hermes.yaml)."""
     return (
         "  email:\n"
@@ -61,7 +61,7 @@ def settings(imap: Imap, outbox: Outbox, folder: str) -> str:
         f" password: '${{IMAP_PASSWORD}}', tls: false, folder: {folder}}}\n"
         f"    smtp: {{host: 127.0.0.1, port: {outbox.port}, tls: false}}\n"
         '    allowed_users: ["alice@example.org", "@friends.org"]\n'
-        "    poll_interval: 0.5\n"
+        f"    poll_interval: {poll}\n"
         "    require_mention: false\n"
     )
 
@@ -220,6 +220,27 @@ def test_html_only_mail_is_read_as_text_and_an_attachment_reaches_the_turn(
     # The turn read the file: the echo agent's answer names what it was given.
     assert "notes.txt" in body(replies[1]), body(replies[1])
     assert daemon.stop() == 0
+
+
+def test_idle_wakes_the_adapter_without_waiting_for_a_poll(
+    tmp_path: Path, imap: Imap, outbox: Outbox
+) -> None:
+    """Polling once an hour, a message is still answered within seconds: the server's
+    IDLE announcement wakes the adapter."""
+    folder = new_folder(imap, "idle")
+    gateway = Daemon(
+        tmp_path / "home",
+        settings(imap, outbox, folder, poll=3600),
+        env={"IMAP_PASSWORD": PASSWORD},
+    )
+    try:
+        gateway.start()
+        append(imap, mail("alice@example.org", "anyone?", message_id="idle1@ex"), folder)
+        (answer,) = outbox.wait(1, within=15)
+        assert body(answer) == "echo: Hello\n\nanyone?"
+        assert gateway.stop() == 0
+    finally:
+        gateway.ensure_stopped()
 
 
 @pytest.mark.parametrize("point", ["after_turn_begin", "after_transcript_write"])

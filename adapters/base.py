@@ -170,6 +170,15 @@ class GatewayHandle(Protocol):
         """Send a gateway notice (recorded in the delivery ledger like any reply)."""
         ...
 
+    async def load_cursor(self, platform: str, name: str) -> str | None:
+        """Where the platform's event stream stood when `save_cursor` last wrote it."""
+        ...
+
+    async def save_cursor(self, platform: str, name: str, value: str) -> None:
+        """Store where the platform's event stream stands (durably, before returning):
+        call it once every event before `value` was accepted."""
+        ...
+
 
 class PlatformAdapter(ABC):
     """One chat platform. Subclasses convert platform events into `MessageEvent`s and

@@ -1,6 +1,7 @@
 """The agent's Markdown as a platform renders it: Telegram's MarkdownV2 (`to_markdown_v2`,
 with the maintained `telegramify-markdown` converter) and Slack's mrkdwn (`to_mrkdwn`,
-with the maintained `md2mrkdwn` converter).
+with the maintained `md2mrkdwn` converter), and a small subset as HTML (`markdown_html`,
+for mail and Matrix).
 
 Pure text, no platform library: a helper the platform adapters share, like
 `adapters.base`.
@@ -8,6 +9,7 @@ Pure text, no platform library: a helper the platform adapters share, like
 
 from __future__ import annotations
 
+import html
 import re
 
 import structlog
@@ -16,7 +18,13 @@ from md2mrkdwn import convert as convert_to_mrkdwn
 
 from adapters.base import utf16_len
 
-__all__ = ["escaped_markdown_v2", "markdown_v2_len", "to_markdown_v2", "to_mrkdwn"]
+__all__ = [
+    "escaped_markdown_v2",
+    "markdown_html",
+    "markdown_v2_len",
+    "to_markdown_v2",
+    "to_mrkdwn",
+]
 
 log = structlog.get_logger("adapters.markdown")
 
@@ -100,3 +108,32 @@ def _escape_code(code: str) -> str:
 def markdown_v2_len(text: str) -> int:
     """How long Telegram counts `text` once sent as MarkdownV2 (UTF-16 code units)."""
     return utf16_len(to_markdown_v2(text))
+
+
+def markdown_html(text: str) -> str:
+    """A small Markdown subset as an HTML fragment (mail's HTML part, Matrix's
+    `formatted_body`): fenced code, `code`, **bold**, *italic*,
+    paragraphs and line breaks; everything else escaped as text."""
+    out, code, block = [], False, []
+    for line in text.split("\n"):
+        if line.strip().startswith("```"):
+            if code:
+                out.append(f"<pre><code>{html.escape(chr(10).join(block))}</code></pre>")
+                block = []
+            code = not code
+            continue
+        if code:
+            block.append(line)
+        else:
+            out.append(_inline(line))
+    if code:
+        out.append(f"<pre><code>{html.escape(chr(10).join(block))}</code></pre>")
+    paragraphs = re.split(r"(?:<br>\n?){2,}", "<br>\n".join(out))
+    return "\n".join(f"<p>{p}</p>" for p in paragraphs if p.strip())
+
+
+def _inline(line: str) -> str:
+    escaped = html.escape(line)
+    escaped = re.sub(r"`([^`]+)`", r"<code>\1</code>", escaped)
+    escaped = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", escaped)
+    return re.sub(r"(?<![*\w])\*([^*\s][^*]*)\*(?!\w)", r"<em>\1</em>", escaped)

@@ -7,16 +7,16 @@ package: no I/O, so they run off the event loop (`asyncio.to_thread`) for large 
 from __future__ import annotations
 
 import hashlib
-import html
 import re
 from dataclasses import dataclass, field
 from email import policy
 from email.headerregistry import Address
 from email.message import EmailMessage
 from email.parser import BytesParser
-from email.utils import formatdate, getaddresses, parseaddr
+from email.utils import formatdate, parseaddr
 from html.parser import HTMLParser
 
+from adapters.markdown import markdown_html
 from gateway.domain.session import validate_id
 
 MAX_TEXT_CHARS = 100_000  # of one message's text, after quotes are cut
@@ -214,7 +214,9 @@ def reply(
         chain = [i for i in (root_id, in_reply_to) if i]
         msg["References"] = " ".join(f"<{i}>" for i in dict.fromkeys(chain))
     msg.set_content(text)
-    msg.add_alternative(markdown_html(text), subtype="html")
+    msg.add_alternative(
+        f"<!DOCTYPE html><html><body>{markdown_html(text)}</body></html>", subtype="html"
+    )
     for item in files:
         maintype, _, subtype = item.mime.partition("/")
         msg.add_attachment(
@@ -232,35 +234,6 @@ def reply_id(delivery_id: int | None, thread: str, domain: str) -> str:
     tag = hashlib.sha256(thread.encode()).hexdigest()[:12]
     serial = delivery_id if delivery_id is not None else _hash(str(id(thread)).encode())
     return f"hermes.{serial}.{tag}@{domain}"
-
-
-def markdown_html(text: str) -> str:
-    """A small Markdown subset as HTML: fenced code, `code`, **bold**, *italic*,
-    paragraphs and line breaks; everything else escaped as text."""
-    out, code, block = [], False, []
-    for line in text.split("\n"):
-        if line.strip().startswith("```"):
-            if code:
-                out.append(f"<pre><code>{html.escape(chr(10).join(block))}</code></pre>")
-                block = []
-            code = not code
-            continue
-        if code:
-            block.append(line)
-        else:
-            out.append(_inline(line))
-    if code:
-        out.append(f"<pre><code>{html.escape(chr(10).join(block))}</code></pre>")
-    paragraphs = re.split(r"(?:<br>\n?){2,}", "<br>\n".join(out))
-    body = "\n".join(f"<p>{p}</p>" for p in paragraphs if p.strip())
-    return f"<!DOCTYPE html><html><body>{body}</body></html>"
-
-
-def _inline(line: str) -> str:
-    escaped = html.escape(line)
-    escaped = re.sub(r"`([^`]+)`", r"<code>\1</code>", escaped)
-    escaped = re.sub(r"\*\*([^*]+)\*\*", r"<strong>\1</strong>", escaped)
-    return re.sub(r"(?<![*\w])\*([^*\s][^*]*)\*(?!\w)", r"<em>\1</em>", escaped)
 
 
 # --- ids ----------------------------------------------------------------------------------
@@ -287,7 +260,3 @@ def _id_key(message_id: str) -> str:
     except ValueError:
         return _hash(message_id.encode())
     return message_id if len(message_id) <= MAX_ID_CHARS else _hash(message_id.encode())
-
-
-def addresses(header: str) -> list[str]:
-    return [addr.lower() for _, addr in getaddresses([header]) if addr]

@@ -61,7 +61,7 @@ from gateway.runner.turn import TurnRunner
 from gateway.runner.usage_commands import usage_report
 from gateway.schedules.book import ScheduleBook, iso
 from gateway.schedules.loop import Scheduler
-from gateway.store import archive
+from gateway.store import archive, cursors
 from gateway.store.outage import StoreUnwritable
 from gateway.store.session_store import SessionStore
 from gateway.store.turnlog import TurnLog
@@ -474,6 +474,15 @@ class GatewayRunner:
 
     async def delete_session(self, session_id: str) -> dict[str, Any]:
         return await self.sessions.delete_session(session_id)
+
+    async def load_cursor(self, platform: str, name: str) -> str | None:
+        return await self.store.read(lambda conn: cursors.load(conn, platform, name))
+
+    async def save_cursor(self, platform: str, name: str, value: str) -> None:
+        now = time.time()
+        await self.store.write(
+            lambda conn: cursors.save(conn, platform, name, value, now), dirty=False
+        )
 
     async def usage_report(self, **query: Any) -> dict[str, Any]:
         return await usage_report(self.store, self.config, **query)

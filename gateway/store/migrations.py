@@ -15,7 +15,7 @@ from typing import Any
 from gateway.domain.session import SessionEntry
 from gateway.store import codec
 
-SCHEMA_VERSION = 23
+SCHEMA_VERSION = 24
 
 # Index columns mirror fields of the entry JSON so look-ups and range scans stay O(log N).
 #: each a script of statements, or a function that runs its own on the open transaction
@@ -430,6 +430,17 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     23: """
     ALTER TABLE summary_checkpoints ADD COLUMN told INTEGER NOT NULL DEFAULT 0;
     UPDATE summary_checkpoints SET told = messages;
+    """,
+    # Where an adapter's stream of events stands (gateway.store.cursors): Matrix's sync
+    # token, written once the events before it are accepted.
+    24: """
+    CREATE TABLE platform_cursors (
+        platform   TEXT NOT NULL,
+        name       TEXT NOT NULL,
+        value      TEXT NOT NULL,
+        updated_at REAL NOT NULL,
+        PRIMARY KEY (platform, name)
+    ) WITHOUT ROWID;
     """,
 }
 

@@ -458,6 +458,16 @@ _STEPS: dict[int, str] = {
     ALTER TABLE summary_checkpoints ADD COLUMN told BIGINT NOT NULL DEFAULT 0;
     UPDATE summary_checkpoints SET told = messages;
     """,
+    # where an adapter's event stream stands (gateway.store.cursors)
+    24: """
+    CREATE TABLE platform_cursors (
+        platform   TEXT NOT NULL,
+        name       TEXT NOT NULL,
+        value      TEXT NOT NULL,
+        updated_at DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (platform, name)
+    );
+    """,
 }
 
 #: the tables of the baseline that hold the gateway's data, parents before children
@@ -489,6 +499,7 @@ TABLES = (
     "chat_models",
     "usage_days",
     "budget_pace",
+    "platform_cursors",
 )
 
 

@@ -75,6 +75,19 @@ class SlackConfig(ChatPlatformConfig):
     api_base_url: str = "https://slack.com/api/"
 
 
+class MatrixConfig(ChatPlatformConfig):
+    """Matrix (matrix-nio): a bot account on a homeserver; a direct room is a DM."""
+
+    homeserver: str | None = None  # https://matrix.example.org
+    user_id: str | None = None  # @hermes:example.org
+    access_token: str | None = Field(default=None, repr=False)
+    # Instead of a token: logged in at start, and only the token it yields is used.
+    password: str | None = Field(default=None, repr=False)
+    device_id: str | None = None  # kept across starts: the homeserver sees one device
+    # Long-poll seconds of one /sync (the homeserver answers sooner when events arrive).
+    sync_timeout: float = Field(default=30.0, ge=0.1, le=300)
+
+
 def is_loopback_host(host: str) -> bool:
     """Whether `host` names this machine only (localhost, 127.0.0.0/8, ::1)."""
     if host.lower() == "localhost":
@@ -179,5 +192,6 @@ class PlatformsConfig(BaseModel):
     telegram: TelegramConfig = TelegramConfig()
     discord: DiscordConfig = DiscordConfig()
     slack: SlackConfig = SlackConfig()
+    matrix: MatrixConfig = MatrixConfig()
     email: EmailConfig = EmailConfig()
     http: HttpConfig = HttpConfig()

@@ -113,6 +113,10 @@ def build_adapters(config: GatewayConfig) -> list[PlatformAdapter]:
             from adapters.slack import SlackAdapter
 
             adapters.append(SlackAdapter(platforms.slack))
+        if platforms.matrix.enabled:
+            from adapters.matrix import MatrixAdapter
+
+            adapters.append(MatrixAdapter(platforms.matrix))
         if platforms.email.enabled:
             from adapters.mail import EmailAdapter
 

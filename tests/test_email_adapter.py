@@ -292,3 +292,28 @@ def test_a_message_id_unfit_for_a_key_is_named_by_its_hash() -> None:
     parsed = message.parse(raw, BOT)
     assert "/" not in parsed.message_id and ".." not in parsed.message_id
     assert parsed.thread == parsed.message_id
+
+
+def test_a_file_the_agent_sends_is_attached_to_its_reply(
+    tmp_path: Path, imap: Imap, outbox: Outbox
+) -> None:
+    chart = tmp_path / "chart.png"
+    chart.write_bytes(b"\x89PNG\r\n\x1a\nchart")
+    folder = new_folder(imap, "files")
+    agent = f"agent:\n  backend: tests.fakes.agents:attaching\n  options: {{path: '{chart}'}}\n"
+    gateway = Daemon(
+        tmp_path / "home", settings(imap, outbox, folder) + agent, env={"IMAP_PASSWORD": PASSWORD}
+    )
+    try:
+        gateway.start()
+        append(imap, mail("alice@example.org", "a chart please", message_id="c1@ex"), folder)
+        text, with_file = outbox.wait(2)
+        assert body(text) == "here it is"
+        (part,) = list(with_file.iter_attachments())
+        assert part.get_filename() == "chart.png" and part.get_content_type() == "image/png"
+        assert part.get_payload(decode=True) == chart.read_bytes()
+        assert body(with_file) == "a chart"
+        assert with_file["In-Reply-To"] == "<c1@ex>"
+        assert gateway.stop() == 0
+    finally:
+        gateway.ensure_stopped()

@@ -3,8 +3,9 @@ as a real daemon (a subprocess) and a second Matrix user driven by matrix-nio in
 test: a DM answered; an invitation from an allowed user joined and a stranger's
 declined; in a group, only a message that mentions the bot answered; a thread answered
 in its thread; a streamed reply arriving as one event edited with m.replace; an image
-reaching the turn; a kill -9 between two events, each answered once; and an encrypted
-room told once that it is not read."""
+reaching the turn, and one the agent sends arriving from the content repository; a
+kill -9 between two events, each answered once; and an encrypted room told once that it
+is not read."""
 
 from __future__ import annotations
 
@@ -25,6 +26,13 @@ pytestmark = [
     pytest.mark.timeout(180),
     pytest.mark.skipif(synapse_missing() is not None, reason=str(synapse_missing())),
 ]
+
+
+# A 1x1 PNG.
+PNG = bytes.fromhex(
+    "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
+    "1f15c4890000000d4944415478da63f8cfc0f01f0005000201a5dd6b7a0000000049454e44ae426082"
+)
 
 
 @pytest.fixture(scope="module")
@@ -268,10 +276,7 @@ async def test_an_image_reaches_the_turn_and_an_encrypted_room_is_told_once(
 ) -> None:
     bot = accounts["bot"]["user_id"]
     daemon = daemon_for(tmp_path, homeserver, accounts)
-    png = bytes.fromhex(
-        "89504e470d0a1a0a0000000d4948445200000001000000010806000000"
-        "1f15c4890000000d4944415478da63f8cfc0f01f0005000201a5dd6b7a0000000049454e44ae426082"
-    )
+    png = PNG
     try:
         daemon.start()
         room = await alice.room([bot], is_direct=True)
@@ -322,3 +327,30 @@ async def test_an_image_reaches_the_turn_and_an_encrypted_room_is_told_once(
     finally:
         daemon.ensure_stopped()
     assert len(replies(alice.events, bot, secret)) == 1  # told once, not per message
+
+
+async def test_a_file_the_agent_sends_arrives_as_an_image_from_the_content_repository(
+    tmp_path: Path, homeserver: Homeserver, accounts: dict[str, Any], alice: Person
+) -> None:
+    bot = accounts["bot"]["user_id"]
+    chart = tmp_path / "chart.png"
+    chart.write_bytes(PNG)
+    agent = f"agent:\n  backend: tests.fakes.agents:attaching\n  options: {{path: '{chart}'}}\n"
+    daemon = daemon_for(tmp_path, homeserver, accounts)
+    (daemon.home / "hermes.yaml").write_text((daemon.home / "hermes.yaml").read_text() + agent)
+    try:
+        daemon.start()
+        room = await alice.room([bot], is_direct=True)
+        await joined(alice, room, bot)
+        await alice.say(room, "a chart please")
+        sent = await alice.wait(lambda e: len(replies(alice.events, bot, room)) >= 2)
+        assert sent
+        text, image = replies(alice.events, bot, room)[:2]
+        assert text["content"]["body"] == "here it is"
+        assert image["content"]["msgtype"] == "m.image" and image["content"]["body"] == "a chart"
+        downloaded = await alice.client.download(mxc=image["content"]["url"])
+        assert isinstance(downloaded, nio.MemoryDownloadResponse)
+        assert downloaded.body == PNG
+        assert daemon.stop() == 0
+    finally:
+        daemon.ensure_stopped()

@@ -105,7 +105,7 @@ def test_every_config_key_is_on_the_configuration_page() -> None:
     page = ROOT.joinpath("docs", "configuration.md").read_text()
     documented = set(re.findall(r"`([a-z_][a-zA-Z0-9_.]*)`", page))
     generic = {
-        re.sub(r"^(platforms)\.(telegram|discord|slack|email|http)\.", r"\1.P.", key)
+        re.sub(r"^(platforms)\.(telegram|discord|slack|matrix|email|http)\.", r"\1.P.", key)
         for key in config_keys(GatewayConfig)
     }
     generic = {
@@ -128,7 +128,7 @@ def test_every_config_key_is_on_the_configuration_page() -> None:
             k in per_platform
             and any(
                 documented_as(k.replace(".P.", f".{p}."))
-                for p in ("telegram", "discord", "slack", "email", "http")
+                for p in ("telegram", "discord", "slack", "matrix", "email", "http")
             )
         )
     )

@@ -22,6 +22,8 @@ from gateway.session import Platform, SessionSource
 from gateway.store.session_store import SessionStore
 from tests.commandline import cli
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def free_port() -> int:
     with socket.socket() as sock:
@@ -455,3 +457,49 @@ def test_a_window_the_tools_alone_fill_is_refused_at_start_naming_the_key(
         (tmp_path / "hermes.yaml").write_text(agent + fits)
         result = cli(tmp_path, "check-config")
         assert result.returncode == 0, result.stderr
+
+
+def test_the_matrix_and_email_libraries_load_only_when_their_platform_is_enabled(
+    tmp_path: Path,
+) -> None:
+    """A gateway without `platforms.matrix` or `platforms.email` builds its adapters and
+    runner without importing matrix-nio, aioimaplib or aiosmtplib; enabled, each is
+    imported by its adapter."""
+    libraries = ("nio", "aioimaplib", "aiosmtplib")
+    probe = (
+        "import sys, json; from pathlib import Path; from config import GatewayConfig;"
+        " from gateway.cli import build_adapters; from gateway.run import GatewayRunner;"
+        " config = GatewayConfig.model_validate(json.loads(sys.argv[1]));"
+        " GatewayRunner(config, build_adapters(config), home=Path(sys.argv[2]));"
+        f" print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(libraries)!r}))"
+    )
+
+    def loaded(settings: dict) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", probe, json.dumps(settings), str(tmp_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
+    assert loaded({}) == "[]"
+    enabled = {
+        "platforms": {
+            "matrix": {
+                "enabled": True,
+                "homeserver": "http://127.0.0.1:9",
+                "user_id": "@bot:example.org",
+                "access_token": "t",
+            },
+            "email": {
+                "enabled": True,
+                "address": "bot@example.org",
+                "imap": {"host": "127.0.0.1", "username": "u", "password": "p", "tls": False},
+                "smtp": {"host": "127.0.0.1", "tls": False},
+            },
+        }
+    }
+    assert loaded(enabled) == str(sorted(libraries))

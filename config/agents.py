@@ -191,7 +191,7 @@ GATEWAY_WIDE_AGENT_FIELDS = (
 # The platforms a route may name (`gateway.domain.session.Platform`'s values; config cannot
 # import the domain, a test keeps the two in step).
 RoutePlatform = Literal[
-    "telegram", "discord", "slack", "http", "a2a", "local", "whatsapp", "signal", "matrix"
+    "telegram", "discord", "slack", "email", "http", "a2a", "local", "whatsapp", "signal", "matrix"
 ]
 
 

@@ -67,8 +67,8 @@ def test_sqlite_v14_has_the_tables_this_test_expects() -> None:
     """The comparison below is only as good as the list it reads: it must see them all."""
     tables = sqlite_tables()
     # v14's 19, the tool-call journal (v17), agent tasks (v18), remote contexts (v19),
-    # chat models (v21)
-    assert len(tables) == 23
+    # chat models (v21), usage and the pace of budgets (v22), platform cursors (v24)
+    assert len(tables) == 26
     assert tables["tool_calls"]["result"] is True  # NULL: a call in flight
     assert tables["agent_tasks"]["result_text"] is True  # NULL: no reply yet
     assert tables["remote_contexts"]["context_id"] is False

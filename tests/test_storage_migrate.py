@@ -22,12 +22,14 @@ from gateway.session import Platform, SessionSource
 from gateway.store import (
     agent_tasks,
     chat_models,
+    cursors,
     journal,
     remote_contexts,
     schedules,
     scratchpad,
     summary_checkpoints,
     tool_calls,
+    usage,
 )
 from gateway.store.homelock import HomeLock
 from gateway.store.pg.schema import migrate
@@ -103,6 +105,9 @@ async def _fill(home: Path) -> None:
             )
             remote_contexts.save(conn, key, "partner", sid, "remote-ctx-1", now)
             chat_models.save(conn, key, "smart", now)
+            usage.charge(conn, usage.Charge("http:u1", "2026-11-28", "main", "m", 90, 30, 0.0005))
+            usage.take_start(conn, "http:u1", now, 6)
+            cursors.save(conn, "matrix", "next_batch", "s72594_4483_1934", now)
             summary_checkpoints.write(
                 conn,
                 sid,

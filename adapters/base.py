@@ -16,6 +16,7 @@ from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, Protocol
 
 import structlog
@@ -495,6 +496,22 @@ class AdapterLog:
 # --- splitting ------------------------------------------------------------------------------
 
 _FENCE = re.compile(r"^\s*(```|~~~)", re.MULTILINE)
+
+
+#: the largest local file an adapter reads into memory to send (`read_local_file`)
+MAX_SEND_FILE = 20 * 1024 * 1024
+
+
+async def read_local_file(path: Path) -> bytes:
+    """A reply's local file, read off the event loop; ValueError past MAX_SEND_FILE (the
+    ledger keeps the row, and the error says why it was not sent)."""
+
+    def read() -> bytes:
+        if path.stat().st_size > MAX_SEND_FILE:
+            raise ValueError(f"{path.name} is larger than {MAX_SEND_FILE // 1024 // 1024} MiB")
+        return path.read_bytes()
+
+    return await asyncio.to_thread(read)
 
 
 def utf16_len(text: str) -> int:

@@ -37,6 +37,7 @@ from adapters.base import (
     MessageEvent,
     PlatformAdapter,
     SendResult,
+    read_local_file,
 )
 from adapters.mail import message
 from adapters.mail.message import InboundMail, MailPart
@@ -49,7 +50,6 @@ SMTP_TIMEOUT = 60.0
 STOP_SECONDS = 5.0
 IDLE_SECONDS = 25 * 60  # servers drop IDLE after 30 minutes (RFC 2177)
 BATCH = 50  # messages read per pass; the rest the next pass
-MAX_SEND_FILE = 20 * 1024 * 1024  # a reply's attachment
 KEPT_FILE_BYTES = 64 * 1024 * 1024  # inbound files kept in memory for their turns
 _FETCHED = re.compile(rb"RFC822\.SIZE (\d+)")
 
@@ -252,7 +252,7 @@ class EmailAdapter(PlatformAdapter):
         if attachment.is_url:
             return await super().send_attachment(target, attachment, reply_to)
         path = Path(attachment.source)
-        data = await asyncio.to_thread(_read_file, path)
+        data = await read_local_file(path)
         mime = {"photo": "image/png", "voice": "audio/ogg"}.get(
             attachment.kind, "application/octet-stream"
         )
@@ -348,12 +348,6 @@ def _size(lines: list[Any]) -> int | None:
         if found:
             return int(found.group(1))
     return None
-
-
-def _read_file(path: Path) -> bytes:
-    if path.stat().st_size > MAX_SEND_FILE:
-        raise ValueError(f"{path.name} is larger than {MAX_SEND_FILE // 1024 // 1024} MiB")
-    return path.read_bytes()
 
 
 def _guess_mime(name: str, default: str) -> str:

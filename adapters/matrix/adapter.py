@@ -38,6 +38,7 @@ from adapters.base import (
     MessageEvent,
     PlatformAdapter,
     SendResult,
+    read_local_file,
 )
 from adapters.markdown import markdown_html
 from config.platforms import MatrixConfig
@@ -46,7 +47,6 @@ from gateway.util.backoff import Backoff
 
 CURSOR = "next_batch"
 SENT_REMEMBERED = 2000  # our event ids kept to see replies to the bot
-MAX_SEND_FILE = 20 * 1024 * 1024
 RATE_RETRIES = 3
 STOP_SECONDS = 5.0
 _MEDIA = {
@@ -348,7 +348,7 @@ class MatrixAdapter(PlatformAdapter):
             return await super().send_attachment(target, attachment, reply_to)
         assert self.client is not None
         path = Path(attachment.source)
-        data = await asyncio.to_thread(_read_file, path)
+        data = await read_local_file(path)
         mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
         uploaded, _ = await self.client.upload(
             lambda *_: data, content_type=mime, filename=path.name, filesize=len(data)
@@ -390,9 +390,3 @@ def _relation(target: SessionSource, reply_to: str | None) -> dict[str, Any]:
 def _tx(delivery_id: int | None) -> str | None:
     """The transaction id of a ledger row's send: the homeserver drops a repeat of it."""
     return f"hermes-{delivery_id}" if delivery_id is not None else None
-
-
-def _read_file(path: Path) -> bytes:
-    if path.stat().st_size > MAX_SEND_FILE:
-        raise ValueError(f"{path.name} is larger than {MAX_SEND_FILE // 1024 // 1024} MiB")
-    return path.read_bytes()

@@ -402,9 +402,8 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         updated_at  REAL NOT NULL
     ) WITHOUT ROWID;
     """,
-    # Usage per user, day, agent and model (gateway.store.usage), charged in each turn's
-    # finish transaction; and each user's turn starts of the last minute, for the
-    # `turns_per_minute` budget.
+    # Usage per user, day, agent and model, and each user's turn starts of the last
+    # minute for `turns_per_minute` (gateway.store.usage).
     22: """
     CREATE TABLE usage_days (
         user_key        TEXT NOT NULL,
@@ -419,11 +418,8 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
         PRIMARY KEY (user_key, day, agent_id, model)
     ) WITHOUT ROWID;
     CREATE INDEX usage_days_by_day ON usage_days(day);
-    CREATE TABLE budget_pace (
-        user_key   TEXT PRIMARY KEY,
-        starts     TEXT NOT NULL,
-        updated_at REAL NOT NULL
-    ) WITHOUT ROWID;
+    CREATE TABLE budget_pace (user_key TEXT PRIMARY KEY, starts TEXT NOT NULL,
+                              updated_at REAL NOT NULL) WITHOUT ROWID;
     """,
     # How many condensed messages the user was told about (a notice with the next reply,
     # gateway.memory.notice). Summaries written before the notice existed are not owed.
@@ -431,8 +427,7 @@ _MIGRATIONS: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     ALTER TABLE summary_checkpoints ADD COLUMN told INTEGER NOT NULL DEFAULT 0;
     UPDATE summary_checkpoints SET told = messages;
     """,
-    # Where an adapter's stream of events stands (gateway.store.cursors): Matrix's sync
-    # token, written once the events before it are accepted.
+    # Where an adapter's stream of events stands: Matrix's sync token (gateway.store.cursors).
     24: """
     CREATE TABLE platform_cursors (
         platform   TEXT NOT NULL,

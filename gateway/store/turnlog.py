@@ -202,28 +202,17 @@ class TurnLog:
                     marker["user_message_id"],
                     running,
                 )
+            # A budget's refusal: the model is not called, the message not stored.
             refusal = gate(conn, session_key, event) if gate is not None else None
-            if refusal is not None:  # its model is not called; the marker ends with it
-                journal.start_turn(
-                    conn,
-                    session_key=session_key,
-                    session_id=entry.session_id,
-                    inbox_ids=inbox_ids,
-                    user_message_id=None,
-                    event=record,
-                    now=now,
-                    running=running,
-                )
-                return TurnStart(
-                    entry, False, text, fresh, minute, NOTHING_LOADED, None, running, refusal
-                )
-            loaded = turn_context.load(conn, entry.session_id, plan, factor)
-            user_row = transcript.insert_message(conn, entry.session_id, user_message)
-            if not loaded.messages:
-                # The session's first user message titles it: decided from the
-                # history this transaction read anyway, so a turn that continues a session
-                # costs no statement; the UPDATE keeps a title already set (/title).
-                titles.set_first_title(conn, entry.session_id, text)
+            loaded, user_row = NOTHING_LOADED, None
+            if refusal is None:
+                loaded = turn_context.load(conn, entry.session_id, plan, factor)
+                user_row = transcript.insert_message(conn, entry.session_id, user_message)
+                if not loaded.messages:
+                    # The session's first user message titles it: decided from the
+                    # history this transaction read anyway, so a turn that continues a
+                    # session costs no statement; the UPDATE keeps a title set (/title).
+                    titles.set_first_title(conn, entry.session_id, text)
             journal.start_turn(
                 conn,
                 session_key=session_key,
@@ -234,7 +223,7 @@ class TurnLog:
                 now=now,
                 running=running,
             )
-            return TurnStart(entry, False, text, fresh, minute, loaded, user_row, running)
+            return TurnStart(entry, False, text, fresh, minute, loaded, user_row, running, refusal)
 
         return tx
 

@@ -93,7 +93,6 @@ class Budgets:
         self,
         config: GatewayConfig,
         metrics: Metrics,
-        is_admin: Callable[[SessionSource], bool],
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = config.budgets
@@ -102,7 +101,6 @@ class Budgets:
         self.zone_name = config.timezone or "the server's time zone"
         self.admins = frozenset(config.admins) if self.settings.exempt_admins else frozenset()
         self.metrics = metrics
-        self.is_admin = is_admin
         self.clock = clock
         self._limits: dict[str, BudgetLimits | None] = {}
         # The local day last asked for, and its bounds (epoch): every turn asks.

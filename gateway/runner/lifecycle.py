@@ -168,7 +168,7 @@ class GatewayRunner:
         self._probe_task: asyncio.Task[None] | None = None
         # Usage per user and day, charged in each turn's finish; with `budgets:` set,
         # checked in each new turn's begin.
-        self.budgets = Budgets(config, self.metrics, self.is_admin)
+        self.budgets = Budgets(config, self.metrics)
         self.budgets.seed_counters(
             (spec.agent_id, spec.model) for spec in self.roster.every_model()
         )

@@ -249,6 +249,7 @@ async def test_model_switches_a_chat_keeps_it_across_new_and_restart_and_refuses
         assert turn_models(smart, "two") == ["smart-model"] and turn_models(fast, "two") == []
         assert gw.runner.roster.for_key(KEY).plan.window_tokens == 65536
         assert "* smart" in await gw.say("/model")
+        assert "Model: smart (smart-model)" in await gw.say("/status")
 
         refused = await gw.say("/model other")  # in the catalogue, not offered here
         assert "No model 'other'" in refused and "* smart" in refused, refused

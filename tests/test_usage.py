@@ -132,6 +132,8 @@ async def test_usage_is_charged_per_user_and_shown_alike_everywhere(
         # The session's own counters carry the cost too (`/status`, the console).
         entry = await gw.runner.store.get_entry("agent:main:http:dm:c1")
         assert entry is not None and entry.estimated_cost_usd == pytest.approx(3 * TURN_COST)
+        status = await gw.say("/status")
+        assert "Model: m (m-1)" in status and f", ${3 * TURN_COST:.4f}" in status, status
     finally:
         await gw.stop()
     if store_backend.postgres:

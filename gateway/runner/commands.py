@@ -24,7 +24,7 @@ from gateway.domain.command_syntax import NAMES, Command
 from gateway.domain.events import Accepted, AcceptStatus, MessageEvent
 from gateway.domain.policy import next_reset_at
 from gateway.domain.session import agent_id_of_key
-from gateway.runner.model_commands import cmd_model
+from gateway.runner.model_commands import cmd_model, load_choice
 from gateway.runner.ports import CommandContext
 from gateway.runner.schedule_commands import cmd_schedule, cmd_sethome, next_run_line
 from gateway.runner.tool_commands import cmd_approve, cmd_deny, cmd_tools
@@ -100,14 +100,18 @@ async def cmd_status(ctx: CommandContext, event: MessageEvent, key: str, cmd: Co
         reset_text = f"{local:%Y-%m-%d %H:%M %Z} (in {_age(max(reset_at - now, timedelta()))})"
     flags = [n for n in ("suspended", "resume_pending") if getattr(entry, n)]
     title = await ctx.store.read(lambda conn: titles.title_of(conn, entry.session_id))
+    await load_choice(ctx.store, ctx.roster, key)
+    model = ctx.roster.for_key(key).model
     lines = [
         f"Session: {entry.session_id}",
         f"Agent: {agent_id_of_key(key)}",
+        f"Model: {model.name or model.model}" + (f" ({model.model})" if model.name else ""),
         f"Title: {titles.shown(title)}",
         f"Key: {key}",
         f"Age: {_age(now - entry.created_at)} (last active {_age(now - entry.updated_at)} ago)",
         f"Messages: {messages}",
-        f"Tokens: {entry.total_tokens} (in {entry.input_tokens}, out {entry.output_tokens})",
+        f"Tokens: {entry.total_tokens} (in {entry.input_tokens}, out {entry.output_tokens})"
+        + (f", ${entry.estimated_cost_usd:.4f}" if entry.estimated_cost_usd else ""),
         f"Running: {'yes' if ctx.is_busy(key) else 'no'}; queued: {ctx.queue_depth(key)}",
         f"Next reset: {reset_text}",
     ]

@@ -33,6 +33,9 @@ QUIET_LIBRARIES = (
     "discord",
     "slack_sdk",
     "slack_bolt",
+    "nio",
+    "aioimaplib",
+    "aiosmtplib",
     "aiohttp.access",
     "apscheduler",
 )

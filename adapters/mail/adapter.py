@@ -75,7 +75,6 @@ class EmailAdapter(PlatformAdapter):
         self.own = Address(display_name=config.display_name or "", addr_spec=config.address)
         self.domain = config.address.rsplit("@", 1)[-1]
         self._task: asyncio.Task[None] | None = None
-        self._imap: aioimaplib.IMAP4 | None = None
         # Inbound files by "Message-ID\nindex", for their turns (bounded by bytes).
         self._files: OrderedDict[str, MailPart] = OrderedDict()
         self._file_bytes = 0
@@ -103,13 +102,11 @@ class EmailAdapter(PlatformAdapter):
         while True:
             try:
                 imap = await self._connect()
-                self._imap = imap
                 self.set_state("running", folder=self.config.imap.folder)
                 backoff.reset()
                 try:
                     await self._serve(imap)
                 finally:
-                    self._imap = None
                     _close(imap)
             except asyncio.CancelledError:
                 raise

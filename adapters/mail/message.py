@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+import uuid
 from dataclasses import dataclass, field
 from email import policy
 from email.headerregistry import Address
@@ -48,8 +49,6 @@ class InboundMail:
     subject: str  # without Re:/Fwd: prefixes
     text: str
     thread: str  # the thread's root Message-ID (an id key: hashed when unfit)
-    root_id: str | None  # the root's real Message-ID, for References
-    new_thread: bool  # not a reply to anything
     files: tuple[MailPart, ...] = ()
     skip: str | None = None  # why no turn answers it (auto-reply, list mail, ...)
 
@@ -64,28 +63,23 @@ def parse(raw: bytes, own_address: str) -> InboundMail:
     parent = _first_id(str(msg.get("In-Reply-To", "")))
     root = references[0] if references else parent
     subject = _RE_PREFIX.sub("", str(msg.get("Subject", "")).strip())[:300]
-    mail = InboundMail(
+    skip = _why_not_for_us(msg, sender, own_address)
+    text, files = "", ()
+    if skip is None:
+        body = _body_text(msg)
+        # A new thread's subject leads its first message: the session's title.
+        text = f"{subject}\n\n{body}" if root is None and subject else body
+        text, files = text.strip()[:MAX_TEXT_CHARS], _files(msg)
+    return InboundMail(
         message_id=_id_key(message_id),
         sender=sender,
         sender_name=name.strip() or None,
         subject=subject,
-        text="",
+        text=text,
         thread=_id_key(root or message_id),
-        root_id=root or message_id,
-        new_thread=root is None,
+        files=files,
+        skip=skip,
     )
-    skip = _why_not_for_us(msg, sender, own_address)
-    if skip is not None:
-        return _with(mail, skip=skip)
-    body = _body_text(msg)
-    text = f"{subject}\n\n{body}" if mail.new_thread and subject else body
-    return _with(mail, text=text.strip()[:MAX_TEXT_CHARS], files=_files(msg))
-
-
-def _with(mail: InboundMail, **changes: object) -> InboundMail:
-    values = {name: getattr(mail, name) for name in InboundMail.__slots__}
-    values.update(changes)
-    return InboundMail(**values)  # type: ignore[arg-type]
 
 
 def _why_not_for_us(msg: EmailMessage, sender: str, own_address: str) -> str | None:
@@ -232,7 +226,7 @@ def reply_id(delivery_id: int | None, thread: str, domain: str) -> str:
     """The reply's Message-ID, fixed by its ledger row: a chunk sent again after a crash
     carries the same id, which mail clients show once."""
     tag = hashlib.sha256(thread.encode()).hexdigest()[:12]
-    serial = delivery_id if delivery_id is not None else _hash(str(id(thread)).encode())
+    serial = delivery_id if delivery_id is not None else uuid.uuid4().hex  # not in the ledger
     return f"hermes.{serial}.{tag}@{domain}"
 
 

@@ -6,7 +6,6 @@ is served only while the API listens on a loopback address."""
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import secrets
 import time
 from collections import OrderedDict
@@ -14,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from config import GatewayConfig, HttpConfig
+from config.platforms import is_loopback_host
 
 COOKIE = "hermes-console"
 COOKIE_PATH = "/console"
@@ -35,18 +35,9 @@ class ConsoleSession:
         return flash if flash is not None else (None, False)
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
-
-
 def open_problem(config: HttpConfig) -> str | None:
     """Why the console is not served without a token (None: it is served)."""
-    if config.token or is_loopback(config.host):
+    if config.token or is_loopback_host(config.host):
         return None
     return (
         f"the console is not served: platforms.http.host is {config.host}, not a loopback"

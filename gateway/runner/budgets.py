@@ -156,8 +156,8 @@ class Budgets:
         self.metrics.count_budget_refusal(name)
         resets = self._reset_time(name, now)
         return (
-            f"You have reached your budget for {_WHAT[name]} ({name}: {_amount(name, limit)};"
-            f" used {_amount(name, used)}), so this message was not answered. It resets"
+            f"You have reached your budget for {_WHAT[name]} ({name}: {amount(name, limit)};"
+            f" used {amount(name, used)}), so this message was not answered. It resets"
             f" {resets}. /usage shows what you have used."
         )
 
@@ -247,20 +247,26 @@ class Budgets:
         )
 
 
-def _over(limits: BudgetLimits, today: Totals, month: Totals) -> tuple[str, float, float] | None:
-    """The first limit the totals reached: (name, used, limit)."""
+def spending(limits: BudgetLimits, today: Totals, month: Totals) -> list[tuple[str, float, float]]:
+    """Each token or cost limit that is set, with what was used against it:
+    (name, used, limit), in `LIMIT_NAMES` order (`turns_per_minute` is a pace, not a sum)."""
+    found = []
     for name in LIMIT_NAMES:
         limit = getattr(limits, name)
         if limit is None or name == "turns_per_minute":
             continue
         totals = today if name.endswith("_day") else month
-        used = totals.tokens if name.startswith("tokens") else totals.cost_usd
-        if used >= limit:
-            return name, used, limit
-    return None
+        found.append((name, totals.tokens if name.startswith("tokens") else totals.cost_usd, limit))
+    return found
 
 
-def _amount(name: str, value: float) -> str:
+def _over(limits: BudgetLimits, today: Totals, month: Totals) -> tuple[str, float, float] | None:
+    """The first limit the totals reached: (name, used, limit)."""
+    return next((item for item in spending(limits, today, month) if item[1] >= item[2]), None)
+
+
+def amount(name: str, value: float) -> str:
+    """A limit's value as people read it: dollars for cost, tokens for tokens."""
     if name.startswith("cost"):
         return f"${value:,.2f}"
     return f"{int(value):,} tokens"

@@ -10,9 +10,10 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from config import LIMIT_NAMES, BudgetLimits, GatewayConfig
+from config import BudgetLimits, GatewayConfig
 from gateway.domain.command_syntax import Command
 from gateway.domain.events import MessageEvent
+from gateway.runner.budgets import amount, spending
 from gateway.runner.ports import CommandContext
 from gateway.store import usage
 from gateway.store.session_store import SessionStore
@@ -93,17 +94,8 @@ def _totals(totals: Totals) -> str:
 
 
 def _limits(limits: BudgetLimits, today: Totals, month: Totals) -> str:
-    parts = []
-    for name in LIMIT_NAMES:
-        limit = getattr(limits, name)
-        if limit is None:
-            continue
-        if name == "turns_per_minute":
-            parts.append(f"{limit} messages per minute")
-            continue
-        totals = today if name.endswith("_day") else month
-        used = totals.tokens if name.startswith("tokens") else totals.cost_usd
-        shown = f"${limit:,.2f}" if name.startswith("cost") else f"{int(limit):,} tokens"
+    parts = [f"{limits.turns_per_minute} messages per minute"] if limits.turns_per_minute else []
+    for name, used, limit in spending(limits, today, month):
         share = f"{100 * used / limit:.0f}% used" if limit else "reached"
-        parts.append(f"{shown} a {name.rsplit('_', 1)[1]} ({share})")
+        parts.append(f"{amount(name, limit)} a {name.rsplit('_', 1)[1]} ({share})")
     return "Budget: " + "; ".join(parts) + "."

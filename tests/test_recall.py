@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import re
 import sqlite3
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +27,7 @@ import pytest
 from adapters.http import HttpAdapter
 from config import GatewayConfig
 from gateway.memory import sqlite_index
-from gateway.memory.chunking import chunk_text, content_hash, normalize_tags
+from gateway.memory.chunking import chunk_text, content_hash, normalize, normalize_tags
 from gateway.memory.index import MEMORY_DB
 from gateway.memory.recall import Namespace, Recall
 from gateway.memory.retrieval import (
@@ -102,6 +104,17 @@ def test_chunks_are_640_characters_overlapping_by_96() -> None:
         assert right.split(" ", 1)[0] in left.split(" ")
     assert " ".join(chunks).split()[-1] == "w0399"
     assert chunk_text("  ") == []
+
+
+def test_every_kind_of_whitespace_is_one_space_in_a_chunk() -> None:
+    """Chunks and their hashes depend on `normalize`: each run of what the regex `\\s`
+    calls whitespace (every such code point) is one space, the ends trimmed."""
+    spaces = [chr(c) for c in range(sys.maxunicode + 1) if re.fullmatch(r"\s", chr(c))]
+    assert len(spaces) > 20 and "\u3000" in spaces and "\x1f" in spaces
+    for space in spaces:
+        assert normalize(f"{space}a{space}{space}b \t{space}c{space}") == "a b c", hex(ord(space))
+    assert chunk_text("\u2003hello\u00a0\u00a0world\n") == ["hello world"]
+    assert normalize("a\u200bb") == "a\u200bb"  # a zero-width space is no whitespace
 
 
 def test_a_sparse_query_scores_exactly_as_the_full_product() -> None:

@@ -87,10 +87,10 @@ INSERT OR IGNORE INTO meta (key, value) VALUES ('vector_deletes', 0);
 -- (`add_words`, `delete_chunks`), not in these triggers: FTS5 written from a trigger
 -- flushes its pending terms at every row's statement savepoint, a segment a row, which
 -- made an insert cost three times as much. The older triggers that did are dropped.
+-- The same for queueing a new chunk's vector (`add_words`): a row trigger cost more than
+-- the statement that queues a round's new chunks at once.
 DROP TRIGGER IF EXISTS chunks_insert;
-CREATE TRIGGER IF NOT EXISTS chunks_queue_vector AFTER INSERT ON chunks BEGIN
-    INSERT OR IGNORE INTO pending_vectors(chunk_id) VALUES (new.id);
-END;
+DROP TRIGGER IF EXISTS chunks_queue_vector;
 DROP TRIGGER IF EXISTS chunks_delete;  -- (it also wrote chunks_fts: see chunks_insert)
 CREATE TRIGGER IF NOT EXISTS chunks_gone AFTER DELETE ON chunks BEGIN
     DELETE FROM chunk_tags WHERE chunk_id = old.id;
@@ -241,9 +241,14 @@ class SqliteIndexSql(SqliteRecallSql):
         return conn.execute("SELECT coalesce(max(id), 0) FROM chunks").fetchone()[0]
 
     def add_words(self, conn: sqlite3.Connection, after: int) -> None:
-        """The chunks inserted since `last_chunk_id` said `after` join the full-text index."""
+        """The chunks inserted since `last_chunk_id` said `after` join the full-text index,
+        and wait for their vectors."""
         conn.execute(
             "INSERT INTO chunks_fts(rowid, text) SELECT id, text FROM chunks WHERE id > ?",
+            (after,),
+        )
+        conn.execute(
+            "INSERT OR IGNORE INTO pending_vectors (chunk_id) SELECT id FROM chunks WHERE id > ?",
             (after,),
         )
 
@@ -385,10 +390,21 @@ class SqliteIndexSql(SqliteRecallSql):
         conn.execute(
             "DELETE FROM vectors WHERE chunk_id IN (SELECT value FROM json_each(?))", (ids,)
         )
+        # The namespaces in one statement, then plain VALUES rows: a look-up of the chunk
+        # inside every row's INSERT cost more than the whole statement below.
+        namespace_of = dict(
+            conn.execute(
+                "SELECT id, namespace FROM chunks WHERE id IN (SELECT value FROM json_each(?))",
+                (ids,),
+            ).fetchall()
+        )
         conn.executemany(
-            "INSERT INTO vectors (chunk_id, namespace, model, vec)"
-            " SELECT id, namespace, ?, ? FROM chunks WHERE id = ?",
-            [(model_id, blob, chunk_id) for blob, chunk_id in zip(blobs, chunk_ids, strict=True)],
+            "INSERT INTO vectors (chunk_id, namespace, model, vec) VALUES (?, ?, ?, ?)",
+            [
+                (chunk_id, namespace_of[chunk_id], model_id, blob)
+                for blob, chunk_id in zip(blobs, chunk_ids, strict=True)
+                if chunk_id in namespace_of  # gone meanwhile: no vector
+            ],
         )
         conn.execute(
             "DELETE FROM pending_vectors WHERE chunk_id IN (SELECT value FROM json_each(?))",

@@ -5,7 +5,7 @@ turns/s target: a ratio holds across machines that differ threefold in speed.
 
 The database is the production one: created and opened through the gateway's own path
 (`create_database_file` + `_open_writer`: WAL, synchronous=NORMAL, foreign keys, the
-32 MiB page cache, the autocheckpoint safety net, the whole migrated schema with its
+16 MiB page cache, the autocheckpoint safety net, the whole migrated schema with its
 triggers), so the floor follows the schema and the pragmas wherever they go. What runs
 on it is one process, one thread, no asyncio, no store objects: G turns per
 `BEGIN IMMEDIATE ... COMMIT`, as the gateway's group commit batches concurrent turns.

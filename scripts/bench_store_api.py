@@ -104,7 +104,7 @@ def _connect(path: Path) -> sqlite3.Connection:
         "synchronous=NORMAL",
         "foreign_keys=ON",
         "busy_timeout=5000",
-        "cache_size=-32768",
+        "cache_size=-16384",
         f"wal_autocheckpoint={SAFETY_NET_PAGES}",
         f"journal_size_limit={WAL_SIZE_LIMIT}",
     ):

@@ -12,8 +12,8 @@ This process only watches, every `--sample-seconds`:
 - RSS: VmRSS (and RssAnon, VmHWM) from /proc/<pid>/status, open fds, state.db + WAL size.
   One line per sample. The RSS slope is a least-squares fit over the samples of the second
   half of the load (the first half is warm-up: the allocator's pools fill there, and
-  SQLite's page cache, which grows with the database up to its 32 MiB `cache_size`, about
-  38 MiB of RSS with page headers), in MiB/hour.
+  SQLite's page cache, which grows with the database up to its 16 MiB `cache_size`, about
+  19 MiB of RSS with page headers), in MiB/hour.
 - Event-loop lag, measured from outside since the daemon has no lag endpoint:
   * the lag PROXY is the round trip of `GET /healthz` every `--probe-seconds` over one
     keep-alive connection from this otherwise idle process (blocking stdlib http.client,
@@ -62,7 +62,7 @@ from scripts.harness import (
 RSS_SLOPE_TARGET = 32.0  # MiB/hour
 LAG_P95_TARGET = 0.050  # seconds
 TURN_HISTOGRAM = "hermes_turn_latency_seconds"
-PAGE_CACHE_MIB = 32  # the daemon's PRAGMA cache_size (gateway/store/db.py)
+PAGE_CACHE_MIB = 16  # the daemon's PRAGMA cache_size (gateway/store/db.py)
 
 
 @dataclass

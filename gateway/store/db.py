@@ -396,8 +396,11 @@ def _open_writer(path: Path, *, checked: bool = False) -> sqlite3.Connection:
         conn.execute("PRAGMA synchronous=NORMAL")
         conn.execute("PRAGMA foreign_keys=ON")
         conn.execute("PRAGMA busy_timeout=5000")
-        # 32 MiB page cache: the hot B-tree pages of 100k sessions stay in memory.
-        conn.execute("PRAGMA cache_size=-32768")
+        # A 16 MiB page cache (SQLite's default is 2): the upper B-tree levels and the
+        # recent rows stay in it, and the rest of a large database comes from the OS's
+        # page cache, at no CPU a turn the benchmark can see, while every MiB here is
+        # resident memory (BENCHMARKS.md, the default configuration).
+        conn.execute("PRAGMA cache_size=-16384")
         if not checked:
             _check_integrity(conn, path)
         migrate(conn)

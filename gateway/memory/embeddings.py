@@ -98,10 +98,11 @@ class HashEmbedder:
         if signed:
             at = np.array(signed, dtype=np.int64)
             rows = np.repeat(np.arange(len(texts), dtype=np.int64), counts)
-            # Counts per (row, dimension), signed: one bincount instead of np.add.at.
-            flat += np.bincount(
-                rows * dims + np.abs(at) - 1, weights=np.sign(at), minlength=len(flat)
-            ).astype(np.float32)
+            # Counts per (row, dimension), signed, summed over the cells the words hit
+            # only: a bincount over every cell of the batch (rows x dimensions, float64)
+            # cost more than the rest of the embedding.
+            cells, cell_of_word = np.unique(rows * dims + np.abs(at) - 1, return_inverse=True)
+            flat[cells] = np.bincount(cell_of_word, weights=np.sign(at)).astype(np.float32)
         return unit_rows(flat.reshape(len(texts), dims))
 
     def _slot(self, word: str) -> int:

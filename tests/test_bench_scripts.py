@@ -208,3 +208,22 @@ def test_bench_console_times_each_sessions_page() -> None:
     for page in ("first page", "deep page", "q search", "q, last match"):
         assert re.search(rf"^{re.escape(page)} +[\d.]+ +[\d.]+$", out, re.M), out
     assert "slowest median" in out, out
+
+
+@pytest.mark.timeout(150)
+def test_probe_turn_io_names_the_pages_a_turn_writes_and_what_commits_wait_on() -> None:
+    pages = run_script("probe_turn_io.py", "pages", "--sessions", "300", "--turns", "20")
+    assert re.search(r"20 turns 1 at a time: \d+ commits .* ([\d.]+) a turn; by B-tree", pages)
+    per_tree = dict(
+        (line.split()[1], float(line.split()[0]))
+        for line in pages.splitlines()
+        if line.startswith("  ")
+    )
+    # every turn stores its two transcript messages and its inbox row
+    assert per_tree.get("messages", 0) >= 1 and per_tree.get("inbox", 0) >= 1, pages
+    commits = run_script(
+        "probe_turn_io.py", "commits", "--sessions", "300", "--messages", "300", "--rate", "300"
+    )
+    assert re.search(r"300 sessions, 300 turns at 300/s offered: p50 [\d.]+ ms", commits), commits
+    assert re.search(r"group commits: \d+, of them \d+ of 2 ms or more", commits), commits
+    assert "the event loop's thread inside commits" in commits

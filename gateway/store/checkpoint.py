@@ -8,6 +8,12 @@ worker thread (SQLite releases the GIL while it copies), which never blocks the 
 and copies a page rewritten many times once. The writer keeps a far larger
 autocheckpoint as a safety net (`SAFETY_NET_PAGES`) in case this task falls behind.
 
+Under continuous writes the safety net is also what restarts the WAL: a restart needs
+every frame copied when a write begins, and the writer adds frames during each of these
+checkpoints, so the WAL grows until the writer's own checkpoint, which copies the last
+frames and syncs the database on the event loop's thread. That sync sets the p99 of a
+busy large gateway (BENCHMARKS.md, "Where the p99 at 100,000 sessions goes").
+
 Every 0.1 s rather than less often: a checkpoint's copy and fsync slow the writer's own
 WAL I/O while they run, and smaller checkpoints stall it for less (BENCHMARKS.md has the
 p99 at each interval).

@@ -4,6 +4,7 @@ test: a DM answered; an invitation from an allowed user joined and a stranger's
 declined; in a group, only a message that mentions the bot answered; a thread answered
 in its thread; a streamed reply arriving as one event edited with m.replace; an image
 reaching the turn, and one the agent sends arriving from the content repository; a
+file downloaded a piece at a time (so the media size cap stops it early); a
 kill -9 between two events, each answered once; and an encrypted room told once that it
 is not read."""
 
@@ -18,6 +19,9 @@ from typing import Any
 import nio
 import pytest
 
+from adapters.matrix.adapter import MatrixAdapter
+from config.platforms import MatrixConfig
+from gateway.domain.attachments import InboundMedia
 from scripts.harness import Daemon
 from tests.fakes.openai_server import serve_in_a_thread
 from tests.matrix_support import Homeserver, synapse, synapse_missing
@@ -354,3 +358,43 @@ async def test_a_file_the_agent_sends_arrives_as_an_image_from_the_content_repos
         assert daemon.stop() == 0
     finally:
         daemon.ensure_stopped()
+
+
+async def test_a_file_is_downloaded_a_piece_at_a_time_so_the_size_cap_stops_it_early(
+    homeserver: Homeserver, accounts: dict[str, Any], alice: Person
+) -> None:
+    """The adapter's download against the real content repository: a 1 MiB upload
+    arrives in pieces of at most 64 KiB (the media intake counts them and gives up past
+    `media.max_bytes`, so a large file is never held whole), all of it when read to the
+    end; a missing file and a URI that is not `mxc://` are a FileNotFoundError."""
+    blob = bytes(range(256)) * 4096  # 1 MiB
+    uploaded, _ = await alice.client.upload(
+        lambda *_: blob, content_type="application/octet-stream", filesize=len(blob)
+    )
+    assert isinstance(uploaded, nio.UploadResponse), uploaded
+    bot = accounts["bot"]
+    adapter = MatrixAdapter(
+        MatrixConfig(
+            enabled=True,
+            homeserver=homeserver.url,
+            user_id=bot["user_id"],
+            access_token=bot["access_token"],
+        )
+    )
+    adapter.client = nio.AsyncClient(homeserver.url, bot["user_id"])
+    adapter.client.access_token = bot["access_token"]
+    try:
+        media = InboundMedia(kind="document", ref=uploaded.content_uri, name="blob.bin")
+        stream = adapter.open_media(media)
+        first = await anext(stream)
+        assert 0 < len(first) <= 1 << 16
+        await stream.aclose()  # what the intake does past its cap: the rest is not read
+        pieces = [piece async for piece in adapter.open_media(media)]
+        assert len(pieces) > 1 and b"".join(pieces) == blob
+        gone = InboundMedia(kind="document", ref=uploaded.content_uri + "x", name="gone")
+        with pytest.raises(FileNotFoundError, match="HTTP 404"):
+            [piece async for piece in adapter.open_media(gone)]
+        with pytest.raises(FileNotFoundError, match="not a content repository URI"):
+            [piece async for piece in adapter.open_media(InboundMedia("photo", "https://x/y", "y"))]
+    finally:
+        await adapter.client.close()

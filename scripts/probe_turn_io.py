@@ -5,6 +5,8 @@ production code carries no timing hooks.
 
     .venv/bin/python scripts/probe_turn_io.py --sessions 100000 pages
     .venv/bin/python scripts/probe_turn_io.py --sessions 100000 commits
+    .venv/bin/python scripts/probe_turn_io.py --sessions 100000 memory
+    .venv/bin/python scripts/probe_turn_io.py --sessions 10000 threads
 
 `pages`: the background checkpointer held off, the WAL truncated after a warm-up, then
 --turns turns one at a time (--concurrency); the WAL's frames are read back and each
@@ -15,6 +17,15 @@ group commit timed, the event loop thread's system call and wait channel read ev
 0.5 ms while it commits (`/proc/self/task/<tid>/syscall` and `wchan`: Linux only), and
 each background checkpoint's WAL length kept: the turns' p99, the slow commits, what
 the loop waited on inside them, and how long the WAL grew between restarts.
+
+`memory`: `bench_gateway.py`'s in-process run (start, warm-up, closed loop, open loop,
+stop), in a process of its own as there, with the resident memory (VmRSS) read every
+50 ms: its peak in each phase.
+
+`threads`: the closed loop (--turns, 64 chats) with transcript indexing on, then off,
+each in a fresh home; the CPU of every thread of the process (/proc) a turn, counted
+over the loop and the 2.5 s after it (the indexers catch up then): which thread pays
+for indexing.
 """
 
 from __future__ import annotations
@@ -23,10 +34,12 @@ import argparse
 import asyncio
 import collections
 import itertools
+import os
 import shutil
 import sqlite3
 import statistics
 import struct
+import subprocess
 import sys
 import tempfile
 import threading
@@ -51,13 +64,14 @@ SLOW_COMMIT = 0.002  # seconds: a commit this long is listed
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("probe", choices=("pages", "commits"))
+    parser.add_argument("probe", choices=("pages", "commits", "memory", "threads"))
     parser.add_argument("--sessions", type=int, default=100_000)
     parser.add_argument("--turns", type=int, default=300, help="pages: turns read back")
     parser.add_argument("--concurrency", type=int, default=1, help="pages: turns at once")
     parser.add_argument("--rate", type=float, default=1_000.0, help="commits: offered/s")
     parser.add_argument("--messages", type=int, default=10_000, help="commits: offered")
     parser.add_argument("--warmup", type=int, default=300)
+    parser.add_argument("--home", type=Path, help="memory: a filled home (set by the probe)")
     return parser.parse_args(argv)
 
 
@@ -201,6 +215,104 @@ async def probe_commits(home: Path, args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+# --- memory and threads -------------------------------------------------------------
+
+
+def _rss_mib() -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+async def probe_memory(home: Path, args: argparse.Namespace) -> str:
+    peaks: dict[str, float] = {"imports": _rss_mib()}
+    phase = ["start"]
+
+    def note() -> None:
+        peaks[phase[0]] = max(peaks.get(phase[0], 0.0), _rss_mib())
+
+    def enter(name: str) -> None:
+        note()  # the phase ending, at its end (a short one may see no sample)
+        phase[0] = name
+        note()
+
+    def sample() -> None:
+        while True:
+            note()
+            time.sleep(0.05)
+
+    threading.Thread(target=sample, daemon=True).start()
+    adapter = InProcessAdapter()
+    runner = GatewayRunner(gateway_config(), [adapter], agent_factory=None, home=home)
+    driver = Driver(runner, adapter, args.sessions)
+    enter("start")
+    await runner.start()
+    try:
+        enter("warm-up")
+        await driver.closed_loop("warmup", args.warmup, 64, 1, 120)
+        enter("closed loop")
+        await driver.closed_loop("closed", args.messages, 64, 2, 300)
+        enter("open loop")
+        await driver.open_loop("open", args.messages, args.rate, 3, 300)
+        enter("stop")
+    finally:
+        await runner.stop()
+    note()
+    lines = [f"{args.sessions} sessions: peak VmRSS (MiB) by phase"]
+    lines += [f"  {name:12s} {mib:6.1f}" for name, mib in peaks.items()]
+    return "\n".join(lines)
+
+
+def _thread_cpu() -> dict[str, float]:
+    """CPU seconds of each live thread, by its Python name (or its id)."""
+    names = {thread.native_id: thread.name for thread in threading.enumerate()}
+    ticks = os.sysconf("SC_CLK_TCK")
+    found: dict[str, float] = {}
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        name = names.get(int(task.name), task.name)
+        found[name] = (int(stat[11]) + int(stat[12])) / ticks
+    return found
+
+
+async def probe_threads(home: Path, args: argparse.Namespace) -> str:
+    lines = []
+    for indexing in (True, False):
+        run_home = home.with_name(f"{home.name}-{'on' if indexing else 'off'}")
+        shutil.copytree(home, run_home)
+        adapter = InProcessAdapter()
+        config = gateway_config("summary", indexing)
+        runner = GatewayRunner(config, [adapter], agent_factory=None, home=run_home)
+        driver = Driver(runner, adapter, args.sessions)
+        await runner.start()
+        try:
+            await driver.closed_loop("warmup", args.warmup, 64, 1, 120)
+            before, started = _thread_cpu(), time.process_time()
+            await driver.closed_loop("closed", args.turns, 64, 2, 300)
+            await asyncio.sleep(2.5)
+            after, cpu = _thread_cpu(), time.process_time() - started
+        finally:
+            await runner.stop()
+        per_turn = {
+            name: (seconds - before.get(name, 0.0)) / args.turns * 1e6
+            for name, seconds in after.items()
+        }
+        lines.append(
+            f"transcript indexing {'on' if indexing else 'off'}: {cpu / args.turns * 1e6:.0f}"
+            f" us of CPU a turn ({args.turns} turns, {args.sessions} sessions), by thread:"
+        )
+        lines += [
+            f"  {us:7.1f}  {name}"
+            for name, us in sorted(per_turn.items(), key=lambda item: -item[1])
+            if us >= 0.5
+        ]
+    return "\n".join(lines)
+
+
 def _open_files() -> dict[str, str]:
     fds = Path("/proc/self/fd")
     found = {}
@@ -215,13 +327,29 @@ def _open_files() -> dict[str, str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     configure_logging(json_output=True)
+    if args.home is not None:  # the memory probe's own process, on a filled home
+        sys.stdout.write(asyncio.run(probe_memory(args.home, args)) + "\n")
+        return 0
     root = Path(tempfile.mkdtemp(prefix="probe-turn-io-"))
     try:
         home = root / "home"
         home.mkdir(mode=0o700)
         asyncio.run(fill_home(home, args.sessions))
-        probe = probe_pages if args.probe == "pages" else probe_commits
-        report = asyncio.run(probe(home, args))
+        probes = {
+            "pages": probe_pages,
+            "commits": probe_commits,
+            "memory": probe_memory,
+            "threads": probe_threads,
+        }
+        if args.probe == "memory":  # a fresh process: its RSS is the run's own
+            forwarded = ["--sessions", str(args.sessions), "--messages", str(args.messages)]
+            forwarded += ["--rate", str(args.rate), "--warmup", str(args.warmup)]
+            command = [sys.executable, __file__, "memory", "--home", str(home), *forwarded]
+            report = subprocess.run(
+                command, check=True, capture_output=True, text=True, timeout=900
+            ).stdout.rstrip()
+        else:
+            report = asyncio.run(probes[args.probe](home, args))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     # The gateway's log lines went to standard error; the report is the output.

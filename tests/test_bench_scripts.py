@@ -211,7 +211,8 @@ def test_bench_console_times_each_sessions_page() -> None:
 
 
 @pytest.mark.timeout(150)
-def test_probe_turn_io_names_the_pages_a_turn_writes_and_what_commits_wait_on() -> None:
+def test_probe_turn_io_runs_each_probe() -> None:
+    """Pages a turn writes, what commits wait on, RSS by phase, CPU by thread."""
     pages = run_script("probe_turn_io.py", "pages", "--sessions", "300", "--turns", "20")
     assert re.search(r"20 turns 1 at a time: \d+ commits .* ([\d.]+) a turn; by B-tree", pages)
     per_tree = dict(
@@ -227,3 +228,12 @@ def test_probe_turn_io_names_the_pages_a_turn_writes_and_what_commits_wait_on() 
     assert re.search(r"300 sessions, 300 turns at 300/s offered: p50 [\d.]+ ms", commits), commits
     assert re.search(r"group commits: \d+, of them \d+ of 2 ms or more", commits), commits
     assert "the event loop's thread inside commits" in commits
+    memory = run_script(
+        "probe_turn_io.py", "memory", "--sessions", "300", "--messages", "200", "--warmup", "50"
+    )
+    peaks = {k.strip(): v for k, v in (line.rsplit(None, 1) for line in memory.splitlines()[1:])}
+    assert list(peaks) == ["imports", "start", "warm-up", "closed loop", "open loop", "stop"]
+    assert float(peaks["open loop"]) >= float(peaks["imports"]) > 20, memory
+    threads = run_script("probe_turn_io.py", "threads", "--sessions", "300", "--turns", "300")
+    assert re.search(r"indexing on: \d+ us of CPU a turn .*\n +[\d.]+ +MainThread", threads)
+    assert "transcript indexing off:" in threads

@@ -117,7 +117,7 @@ def check_sessions_json(path: Path) -> bool:
     return False
 
 
-MIRROR_PAGE = 2000
+MIRROR_PAGE = 500
 
 
 def _iso(column: str) -> str:
@@ -191,7 +191,8 @@ def write_sessions_json(db_path: Path, json_path: Path) -> int:
             lines, rows, last = conn.execute(MIRROR_PAGE_SQL, (after, MIRROR_PAGE)).fetchone()
             if not rows:
                 break
-            file.write(f"{',' if count else ''}\n{lines}".encode())
+            file.write(b",\n" if count else b"\n")
+            file.write(lines.encode())
             count += rows
             after = last
         crash_point("mid_sessions_json_write")  # the temp file is not closed yet

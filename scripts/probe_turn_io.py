@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import itertools
 import os
 import shutil
@@ -108,14 +109,16 @@ async def probe_pages(home: Path, args: argparse.Namespace) -> str:
     try:
         await driver.closed_loop("warmup", args.warmup, args.concurrency, 1, 120)
         await asyncio.sleep(2.5)  # the indexers' rounds and their reports are written
-        with sqlite3.connect(state) as conn:
-            conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        with contextlib.closing(sqlite3.connect(state)) as conn:
+            busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if busy:
+            raise RuntimeError("the WAL could not be emptied (a reader or writer was busy)")
         await driver.closed_loop("closed", args.turns, args.concurrency, 2, 120)
         wal = state.with_name("state.db-wal").read_bytes()
     finally:
         await runner.stop()
     commits = wal_commits(wal)
-    with sqlite3.connect(state) as conn:
+    with contextlib.closing(sqlite3.connect(state)) as conn:
         owner = dict(conn.execute("SELECT pageno, name FROM dbstat"))
     by_tree: collections.Counter[str] = collections.Counter()
     for pages in commits:
@@ -142,11 +145,12 @@ class LoopWatch:
         self.committing = False
         self.samples: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.commits: list[float] = []
+        self.done = threading.Event()
         threading.Thread(target=self._sample, daemon=True).start()
 
     def _sample(self) -> None:
         base = Path(f"/proc/self/task/{self.tid}")
-        while True:
+        while not self.done.is_set():
             if self.committing:
                 try:
                     call = (base / "syscall").read_text().split()
@@ -193,6 +197,7 @@ async def probe_commits(home: Path, args: argparse.Namespace) -> str:
         result = await driver.open_loop("open", args.messages, args.rate, 3, 300)
         fds = {fd: Path(path).name for fd, path in _open_files().items() if "sessions" in path}
     finally:
+        watch.done.set()
         await runner.stop()
     slow = sorted(d for d in watch.commits if d >= SLOW_COMMIT)
     frames = [frames for frames, _ in wal_lengths]
@@ -237,10 +242,11 @@ async def probe_memory(home: Path, args: argparse.Namespace) -> str:
         phase[0] = name
         note()
 
+    done = threading.Event()
+
     def sample() -> None:
-        while True:
+        while not done.wait(0.05):
             note()
-            time.sleep(0.05)
 
     threading.Thread(target=sample, daemon=True).start()
     adapter = InProcessAdapter()
@@ -258,6 +264,7 @@ async def probe_memory(home: Path, args: argparse.Namespace) -> str:
         enter("stop")
     finally:
         await runner.stop()
+        done.set()
     note()
     lines = [f"{args.sessions} sessions: peak VmRSS (MiB) by phase"]
     lines += [f"  {name:12s} {mib:6.1f}" for name, mib in peaks.items()]

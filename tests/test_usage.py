@@ -20,6 +20,8 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
+from gateway.domain.events import MessageEvent
+from gateway.domain.session import Platform, SessionSource
 from gateway.run import GatewayRunner
 from gateway.store import usage
 from scripts.harness import Daemon, parse_metrics
@@ -204,6 +206,19 @@ async def test_a_daily_token_budget_refuses_before_the_model_and_resets_the_next
         gw.runner.budgets.clock = lambda: time.time() + 86_400
         assert await gw.say("seven") == "fake: seven"
         assert tally.answers == 5
+        metrics = parse_metrics(await gw.client.get_text("/metrics"))
+        assert metrics['hermes_budget_refusals_total{limit="tokens_per_day"}'] == 2
+        # The check itself counts nothing (a begin transaction may run again after a
+        # batch failed): a refusal is counted once its turn is answered.
+        gw.runner.budgets.clock = time.time
+        source = SessionSource(Platform.HTTP, chat_id="c1", user_id="u1")
+        event = MessageEvent(source=source, text="eight", message_id="probe-1")
+        key = "agent:main:http:dm:c1"
+        for _ in range(2):
+            refusal = await gw.runner.store.read(
+                lambda conn: gw.runner.budgets.gate(conn, key, event)
+            )
+            assert refusal is not None and refusal.reason == "tokens_per_day", refusal
         metrics = parse_metrics(await gw.client.get_text("/metrics"))
         assert metrics['hermes_budget_refusals_total{limit="tokens_per_day"}'] == 2
     finally:

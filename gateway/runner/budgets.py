@@ -31,6 +31,7 @@ from gateway.domain.events import MessageEvent
 from gateway.domain.session import Platform, SessionSource, TokenUsage, schedule_id_of_key
 from gateway.ops.metrics import Metrics
 from gateway.store import codec, usage
+from gateway.store.turnlog import Refusal
 from gateway.store.usage import Charge, Totals
 
 #: how far `owner_of` follows delegations up to the user who started them
@@ -128,9 +129,10 @@ class Budgets:
 
     # --- begin: may the turn start? ---------------------------------------------------
 
-    def gate(self, conn: sqlite3.Connection, key: str, event: MessageEvent) -> str | None:
+    def gate(self, conn: sqlite3.Connection, key: str, event: MessageEvent) -> Refusal | None:
         """In the turn's begin transaction: None when the turn may call its model, else
-        the refusal the user gets (which limit, their usage, when it resets)."""
+        the refusal: its limit, and what the user is told (their usage, when it resets).
+        Counted by the turn once it is answered, not here: a transaction may run again."""
         source = event.source
         owner = owner_of(conn, key, source) if _owned_elsewhere(key, source) else user_key(source)
         limits = self.limits_for(owner) if owner is not None else None
@@ -143,22 +145,22 @@ class Budgets:
         if refused is None and limits.turns_per_minute is not None:
             free_at = usage.take_start(conn, owner, now, limits.turns_per_minute)
             if free_at is not None:
-                self.metrics.count_budget_refusal("turns_per_minute")
                 wait = max(1, round(free_at - now))
-                return (
+                return Refusal(
+                    "turns_per_minute",
                     f"You are sending messages faster than this bot allows "
                     f"({limits.turns_per_minute} per minute); this one was not answered. "
-                    f"Send it again in {wait} s."
+                    f"Send it again in {wait} s.",
                 )
         if refused is None:
             return None
         name, used, limit = refused
-        self.metrics.count_budget_refusal(name)
         resets = self._reset_time(name, now)
-        return (
+        return Refusal(
+            name,
             f"You have reached your budget for {_WHAT[name]} ({name}: {amount(name, limit)};"
             f" used {amount(name, used)}), so this message was not answered. It resets"
-            f" {resets}. /usage shows what you have used."
+            f" {resets}. /usage shows what you have used.",
         )
 
     def _reset_time(self, name: str, now: float) -> str:

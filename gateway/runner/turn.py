@@ -298,7 +298,7 @@ class TurnRunner:
         with it as with any turn); its model is never called."""
         assert begun.refusal is not None
         source = event.source
-        outcome = TurnOutcome.failed(begun.refusal, "refused")
+        outcome = TurnOutcome.failed(begun.refusal.text, "refused")
         text, settles, run_status = outcome.text, (), None
         schedule_id = self.scheduler.schedule_of(key)
         if schedule_id is not None:
@@ -308,6 +308,7 @@ class TurnRunner:
             settles = (settle,)
         chunks = self.delivery.split(source, text)
         ids = await self.lane.finish_turn(key, begun, event, outcome, chunks, None, settles)
+        self.metrics.count_budget_refusal(begun.refusal.reason)  # once: the finish committed
         if run_status is not None:
             self.metrics.count_schedule_run(run_status)
         turn.outcome, turn.chunks = outcome.status, len(chunks)

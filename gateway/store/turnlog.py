@@ -33,6 +33,16 @@ log = structlog.get_logger("gateway.store.turnlog")
 
 
 @dataclass(frozen=True, slots=True)
+class Refusal:
+    """Why a turn may not call its model (`TurnLog.gate`): which limit (`reason`, what
+    the metrics count once the refused turn is finished: the begin transaction may run
+    again) and what its sender is told."""
+
+    reason: str
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
 class TurnStart:
     """What `begin` found and did. `entry` carries the hot fields only (see
     `entries.load_hot`): `origin` and `display_name` are None, `platform` and `chat_type`
@@ -49,7 +59,7 @@ class TurnStart:
     running: bool = True  # its marker says it runs (else `mark_running` once it does)
     # Why the turn may not call its model (a budget, `TurnLog.gate`): it is answered
     # with this, and its message is not stored in the transcript.
-    refusal: str | None = None
+    refusal: Refusal | None = None
 
 
 class TurnLog:
@@ -72,7 +82,7 @@ class TurnLog:
         self.fence: Callable[[Any, str], None] | None = None
         # Budgets (gateway.runner.budgets): run in a new turn's begin transaction, it
         # returns why the turn may not start (None: it may).
-        self.gate: Callable[[Any, str, MessageEvent], str | None] | None = None
+        self.gate: Callable[[Any, str, MessageEvent], Refusal | None] | None = None
 
     async def accept(
         self, event: MessageEvent, session_key: str, kind: str, *, done: bool = False

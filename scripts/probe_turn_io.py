@@ -98,6 +98,18 @@ def wal_commits(wal: bytes) -> list[set[int]]:
     return commits
 
 
+async def _empty_wal(state: Path, tries: int = 20) -> None:
+    """Copy the WAL back and truncate it, once no background reader holds it (an
+    indexer's round may): tried a few times, then an error rather than a miscount."""
+    for _ in range(tries):
+        with contextlib.closing(sqlite3.connect(state, timeout=1.0)) as conn:
+            busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        if not busy:
+            return
+        await asyncio.sleep(0.2)
+    raise RuntimeError("the WAL could not be emptied: a reader or writer stayed busy")
+
+
 async def probe_pages(home: Path, args: argparse.Namespace) -> str:
     # The checkpointer would copy the WAL back and restart it under the probe.
     checkpoint.Checkpointer.start = lambda self: None  # type: ignore[method-assign]
@@ -109,10 +121,7 @@ async def probe_pages(home: Path, args: argparse.Namespace) -> str:
     try:
         await driver.closed_loop("warmup", args.warmup, args.concurrency, 1, 120)
         await asyncio.sleep(2.5)  # the indexers' rounds and their reports are written
-        with contextlib.closing(sqlite3.connect(state)) as conn:
-            busy, _, _ = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
-        if busy:
-            raise RuntimeError("the WAL could not be emptied (a reader or writer was busy)")
+        await _empty_wal(state)
         await driver.closed_loop("closed", args.turns, args.concurrency, 2, 120)
         wal = state.with_name("state.db-wal").read_bytes()
     finally:

@@ -225,7 +225,7 @@ def test_probe_turn_io_runs_each_probe() -> None:
     commits = run_script(
         "probe_turn_io.py", "commits", "--sessions", "300", "--messages", "300", "--rate", "300"
     )
-    assert re.search(r"300 sessions, 300 turns at 300/s offered: p50 [\d.]+ ms", commits), commits
+    assert re.search(r"300 sessions, \d+ turns at 300/s offered: p50 [\d.]+ ms", commits), commits
     assert re.search(r"group commits: \d+, of them \d+ of 2 ms or more", commits), commits
     assert "the event loop's thread inside commits" in commits
     memory = run_script(

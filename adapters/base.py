@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import mimetypes
 import re
 import sys
 import traceback
@@ -502,16 +503,28 @@ _FENCE = re.compile(r"^\s*(```|~~~)", re.MULTILINE)
 MAX_SEND_FILE = 20 * 1024 * 1024
 
 
-async def read_local_file(path: Path) -> bytes:
-    """A reply's local file, read off the event loop; ValueError past MAX_SEND_FILE (the
-    ledger keeps the row, and the error says why it was not sent)."""
+@dataclass(frozen=True, slots=True)
+class LocalFile:
+    """A reply's local file as an upload needs it."""
+
+    name: str
+    mime: str
+    data: bytes
+
+
+async def read_local_file(attachment: Attachment, default_mime: str) -> LocalFile:
+    """A reply's local file (not a URL), read off the event loop, its type guessed from
+    its name; ValueError past MAX_SEND_FILE (the ledger keeps the row, and the error
+    says why it was not sent)."""
+    path = Path(attachment.source)
 
     def read() -> bytes:
         if path.stat().st_size > MAX_SEND_FILE:
             raise ValueError(f"{path.name} is larger than {MAX_SEND_FILE // 1024 // 1024} MiB")
         return path.read_bytes()
 
-    return await asyncio.to_thread(read)
+    data = await asyncio.to_thread(read)
+    return LocalFile(path.name, mimetypes.guess_type(path.name)[0] or default_mime, data)
 
 
 def utf16_len(text: str) -> int:

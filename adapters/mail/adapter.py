@@ -24,7 +24,6 @@ import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from email.headerregistry import Address
-from pathlib import Path
 from typing import Any
 
 import aioimaplib
@@ -248,13 +247,10 @@ class EmailAdapter(PlatformAdapter):
     ) -> SendResult:
         if attachment.is_url:
             return await super().send_attachment(target, attachment, reply_to)
-        path = Path(attachment.source)
-        data = await read_local_file(path)
-        mime = {"photo": "image/png", "voice": "audio/ogg"}.get(
-            attachment.kind, "application/octet-stream"
-        )
-        part = MailPart(name=path.name, mime=_guess_mime(path.name, mime), data=data)
-        text = attachment.caption or f"({path.name} attached)"
+        kind_mime = {"photo": "image/png", "voice": "audio/ogg"}.get(attachment.kind)
+        file = await read_local_file(attachment, kind_mime or "application/octet-stream")
+        part = MailPart(name=file.name, mime=file.mime, data=file.data)
+        text = attachment.caption or f"({file.name} attached)"
         return await self._send(target, text, reply_to, delivery_id, (part,))
 
     async def _send(
@@ -345,12 +341,6 @@ def _size(lines: list[Any]) -> int | None:
         if found:
             return int(found.group(1))
     return None
-
-
-def _guess_mime(name: str, default: str) -> str:
-    import mimetypes
-
-    return mimetypes.guess_type(name)[0] or default
 
 
 def _close(imap: aioimaplib.IMAP4) -> None:

@@ -22,10 +22,8 @@ log. One sync per account: with replicas, only the leader syncs.
 from __future__ import annotations
 
 import asyncio
-import mimetypes
 from collections import OrderedDict
 from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlparse
 
@@ -370,20 +368,21 @@ class MatrixAdapter(PlatformAdapter):
         if attachment.is_url:
             return await super().send_attachment(target, attachment, reply_to)
         assert self.client is not None
-        path = Path(attachment.source)
-        data = await read_local_file(path)
-        mime = mimetypes.guess_type(path.name)[0] or "application/octet-stream"
+        file = await read_local_file(attachment, "application/octet-stream")
         uploaded, _ = await self.client.upload(
-            lambda *_: data, content_type=mime, filename=path.name, filesize=len(data)
+            lambda *_: file.data,
+            content_type=file.mime,
+            filename=file.name,
+            filesize=len(file.data),
         )
         if not isinstance(uploaded, nio.UploadResponse):
             raise ConnectionError(f"upload failed: {getattr(uploaded, 'message', uploaded)}")
         content = {
-            "msgtype": "m.image" if mime.startswith("image/") else "m.file",
-            "body": attachment.caption or path.name,
-            "filename": path.name,
+            "msgtype": "m.image" if file.mime.startswith("image/") else "m.file",
+            "body": attachment.caption or file.name,
+            "filename": file.name,
             "url": uploaded.content_uri,
-            "info": {"mimetype": mime, "size": len(data)},
+            "info": {"mimetype": file.mime, "size": len(file.data)},
             **_relation(target, reply_to),
         }
         return await self._send(target.chat_id, content, _tx(delivery_id), wait=True)

@@ -398,3 +398,49 @@ async def test_a_file_is_downloaded_a_piece_at_a_time_so_the_size_cap_stops_it_e
             [piece async for piece in adapter.open_media(InboundMedia("photo", "https://x/y", "y"))]
     finally:
         await adapter.client.close()
+
+
+async def test_an_encrypted_room_is_not_told_again_after_a_restart(
+    tmp_path: Path, homeserver: Homeserver, accounts: dict[str, Any], alice: Person
+) -> None:
+    """The notice goes through the delivery ledger and is remembered durably: after a
+    restart, another encrypted message in the room gets no second notice. A plain
+    message sent after it in the same room is answered, which shows the encrypted one
+    before it was read by then."""
+    bot = accounts["bot"]["user_id"]
+    daemon = daemon_for(tmp_path, homeserver, accounts)
+    sealed = {
+        "algorithm": "m.megolm.v1.aes-sha2",
+        "ciphertext": "AwgAEnAC",
+        "sender_key": "c2VuZGVy",
+        "session_id": "c2Vzc2lvbg",
+        "device_id": accounts["alice"]["device_id"],
+    }
+    encryption = {
+        "type": "m.room.encryption",
+        "state_key": "",
+        "content": {"algorithm": "m.megolm.v1.aes-sha2"},
+    }
+
+    def notices() -> list[dict[str, Any]]:
+        told = replies(alice.events, bot, secret)
+        return [e for e in told if "encrypted" in e["content"]["body"]]
+
+    try:
+        daemon.start()
+        secret = await alice.room([bot], is_direct=True, initial_state=[encryption])
+        await joined(alice, secret, bot)
+        await alice.client.room_send(secret, "m.room.encrypted", sealed)
+        await alice.wait(lambda e: bool(notices()))
+        assert daemon.stop() == 0
+        daemon.start()
+        await alice.client.room_send(secret, "m.room.encrypted", sealed)
+        await alice.say(secret, "plain after it")
+        answered = "echo: plain after it"
+        await alice.wait(
+            lambda e: any(r["content"]["body"] == answered for r in replies([e], bot, secret))
+        )
+        assert daemon.stop() == 0
+    finally:
+        daemon.ensure_stopped()
+    assert len(notices()) == 1

@@ -58,6 +58,7 @@ _MEDIA = {
     "m.file": "document",
     "m.video": "document",
 }
+ENCRYPTED_TOLD = "encrypted_notice:"  # + a room id: the cursor that says it was told
 ENCRYPTED_NOTICE = (
     "This room is end-to-end encrypted, and I cannot read encrypted messages yet. "
     "Talk to me in a room without encryption."
@@ -270,14 +271,25 @@ class MatrixAdapter(PlatformAdapter):
         return self.user_id in body or local.lower() in body.lower()
 
     async def _encrypted(self, room_id: str) -> None:
+        """A room whose messages arrive encrypted is told once that they are not read: as
+        a gateway notice (the delivery ledger sends it, again after a crash if need be),
+        remembered as a platform cursor of the room, so a restart or a failover does not
+        tell it again. Remembered first: a crash between the two loses the notice rather
+        than sending it twice."""
         if room_id in self._told_encrypted:
             return
+        assert self.gateway is not None
+        try:
+            validate_id("room", room_id)
+        except ValueError:
+            return
+        told = f"{ENCRYPTED_TOLD}{room_id}"
+        if await self.gateway.load_cursor(self.platform.value, told) is None:
+            self.log.warning("encrypted_room_unsupported", room_id=room_id)
+            await self.gateway.save_cursor(self.platform.value, told, "told")
+            room = SessionSource(platform=Platform.MATRIX, chat_id=room_id, chat_type="group")
+            await self.gateway.notify(room, ENCRYPTED_NOTICE)
         self._told_encrypted.add(room_id)
-        self.log.warning("encrypted_room_unsupported", room_id=room_id)
-        assert self.client is not None
-        await self.client.room_send(
-            room_id, "m.room.message", {"msgtype": "m.notice", "body": ENCRYPTED_NOTICE}
-        )
 
     # --- replies ------------------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ in its thread; a streamed reply arriving as one event edited with m.replace; an 
 reaching the turn, and one the agent sends arriving from the content repository; a
 file downloaded a piece at a time (so the media size cap stops it early); a
 kill -9 between two events, each answered once; and an encrypted room told once that it
-is not read."""
+is not read, also across a restart."""
 
 from __future__ import annotations
 

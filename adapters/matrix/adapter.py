@@ -136,9 +136,10 @@ class MatrixAdapter(PlatformAdapter):
                     if isinstance(response, nio.SyncError):
                         raise ConnectionError(f"sync failed: {response.message}")
                     if await self._take(response):
-                        await self.gateway.save_cursor(
-                            self.platform.value, CURSOR, response.next_batch
-                        )
+                        if _carries_events(response):  # an idle sync writes nothing
+                            await self.gateway.save_cursor(
+                                self.platform.value, CURSOR, response.next_batch
+                            )
                         since = response.next_batch
                     else:
                         await asyncio.sleep(1.0)  # the store could not take them: again
@@ -398,6 +399,15 @@ class MatrixAdapter(PlatformAdapter):
             **_relation(target, reply_to),
         }
         return await self._send(target.chat_id, content, _tx(delivery_id), wait=True)
+
+
+def _carries_events(response: nio.SyncResponse) -> bool:
+    """Whether a sync brought an invitation or a room event: only then is its position
+    stored. A restart from an older position is read again (the inbox drops what it
+    accepted), so an idle sync every `sync_timeout` need not touch the disk."""
+    return bool(response.rooms.invite) or any(
+        info.timeline.events for info in response.rooms.join.values()
+    )
 
 
 def _formatted(text: str) -> dict[str, Any]:

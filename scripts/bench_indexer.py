@@ -90,14 +90,16 @@ def index_all(home: Path, page: int) -> tuple[float, int]:
     conn = sqlite_index.connect(sessions / index.MEMORY_DB, sessions / "state.db")
     index.MESSAGE_PAGE = page
     sqlite_index.MESSAGE_PAGE = page
-    ops, settings = sqlite_index.INDEX, index.IndexSettings()
+    # The default configuration's: the hash embedder, whose vectors recall derives (none
+    # is made or stored by the rounds).
+    ops, settings = sqlite_index.DERIVED_INDEX, index.IndexSettings()
     namespaces, embedder = index.NamespaceCache(), HashEmbedder()
     try:
         ops.requeue_other_models(conn, embedder.model_id)
         started, rounds = time.process_time(), 0
         while True:
             rounds += 1
-            if not ops.apply_logs(conn, settings, namespaces, embedder).more:
+            if not ops.apply_logs(conn, settings, namespaces).more:
                 break
         return time.process_time() - started, rounds
     finally:

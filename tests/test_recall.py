@@ -28,6 +28,7 @@ from adapters.http import HttpAdapter
 from config import GatewayConfig
 from gateway.memory import sqlite_index
 from gateway.memory.chunking import chunk_text, content_hash, normalize, normalize_tags
+from gateway.memory.embeddings import HashEmbedder
 from gateway.memory.index import MEMORY_DB
 from gateway.memory.recall import Namespace, Recall
 from gateway.memory.retrieval import (
@@ -80,6 +81,12 @@ def index_count(backend: StorageBackend, sessions: Path, table: str) -> int:
         if not found or found[0] is None:
             return -1
         return conn.execute(f"SELECT count(*) FROM memory_{table}").fetchone()[0]
+
+
+def stored_vectors(backend: StorageBackend, chunks: int) -> int:
+    """The hash embedder's vectors held for `chunks` chunks: all on PostgreSQL, none in
+    memory.db (recall derives them, gateway.memory.vector_cache)."""
+    return chunks if backend.postgres else 0
 
 
 @pytest.fixture
@@ -143,7 +150,7 @@ def test_a_text_query_keeps_the_rare_words_of_a_bounded_prefix(tmp_path: Path) -
             " VALUES (?, 'ns', 'note', 'h', ?, 0, 0)",
             [(i, f"common word{i}") for i in range(1, MAX_POSTINGS + 2)],
         )
-        sqlite_index.SQLITE_INDEX.add_words(conn, 0)
+        sqlite_index.SQLITE_INDEX.add_words(conn, 0, MAX_POSTINGS + 1)
         # "common" is in more chunks than a search may rank: only the rarer words stay
         assert kept_words(conn, "Common word7 word9", SQLITE)[0] == ["word7", "word9"]
         assert kept_words(conn, "common", SQLITE)[0] == []
@@ -172,15 +179,64 @@ def test_the_vector_cache_grows_with_new_vectors_and_reloads_after_a_delete(
 
     try:
         add(0, 10)
-        ids, cols = cache.get(conn, "ns", "m")
+        ids, cols = cache.get(conn, "ns", "m", SQLITE)
         assert ids.tolist() == list(range(10)) and np.array_equal(cols, vectors[:10].T)
         add(10, 150)  # past the first capacity (64): the matrix grows
-        ids, cols = cache.get(conn, "ns", "m")
+        ids, cols = cache.get(conn, "ns", "m", SQLITE)
         assert ids.tolist() == list(range(150)) and np.array_equal(cols, vectors.T)
         conn.execute("DELETE FROM vectors WHERE chunk_id = 5")
-        ids, cols = cache.get(conn, "ns", "m")
+        ids, cols = cache.get(conn, "ns", "m", SQLITE)
         keep = [i for i in range(150) if i != 5]
         assert ids.tolist() == keep and np.array_equal(cols, vectors[keep].T)
+    finally:
+        conn.close()
+
+
+def test_derived_vectors_are_the_hash_of_each_chunk_of_the_namespace_also_after_a_delete(
+    tmp_path: Path,
+) -> None:
+    """Under the hash embedder memory.db stores no vector: the cache computes them from
+    the texts, the namespace's only, the same as stored ones would be; a delete drops
+    the chunk's vector, and a deleted chunk's id is never handed out again."""
+    sqlite3.connect(tmp_path / "state.db").close()
+    conn = sqlite_index.connect(tmp_path / MEMORY_DB, tmp_path / "state.db")
+    sql = sqlite_index.DERIVED_INDEX.sql
+    embedder = HashEmbedder()
+    cache = VectorCache(derive=embedder.embed_sync)
+    texts: dict[int, str] = {}
+
+    def add(namespace: str, kind: str, text: str) -> int:
+        if kind == "note":
+            sql.add_note_chunks(conn, namespace, text, [(content_hash(text), text)], 0, 0, [])
+        else:
+            sql.add_transcript_chunks(conn, [(namespace, "s", content_hash(text), text, 0)], [])
+        chunk_id = conn.execute("SELECT id FROM chunks WHERE text = ?", (text,)).fetchone()[0]
+        if namespace == "ns":
+            texts[chunk_id] = text
+        return chunk_id
+
+    def check() -> None:
+        ids, cols = cache.get(conn, "ns", embedder.model_id, SQLITE)
+        assert sorted(ids.tolist()) == sorted(texts) and len(ids) == len(texts)
+        want = embedder.embed_sync([texts[i] for i in ids.tolist()])
+        assert np.array_equal(cols, want.T)
+
+    try:
+        for i in range(70):  # past the first capacity (64), both kinds, another namespace
+            add("ns", ("note", "transcript")[i % 2], f"heron number {i} by the lake")
+            add("other", "note", f"egret {i}")
+        check()
+        add("ns", "transcript", "a kingfisher came later")  # only the new one is read
+        check()
+        last, middle = max(texts), sorted(texts)[30]
+        for gone in (last, middle):
+            sql.delete_chunks(conn, "id = ?", (gone,))
+            del texts[gone]
+        check()
+        assert add("ns", "note", "the otter came last") > last  # never the same id again
+        check()
+        assert conn.execute("SELECT count(*) FROM vectors").fetchone()[0] == 0
+        assert conn.execute("SELECT count(*) FROM pending_vectors").fetchone()[0] == 0
     finally:
         conn.close()
 
@@ -370,6 +426,23 @@ async def test_a_new_embedding_backend_reembeds_everything(
         models = memory.execute("SELECT model, count(*) FROM vectors GROUP BY model").fetchall()
         memory.close()
     assert models == [("openai:text-embedding-3-small", 2)]  # the hash vectors replaced
+    # And back: memory.db keeps no hash vector (recall derives them), PostgreSQL does.
+    async with SessionStore(tmp_path, config) as store:
+        recall = Recall(store, config)
+        await recall.open()
+        await recall.indexer.catch_up()
+        hits = await recall.search(ALICE, "herons")
+        await recall.close()
+    assert [hit.text for hit in hits][:1] == ["first note about herons"]
+    if store_backend.postgres:
+        with psycopg.connect(store_backend.dsn or "") as conn:
+            models = conn.execute(
+                "SELECT model, count(*) FROM memory_vectors GROUP BY model"
+            ).fetchall()
+        assert models == [("hash-words:256", 2)]
+    else:
+        assert _count(tmp_path / MEMORY_DB, "vectors") == 0
+        assert _count(tmp_path / MEMORY_DB, "pending_vectors") == 0
 
 
 # --- the daemon: transcripts, forgetting -------------------------------------------------
@@ -455,14 +528,8 @@ async def test_the_index_holds_exactly_the_indexable_messages(gateway: Gateway) 
         chunks = memory.execute("SELECT count(*) FROM chunks").fetchone()[0]
         assert chunks == len({link[1:] for link in want_links})
         assert not any("gone soon" in link for link in memory.execute("SELECT text FROM chunks"))
-        model = gateway.runner.recall.embedder.model_id
-        assert (
-            memory.execute(
-                "SELECT count(*) FROM chunks c JOIN vectors v ON v.chunk_id = c.id AND v.model = ?",
-                (model,),
-            ).fetchone()[0]
-            == chunks
-        )
+        # the hash embedder's vectors are derived by recall (vector_cache), never stored
+        assert memory.execute("SELECT count(*) FROM vectors").fetchone()[0] == 0
         assert memory.execute("SELECT count(*) FROM pending_vectors").fetchone()[0] == 0
         # the full-text index has a row (its `docsize` entry) for every chunk, no other
         indexed = memory.execute("SELECT id FROM chunks_fts_docsize ORDER BY id").fetchall()
@@ -505,7 +572,7 @@ def test_an_older_memory_db_loses_its_full_text_triggers(tmp_path: Path) -> None
             "INSERT INTO chunks (namespace, kind, hash, text, created_at, updated_at)"
             " VALUES ('memory:main:http:alice', 'note', 'h', 'quince jelly', 0, 0)"
         )
-        sqlite_index.SQLITE_INDEX.add_words(conn, 0)
+        sqlite_index.SQLITE_INDEX.add_words(conn, 0, 1)
         assert conn.execute("SELECT count(*) FROM chunks_fts_docsize").fetchone()[0] == 1
         assert sqlite_index.SQLITE_INDEX.delete_chunks(conn, "kind = 'note'") == 1
         conn.execute("INSERT INTO chunks_fts(chunks_fts) VALUES ('integrity-check')")
@@ -526,7 +593,8 @@ async def test_deleting_a_session_deletes_its_chunks_and_vectors(gateway: Gatewa
         return tables_holding(sessions / MEMORY_DB, needle)
 
     assert holding("kumquat")
-    assert index_count(backend, sessions, "vectors") == 2  # the message and its echo
+    assert index_count(backend, sessions, "chunks") == 2  # the message and its echo
+    assert index_count(backend, sessions, "vectors") == stored_vectors(backend, 2)
     entry = await gateway.runner.store.get_entry("agent:main:http:dm:dm-alice")
     assert entry is not None
     done = await gateway.runner.delete_session(entry.session_id)
@@ -553,7 +621,7 @@ async def test_indexing_catches_up_after_memory_db_is_lost(tmp_path: Path) -> No
     runner = GatewayRunner(config, [HttpAdapter(config.platforms.http)], EchoAgent, home=tmp_path)
     await runner.start()
     try:
-        await wait_for(lambda: _count(tmp_path / "sessions" / MEMORY_DB, "vectors") == 3)
+        await wait_for(lambda: _count(tmp_path / "sessions" / MEMORY_DB, "chunks") == 3)
         kinds = sorted(h.kind for h in await runner.recall.search(ALICE, "ocelot"))
         assert kinds == ["note", "transcript", "transcript"]
     finally:
@@ -584,9 +652,9 @@ async def test_forgetting_a_user_leaves_nothing_of_theirs_in_any_table(gateway: 
     for needle in ("tell nobody", "alice's wombat", "alice wombat", "memory:main:http:alice"):
         assert holding(needle) == [], needle
     assert holding("memory:coder:http:alice") == []
-    # Bob: a note and two messages (his and the echo), each a chunk with its vector
-    assert index_count(backend, sessions, "vectors") == index_count(backend, sessions, "chunks")
+    # Bob: a note and two messages (his and the echo), each a chunk (with its vector)
     assert index_count(backend, sessions, "chunks") == 3
+    assert index_count(backend, sessions, "vectors") == stored_vectors(backend, 3)
     assert next(h.text for h in await recall.search(BOB, "wombat")).startswith("bob")
     assert await recall.search(ALICE, "wombat") == []
     assert await notes_of(recall, ALICE) == []
@@ -683,7 +751,8 @@ async def test_memory_cli_lists_exports_and_forgets_a_user(gateway: Gateway) -> 
             assert tables_holding(path, needle) == [], (path.name, needle)
     memory = sessions / MEMORY_DB
     assert tables_holding(memory, "alice") == []
-    assert _count(memory, "vectors") == _count(memory, "chunks") == 3  # Bob: note, 2 messages
+    assert _count(memory, "chunks") == 3  # Bob: note, 2 messages
+    assert _count(memory, "vectors") == 0  # the hash embedder's are derived (vector_cache)
     assert next(h.text for h in await recall.search(BOB, "wombat")).startswith("bob")
     assert await recall.search(ALICE, "wombat") == []
     assert await notes_of(recall, ALICE) == []

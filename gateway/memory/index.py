@@ -48,6 +48,7 @@ NOTE_PAGE = 2_000  # note log entries per round
 MESSAGE_PAGE = 5_000  # message log entries (or rebuilt messages) per round
 INDEXED_ROLES = ("user", "assistant")
 INLINE_VECTORS = 2 * MESSAGE_PAGE  # vectors made inside a round, at most (the rest wait)
+DERIVED = " derived"  # meta 'model' of an index whose vectors recall derives
 INLINE_BATCH = 256  # of those, embedded and stored at a time
 
 # A transcript chunk to upsert: (namespace, session id, hash, text, message time).
@@ -97,9 +98,11 @@ class IndexSql(RecallSql, Protocol):
     """The SQL the indexer needs, per engine; with the engine's `RecallSql`, one object.
 
     `mark` is the engine's parameter placeholder, for the `where` clauses the indexer
-    writes itself (`delete_chunks`)."""
+    writes itself (`delete_chunks`); `stores_vectors` False, no vector is stored
+    (recall derives them, gateway.memory.vector_cache)."""
 
     mark: str
+    stores_vectors: bool
 
     def round(self, conn: Any, wait: bool) -> AbstractContextManager[bool]:
         """A round's transaction; it yields False when the round is left to another
@@ -339,8 +342,11 @@ class MemoryIndex:
 
     def requeue_other_models(self, conn: Any, model_id: str) -> int:
         """At start: when the embedder changed, every chunk is queued to be embedded
-        again (its old vector stays, unscored, until the new one replaces it)."""
+        again (its old vector stays, unscored, until the new one replaces it). Vectors
+        derived, not stored, count as a model of their own: the stored ones go."""
         sql = self.sql
+        if not sql.stores_vectors:
+            model_id += DERIVED
         with sql.writing(conn):
             if sql.meta(conn, "model") == model_id:
                 return 0

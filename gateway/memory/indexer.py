@@ -63,16 +63,23 @@ class MemoryIndexer(ThreadedSqliteTask):
         self.settings = settings
         self.embedder = embedder
         self.path = store.sessions_dir / index.MEMORY_DB
-        self.cache = VectorCache()
         # On PostgreSQL the index is the store's `memory_*` tables: the same rounds and
         # recall, in that backend's SQL (gateway.memory.pg_index).
         self.postgres = bool(getattr(store, "postgres", False))
-        self.ops: index.MemoryIndex = _pg().INDEX if self.postgres else sqlite_index.INDEX
+        hashed = embedder if isinstance(embedder, HashEmbedder) else None
+        # memory.db stores no `hash` vector: recall derives them from the chunks' texts.
+        derive = hashed.embed_sync if hashed and not self.postgres else None
+        self.cache = VectorCache(derive=derive)
+        if self.postgres:
+            self.ops: index.MemoryIndex = _pg().INDEX
+        else:
+            self.ops = sqlite_index.DERIVED_INDEX if derive else sqlite_index.INDEX
         self.sql: RecallSql = self.ops.sql
         self.namespaces = index.NamespaceCache()
-        # `hash` embeds on the worker thread inside each round; a remote one in batches
-        # after it (it may be slow or down, and text recall must not wait for it).
-        self.inline = embedder if isinstance(embedder, HashEmbedder) else None
+        # `hash` on PostgreSQL embeds on the worker thread inside each round; a remote
+        # one in batches after it (it may be slow or down, and text recall must not wait
+        # for it).
+        self.inline = hashed if self.postgres else None
         self._lock = asyncio.Lock()
         self._reported: int | None = None  # the fts_log number last told to state.db
         # PostgreSQL: the last round was left to another replica holding the lock; the

@@ -287,9 +287,11 @@ _LINK = (
 
 
 class PgIndexSql(PgRecallSql):
-    """`IndexSql` (and `RecallSql`) on the store's `memory_*` tables."""
+    """`IndexSql` (and `RecallSql`) on the store's `memory_*` tables. Every vector is
+    stored (pgvector scores them in the server when it is there)."""
 
     mark = "%s"
+    stores_vectors = True
 
     @contextmanager
     def round(self, conn: psycopg.Connection[Any], wait: bool) -> Iterator[bool]:

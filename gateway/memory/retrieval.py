@@ -17,7 +17,8 @@ candidate when the query has a rarer word.
 
 The vector math is numpy: one matrix-vector product over the namespace's vectors
 (exact cosine: vectors and query are unit length), held in memory per namespace
-(`VectorCache`), since reading 100,000 blobs from SQLite takes longer than scoring them.
+(`gateway.memory.vector_cache`: stored vectors, or under the hash embedder on SQLite
+vectors computed from the chunks' texts, none stored).
 Against the alternatives (BENCHMARKS.md): usearch exact is no faster; usearch HNSW is
 faster per query but takes minutes to build and answers approximately; sqlite-vec cannot
 be loaded by this Python's sqlite3. Exact numpy is always right and needs no second
@@ -42,14 +43,14 @@ from __future__ import annotations
 import re
 import sqlite3
 import unicodedata
-from collections import OrderedDict
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
-from gateway.memory.vector_blob import decode_rows
+from gateway.memory.vector_cache import VectorCache
 from gateway.store import codec
 
 CANDIDATES = 64  # per signal, before the fusion
@@ -61,7 +62,6 @@ CANDIDATES = 64  # per signal, before the fusion
 # second plus the text's first (0.7 / 2 + 0.3 / 1): the text signal reorders the rest of
 # the list, and decides alone when the vector has no candidate.
 RRF_K = 0
-CACHE_BYTES = 512 * 1024 * 1024  # vectors held in memory across namespaces
 MAX_POSTINGS = 1_000  # chunks a text search may rank (see kept_words)
 COMMON_FLOOR = 5  # a word held by at most this many chunks is never "common"
 MAX_QUERY_WORDS = 64  # a query's first distinct words the text side looks at (one count each)
@@ -108,86 +108,6 @@ class RecallSql(Protocol):
     def rows(
         self, conn: Any, chunk_ids: list[int], exclude: Recent | None = None
     ) -> list[tuple[Any, ...]]: ...
-
-
-@dataclass(slots=True)
-class _Matrix:
-    deletes: int  # memory.db's vector_deletes when this was loaded or last checked
-    max_seq: int  # the newest vector (vectors.seq) held
-    count: int
-    ids: np.ndarray = field(repr=False)  # chunk ids, one per column
-    # (dimensions, capacity): column j is chunk ids[j]'s vector, columns 0..count-1 used.
-    # Dimension-major, so that a sparse query (a hash embedding has a few words) reads
-    # only its own dimensions' rows: 2 MB instead of 100 MB at 100,000 chunks.
-    cols: np.ndarray = field(repr=False)
-
-    def append(self, ids: np.ndarray, rows: np.ndarray, max_seq: int) -> None:
-        need = self.count + len(ids)
-        if need > len(self.ids):  # grow by doubling: appends cost O(1) amortized
-            size = max(need, 2 * len(self.ids), 64)
-            self.ids = np.resize(self.ids, size)
-            grown = np.zeros((rows.shape[1], size), dtype=np.float32)
-            grown[:, : self.count] = self.cols[:, : self.count]
-            self.cols = grown
-        self.ids[self.count : need] = ids
-        self.cols[:, self.count : need] = rows.T
-        self.count, self.max_seq = need, max_seq
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.cols.nbytes + self.ids.nbytes)
-
-
-class VectorCache:
-    """The namespaces' vectors as matrices, least recently used dropped past CACHE_BYTES.
-    Kept exact against memory.db (also when another process wrote it): new vectors are
-    appended; after any vector was deleted, a namespace whose count changed is reloaded."""
-
-    def __init__(self, max_bytes: int = CACHE_BYTES) -> None:
-        self.max_bytes = max_bytes
-        self._entries: OrderedDict[tuple[str, str], _Matrix] = OrderedDict()
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-    def get(
-        self, conn: Any, namespace: str, model: str, sql: RecallSql | None = None
-    ) -> tuple[np.ndarray, np.ndarray]:
-        """(chunk ids, their unit vectors as the columns of a dimensions x chunks
-        matrix) of the namespace, current as of this call."""
-        sql = sql or SQLITE
-        deletes = sql.vector_deletes(conn)
-        key = (namespace, model)
-        entry = self._entries.get(key)
-        if entry is not None and entry.deletes != deletes:
-            held = sql.vectors_held(conn, namespace, model, entry.max_seq)
-            entry.deletes = deletes
-            if held != entry.count:
-                entry = None
-        rows = sql.vectors_after(conn, namespace, model, entry.max_seq if entry else 0)
-        if entry is None:
-            entry = _Matrix(
-                deletes, 0, 0, np.zeros(0, dtype=np.int64), np.zeros((0, 0), np.float32)
-            )
-        if rows:
-            matrix = decode_rows([bytes(row[2]) for row in rows])
-            if entry.count and matrix.shape[1] != entry.cols.shape[0]:
-                raise ValueError(f"vectors of {namespace} differ in size within model {model}")
-            if not entry.count:
-                entry.cols = np.zeros((matrix.shape[1], 0), dtype=np.float32)
-            entry.append(
-                np.fromiter((r[1] for r in rows), np.int64, len(rows)), matrix, rows[-1][0]
-            )
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
-        self._evict()
-        return entry.ids[: entry.count], entry.cols[:, : entry.count]
-
-    def _evict(self) -> None:
-        total = sum(entry.nbytes for entry in self._entries.values())
-        while total > self.max_bytes and len(self._entries) > 1:
-            _, dropped = self._entries.popitem(last=False)
-            total -= dropped.nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +201,34 @@ class SqliteRecallSql:
     def vector_deletes(self, conn: sqlite3.Connection) -> int:
         row = conn.execute("SELECT value FROM meta WHERE key = 'vector_deletes'").fetchone()
         return row[0] if row else 0
+
+    def chunk_deletes(self, conn: sqlite3.Connection) -> int:
+        row = conn.execute("SELECT value FROM meta WHERE key = 'chunk_deletes'").fetchone()
+        return row[0] if row else 0
+
+    def chunk_texts_after(
+        self, conn: sqlite3.Connection, namespace: str, after: int, batch: int
+    ) -> Iterator[list[tuple[int, str]]]:
+        """The namespace's chunks after id `after`, `batch` at a time (a large
+        namespace's texts are never all in memory at once), in one statement (one
+        snapshot). The kinds spelled out: the namespace index then seeks each kind's ids
+        past `after`. In no overall order: sorting the texts cost more than the rest."""
+        found = conn.execute(
+            "SELECT id, text FROM chunks WHERE namespace = ?"
+            " AND kind IN ('note', 'transcript') AND id > ?",
+            (namespace, after),
+        )
+        while rows := found.fetchmany(batch):
+            yield rows
+
+    def chunk_ids_upto(self, conn: sqlite3.Connection, namespace: str, last: int) -> np.ndarray:
+        """The namespace's chunk ids up to `last` (read off its index alone)."""
+        found = conn.execute(
+            "SELECT id FROM chunks WHERE namespace = ?"
+            " AND kind IN ('note', 'transcript') AND id <= ?",
+            (namespace, last),
+        ).fetchall()
+        return np.fromiter((row[0] for row in found), np.int64, len(found))
 
     def vectors_held(
         self, conn: sqlite3.Connection, namespace: str, model: str, max_seq: int

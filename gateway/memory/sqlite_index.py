@@ -101,6 +101,12 @@ END;
 CREATE TRIGGER IF NOT EXISTS vectors_delete AFTER DELETE ON vectors BEGIN
     UPDATE meta SET value = value + 1 WHERE key = 'vector_deletes';
 END;
+-- Chunks ever deleted (meta 'chunk_deletes'): after any, a derived vector cache
+-- (gateway.memory.vector_cache) drops the vectors of the chunks gone.
+INSERT OR IGNORE INTO meta (key, value) VALUES ('chunk_deletes', 0);
+CREATE TRIGGER IF NOT EXISTS chunks_count_deletes AFTER DELETE ON chunks BEGIN
+    UPDATE meta SET value = value + 1 WHERE key = 'chunk_deletes';
+END;
 """
 
 
@@ -120,8 +126,8 @@ _UNLINK = (
     " RETURNING message_id, chunk_id"
 )
 _UPSERT_CHUNK = (
-    "INSERT INTO chunks (namespace, kind, session_id, hash, text, created_at, updated_at)"
-    " VALUES (?, 'transcript', ?, ?, ?, ?, ?)"
+    "INSERT INTO chunks (id, namespace, kind, session_id, hash, text, created_at, updated_at)"
+    " VALUES (?, ?, 'transcript', ?, ?, ?, ?, ?)"
     " ON CONFLICT (session_id, hash) WHERE session_id IS NOT NULL"
     # the same text again in its session: one chunk, as recent as its latest message
     " DO UPDATE SET updated_at = max(updated_at, excluded.updated_at)"
@@ -138,9 +144,15 @@ _ORPHANS = (
 
 
 class SqliteIndexSql(SqliteRecallSql):
-    """`IndexSql` (and `RecallSql`) on memory.db, state.db attached as `st`."""
+    """`IndexSql` (and `RecallSql`) on memory.db, state.db attached as `st`.
+
+    `stores_vectors` False: no chunk waits for a vector and none is stored; recall
+    derives them from the texts (the `hash` embedder, gateway.memory.vector_cache)."""
 
     mark = "?"
+
+    def __init__(self, stores_vectors: bool = True) -> None:
+        self.stores_vectors = stores_vectors
 
     @contextmanager
     def round(self, conn: sqlite3.Connection, wait: bool) -> Iterator[bool]:
@@ -224,33 +236,43 @@ class SqliteIndexSql(SqliteRecallSql):
         tags: list[str],
     ) -> None:
         before = self.last_chunk_id(conn)
-        for digest, text in chunks:
-            chunk_id = conn.execute(
-                "INSERT INTO chunks (namespace, kind, note_id, hash, text, created_at, updated_at)"
-                " VALUES (?, 'note', ?, ?, ?, ?, ?)",
-                (namespace, note_id, digest, text, created, updated),
-            ).lastrowid
+        for chunk_id, (digest, text) in enumerate(chunks, before + 1):
+            conn.execute(
+                "INSERT INTO chunks"
+                " (id, namespace, kind, note_id, hash, text, created_at, updated_at)"
+                " VALUES (?, ?, 'note', ?, ?, ?, ?, ?)",
+                (chunk_id, namespace, note_id, digest, text, created, updated),
+            )
             conn.executemany(
                 "INSERT OR IGNORE INTO chunk_tags (tag, chunk_id) VALUES (?, ?)",
                 [(tag, chunk_id) for tag in tags],
             )
-        self.add_words(conn, before)
+        self.add_words(conn, before, len(chunks))
 
     def last_chunk_id(self, conn: sqlite3.Connection) -> int:
-        """Chunks inserted after this (with no delete between) have larger ids."""
-        return conn.execute("SELECT coalesce(max(id), 0) FROM chunks").fetchone()[0]
+        """The largest chunk id ever handed out. New chunks take the ids after it, never
+        SQLite's largest + 1: that hands a deleted chunk's id out again, and a derived
+        vector cache (gateway.memory.vector_cache) holds vectors by id."""
+        return conn.execute(
+            "SELECT max(coalesce((SELECT value FROM meta WHERE key = 'chunk_ids'), 0),"
+            " coalesce((SELECT max(id) FROM chunks), 0))"
+        ).fetchone()[0]
 
-    def add_words(self, conn: sqlite3.Connection, after: int) -> None:
-        """The chunks inserted since `last_chunk_id` said `after` join the full-text index,
-        and wait for their vectors."""
+    def add_words(self, conn: sqlite3.Connection, after: int, handed_out: int) -> None:
+        """The chunks inserted since `last_chunk_id` said `after` (with ids up to `after`
+        + `handed_out`) join the full-text index, and wait for their vectors (when
+        vectors are stored)."""
+        self.set_meta(conn, "chunk_ids", after + handed_out)
         conn.execute(
             "INSERT INTO chunks_fts(rowid, text) SELECT id, text FROM chunks WHERE id > ?",
             (after,),
         )
-        conn.execute(
-            "INSERT OR IGNORE INTO pending_vectors (chunk_id) SELECT id FROM chunks WHERE id > ?",
-            (after,),
-        )
+        if self.stores_vectors:
+            conn.execute(
+                "INSERT OR IGNORE INTO pending_vectors (chunk_id)"
+                " SELECT id FROM chunks WHERE id > ?",
+                (after,),
+            )
 
     def delete_chunks(
         self, conn: sqlite3.Connection, where: str, params: Sequence[object] = ()
@@ -320,9 +342,12 @@ class SqliteIndexSql(SqliteRecallSql):
         before = self.last_chunk_id(conn)
         conn.executemany(
             _UPSERT_CHUNK,
-            [(ns, sid, digest, text, ts, ts) for ns, sid, digest, text, ts in chunks],
+            [
+                (chunk_id, ns, sid, digest, text, ts, ts)
+                for chunk_id, (ns, sid, digest, text, ts) in enumerate(chunks, before + 1)
+            ],
         )
-        self.add_words(conn, before)
+        self.add_words(conn, before, len(chunks))
         conn.execute(_LINK, (codec.dumps(links),))
 
     def delete_orphans(self, conn: sqlite3.Connection, chunk_ids: list[int]) -> int:
@@ -361,6 +386,10 @@ class SqliteIndexSql(SqliteRecallSql):
         )
 
     def requeue_missing(self, conn: sqlite3.Connection, model_id: str) -> int:
+        if not self.stores_vectors:  # derived from now on: the stored ones go
+            conn.execute("DELETE FROM pending_vectors")
+            conn.execute("DELETE FROM vectors")
+            return 0
         return conn.execute(
             "INSERT OR IGNORE INTO pending_vectors (chunk_id)"
             " SELECT id FROM chunks WHERE id NOT IN"
@@ -423,3 +452,4 @@ class SqliteIndexSql(SqliteRecallSql):
 
 SQLITE_INDEX = SqliteIndexSql()
 INDEX = MemoryIndex(SQLITE_INDEX)
+DERIVED_INDEX = MemoryIndex(SqliteIndexSql(stores_vectors=False))  # the hash embedder's

@@ -37,7 +37,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gateway.domain.session import SessionSource, is_shared_multi_user_session
+from gateway.domain.session import (
+    SessionSource,
+    is_shared_multi_user_session,
+    plain_dm_user,
+)
 from gateway.memory.chunking import chunk_text, content_hash
 from gateway.memory.retrieval import RecallSql
 from gateway.store import codec
@@ -440,6 +444,12 @@ def transcript_namespace(key: str, origin: object, settings: IndexSettings) -> s
     """The memory a session's transcript belongs to, or None (no single user)."""
     if not isinstance(origin, dict) or not key.startswith("agent:"):
         return None
+    agent_id = key.split(":", 2)[1]
+    # A DM (the common case) without the SessionSource: building one cost more than the
+    # rest of a new session's look-up.
+    dm = plain_dm_user(origin)
+    if dm is not None:
+        return f"memory:{agent_id}:{dm[0]}:{dm[1]}"
     try:
         source = SessionSource.from_dict(origin)
     except (KeyError, TypeError, ValueError):
@@ -450,7 +460,6 @@ def transcript_namespace(key: str, origin: object, settings: IndexSettings) -> s
         thread_sessions_per_user=settings.thread_sessions_per_user,
     ):
         return None
-    agent_id = key.split(":", 2)[1]
     platform = getattr(source.platform, "value", source.platform)
     return f"memory:{agent_id}:{platform}:{source.user_id}"
 

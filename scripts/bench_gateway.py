@@ -500,6 +500,8 @@ def recall_section(args: argparse.Namespace) -> int:
     The cost is an interleaved A/B in this one run: --recall-pairs pairs of closed loops,
     indexing on and off alternately (the order swapped every pair), each on a fresh copy
     of the same filled home, so that a machine whose load drifts shifts both sides alike.
+    Each loop's CPU includes the background indexing of its own turns, no other (the
+    indexers are caught up before it starts and before it ends: `gateway_driver.indexed`).
     The share is the median of the pairs' on/off - 1."""
     from scripts import bench_recall
 

@@ -125,9 +125,13 @@ _UNLINK = (
     "DELETE FROM chunk_sources WHERE message_id IN (SELECT value FROM json_each(?))"
     " RETURNING message_id, chunk_id"
 )
-_UPSERT_CHUNK = (
+# A round's chunks in one statement over a JSON list, [namespace, session, hash, text,
+# time] each, ids from the first parameter on in the list's order: executemany binds
+# every row's parameters in Python and gives the GIL back and takes it again for each.
+_UPSERT_CHUNKS = (
     "INSERT INTO chunks (id, namespace, kind, session_id, hash, text, created_at, updated_at)"
-    " VALUES (?, ?, 'transcript', ?, ?, ?, ?, ?)"
+    " SELECT ? + j.key, j.value ->> 0, 'transcript', j.value ->> 1, j.value ->> 2,"
+    " j.value ->> 3, j.value ->> 4, j.value ->> 4 FROM json_each(?) j WHERE true"
     " ON CONFLICT (session_id, hash) WHERE session_id IS NOT NULL"
     # the same text again in its session: one chunk, as recent as its latest message
     " DO UPDATE SET updated_at = max(updated_at, excluded.updated_at)"
@@ -340,13 +344,7 @@ class SqliteIndexSql(SqliteRecallSql):
         self, conn: sqlite3.Connection, chunks: list[TranscriptChunk], links: list[ChunkLink]
     ) -> None:
         before = self.last_chunk_id(conn)
-        conn.executemany(
-            _UPSERT_CHUNK,
-            [
-                (chunk_id, ns, sid, digest, text, ts, ts)
-                for chunk_id, (ns, sid, digest, text, ts) in enumerate(chunks, before + 1)
-            ],
-        )
+        conn.execute(_UPSERT_CHUNKS, (before + 1, codec.dumps(chunks)))
         self.add_words(conn, before, len(chunks))
         conn.execute(_LINK, (codec.dumps(links),))
 

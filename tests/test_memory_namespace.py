@@ -5,13 +5,15 @@ origin, well-formed or not."""
 from __future__ import annotations
 
 from typing import Any
+from unittest.mock import patch
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from gateway.domain.session import SessionSource, is_shared_multi_user_session
+from gateway.memory import index
 from gateway.memory.index import IndexSettings, transcript_namespace
 
+KEY = "agent:main:x:dm:c1"
 ABSENT = object()
 PLAIN_DM = {"platform": "telegram", "chat_id": "c1", "chat_type": "dm", "user_id": "u1"}
 # What a field may be instead: absent, another valid value, or one the parse refuses.
@@ -42,18 +44,10 @@ def origins(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def parsed(origin: dict[str, Any], settings: IndexSettings) -> str | None:
-    """The definition: the SessionSource parse, then one user's session or none."""
-    try:
-        source = SessionSource.from_dict(origin)
-    except (KeyError, TypeError, ValueError):
-        return None
-    if not source.user_id or is_shared_multi_user_session(
-        source,
-        group_sessions_per_user=settings.group_sessions_per_user,
-        thread_sessions_per_user=settings.thread_sessions_per_user,
-    ):
-        return None
-    return f"memory:main:{source.platform.value}:{source.user_id}"
+    """The definition: the same function with the shortcut taken away (the full
+    SessionSource parse for every origin)."""
+    with patch.object(index, "plain_dm_user", lambda data: None):
+        return transcript_namespace(KEY, origin, settings)
 
 
 @given(origins(), st.booleans(), st.booleans())
@@ -63,8 +57,7 @@ def test_the_dm_shortcut_names_the_namespace_the_full_parse_does(
     settings = IndexSettings(
         group_sessions_per_user=per_user, thread_sessions_per_user=thread_per_user
     )
-    key = "agent:main:x:dm:c1"
-    assert transcript_namespace(key, origin, settings) == parsed(origin, settings)
+    assert transcript_namespace(KEY, origin, settings) == parsed(origin, settings)
 
 
 def test_a_plain_dm_is_named_by_the_shortcut() -> None:

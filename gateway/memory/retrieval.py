@@ -50,7 +50,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gateway.memory.vector_cache import VectorCache
+from gateway.memory.vector_cache import VectorCache, VectorSql
 from gateway.store import codec
 
 CANDIDATES = 64  # per signal, before the fusion
@@ -79,16 +79,9 @@ class Recent:
     first: int
 
 
-class RecallSql(Protocol):
-    """The SQL a recall needs, per backend (the module docstring)."""
-
-    def vector_deletes(self, conn: Any) -> int: ...
-
-    def vectors_held(self, conn: Any, namespace: str, model: str, max_seq: int) -> int: ...
-
-    def vectors_after(
-        self, conn: Any, namespace: str, model: str, seq: int
-    ) -> list[tuple[int, int, bytes]]: ...
+class RecallSql(VectorSql, Protocol):
+    """The SQL a recall needs, per backend (the module docstring), with the stored
+    vectors' (`VectorSql`)."""
 
     def postings(self, conn: Any, words: list[str]) -> dict[str, int]: ...
 

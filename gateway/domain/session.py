@@ -200,26 +200,6 @@ class SessionSource:
         return cls(**_coerce_ids(_known_fields(data, _SOURCE_FIELDS), _SOURCE_ID_FIELDS))
 
 
-def plain_dm_user(data: dict[str, Any]) -> tuple[str, str] | None:
-    """(platform, user id) of a DM's `to_dict()` output that `from_dict` would take as
-    it is (a known platform, a chat id, every id a string or absent), without building
-    the SessionSource; None for anything else, which `from_dict` then decides."""
-    platform, user_id = data.get("platform"), data.get("user_id")
-    if (
-        data.get("chat_type", "dm") != "dm"
-        or type(user_id) is not str
-        or not user_id
-        or platform not in _PLATFORM_VALUES
-        or "chat_id" not in data
-    ):
-        return None
-    for name in _SOURCE_ID_FIELDS:
-        value = data.get(name)
-        if value is not None and type(value) is not str:
-            return None
-    return platform, user_id
-
-
 def _known_fields(data: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any]:
     """The keyword arguments for a dataclass from `data`, dropping unknown keys. Keyed by
     the interned field names on purpose: CPython matches those to parameters by
@@ -240,7 +220,6 @@ def _coerce_ids(kwargs: dict[str, Any], names: tuple[str, ...]) -> dict[str, Any
 # Computed once: entries and sources are encoded and decoded on every turn.
 _SOURCE_FIELDS = tuple(f.name for f in fields(SessionSource))
 _source_values = attrgetter(*_SOURCE_FIELDS)
-_PLATFORM_VALUES = frozenset(platform.value for platform in Platform)
 _SOURCE_ID_FIELDS = (
     "chat_id",
     "user_id",

@@ -37,11 +37,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from gateway.domain.session import (
-    SessionSource,
-    is_shared_multi_user_session,
-    plain_dm_user,
-)
+from gateway.domain.session import Platform, SessionSource, is_shared_multi_user_session
 from gateway.memory.chunking import chunk_text, content_hash
 from gateway.memory.retrieval import RecallSql
 from gateway.store import codec
@@ -462,6 +458,29 @@ def transcript_namespace(key: str, origin: object, settings: IndexSettings) -> s
         return None
     platform = getattr(source.platform, "value", source.platform)
     return f"memory:{agent_id}:{platform}:{source.user_id}"
+
+
+_PLATFORMS = frozenset(platform.value for platform in Platform)
+_FLAGS = ("is_bot", "role_authorized")
+
+
+def plain_dm_user(origin: dict[str, Any]) -> tuple[str, str] | None:
+    """(platform, user id) of a DM origin (`SessionSource.to_dict()`) that `from_dict`
+    would take as it is: a known platform, a chat id, every other value a string or
+    absent. None for anything else, which the full parse then decides."""
+    platform, user_id = origin.get("platform"), origin.get("user_id")
+    if (
+        origin.get("chat_type", "dm") != "dm"
+        or type(user_id) is not str
+        or not user_id
+        or platform not in _PLATFORMS
+        or "chat_id" not in origin
+    ):
+        return None
+    for name, value in origin.items():
+        if value is not None and type(value) is not str and name not in _FLAGS:
+            return None
+    return platform, user_id
 
 
 def now() -> float:

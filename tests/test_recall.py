@@ -15,7 +15,7 @@ import json
 import re
 import sqlite3
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import pytest
 
 from adapters.http import HttpAdapter
 from config import GatewayConfig
-from gateway.memory import sqlite_index
+from gateway.memory import sqlite_index, vector_cache
 from gateway.memory.chunking import chunk_text, content_hash, normalize, normalize_tags
 from gateway.memory.embeddings import HashEmbedder
 from gateway.memory.index import MEMORY_DB
@@ -237,6 +237,49 @@ def test_derived_vectors_are_the_hash_of_each_chunk_of_the_namespace_also_after_
         check()
         assert conn.execute("SELECT count(*) FROM vectors").fetchone()[0] == 0
         assert conn.execute("SELECT count(*) FROM pending_vectors").fetchone()[0] == 0
+    finally:
+        conn.close()
+
+
+def test_a_derived_matrix_that_failed_half_way_is_not_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A matrix is extended in place, a batch at a time: when a batch fails, the next
+    look-up computes the namespace again instead of trusting what was half extended."""
+    sqlite3.connect(tmp_path / "state.db").close()
+    conn = sqlite_index.connect(tmp_path / MEMORY_DB, tmp_path / "state.db")
+    sql, embedder = sqlite_index.DERIVED_INDEX.sql, HashEmbedder()
+    calls = 0
+
+    def embed(texts: Sequence[str]) -> np.ndarray:
+        nonlocal calls
+        calls += 1
+        if calls == 3:  # the extension's second batch
+            raise OSError("the embedder failed")
+        return embedder.embed_sync(texts)
+
+    def add(first: int, last: int) -> None:
+        """Notes and transcript chunks in turn: the look-up reads them kind by kind,
+        so not in id order."""
+        for i in range(first, last):
+            text = f"chunk {i} about pelicans"
+            if i % 2:
+                sql.add_transcript_chunks(conn, [("ns", "s", content_hash(text), text, 0)], [])
+            else:
+                sql.add_note_chunks(conn, "ns", f"n{i}", [(content_hash(text), text)], 0, 0, [])
+
+    monkeypatch.setattr(vector_cache, "DERIVE_BATCH", 10)
+    cache = VectorCache(derive=embed)
+    try:
+        add(0, 5)
+        assert len(cache.get(conn, "ns", "m", SQLITE)[0]) == 5
+        add(5, 30)
+        with pytest.raises(OSError, match="embedder failed"):
+            cache.get(conn, "ns", "m", SQLITE)
+        ids, cols = cache.get(conn, "ns", "m", SQLITE)
+        texts = dict(conn.execute("SELECT id, text FROM chunks"))
+        assert sorted(ids.tolist()) == sorted(texts)
+        assert np.array_equal(cols, embedder.embed_sync([texts[i] for i in ids.tolist()]).T)
     finally:
         conn.close()
 

@@ -115,10 +115,15 @@ class VectorCache:
         matrix) of the namespace, current as of this call. `sql` is the backend's
         `VectorSql` (with `derive`, its `ChunkTextSql`)."""
         key = (namespace, model)
-        if self.derive is None:
-            entry = self._stored(conn, namespace, model, sql, self._entries.get(key))
-        else:
-            entry = self._derived(conn, namespace, sql, self.derive, self._entries.get(key))
+        try:
+            if self.derive is None:
+                entry = self._stored(conn, namespace, model, sql, self._entries.get(key))
+            else:
+                entry = self._derived(conn, namespace, sql, self.derive, self._entries.get(key))
+        except BaseException:
+            # A matrix is extended in place: one that failed half-way is not kept.
+            self._entries.pop(key, None)
+            raise
         self._entries[key] = entry
         self._entries.move_to_end(key)
         self._evict()

@@ -47,7 +47,7 @@ from tests.commandline import finish, spawn, wait_ready
 
 TOKEN = "fuzz-token-0123"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
-EXAMPLES = 12  # per operation and mode: the whole test stays well under 40 s
+EXAMPLES = 12  # per operation and mode: the whole test takes some 20-45 s
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
@@ -155,4 +155,6 @@ def test_schemathesis_finds_no_server_error_and_no_schema_violation(daemon_url: 
     assert statuses[200] and statuses[202] and statuses[400], statuses
     assert statuses[303] and statuses[403], statuses  # the console's login and CSRF answers
     assert {"GET /console/sessions", "POST /console/notes/delete"} <= set(tested)
-    assert time.monotonic() - began < 40, "schemathesis took too long; lower EXAMPLES"
+    # A guard against a runaway EXAMPLES, not a speed figure: loose enough for a slow
+    # machine running the suite two tests at a time.
+    assert time.monotonic() - began < 90, "schemathesis took too long; lower EXAMPLES"

@@ -133,6 +133,24 @@ def daemon_for(
     return Daemon(tmp_path / "home", settings, env={"MATRIX_ACCESS_TOKEN": bot["access_token"]})
 
 
+# A room's encryption, and a Megolm event as a client sends it: the bot cannot read one.
+ENCRYPTION = {
+    "type": "m.room.encryption",
+    "state_key": "",
+    "content": {"algorithm": "m.megolm.v1.aes-sha2"},
+}
+
+
+def sealed_by(account: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "algorithm": "m.megolm.v1.aes-sha2",
+        "ciphertext": "AwgAEnAC",
+        "sender_key": "c2VuZGVy",
+        "session_id": "c2Vzc2lvbg",
+        "device_id": account["device_id"],
+    }
+
+
 async def joined(person: Person, room: str, user: str, within: float = 30.0) -> None:
     await person.wait(
         lambda e: (
@@ -305,22 +323,10 @@ async def test_an_image_reaches_the_turn_and_an_encrypted_room_is_told_once(
         secret = await alice.room(
             [bot],
             is_direct=True,
-            initial_state=[
-                {
-                    "type": "m.room.encryption",
-                    "state_key": "",
-                    "content": {"algorithm": "m.megolm.v1.aes-sha2"},
-                }
-            ],
+            initial_state=[ENCRYPTION],
         )
         await joined(alice, secret, bot)
-        sealed = {
-            "algorithm": "m.megolm.v1.aes-sha2",
-            "ciphertext": "AwgAEnAC",
-            "sender_key": "c2VuZGVy",
-            "session_id": "c2Vzc2lvbg",
-            "device_id": accounts["alice"]["device_id"],
-        }
+        sealed = sealed_by(accounts["alice"])
         for _ in range(2):
             await alice.client.room_send(secret, "m.room.encrypted", sealed)
         (notice,) = await alice.wait(lambda e: replies([e], bot, secret))
@@ -409,18 +415,7 @@ async def test_an_encrypted_room_is_not_told_again_after_a_restart(
     before it was read by then."""
     bot = accounts["bot"]["user_id"]
     daemon = daemon_for(tmp_path, homeserver, accounts)
-    sealed = {
-        "algorithm": "m.megolm.v1.aes-sha2",
-        "ciphertext": "AwgAEnAC",
-        "sender_key": "c2VuZGVy",
-        "session_id": "c2Vzc2lvbg",
-        "device_id": accounts["alice"]["device_id"],
-    }
-    encryption = {
-        "type": "m.room.encryption",
-        "state_key": "",
-        "content": {"algorithm": "m.megolm.v1.aes-sha2"},
-    }
+    sealed = sealed_by(accounts["alice"])
 
     def notices() -> list[dict[str, Any]]:
         told = replies(alice.events, bot, secret)
@@ -428,7 +423,7 @@ async def test_an_encrypted_room_is_not_told_again_after_a_restart(
 
     try:
         daemon.start()
-        secret = await alice.room([bot], is_direct=True, initial_state=[encryption])
+        secret = await alice.room([bot], is_direct=True, initial_state=[ENCRYPTION])
         await joined(alice, secret, bot)
         await alice.client.room_send(secret, "m.room.encrypted", sealed)
         await alice.wait(lambda e: bool(notices()))

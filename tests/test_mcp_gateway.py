@@ -85,6 +85,13 @@ async def test_tools_of_a_stdio_an_http_and_the_reference_server_answer_through_
                 "time": {"command": str(TIME_SERVER), "args": ["--local-timezone", "UTC"]},
             }
         )
+
+        # Start-up waits START_WAIT_SECONDS for the servers' first attempts; a slow
+        # machine can take longer to start a server, which stays "starting" meanwhile.
+        async def started() -> bool:
+            return "starting" not in {h["state"] for h in (await health(gw)).values()}
+
+        await wait_for(started, 60)
         assert {name: h["state"] for name, h in (await health(gw)).items()} == {
             "local": "up",
             "web": "up",

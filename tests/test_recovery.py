@@ -84,9 +84,13 @@ async def answers_the_marker(runner: GatewayRunner, probe: ProbeAdapter) -> None
 
 
 async def crash(runner: GatewayRunner) -> None:
-    """Stop a runner the way kill -9 would leave its files: no drain, no clean marker."""
+    """Stop a runner the way kill -9 would leave its files: no drain, no clean marker.
+    Its background loops end too, as a killed process's do: none of them may poll the
+    closed store, or hold the memory index's files, beside the runner started next."""
     await runner.cancel_all_turns()  # writes nothing: the markers stay, as after kill -9
+    await runner.scheduler.stop()
     await runner.housekeeper.stop()
+    await runner.recall.close()
     await runner.store.close()
 
 

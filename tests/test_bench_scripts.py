@@ -178,6 +178,10 @@ def test_bench_replicas_takes_counts_and_runs_the_sqlite_node_first() -> None:
         "ratio 1 replica / SQLite node: 0.50 (target >= 0.6: NOT met)",
         "ratio 2 replicas / 1 replica: 1.80 (target >= 1.6: met)",
     ]
+    rows[2]["turns_per_s"] = 799.0  # 1.598: short of 1.6, and not shown as 1.60
+    assert replicas_report.ratio_lines(rows)[1] == (
+        "ratio 2 replicas / 1 replica: 1.59 (target >= 1.6: NOT met)"
+    )
 
 
 def test_bench_mcp_call_times_the_three_ways_of_one_call() -> None:

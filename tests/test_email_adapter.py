@@ -17,7 +17,9 @@ from pathlib import Path
 import pytest
 
 from adapters.mail import message
+from adapters.mail.adapter import EmailAdapter
 from config import GatewayConfig
+from gateway.domain.attachments import InboundMedia
 from scripts.harness import Daemon
 from tests.mail_support import (
     PASSWORD,
@@ -333,3 +335,40 @@ def test_a_file_the_agent_sends_is_attached_to_its_reply(
         assert gateway.stop() == 0
     finally:
         gateway.ensure_stopped()
+
+
+async def test_a_file_fetched_again_after_a_restart_is_bounded_like_any_mail(
+    imap: Imap,
+) -> None:
+    """A file of a mail read before a restart is fetched again by the mail's Message-ID,
+    which anyone can reuse: a mail over `max_message_bytes` is refused by the size the
+    server gives, before its body is read; one within the bound gives its file."""
+    folder = new_folder(imap, "again")
+    email = {
+        "enabled": True,
+        "address": BOT,
+        "imap": {
+            "host": "127.0.0.1",
+            "port": imap.port,
+            "username": USER,
+            "password": PASSWORD,
+            "tls": False,
+            "folder": folder,
+        },
+        "smtp": {"host": "127.0.0.1", "port": 2525, "tls": False},
+        "max_message_bytes": 4096,
+    }
+    config = GatewayConfig.model_validate({"platforms": {"email": email}}).platforms.email
+    adapter = EmailAdapter(config)
+    for message_id, data in (("small@ex", b"tiny"), ("big@ex", b"x" * 20_000)):
+        sent = mail("alice@example.org", "a file", message_id=message_id)
+        sent.add_attachment(data, maintype="text", subtype="plain", filename="f.txt")
+        append(imap, sent, folder)
+
+    async def fetched(message_id: str) -> bytes:
+        item = InboundMedia(kind="document", ref=f"{message_id}\n0", name="f.txt")
+        return b"".join([piece async for piece in adapter.open_media(item)])
+
+    assert await fetched("small@ex") == b"tiny"
+    with pytest.raises(ValueError, match=r"over platforms\.email\.max_message_bytes"):
+        await fetched("big@ex")

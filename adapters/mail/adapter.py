@@ -157,11 +157,18 @@ class EmailAdapter(PlatformAdapter):
             await self._read(imap, uid.decode())
         return len(uids) > BATCH
 
-    async def _read(self, imap: aioimaplib.IMAP4, uid: str) -> None:
+    async def _too_large(self, imap: aioimaplib.IMAP4, uid: str) -> int | None:
+        """The message's size when it is over `max_message_bytes` (logged), else None:
+        asked of the server before the body is fetched, so a large one is never read."""
         sized = _ok(await imap.uid("fetch", uid, "(RFC822.SIZE)"), "fetch size")
         size = _size(sized.lines)
         if size is not None and size > self.config.max_message_bytes:
             self.log.warning("mail_too_large", uid=uid, size=size)
+            return size
+        return None
+
+    async def _read(self, imap: aioimaplib.IMAP4, uid: str) -> None:
+        if await self._too_large(imap, uid) is not None:
             await self._seen(imap, uid)
             return
         fetched = _ok(await imap.uid("fetch", uid, "(BODY.PEEK[])"), "fetch")
@@ -316,7 +323,15 @@ class EmailAdapter(PlatformAdapter):
             uids = [u for line in found.lines[:-1] for u in bytes(line).split() if u.isdigit()]
             if not uids:
                 return None
-            fetched = _ok(await imap.uid("fetch", uids[0].decode(), "(BODY.PEEK[])"), "fetch")
+            uid = uids[0].decode()
+            # Found by its Message-ID, which anyone can reuse: bounded like any mail read.
+            size = await self._too_large(imap, uid)
+            if size is not None:
+                raise ValueError(
+                    f"the mail that carried this file is {size} bytes, over"
+                    f" platforms.email.max_message_bytes ({self.config.max_message_bytes})"
+                )
+            fetched = _ok(await imap.uid("fetch", uid, "(BODY.PEEK[])"), "fetch")
             raw = next((bytes(x) for x in fetched.lines if isinstance(x, bytearray)), None)
         finally:
             _close(imap)

@@ -280,14 +280,18 @@ async def test_summary_strategy_sends_one_summary_and_only_the_newer_messages(
         assert body["messages"][1] is systems[1]
         summary = systems[1]["content"]
         assert summary.startswith(SUMMARY_PREFIX + "SUMMARY up to: assistant: fake: message ")
-        # The summary names the last message it condensed: exactly the rows after it
-        # were sent, and the question.
-        covered_text = summary.split("SUMMARY up to: assistant: ", 1)[1]
+        # The newest rows were sent, then the question, and the summary covers every
+        # row before them: it names the row just before the first one sent (the model's
+        # "up to", or the last line of the list a turn appends when it had to condense
+        # more itself, as a slow background summary leaves it to), and not that one.
         rows = await gw.rows()
-        (covered_id,) = [i for i, m in rows if m["content"] == covered_text]
-        newer = [m["content"] for i, m in rows if i > covered_id][:-2]  # less this turn's
+        earlier = rows[:-2]  # less this turn's
         sent = [m["content"] for m in body["messages"][2:]]
-        assert sent == [*newer, "the last question"]
+        assert sent[-1] == "the last question"
+        kept = sent[:-1]
+        assert kept and kept == [m["content"] for _, m in earlier[len(earlier) - len(kept) :]]
+        covered_id, covered = earlier[len(earlier) - len(kept) - 1]
+        assert covered["content"][:40] in summary and kept[0][:40] not in summary
         assert text_of(0) not in " ".join(sent)
         assert fake_tokens(body) <= budget
         checkpoint = await gw.checkpoint()

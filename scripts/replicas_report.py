@@ -65,7 +65,7 @@ def ratio_lines(results: list[dict[str, Any]]) -> list[str]:
             verdict = "met" if ratio >= target else "NOT met"
             # Cut, not rounded, to two places: 1.598 is shown as 1.59, not as a 1.60
             # that reads as meeting a target of 1.6 beside "NOT met".
-            shown = math.floor(ratio * 100) / 100
+            shown = math.floor(ratio * 100 + 1e-9) / 100  # 0.29 * 100 is 28.999...
             lines.append(
                 f"ratio {_row_name(top)} / {_row_name(bottom)}: {shown:.2f}"
                 f" (target >= {target:g}: {verdict})"
